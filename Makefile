@@ -1,0 +1,51 @@
+# The two commands: `make demo` (the fine-tuning DAG end to end on this machine) and `make test`.
+# Both set up everything they need: a project-local virtualenv, AIRFLOW_HOME and its database,
+# and etcd when it can be installed.
+
+PYTHON ?= python3
+VENV := $(CURDIR)/.venv
+BIN := $(VENV)/bin
+CONF ?= {}
+
+export AIRFLOW_HOME := $(CURDIR)/.airflow
+export AIRFLOW__CORE__DAGS_FOLDER := $(CURDIR)/dags
+export AIRFLOW__CORE__PLUGINS_FOLDER := $(CURDIR)/plugins
+export AIRFLOW__CORE__LOAD_EXAMPLES := False
+export PYTHONPATH := $(CURDIR)/plugins:$(CURDIR)
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: demo test lint airflow venv etcd airflow-db clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.txt requirements-dev.txt trainer/requirements.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --requirement requirements-dev.txt
+	touch $@
+
+# etcd for torchrun's rendezvous; without it the local target uses torch's c10d store.
+etcd:
+	@command -v etcd >/dev/null || [ -x /usr/bin/etcd ] || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server) \
+	      >/dev/null || echo "etcd-server could not be installed: runs use the c10d rendezvous"; \
+	  else echo "etcd not installed (apt-get install etcd-server): runs use the c10d rendezvous"; fi; }
+
+airflow-db: venv
+	$(BIN)/airflow db migrate >/dev/null
+
+demo: venv etcd airflow-db
+	$(BIN)/python -m finetune.demo --conf '$(CONF)'
+
+test: venv etcd airflow-db
+	$(BIN)/python -m pytest tests
+
+lint: venv
+	$(BIN)/ruff check .
+
+# The Airflow UI with this project's DAGs on http://localhost:8080 (credentials are printed).
+airflow: venv etcd airflow-db
+	$(BIN)/airflow standalone
+
+clean:
+	rm -rf $(VENV) $(AIRFLOW_HOME) runs

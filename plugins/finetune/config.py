@@ -1,0 +1,379 @@
+"""The run's parameters (one spec for the trigger form and for validation) and the run config.
+
+`PARAM_SPECS` is the single source of truth for every parameter: its type, bounds, allowed
+values, default, and where and how the trigger form shows it. `validate_params` turns a DAG run's
+params into one typed, immutable `RunConfig`, or raises `ConfigError` naming every bad field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from finetune import REPO_ROOT
+from finetune.names import dns_label, run_dir_name
+
+TARGETS = ("local", "eks")
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
+MIXED_PRECISION = ("bf16", "fp32")
+ACTIVATION_CHECKPOINTING = ("none", "full")
+DATASET_FORMATS = ("auto", "jsonl", "json", "parquet", "csv")
+# Model configs the trainer builds from scratch (trainer/model.py BUILTIN_CONFIGS; a test keeps
+# the two lists equal, since Airflow workers do not have the trainer package installed).
+BUILTIN_MODELS = ("tiny-llama", "llama-1b", "llama-3b", "llama-8b")
+# Share of the data set the trainer holds out for the eval loss.
+EVAL_FRACTION = 0.05
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_FORMAT_BY_SUFFIX = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    default: Any
+    type: str  # JSON schema type: string, integer, number
+    section: str
+    title: str
+    description: str
+    enum: tuple[Any, ...] | None = None
+    values_display: Mapping[str, str] | None = None
+    minimum: float | None = None
+    maximum: float | None = None
+    exclusive_minimum: float | None = None
+
+    def schema(self) -> dict[str, Any]:
+        """JSON schema keywords for Airflow's `Param` (and so the trigger form)."""
+        out: dict[str, Any] = {"type": self.type, "title": self.title,
+                               "description": self.description, "section": self.section}
+        if self.enum is not None:
+            out["enum"] = list(self.enum)
+        if self.values_display:
+            out["values_display"] = dict(self.values_display)
+        for key, value in (("minimum", self.minimum), ("maximum", self.maximum),
+                           ("exclusiveMinimum", self.exclusive_minimum)):
+            if value is not None:
+                out[key] = value
+        return out
+
+
+_S = ParamSpec
+PARAM_SPECS: tuple[ParamSpec, ...] = (
+    _S("target", "local", "string", "Where to run", "Target",
+       "`local`: this machine is the cluster (torchrun, local etcd). `eks`: Amazon EKS with "
+       "the Kubeflow training operator.",
+       enum=TARGETS, values_display={"local": "local (this machine)", "eks": "Amazon EKS"}),
+    _S("model", "tiny-llama", "string", "Model", "Model",
+       "A built-in config trained from scratch (" + ", ".join(BUILTIN_MODELS) + "), a directory "
+       "with Hugging Face model files, or a Hugging Face hub id (org/name)."),
+    _S("tokenizer", "", "string", "Model", "Tokenizer",
+       "Directory with tokenizer files. Empty: the model's own (the demo tokenizer for "
+       "built-in configs)."),
+    _S("dataset", "trainer/demo/instructions.jsonl", "string", "Data", "Data set",
+       "A jsonl, json, parquet or csv file (relative paths are from the repository root)."),
+    _S("dataset_format", "auto", "string", "Data", "Data set format",
+       "`auto` picks the format from the file extension.", enum=DATASET_FORMATS),
+    _S("text_field", "", "string", "Data", "Text field",
+       "Field holding plain text to train on. Empty: use the prompt and response fields."),
+    _S("prompt_field", "prompt", "string", "Data", "Prompt field",
+       "Field holding the instruction; the loss is not computed on it."),
+    _S("response_field", "response", "string", "Data", "Response field",
+       "Field holding the answer the model learns to give."),
+    _S("nodes", 1, "integer", "Resources", "Nodes",
+       "Nodes (local: torchrun agents on this machine).", minimum=1, maximum=128),
+    _S("procs_per_node", 2, "integer", "Resources", "Processes per node",
+       "Training processes per node: one per GPU, or CPU processes on the local target.",
+       minimum=1, maximum=64),
+    _S("rdzv_endpoint", "", "string", "Resources", "etcd endpoint",
+       "host:port of an etcd (v2 API) for torchrun's rendezvous. Empty: the local target "
+       "starts its own etcd, or uses torch's c10d store when etcd is not installed."),
+    _S("strategy", "FULL_SHARD", "string", "Parallelism", "Sharding strategy",
+       "FSDP2 sharding: FULL_SHARD (params, grads, optimizer state sharded), SHARD_GRAD_OP "
+       "(params kept after forward), HYBRID_SHARD (shard within a group, replicate across), "
+       "NO_SHARD (replicate, like DDP).", enum=STRATEGIES,
+       values_display={"FULL_SHARD": "FULL_SHARD (ZeRO-3)", "SHARD_GRAD_OP": "SHARD_GRAD_OP "
+                       "(ZeRO-2)", "HYBRID_SHARD": "HYBRID_SHARD (HSDP)",
+                       "NO_SHARD": "NO_SHARD (replicate)"}),
+    _S("shard_group_size", 0, "integer", "Parallelism", "Shard group size",
+       "HYBRID_SHARD only: processes per shard group; 0 means processes per node.",
+       minimum=0, maximum=8192),
+    _S("mixed_precision", "fp32", "string", "Parallelism", "Mixed precision",
+       "bf16: bf16 compute with fp32 master weights and fp32 gradient reduction (GPUs). "
+       "fp32: full precision (the fast choice on CPUs).", enum=MIXED_PRECISION),
+    _S("activation_checkpointing", "none", "string", "Parallelism", "Activation checkpointing",
+       "full: recompute every decoder block's activations in backward to save memory.",
+       enum=ACTIVATION_CHECKPOINTING),
+    _S("seq_len", 128, "integer", "Training", "Sequence length",
+       "Tokens per sequence; longer examples are truncated.", minimum=8, maximum=131072),
+    _S("micro_batch", 8, "integer", "Training", "Micro-batch",
+       "Sequences per process per forward pass.", minimum=1, maximum=4096),
+    _S("grad_accum", 1, "integer", "Training", "Gradient accumulation",
+       "Micro-batches per optimizer step.", minimum=1, maximum=4096),
+    _S("lr", 3e-3, "number", "Training", "Learning rate",
+       "Peak AdamW learning rate (linear warmup, then cosine decay).", exclusive_minimum=0,
+       maximum=1),
+    _S("warmup_steps", 10, "integer", "Training", "Warmup steps",
+       "Optimizer steps of linear learning-rate warmup.", minimum=0, maximum=1_000_000),
+    _S("max_steps", 150, "integer", "Training", "Steps",
+       "Optimizer steps to train; 0 means train for `epochs` instead.", minimum=0,
+       maximum=10_000_000),
+    _S("epochs", 1.0, "number", "Training", "Epochs",
+       "Passes over the data set, used when steps is 0.", exclusive_minimum=0, maximum=1000),
+    _S("seed", 1234, "integer", "Training", "Seed",
+       "Seed for initialisation and data order.", minimum=0, maximum=2**31 - 1),
+    _S("eval_interval", 50, "integer", "Training", "Eval interval",
+       "Optimizer steps between eval-loss measurements (also at start and end); 0: start and "
+       "end only.", minimum=0, maximum=10_000_000),
+    _S("checkpoint_interval", 50, "integer", "Checkpoints", "Checkpoint interval",
+       "Optimizer steps between sharded checkpoints; 0: no checkpoints. A restarted run "
+       "resumes from the newest.", minimum=0, maximum=10_000_000),
+    _S("max_restarts", 0, "integer", "Checkpoints", "Max restarts",
+       "How often torchrun restarts failed workers before the run fails.", minimum=0,
+       maximum=100),
+    _S("output_dir", "runs", "string", "Output", "Output location",
+       "Directory for the run's outputs (relative paths are from the repository root); each "
+       "run writes to <output>/<run id>/."),
+)
+SPECS_BY_NAME = {spec.name: spec for spec in PARAM_SPECS}
+
+
+class ConfigError(ValueError):
+    """Invalid run parameters; `errors` holds (field, message) pairs."""
+
+    def __init__(self, errors: list[tuple[str, str]]):
+        self.errors = errors
+        lines = "\n".join(f"- {field}: {message}" for field, message in errors)
+        super().__init__(f"invalid run parameters ({len(errors)}):\n{lines}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Everything a run needs, typed and checked. Stages receive it through XCom as a dict."""
+
+    run_id: str
+    run_name: str  # file-system-safe run id
+    rdzv_id: str  # DNS-safe, unique per DAG run
+    run_dir: str  # absolute: <output_dir>/<run_name>
+    target: str
+    model: str
+    tokenizer: str
+    dataset: str
+    dataset_format: str
+    text_field: str
+    prompt_field: str
+    response_field: str
+    nodes: int
+    procs_per_node: int
+    strategy: str
+    shard_group_size: int
+    mixed_precision: str
+    activation_checkpointing: str
+    seq_len: int
+    micro_batch: int
+    grad_accum: int
+    lr: float
+    warmup_steps: int
+    max_steps: int
+    epochs: float
+    seed: int
+    eval_interval: int
+    checkpoint_interval: int
+    max_restarts: int
+    output_dir: str
+    rdzv_endpoint: str
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.procs_per_node
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RunConfig:
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
+
+
+def _check_type(spec: ParamSpec, value: Any) -> str | None:
+    if spec.type == "string":
+        return None if isinstance(value, str) else f"must be a string, got {value!r}"
+    if isinstance(value, bool):
+        return f"must be a {spec.type}, got {value!r}"
+    if spec.type == "integer":
+        if isinstance(value, int):
+            return None
+        return f"must be a positive integer, got {value!r}" if (
+            spec.minimum is not None and spec.minimum > 0) else f"must be an integer, got {value!r}"
+    if isinstance(value, (int, float)) and math.isfinite(value):
+        return None
+    return f"must be a finite number, got {value!r}"
+
+
+def _check_bounds(spec: ParamSpec, value: Any) -> str | None:
+    if spec.enum is not None and value not in spec.enum:
+        allowed = ", ".join(str(v) for v in spec.enum)
+        return f"unknown value {value!r}; allowed: {allowed}"
+    if spec.exclusive_minimum is not None and value <= spec.exclusive_minimum:
+        return f"must be > {spec.exclusive_minimum:g}, got {value!r}"
+    if spec.minimum is not None and value < spec.minimum:
+        return f"must be >= {spec.minimum:g}, got {value!r}"
+    if spec.maximum is not None and value > spec.maximum:
+        return f"must be <= {spec.maximum:g}, got {value!r}"
+    return None
+
+
+def resolve_path(path: str) -> Path:
+    """User paths: `~` expanded, relative ones taken from the repository root."""
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else REPO_ROOT / p
+
+
+def dataset_format(path: str, declared: str) -> str | None:
+    if declared != "auto":
+        return declared
+    return _FORMAT_BY_SUFFIX.get(Path(path).suffix.lower())
+
+
+def count_rows(path: Path, fmt: str) -> int | None:
+    """Rows in a local data file, without parsing them all; None when not countable cheaply."""
+    if path.is_dir():
+        return None
+    if fmt == "jsonl":
+        with path.open("rb") as f:
+            return sum(1 for line in f if line.strip())
+    if fmt == "csv":
+        with path.open("rb") as f:
+            return max(sum(1 for line in f if line.strip()) - 1, 0)
+    if fmt == "json":
+        data = json.loads(path.read_text())
+        return len(data) if isinstance(data, list) else None
+    if fmt == "parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            return None
+        return pq.ParquetFile(path).metadata.num_rows
+    return None
+
+
+def _check_semantics(v: dict[str, Any]) -> list[tuple[str, str]]:
+    """Checks across fields and against the file system; `v` has well-typed values."""
+    errors: list[tuple[str, str]] = []
+    if v["model"] not in BUILTIN_MODELS:
+        model_path = resolve_path(v["model"])
+        if model_path.is_dir():
+            if not (model_path / "config.json").is_file():
+                errors.append(("model", f"directory {v['model']!r} has no config.json"))
+        elif not _HUB_ID.match(v["model"]) or v["model"].startswith((".", "/", "~")):
+            errors.append(("model", f"{v['model']!r} is not a built-in config ("
+                           + ", ".join(BUILTIN_MODELS) + "), an existing model directory or "
+                           "a hub id (org/name)"))
+    if v["tokenizer"] and not resolve_path(v["tokenizer"]).is_dir():
+        errors.append(("tokenizer", f"directory {v['tokenizer']!r} does not exist"))
+    fmt = dataset_format(v["dataset"], v["dataset_format"])
+    if fmt is None:
+        errors.append(("dataset_format", f"cannot tell the format of {v['dataset']!r} from its "
+                       "extension; set dataset_format to one of "
+                       + ", ".join(DATASET_FORMATS[1:])))
+    if not v["dataset"]:
+        errors.append(("dataset", "is empty; give a data file"))
+    elif v["dataset"].startswith("s3://"):
+        if v["target"] == "local":
+            errors.append(("dataset", "s3:// data sets need target eks; the local target "
+                           "reads local files"))
+    else:
+        data_path = resolve_path(v["dataset"])
+        if not data_path.exists():
+            errors.append(("dataset", f"{v['dataset']!r} does not exist ({data_path})"))
+        elif fmt is not None:
+            try:
+                rows = count_rows(data_path, fmt)
+            except (OSError, ValueError) as exc:
+                errors.append(("dataset", f"cannot read {v['dataset']!r} as {fmt}: {exc}"))
+            else:
+                if rows == 0:
+                    errors.append(("dataset", f"{v['dataset']!r} has no rows"))
+                elif rows is not None:
+                    train_rows = rows - max(1, math.ceil(rows * EVAL_FRACTION))
+                    per_step = v["micro_batch"] * v["nodes"] * v["procs_per_node"]
+                    if train_rows < per_step:
+                        errors.append(("micro_batch", (
+                            f"{v['micro_batch']} is too large for the data: one step needs "
+                            f"micro_batch x processes = {per_step} rows, the data set has "
+                            f"{train_rows} training rows")))
+    if not v["text_field"] and not (v["prompt_field"] and v["response_field"]):
+        errors.append(("text_field", "set text_field, or both prompt_field and response_field"))
+    world = v["nodes"] * v["procs_per_node"]
+    if v["strategy"] == "HYBRID_SHARD":
+        group = v["shard_group_size"] or v["procs_per_node"]
+        if world % group:
+            errors.append(("shard_group_size", f"{group} does not divide the world size "
+                           f"nodes x procs_per_node = {world} (strategy HYBRID_SHARD)"))
+    elif v["shard_group_size"]:
+        errors.append(("shard_group_size", "applies to strategy HYBRID_SHARD only, "
+                       f"strategy is {v['strategy']}"))
+    if v["rdzv_endpoint"] and not re.match(r"^[\w.-]+:\d{1,5}$", v["rdzv_endpoint"]):
+        errors.append(("rdzv_endpoint", f"{v['rdzv_endpoint']!r} is not host:port"))
+    if v["output_dir"].startswith("s3://") and v["target"] == "local":
+        errors.append(("output_dir", "s3:// output needs target eks; give a local directory"))
+    return errors
+
+
+def validate_params(params: Mapping[str, Any], *, run_id: str,
+                    dag_id: str = "llm_finetune") -> RunConfig:
+    """Params (from the trigger form, REST conf or defaults) -> RunConfig, or ConfigError.
+
+    Checks the target's own constraints too (for example the local machine's CPUs), so that
+    nothing is started for a run that cannot work.
+    """
+    errors: list[tuple[str, str]] = []
+    unknown = sorted(set(params) - set(SPECS_BY_NAME))
+    if unknown:
+        errors.append((unknown[0], "unknown parameter" + (
+            f"s {', '.join(unknown)}" if len(unknown) > 1 else "") + "; known: "
+            + ", ".join(SPECS_BY_NAME)))
+    values: dict[str, Any] = {}
+    for spec in PARAM_SPECS:
+        value = params.get(spec.name, spec.default)
+        if spec.type == "number" and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if spec.type == "string" and isinstance(value, str):
+            value = value.strip()
+        problem = _check_type(spec, value) or _check_bounds(spec, value)
+        if problem:
+            errors.append((spec.name, problem))
+        else:
+            values[spec.name] = value
+    if errors:
+        raise ConfigError(errors)
+    from finetune.targets import get_target
+
+    errors.extend(_check_semantics(values))
+    errors.extend(get_target(values["target"]).check(values))
+    if errors:
+        raise ConfigError(errors)
+    run_name = run_dir_name(run_id)
+    return RunConfig(
+        run_id=run_id,
+        run_name=run_name,
+        rdzv_id=dns_label(dag_id, run_id, max_len=48),
+        run_dir=str(resolve_path(values["output_dir"]) / run_name),
+        **values,
+    )
+
+
+def default_params() -> dict[str, Any]:
+    return {spec.name: spec.default for spec in PARAM_SPECS}
+
+
+def local_cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
