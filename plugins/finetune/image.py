@@ -1,0 +1,64 @@
+"""The trainer image's content-addressed tag and the environment a run uses."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import platform
+import sys
+from pathlib import Path
+
+from finetune import REPO_ROOT
+
+# What goes into the trainer image: the tag changes exactly when one of these files does.
+IMAGE_CONTEXT = ("trainer", "containers")
+_SKIP_DIRS = {"__pycache__", ".pytest_cache", ".ruff_cache"}
+_SKIP_SUFFIXES = {".pyc", ".pyo"}
+
+
+def context_files(root: Path = REPO_ROOT, parts: tuple[str, ...] = IMAGE_CONTEXT) -> list[Path]:
+    files = []
+    for part in parts:
+        for path in (root / part).rglob("*"):
+            rel = path.relative_to(root)
+            if path.is_file() and not _SKIP_DIRS.intersection(rel.parts) \
+                    and path.suffix not in _SKIP_SUFFIXES:
+                files.append(rel)
+    return sorted(files, key=lambda p: p.as_posix())
+
+
+def content_hash(root: Path = REPO_ROOT, parts: tuple[str, ...] = IMAGE_CONTEXT) -> str:
+    """sha256 over the image context's relative paths, file modes and bytes."""
+    digest = hashlib.sha256()
+    for rel in context_files(root, parts):
+        path = root / rel
+        executable = path.stat().st_mode & 0o111 != 0
+        digest.update(f"{rel.as_posix()}\0{int(executable)}\0".encode())
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def image_tag(root: Path = REPO_ROOT) -> str:
+    return content_hash(root)[:16]
+
+
+ENVIRONMENT_PACKAGES = ("torch", "transformers", "datasets", "tokenizers", "safetensors",
+                        "apache-airflow", "python-etcd")
+
+
+def local_environment() -> dict[str, str | None]:
+    """Versions of what the local target's training runs with."""
+    env: dict[str, str | None] = {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "executable": sys.executable,
+    }
+    for name in ENVIRONMENT_PACKAGES:
+        try:
+            env[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            env[name] = None
+    return env

@@ -1,0 +1,41 @@
+"""The image tag is the content hash of trainer/ and containers/."""
+
+from finetune.image import content_hash, image_tag, local_environment
+
+
+def test_same_tree_gives_the_same_hash(repo_copy):
+    assert content_hash(repo_copy) == content_hash(repo_copy)
+
+
+def test_changed_trainer_file_gives_a_new_hash(repo_copy):
+    before = content_hash(repo_copy)
+    target = repo_copy / "trainer" / "config.py"
+    target.write_text(target.read_text() + "\n# changed\n")
+    assert content_hash(repo_copy) != before
+
+
+def test_new_or_renamed_file_gives_a_new_hash(repo_copy):
+    before = content_hash(repo_copy)
+    (repo_copy / "containers" / "extra.txt").write_text("x")
+    added = content_hash(repo_copy)
+    assert added != before
+    (repo_copy / "containers" / "extra.txt").rename(repo_copy / "containers" / "other.txt")
+    assert content_hash(repo_copy) not in (before, added)
+
+
+def test_files_outside_the_context_and_bytecode_do_not_change_the_hash(repo_copy):
+    before = content_hash(repo_copy)
+    (repo_copy / "README.md").write_text("docs")
+    (repo_copy / "trainer" / "__pycache__").mkdir(exist_ok=True)
+    (repo_copy / "trainer" / "__pycache__" / "x.cpython-311.pyc").write_bytes(b"\0")
+    assert content_hash(repo_copy) == before
+
+
+def test_tag_is_a_short_prefix_of_the_hash():
+    tag = image_tag()
+    assert len(tag) == 16 and content_hash().startswith(tag)
+
+
+def test_environment_records_the_training_stack():
+    env = local_environment()
+    assert env["torch"] and env["transformers"] and env["python"]
