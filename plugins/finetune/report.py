@@ -1,0 +1,478 @@
+"""Run report: a trainer's run directory -> `report.json` and a self-contained `report.html`.
+
+Standard library only: this runs in the Airflow worker, which has neither torch nor plotting
+libraries, and the page must open offline (no scripts, no external resources).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import os
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+STATUSES = ("success", "failed")
+
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+MODEL_DIR = "model"
+REPORT_JSON = "report.json"
+REPORT_HTML = "report.html"
+
+TRAIN_SERIES_KEYS = ("step", "loss", "lr", "grad_norm", "tokens_per_s")
+
+GIB = 1024**3
+MIB = 1024**2
+
+
+# --- reading the run directory ---------------------------------------------------------------
+
+
+def load_metrics(path: Path) -> tuple[list[dict], list[dict], int]:
+    """Read `metrics.jsonl` -> (train records, eval records, unreadable line count).
+
+    Records are sorted by step; when a step appears more than once (a resumed run logs it
+    again) the last record wins. A missing file reads as empty.
+    """
+    path = Path(path)
+    train: dict[int, dict] = {}
+    evals: dict[int, dict] = {}
+    bad_lines = 0
+    if not path.is_file():
+        return [], [], 0
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                bad_lines += 1
+                continue
+            step = record.get("step") if isinstance(record, dict) else None
+            # bool is an int subclass; a record without an integer step cannot be placed
+            if not isinstance(step, int) or isinstance(step, bool):
+                bad_lines += 1
+                continue
+            if record.get("type") == "train":
+                train[step] = record
+            elif record.get("type") == "eval":
+                evals[step] = record
+            # other record types are the trainer's business, not unreadable
+    return [train[s] for s in sorted(train)], [evals[s] for s in sorted(evals)], bad_lines
+
+
+def _load_summary(path: Path) -> tuple[dict | None, str | None]:
+    """Read `summary.json` -> (summary or None, warning or None)."""
+    if not path.is_file():
+        return None, f"{SUMMARY_FILE} missing: training did not finish"
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return None, f"{SUMMARY_FILE} unreadable ({exc}): metrics computed from {METRICS_FILE}"
+    if not isinstance(summary, dict):
+        return None, f"{SUMMARY_FILE} is not an object: metrics computed from {METRICS_FILE}"
+    return summary, None
+
+
+# --- numbers ---------------------------------------------------------------------------------
+
+
+def _finite(value: Any) -> float | int | None:
+    """The value if it is a finite number, else None (JSON has no NaN, and None is honest)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _mean(values: list[Any]) -> float | None:
+    nums = [v for v in (_finite(x) for x in values) if v is not None]
+    return sum(nums) / len(nums) if nums else None
+
+
+def summarize(train: list[dict], evals: list[dict], summary: dict | None) -> dict:
+    """Headline metrics: from `summary` where it has a value, else computed from the series.
+
+    Computed values: initial/final eval loss = first/last eval record; throughput figures =
+    mean over train steps after the first (the first includes compilation and warm-up);
+    peak memory = max; steps = last train step. wall_time_s and world_size are only known
+    from the summary and stay None without it.
+    """
+    after_first = train[1:]
+    computed: dict[str, Any] = {
+        "initial_eval_loss": _finite(evals[0].get("eval_loss")) if evals else None,
+        "final_eval_loss": _finite(evals[-1].get("eval_loss")) if evals else None,
+        "tokens_per_s": _mean([r.get("tokens_per_s") for r in after_first]),
+        "tflops_per_device": _mean([r.get("tflops_per_device") for r in after_first]),
+        "mfu": _mean([r.get("mfu") for r in after_first]),
+        "peak_memory_bytes": max(
+            (v for v in (_finite(r.get("peak_memory_bytes")) for r in train) if v is not None),
+            default=None,
+        ),
+        "wall_time_s": None,
+        "steps": train[-1]["step"] if train else None,
+        "world_size": None,
+    }
+    metrics = {}
+    for key, fallback in computed.items():
+        reported = _finite((summary or {}).get(key))
+        metrics[key] = fallback if reported is None else reported
+    initial, final = metrics["initial_eval_loss"], metrics["final_eval_loss"]
+    metrics["eval_loss_ratio"] = final / initial if initial and final is not None else None
+    return metrics
+
+
+def _series(train: list[dict], evals: list[dict]) -> dict[str, list[dict]]:
+    return {
+        "train": [{key: _finite(r.get(key)) for key in TRAIN_SERIES_KEYS} for r in train],
+        "eval": [{"step": r["step"], "eval_loss": _finite(r.get("eval_loss"))} for r in evals],
+    }
+
+
+def _summary_notes(summary: dict | None) -> list[str]:
+    """Facts from the summary a reader should not miss when judging the numbers."""
+    if not summary:
+        return []
+    notes = []
+    if _finite(summary.get("resumed_from_step")):
+        notes.append(f"run resumed from step {summary['resumed_from_step']}")
+    if _finite(summary.get("skipped_rows")):
+        notes.append(f"{summary['skipped_rows']} dataset rows skipped")
+    return notes
+
+
+# --- the report ------------------------------------------------------------------------------
+
+
+def write_report(
+    run_dir: Path,
+    *,
+    run_id: str,
+    status: str,
+    config: dict,
+    stages: dict | None = None,
+) -> dict:
+    """Build the report for `run_dir`, write `report.json` and `report.html` there, return it."""
+    if status not in STATUSES:
+        raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
+    run_dir = Path(run_dir)
+    # a run that failed before the trainer started still gets a report
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    warnings: list[str] = []
+    metrics_path = run_dir / METRICS_FILE
+    if not metrics_path.is_file():
+        warnings.append(f"{METRICS_FILE} missing: no training steps were logged")
+    train, evals, bad_lines = load_metrics(metrics_path)
+    if bad_lines:
+        warnings.append(f"{bad_lines} unreadable lines in {METRICS_FILE}")
+    summary, summary_warning = _load_summary(run_dir / SUMMARY_FILE)
+    if summary_warning:
+        warnings.append(summary_warning)
+    warnings.extend(_summary_notes(summary))
+    series = _series(train, evals)
+    diverged = sum(1 for r in train if r.get("loss") is not None and _finite(r["loss"]) is None)
+    if diverged:
+        warnings.append(f"{diverged} train steps with a non-finite loss")
+
+    report = {
+        "schema_version": SCHEMA_VERSION,
+        "run_id": run_id,
+        "status": status,
+        "generated_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "config": config,
+        "stages": stages or {},
+        "metrics": summarize(train, evals, summary),
+        "series": series,
+        "artifacts": {
+            "model": MODEL_DIR if (run_dir / MODEL_DIR).is_dir() else None,
+            "metrics": METRICS_FILE if metrics_path.is_file() else None,
+            "report_html": REPORT_HTML,
+        },
+        "warnings": warnings,
+    }
+    # default=str: a config may carry Paths or datetimes; the report must still be written
+    _write_atomic(run_dir / REPORT_JSON, json.dumps(report, indent=2, default=str) + "\n")
+    _write_atomic(run_dir / REPORT_HTML, render_html(report))
+    return report
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    # readers (the UI, a later task) never see a half-written report
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+# --- HTML ------------------------------------------------------------------------------------
+
+_CSS = """
+body { font-family: system-ui, sans-serif; margin: 2rem auto; max-width: 70rem; color: #222; }
+h1 .status { font-size: 0.6em; padding: 0.2em 0.6em; border-radius: 0.3em; color: #fff; }
+.status-success { background: #2e7d32; } .status-failed { background: #c62828; }
+.figures { display: flex; flex-wrap: wrap; gap: 1rem; margin: 1rem 0; }
+.figure { border: 1px solid #ddd; border-radius: 0.4rem; padding: 0.6rem 1rem; min-width: 9rem; }
+.figure .label { font-size: 0.8em; color: #666; } .figure .value { font-size: 1.4em; }
+.charts svg { border: 1px solid #eee; margin: 0.5rem 0.5rem 0 0; }
+table { border-collapse: collapse; } td, th { border: 1px solid #ddd; padding: 0.2rem 0.6rem; }
+td { font-family: ui-monospace, monospace; vertical-align: top; white-space: pre-wrap; }
+.muted { color: #666; }
+"""
+
+
+def _esc(value: Any) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _fmt(value: Any, spec: str, suffix: str = "") -> str:
+    return "n/a" if _finite(value) is None else f"{value:{spec}}{suffix}"
+
+
+def _fmt_duration(seconds: Any) -> str:
+    if _finite(seconds) is None:
+        return "n/a"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h {minutes:02d}m {secs:02d}s" if hours else f"{minutes}m {secs:02d}s"
+
+
+def _fmt_bytes(value: Any) -> str:
+    if _finite(value) is None:
+        return "n/a"
+    return f"{value / GIB:.2f} GiB" if value >= GIB else f"{value / MIB:.1f} MiB"
+
+
+def _headline_figures(metrics: dict) -> list[tuple[str, str]]:
+    mfu = metrics.get("mfu")
+    loss = (
+        f"{_fmt(metrics.get('initial_eval_loss'), '.4f')} → "
+        f"{_fmt(metrics.get('final_eval_loss'), '.4f')}"
+    )
+    return [
+        ("tokens/s", _fmt(metrics.get("tokens_per_s"), ",.0f")),
+        ("TFLOPs/device", _fmt(metrics.get("tflops_per_device"), ".1f")),
+        ("MFU", _fmt(mfu * 100 if _finite(mfu) is not None else None, ".1f", "%")),
+        ("wall time", _fmt_duration(metrics.get("wall_time_s"))),
+        ("peak memory", _fmt_bytes(metrics.get("peak_memory_bytes"))),
+        ("eval loss", loss),
+        ("steps", _fmt(metrics.get("steps"), ",.0f")),
+        ("world size", _fmt(metrics.get("world_size"), ".0f")),
+    ]
+
+
+def _flatten(mapping: dict, prefix: str = "") -> list[tuple[str, str]]:
+    """Nested dict -> [(dotted key, value text)] so nested config reads as one table."""
+    rows: list[tuple[str, str]] = []
+    for key, value in mapping.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            rows.extend(_flatten(value, f"{name}."))
+        elif isinstance(value, str):
+            rows.append((name, value))
+        else:
+            rows.append((name, json.dumps(value, default=str)))
+    return rows
+
+
+def _table(rows: list[tuple[str, str]], empty: str) -> str:
+    if not rows:
+        return f'<p class="muted">{_esc(empty)}</p>'
+    body = "".join(f"<tr><th>{_esc(k)}</th><td>{_esc(v)}</td></tr>" for k, v in rows)
+    return f"<table><tr><th>key</th><th>value</th></tr>{body}</table>"
+
+
+def _points(records: list[dict], x_key: str, y_key: str) -> list[tuple[float, float]]:
+    return [(r[x_key], r[y_key]) for r in records if r.get(y_key) is not None]
+
+
+def render_html(report: dict) -> str:
+    """The report dict -> one self-contained HTML page (inline CSS and SVG, no scripts)."""
+    train, evals = report["series"]["train"], report["series"]["eval"]
+    charts = [
+        svg_line_chart(
+            {
+                "train loss": _points(train, "step", "loss"),
+                "eval loss": _points(evals, "step", "eval_loss"),
+            },
+            "Loss",
+            "step",
+            "loss",
+        ),
+        svg_line_chart(
+            {"tokens/s": _points(train, "step", "tokens_per_s")}, "Throughput", "step", "tokens/s"
+        ),
+        svg_line_chart({"lr": _points(train, "step", "lr")}, "Learning rate", "step", "lr"),
+    ]
+    figures = "".join(
+        f'<div class="figure"><div class="label">{_esc(label)}</div>'
+        f'<div class="value">{_esc(value)}</div></div>'
+        for label, value in _headline_figures(report["metrics"])
+    )
+    warnings = report["warnings"]
+    warning_list = (
+        "<ul>" + "".join(f"<li>{_esc(w)}</li>" for w in warnings) + "</ul>"
+        if warnings
+        else '<p class="muted">none</p>'
+    )
+    artifacts = [(k, "n/a" if v is None else v) for k, v in report["artifacts"].items()]
+    run_id, status = _esc(report["run_id"]), _esc(report["status"])
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>Run {run_id}: {status}</title>",
+        f"<style>{_CSS}</style></head><body>",
+        f'<h1>Run {run_id} <span class="status status-{status}">{status}</span></h1>',
+        f'<p class="muted">generated {_esc(report["generated_at"])}</p>',
+        f'<section class="figures">{figures}</section>',
+        f'<section class="charts">{"".join(charts)}</section>',
+        "<h2>Config</h2>",
+        _table(_flatten(report["config"]), "no config"),
+    ]
+    if report["stages"]:
+        parts += ["<h2>Stages</h2>", _table(_flatten(report["stages"]), "no stages")]
+    parts += [
+        "<h2>Artifacts</h2>",
+        _table(artifacts, "no artifacts"),
+        "<h2>Warnings</h2>",
+        warning_list,
+        "</body></html>",
+    ]
+    return "\n".join(parts) + "\n"
+
+
+# --- SVG charts ------------------------------------------------------------------------------
+
+CHART_WIDTH, CHART_HEIGHT = 560, 300
+_MARGIN_LEFT, _MARGIN_RIGHT, _MARGIN_TOP, _MARGIN_BOTTOM = 64, 16, 30, 44
+_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e")
+_MAX_MARKED_POINTS = 40
+_LEGEND_CHAR_WIDTH = 6.5  # rough glyph width at font-size 11; SVG text cannot be measured
+
+
+def _nice_ticks(lo: float, hi: float, count: int = 5) -> list[float]:
+    """About `count` round numbers (1, 2 or 5 times a power of ten apart) within [lo, hi]."""
+    raw = (hi - lo) / count
+    magnitude = 10 ** math.floor(math.log10(raw))
+    step = next(m * magnitude for m in (1, 2, 5, 10) if m * magnitude >= raw)
+    first = math.ceil(lo / step - 1e-9)
+    last = math.floor(hi / step + 1e-9)
+    return [i * step for i in range(first, last + 1)]
+
+
+def _fmt_tick(value: float) -> str:
+    size = abs(value)
+    if size < 1e-12:
+        return "0"
+    if size >= 1e6:
+        return f"{value / 1e6:.3g}M"
+    if size >= 1000:
+        return f"{value:,.0f}"
+    if size >= 1e-3:
+        return f"{value:.4g}"
+    return f"{value:.1e}"
+
+
+def _padded_range(values: list[float]) -> tuple[float, float]:
+    lo, hi = min(values), max(values)
+    if hi > lo:
+        return lo, hi
+    # a single point or a flat line still needs a non-empty axis to place it on
+    pad = abs(lo) * 0.1 or 1.0
+    return lo - pad, hi + pad
+
+
+def svg_line_chart(
+    series: dict[str, list[tuple[float, float]]], title: str, x_label: str, y_label: str
+) -> str:
+    """Inline SVG line chart of named (x, y) series; None/NaN points are skipped."""
+    w, h = CHART_WIDTH, CHART_HEIGHT
+    left, right = _MARGIN_LEFT, w - _MARGIN_RIGHT
+    top, bottom = _MARGIN_TOP, h - _MARGIN_BOTTOM
+    clean = {
+        name: [
+            (float(x), float(y))
+            for x, y in points
+            if _finite(x) is not None and _finite(y) is not None
+        ]
+        for name, points in series.items()
+    }
+    out = [
+        (
+            f'<svg width="{w}" height="{h}" viewBox="0 0 {w} {h}" role="img" '
+            f'aria-label="{_esc(title)}" font-family="sans-serif" font-size="11">'
+        ),
+        f"<title>{_esc(title)}</title>",
+        f'<text x="{left}" y="18" font-size="13" font-weight="bold">{_esc(title)}</text>',
+        f'<text x="{(left + right) / 2}" y="{h - 6}" text-anchor="middle">{_esc(x_label)}</text>',
+        (
+            f'<text x="14" y="{(top + bottom) / 2}" text-anchor="middle" '
+            f'transform="rotate(-90 14 {(top + bottom) / 2})">{_esc(y_label)}</text>'
+        ),
+        (
+            f'<rect x="{left}" y="{top}" width="{right - left}" height="{bottom - top}" '
+            f'fill="none" stroke="#999"/>'
+        ),
+    ]
+    all_points = [p for points in clean.values() for p in points]
+    if not all_points:
+        out.append(
+            f'<text x="{(left + right) / 2}" y="{(top + bottom) / 2}" text-anchor="middle" '
+            f'fill="#999" font-size="14">no data</text></svg>'
+        )
+        return "".join(out)
+
+    x_lo, x_hi = _padded_range([x for x, _ in all_points])
+    y_lo, y_hi = _padded_range([y for _, y in all_points])
+
+    def sx(x: float) -> float:
+        return round(left + (x - x_lo) / (x_hi - x_lo) * (right - left), 2)
+
+    def sy(y: float) -> float:
+        return round(bottom - (y - y_lo) / (y_hi - y_lo) * (bottom - top), 2)
+
+    for tick in _nice_ticks(x_lo, x_hi):
+        x = sx(tick)
+        out.append(
+            f'<line x1="{x}" y1="{bottom}" x2="{x}" y2="{bottom + 4}" stroke="#999"/>'
+            f'<text x="{x}" y="{bottom + 16}" text-anchor="middle">{_fmt_tick(tick)}</text>'
+        )
+    for tick in _nice_ticks(y_lo, y_hi):
+        y = sy(tick)
+        out.append(
+            f'<line x1="{left}" y1="{y}" x2="{right}" y2="{y}" stroke="#eee"/>'
+            f'<text x="{left - 6}" y="{y + 4}" text-anchor="end">{_fmt_tick(tick)}</text>'
+        )
+
+    for i, points in enumerate(clean.values()):
+        color = _COLORS[i % len(_COLORS)]
+        if len(points) > 1:
+            coords = " ".join(f"{sx(x)},{sy(y)}" for x, y in points)
+            out.append(
+                f'<polyline points="{coords}" fill="none" stroke="{color}" stroke-width="1.5"/>'
+            )
+        # sparse series (eval loss, a single point) would be invisible as a bare line
+        if len(points) <= _MAX_MARKED_POINTS:
+            out.extend(
+                f'<circle cx="{sx(x)}" cy="{sy(y)}" r="2.5" fill="{color}"/>' for x, y in points
+            )
+    # legend sits in the top margin, laid out right to left, so it never hides a line
+    legend_x = right
+    for i, name in reversed(list(enumerate(clean))):
+        color = _COLORS[i % len(_COLORS)]
+        text_x = legend_x - _LEGEND_CHAR_WIDTH * len(name)
+        out.append(
+            f'<line x1="{text_x - 22}" y1="14" x2="{text_x - 4}" y2="14" '
+            f'stroke="{color}" stroke-width="2"/>'
+            f'<text x="{text_x}" y="18">{_esc(name)}</text>'
+        )
+        legend_x = text_x - 34
+    out.append("</svg>")
+    return "".join(out)

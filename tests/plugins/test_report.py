@@ -1,0 +1,407 @@
+"""report.py: a trainer's run directory becomes report.json and a self-contained report.html."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from finetune.report import load_metrics, summarize, svg_line_chart, write_report
+
+CONFIG = {
+    "model": "tiny-llama",
+    "dataset": {"path": "data/train.jsonl", "max_rows": 100},
+    "note": "<script>alert(1)</script>",
+}
+
+SUMMARY = {
+    "initial_eval_loss": 2.5,
+    "final_eval_loss": 1.25,
+    "steps": 4,
+    "tokens_per_s": 12345.6,
+    "tflops_per_device": 123.4,
+    "mfu": 0.42,
+    "peak_memory_bytes": 20 * 1024**3,
+    "wall_time_s": 3725.0,
+    "world_size": 8,
+    "resumed_from_step": None,
+    "skipped_rows": 0,
+    "peak_flops": 989e12,
+    "peak_flops_source": "table",
+    "config": {},
+}
+
+
+def train_record(step: int, loss: float, **overrides: object) -> dict:
+    record = {
+        "type": "train",
+        "step": step,
+        "loss": loss,
+        "lr": 1e-4 * step,
+        "grad_norm": 1.0,
+        "tokens": 4096,
+        "tokens_per_s": 1000.0 * step,
+        "tflops_per_device": 10.0 * step,
+        "mfu": 0.1 * step,
+        "step_time_s": 0.5,
+        "peak_memory_bytes": 1024**3 * step,
+        "time": 1_700_000_000.0 + step,
+    }
+    return record | overrides
+
+
+def eval_record(step: int, eval_loss: float) -> dict:
+    return {"type": "eval", "step": step, "eval_loss": eval_loss, "time": 1_700_000_000.0 + step}
+
+
+NORMAL_RECORDS = [
+    eval_record(0, 2.5),
+    train_record(1, 3.0),
+    train_record(2, 2.4),
+    eval_record(2, 1.8),
+    train_record(3, 2.0),
+    train_record(4, 1.5),
+    eval_record(4, 1.25),
+]
+
+
+def make_run(
+    run_dir: Path,
+    records: list[dict],
+    *,
+    summary: dict | None = None,
+    tail: str = "",
+    model: bool = False,
+) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lines = "".join(json.dumps(r) + "\n" for r in records)
+    (run_dir / "metrics.jsonl").write_text(lines + tail, encoding="utf-8")
+    if summary is not None:
+        (run_dir / "summary.json").write_text(json.dumps(summary), encoding="utf-8")
+    if model:
+        (run_dir / "model").mkdir()
+        (run_dir / "model" / "config.json").write_text("{}", encoding="utf-8")
+    return run_dir
+
+
+def polylines(svg_or_html: str) -> list[str]:
+    return re.findall(r'<polyline points="([^"]*)"', svg_or_html)
+
+
+# --- a normal, finished run ------------------------------------------------------------------
+
+
+def test_finished_run_report_takes_metrics_from_summary(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path / "run", NORMAL_RECORDS, summary=SUMMARY, model=True)
+
+    report = write_report(run_dir, run_id="r-1", status="success", config=CONFIG)
+
+    assert report["schema_version"] == 1
+    assert report["run_id"] == "r-1"
+    assert report["status"] == "success"
+    assert report["config"] == CONFIG
+    assert report["stages"] == {}
+    for key in (
+        "initial_eval_loss",
+        "final_eval_loss",
+        "tokens_per_s",
+        "tflops_per_device",
+        "mfu",
+        "peak_memory_bytes",
+        "wall_time_s",
+        "steps",
+        "world_size",
+    ):
+        assert report["metrics"][key] == SUMMARY[key], key
+    assert report["metrics"]["eval_loss_ratio"] == pytest.approx(0.5)
+    assert report["artifacts"] == {
+        "model": "model",
+        "metrics": "metrics.jsonl",
+        "report_html": "report.html",
+    }
+    assert report["warnings"] == []
+
+
+def test_report_json_on_disk_equals_returned_report(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path / "run", NORMAL_RECORDS, summary=SUMMARY)
+    stages = {"prepare": {"status": "success", "duration_s": 12.5}}
+
+    report = write_report(run_dir, run_id="r-1", status="success", config=CONFIG, stages=stages)
+
+    assert json.loads((run_dir / "report.json").read_text()) == report
+    assert report["stages"] == stages
+    assert report["generated_at"].endswith("+00:00")
+
+
+def test_series_hold_train_and_eval_points_in_step_order(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path / "run", NORMAL_RECORDS, summary=SUMMARY)
+
+    series = write_report(run_dir, run_id="r", status="success", config={})["series"]
+
+    assert [p["step"] for p in series["train"]] == [1, 2, 3, 4]
+    assert series["train"][1] == {
+        "step": 2,
+        "loss": 2.4,
+        "lr": pytest.approx(2e-4),
+        "grad_norm": 1.0,
+        "tokens_per_s": 2000.0,
+    }
+    assert series["eval"] == [
+        {"step": 0, "eval_loss": 2.5},
+        {"step": 2, "eval_loss": 1.8},
+        {"step": 4, "eval_loss": 1.25},
+    ]
+
+
+def test_html_shows_headline_figures_and_three_charts(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path / "run", NORMAL_RECORDS, summary=SUMMARY)
+    write_report(run_dir, run_id="r-1", status="success", config=CONFIG)
+
+    page = (run_dir / "report.html").read_text(encoding="utf-8")
+
+    assert "<title>Run r-1: success</title>" in page
+    assert page.count("<svg") == 3
+    # train loss, eval loss, tokens/s, lr
+    assert len(polylines(page)) == 4
+    assert "train loss" in page and "eval loss" in page
+    assert "no data" not in page
+    assert "12,346" in page  # tokens/s
+    assert "123.4" in page  # TFLOPs/device
+    assert "42.0%" in page  # MFU as a percentage
+    assert "1h 02m 05s" in page  # wall time
+    assert "20.00 GiB" in page  # peak memory
+    assert "2.5000 → 1.2500" in page  # initial -> final eval loss
+
+
+def test_html_escapes_config_values(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path / "run", NORMAL_RECORDS, summary=SUMMARY)
+    write_report(run_dir, run_id="<b>r</b>", status="success", config=CONFIG)
+
+    page = (run_dir / "report.html").read_text(encoding="utf-8")
+
+    assert "<script" not in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert "<b>r</b>" not in page
+    assert "dataset.max_rows" in page  # nested config flattened into the table
+
+
+def test_html_is_self_contained(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path / "run", NORMAL_RECORDS, summary=SUMMARY)
+    write_report(run_dir, run_id="r", status="success", config=CONFIG)
+
+    page = (run_dir / "report.html").read_text(encoding="utf-8")
+
+    assert "<script" not in page
+    for reference in ("src=", "href=", "url(", "http://", "https://", "@import"):
+        assert reference not in page, reference
+
+
+# --- failed and damaged runs -----------------------------------------------------------------
+
+
+def test_failed_run_without_summary_computes_metrics_from_series(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path / "run", NORMAL_RECORDS)
+
+    report = write_report(run_dir, run_id="r", status="failed", config=CONFIG)
+
+    metrics = report["metrics"]
+    assert report["status"] == "failed"
+    assert metrics["initial_eval_loss"] == 2.5
+    assert metrics["final_eval_loss"] == 1.25
+    assert metrics["eval_loss_ratio"] == pytest.approx(0.5)
+    # mean over steps 2..4: the first step includes warm-up
+    assert metrics["tokens_per_s"] == pytest.approx(3000.0)
+    assert metrics["tflops_per_device"] == pytest.approx(30.0)
+    assert metrics["mfu"] == pytest.approx(0.3)
+    assert metrics["peak_memory_bytes"] == 4 * 1024**3
+    assert metrics["steps"] == 4
+    # only the summary knows these: not invented
+    assert metrics["wall_time_s"] is None
+    assert metrics["world_size"] is None
+    assert report["artifacts"]["model"] is None
+    assert "summary.json missing: training did not finish" in report["warnings"]
+    page = (run_dir / "report.html").read_text(encoding="utf-8")
+    assert "status-failed" in page
+    assert "summary.json missing" in page
+
+
+def test_resumed_run_keeps_the_last_record_of_each_step(tmp_path: Path) -> None:
+    records = [
+        train_record(1, 3.0),
+        train_record(2, 9.9),
+        train_record(3, 9.9),
+        eval_record(3, 9.9),
+        # resumed from the checkpoint at step 1: steps 2 and 3 are logged again
+        train_record(2, 2.4),
+        train_record(3, 2.0),
+        eval_record(3, 1.5),
+    ]
+    path = make_run(tmp_path / "run", records) / "metrics.jsonl"
+
+    train, evals, bad_lines = load_metrics(path)
+
+    assert [(r["step"], r["loss"]) for r in train] == [(1, 3.0), (2, 2.4), (3, 2.0)]
+    assert [(r["step"], r["eval_loss"]) for r in evals] == [(3, 1.5)]
+    assert bad_lines == 0
+
+
+def test_truncated_last_line_is_skipped_and_counted(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path / "run", NORMAL_RECORDS, tail='{"type": "train", "step": 5, "lo')
+
+    train, _, bad_lines = load_metrics(run_dir / "metrics.jsonl")
+    report = write_report(run_dir, run_id="r", status="failed", config={})
+
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    assert bad_lines == 1
+    assert "1 unreadable lines in metrics.jsonl" in report["warnings"]
+
+
+def test_records_without_an_integer_step_are_counted_as_unreadable(tmp_path: Path) -> None:
+    tail = '[1, 2]\n{"type": "train", "loss": 1.0}\n{"type": "eval", "step": "3"}\n\n'
+    run_dir = make_run(tmp_path / "run", NORMAL_RECORDS, tail=tail)
+
+    train, evals, bad_lines = load_metrics(run_dir / "metrics.jsonl")
+
+    assert len(train) == 4 and len(evals) == 3
+    assert bad_lines == 3
+
+
+def test_empty_metrics_file_gives_a_report_with_no_data_charts(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path / "run", [])
+
+    report = write_report(run_dir, run_id="r", status="failed", config=CONFIG)
+
+    assert report["series"] == {"train": [], "eval": []}
+    assert all(value is None for value in report["metrics"].values())
+    page = (run_dir / "report.html").read_text(encoding="utf-8")
+    assert page.count("no data") == 3
+    assert polylines(page) == []
+    assert page.count("n/a") >= 5  # headline figures say so instead of inventing numbers
+
+
+def test_missing_run_directory_still_gets_a_report(tmp_path: Path) -> None:
+    run_dir = tmp_path / "never-started"
+
+    report = write_report(run_dir, run_id="r", status="failed", config={})
+
+    assert (run_dir / "report.json").is_file() and (run_dir / "report.html").is_file()
+    assert report["artifacts"]["metrics"] is None
+    assert "metrics.jsonl missing: no training steps were logged" in report["warnings"]
+
+
+def test_unreadable_summary_falls_back_to_series_with_a_warning(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path / "run", NORMAL_RECORDS)
+    (run_dir / "summary.json").write_text('{"final_eval_loss": 1.', encoding="utf-8")
+
+    report = write_report(run_dir, run_id="r", status="failed", config={})
+
+    assert report["metrics"]["final_eval_loss"] == 1.25
+    assert any(w.startswith("summary.json unreadable") for w in report["warnings"])
+
+
+def test_non_finite_values_become_null_and_a_diverged_loss_is_warned(tmp_path: Path) -> None:
+    records = [train_record(1, 3.0), train_record(2, math.nan, mfu=None), train_record(3, 2.0)]
+    run_dir = make_run(tmp_path / "run", records)
+
+    report = write_report(run_dir, run_id="r", status="failed", config={})
+
+    assert report["series"]["train"][1]["loss"] is None
+    assert report["metrics"]["mfu"] == pytest.approx(0.3)  # null mfu skipped, not zero
+    assert "1 train steps with a non-finite loss" in report["warnings"]
+    # strict JSON: no NaN tokens on disk
+    json.loads((run_dir / "report.json").read_text(), parse_constant=pytest.fail)
+
+
+def test_summary_notes_resume_and_skipped_rows(tmp_path: Path) -> None:
+    summary = SUMMARY | {"resumed_from_step": 2, "skipped_rows": 7}
+    run_dir = make_run(tmp_path / "run", NORMAL_RECORDS, summary=summary)
+
+    report = write_report(run_dir, run_id="r", status="success", config={})
+
+    assert report["warnings"] == ["run resumed from step 2", "7 dataset rows skipped"]
+
+
+def test_summary_nulls_fall_back_to_series(tmp_path: Path) -> None:
+    summary = SUMMARY | {"mfu": None}
+    run_dir = make_run(tmp_path / "run", NORMAL_RECORDS, summary=summary)
+
+    report = write_report(run_dir, run_id="r", status="success", config={})
+
+    assert report["metrics"]["mfu"] == pytest.approx(0.3)
+
+
+def test_unknown_status_is_rejected(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="status"):
+        write_report(tmp_path, run_id="r", status="running", config={})
+
+
+def test_summarize_without_anything_is_all_null() -> None:
+    metrics = summarize([], [], None)
+
+    assert set(metrics) == {
+        "initial_eval_loss",
+        "final_eval_loss",
+        "tokens_per_s",
+        "tflops_per_device",
+        "mfu",
+        "peak_memory_bytes",
+        "wall_time_s",
+        "steps",
+        "world_size",
+        "eval_loss_ratio",
+    }
+    assert all(value is None for value in metrics.values())
+
+
+# --- the chart -------------------------------------------------------------------------------
+
+
+def test_chart_without_points_says_no_data() -> None:
+    svg = svg_line_chart({"loss": []}, "Loss", "step", "loss")
+
+    assert svg.startswith("<svg") and svg.endswith("</svg>")
+    assert "no data" in svg
+    assert polylines(svg) == []
+
+
+def test_chart_with_a_single_point_draws_a_marker() -> None:
+    svg = svg_line_chart({"eval loss": [(10, 1.5)]}, "Loss", "step", "loss")
+
+    assert "no data" not in svg
+    assert svg.count("<circle") == 1
+    assert polylines(svg) == []
+
+
+def test_chart_skips_none_and_nan_points() -> None:
+    points = [(0, 1.0), (1, None), (2, math.nan), (3, 0.5), (math.inf, 0.1)]
+
+    svg = svg_line_chart({"loss": points}, "Loss", "step", "loss")
+
+    (line,) = polylines(svg)
+    assert len(line.split()) == 2
+    assert "nan" not in svg.lower() and "inf" not in svg.lower()
+
+
+def test_chart_has_tick_labels_and_legend_and_stays_inside_its_box() -> None:
+    series = {"train": [(s, 10.0 / (s + 1)) for s in range(100)], "eval": [(0, 9.0), (99, 1.0)]}
+
+    svg = svg_line_chart(series, "Loss <vs> step", "step", "loss")
+
+    assert "Loss &lt;vs&gt; step" in svg
+    assert ">train<" in svg and ">eval<" in svg
+    assert ">0<" in svg and ">20<" in svg  # x ticks
+    width, height = (float(v) for v in re.search(r'viewBox="0 0 (\S+) (\S+)"', svg).groups())
+    for line in polylines(svg):
+        for pair in line.split():
+            x, y = (float(v) for v in pair.split(","))
+            assert 0 <= x <= width and 0 <= y <= height
+
+
+def test_chart_of_tiny_learning_rates_labels_ticks_readably() -> None:
+    svg = svg_line_chart({"lr": [(0, 0.0), (10, 2e-5)]}, "lr", "step", "lr")
+
+    assert "e-05" in svg
+    assert "0.00002000" not in svg
