@@ -1,0 +1,102 @@
+"""Checkpoints and export on a world of one process, inside the test process."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trainer.checkpoint import Checkpointer
+from trainer.config import load_config
+from trainer.data import PROMPT_TEMPLATE
+from trainer.demo import DEMO_TOKENIZER
+from trainer.export import export_hf
+from trainer.model import build_model
+from trainer.parallel import apply_parallelism
+from trainer.train import build_optimizer, warmup_cosine
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(DEMO_TOKENIZER)
+
+
+def sharded_model(env, tokenizer, **overrides):
+    config = load_config(None, overrides)
+    model = build_model(config.model, config.seed, tokenizer)
+    model_config = model.config
+    apply_parallelism(model, config, env)
+    return model, model_config, build_optimizer(model, config, env.device)
+
+
+def take_a_step(model, optimizer, tokenizer, device):
+    ids = tokenizer(PROMPT_TEMPLATE.format(prompt="Repeat owl 3 times."), return_tensors="pt")
+    input_ids = ids["input_ids"].to(device)
+    loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_the_exported_model_gives_the_trainers_logits(world_of_one, tokenizer, tmp_path):
+    model, model_config, optimizer = sharded_model(world_of_one, tokenizer)
+    take_a_step(model, optimizer, tokenizer, world_of_one.device)
+    export_hf(model, model_config, tokenizer, tmp_path, world_of_one.rank)
+
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    reloaded_tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    text = PROMPT_TEMPLATE.format(prompt="Which month comes after May?")
+    input_ids = reloaded_tokenizer(text, return_tensors="pt")["input_ids"]
+    assert input_ids.tolist() == tokenizer(text, return_tensors="pt")["input_ids"].tolist()
+    model.eval()
+    with torch.no_grad():
+        expected = model(input_ids=input_ids.to(world_of_one.device)).logits.cpu()
+        actual = exported(input_ids=input_ids).logits
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    assert (tmp_path / "generation_config.json").is_file()
+
+
+def test_a_bf16_run_exports_bf16_weights(world_of_one, tokenizer, tmp_path):
+    model, model_config, _ = sharded_model(world_of_one, tokenizer, mixed_precision="bf16")
+    export_hf(model, model_config, tokenizer, tmp_path, world_of_one.rank, torch.bfloat16)
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert exported.dtype == torch.bfloat16
+
+
+def test_only_the_newest_complete_checkpoints_are_kept_and_interrupted_ones_ignored(
+    world_of_one, tokenizer, tmp_path
+):
+    model, _, optimizer = sharded_model(world_of_one, tokenizer)
+    checkpointer = Checkpointer(str(tmp_path), keep=2, rank=world_of_one.rank)
+    for step in range(1, 5):
+        checkpointer.save(step, model, optimizer, {"sampler": {"epoch": 0, "index": step}})
+    (tmp_path / "checkpoints" / "step_00000009.tmp").mkdir()
+    assert [p.name for p in checkpointer.complete()] == ["step_00000003", "step_00000004"]
+    assert checkpointer.latest().name == "step_00000004"
+
+
+def test_loading_a_checkpoint_restores_weights_and_optimizer_state(
+    world_of_one, tokenizer, tmp_path
+):
+    model, _, optimizer = sharded_model(world_of_one, tokenizer)
+    device = world_of_one.device
+    take_a_step(model, optimizer, tokenizer, device)
+    checkpointer = Checkpointer(str(tmp_path), keep=1, rank=world_of_one.rank)
+    path = checkpointer.save(1, model, optimizer, {"sampler": {"epoch": 0, "index": 1}})
+    saved = {name: p.full_tensor().clone() for name, p in model.named_parameters()}
+    take_a_step(model, optimizer, tokenizer, device)
+
+    fresh, _, fresh_optimizer = sharded_model(world_of_one, tokenizer, seed=99)
+    state = checkpointer.load(path, fresh, fresh_optimizer)
+    assert state == {"step": 1, "sampler": {"epoch": 0, "index": 1}}
+    for name, param in fresh.named_parameters():
+        torch.testing.assert_close(param.full_tensor(), saved[name], rtol=0, atol=0)
+    steps = {int(s["step"]) for s in fresh_optimizer.state_dict()["state"].values()}
+    assert steps == {1}
+
+
+def test_learning_rate_warms_up_linearly_then_decays_by_cosine_to_the_floor():
+    multiplier = warmup_cosine(warmup_steps=4, max_steps=14, min_lr_ratio=0.1)
+    assert [multiplier(i) for i in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert multiplier(9) == pytest.approx(0.1 + 0.9 * 0.5)  # half way through the decay
+    assert multiplier(14) == pytest.approx(0.1)
+    values = [multiplier(i) for i in range(3, 15)]
+    assert values == sorted(values, reverse=True)

@@ -1,0 +1,140 @@
+"""End-to-end runs with two gloo processes under torchrun, as the local target starts them."""
+
+import json
+import math
+import shutil
+import time
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import demo_rows, read_metrics, torchrun, write_jsonl
+from strategy_worker import SETUPS
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+from trainer.checkpoint import Checkpointer
+from trainer.demo import DEMO_TOKENIZER
+from trainer.model import builtin_config
+
+STEPS, CHECKPOINT_AT = 6, 3
+TRAIN_KEYS = {
+    "type", "step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "tflops_per_device",
+    "mfu", "step_time_s", "peak_memory_bytes", "time",
+}  # fmt: skip
+SUMMARY_KEYS = {
+    "initial_eval_loss", "final_eval_loss", "steps", "tokens_per_s", "tflops_per_device", "mfu",
+    "peak_memory_bytes", "wall_time_s", "world_size", "resumed_from_step", "skipped_rows",
+    "peak_flops", "peak_flops_source", "config",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    # 60 usable rows: 4 held out, 28 per rank = 7 micro batches of 4 per epoch, so 6 steps of
+    # 2 micro batches cross an epoch boundary after the checkpoint at step 3.
+    rows = demo_rows(60) + [{"prompt": "Write in capitals: owl", "response": ""}]
+    return write_jsonl(tmp_path_factory.mktemp("data") / "rows.jsonl", rows)
+
+
+def train_args(dataset, output_dir) -> list[str]:
+    return [
+        "-m", "trainer.train", "--dataset", str(dataset), "--output_dir", str(output_dir),
+        "--micro_batch", "4", "--grad_accum", "2", "--max_steps", str(STEPS),
+        "--warmup_steps", "2", "--eval_interval", str(CHECKPOINT_AT),
+        "--checkpoint_interval", str(CHECKPOINT_AT), "--log_interval", "2",
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def full_run(dataset, tmp_path_factory):
+    """An uninterrupted run of STEPS steps with checkpoints every CHECKPOINT_AT steps."""
+    output_dir = tmp_path_factory.mktemp("full")
+    result = torchrun(train_args(dataset, output_dir))
+    return output_dir, result.stdout
+
+
+def losses(output_dir) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(output_dir) if r["type"] == "train"}
+
+
+def test_a_run_resumed_from_a_checkpoint_reproduces_the_uninterrupted_losses(
+    full_run, dataset, tmp_path
+):
+    full_dir, _ = full_run
+    # What a run leaves when it dies while saving step 6: the complete step-3 checkpoint, an
+    # incomplete `.tmp` one that must be ignored, and a log that got past step 3 and was torn.
+    checkpoints = tmp_path / "checkpoints"
+    shutil.copytree(full_dir / "checkpoints" / "step_00000003", checkpoints / "step_00000003")
+    (checkpoints / "step_00000006.tmp").mkdir()
+    (checkpoints / "step_00000006.tmp" / "__0_0.distcp").write_bytes(b"torn write")
+    log_before_crash = (full_dir / "metrics.jsonl").read_text() + '{"type": "tr'
+    (tmp_path / "metrics.jsonl").write_text(log_before_crash)
+    restarted_at = time.time()
+
+    torchrun(train_args(dataset, tmp_path))
+
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records if r["type"] == "train"] == list(range(1, STEPS + 1))
+    assert all(r["time"] > restarted_at for r in records if r["step"] > CHECKPOINT_AT)
+    resumed, uninterrupted = losses(tmp_path), losses(full_dir)
+    for step in range(CHECKPOINT_AT + 1, STEPS + 1):
+        assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-5), step
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    full_summary = json.loads((full_dir / "summary.json").read_text())
+    assert summary["resumed_from_step"] == CHECKPOINT_AT
+    assert summary["initial_eval_loss"] == full_summary["initial_eval_loss"]
+    assert summary["final_eval_loss"] == pytest.approx(full_summary["final_eval_loss"], rel=1e-5)
+    assert [p.name for p in sorted(checkpoints.iterdir())] == ["step_00000003", "step_00000006"]
+
+
+def test_rank_zero_logs_every_step_and_eval_and_writes_a_summary(full_run):
+    output_dir, stdout = full_run
+    records = read_metrics(output_dir)
+    train = [r for r in records if r["type"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+    assert all(set(r) == TRAIN_KEYS for r in train)
+    assert all(r["tokens"] > 0 and r["mfu"] > 0 and r["grad_norm"] > 0 for r in train)
+    assert [r["step"] for r in records if r["type"] == "eval"] == [0, 3, 6]
+    assert "eta" in stdout
+
+    summary = json.loads((output_dir / "summary.json").read_text())
+    assert SUMMARY_KEYS <= set(summary)
+    assert summary["world_size"] == 2 and summary["steps"] == STEPS
+    assert summary["skipped_rows"] == 1
+    assert summary["resumed_from_step"] is None
+    assert summary["peak_flops_source"] == "measured:cpu-float32-matmul"
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+    resolved = json.loads((output_dir / "trainer_config.resolved.json").read_text())
+    assert resolved == summary["config"] and resolved["tokenizer"] == str(DEMO_TOKENIZER)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP read by one process
+def test_the_exported_model_loads_with_transformers_and_matches_the_trained_weights(full_run):
+    output_dir, _ = full_run
+    exported = AutoModelForCausalLM.from_pretrained(output_dir / "model").eval()
+    tokenizer = AutoTokenizer.from_pretrained(output_dir / "model")
+    # The trainer's model after the last step, from its sharded checkpoint (written by 2 ranks).
+    trained = LlamaForCausalLM(builtin_config("tiny-llama", tokenizer)).eval()
+    state = {"model": trained.state_dict()}
+    dcp.load(state, checkpoint_id=Checkpointer(str(output_dir), 2, 0).latest())
+    trained.load_state_dict(state["model"])
+
+    assert exported.config.tie_word_embeddings
+    assert exported.lm_head.weight.data_ptr() == exported.model.embed_tokens.weight.data_ptr()
+    input_ids = tokenizer("### Instruction:\nWhich day comes after Monday?", return_tensors="pt")
+    with torch.no_grad():
+        expected = trained(**input_ids).logits
+        actual = exported(**input_ids).logits
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_every_sharding_strategy_and_activation_checkpointing_trains_to_the_same_losses(
+    dataset, tmp_path
+):
+    torchrun(["tests/trainer/strategy_worker.py", str(dataset), str(tmp_path)])
+    reference = losses(tmp_path / "full_shard")
+    assert len(reference) == 3 and all(math.isfinite(v) for v in reference.values())
+    for name in SETUPS:
+        tolerance = 2e-2 if "bf16" in name else 1e-4
+        assert losses(tmp_path / name) == pytest.approx(reference, rel=tolerance), name
+        assert (tmp_path / name / "model" / "model.safetensors").is_file()

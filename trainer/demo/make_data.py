@@ -1,0 +1,95 @@
+"""Write the demo instruction data set: synthetic tasks a tiny model learns in minutes.
+
+python -m trainer.demo.make_data [--rows 3000] [--seed 0] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+from trainer.demo import DEMO_DATASET
+
+WORDS = (
+    "apple bird boat book cake car cat cloud corn cup desk dog door drum egg fish flag fox frog "
+    "glass goat hat hill horse house ice jam key kite lamp leaf lion map milk moon mouse nest "
+    "owl pen pig rain ring road rock rose salt sand ship shoe snow sock star stone sun tent tree "
+    "wall wind wolf"
+).split()
+WEEKDAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
+MONTHS = (
+    "January", "February", "March", "April", "May", "June",
+    "July", "August", "September", "October", "November", "December",
+)  # fmt: skip
+
+Example = tuple[str, str]
+
+
+def reverse_words(rng: random.Random) -> Example:
+    words = rng.sample(WORDS, 3)
+    return f"Reverse the list: {' '.join(words)}", " ".join(reversed(words))
+
+
+def uppercase_word(rng: random.Random) -> Example:
+    word = rng.choice(WORDS)
+    return f"Write in capitals: {word}", word.upper()
+
+
+def add_numbers(rng: random.Random) -> Example:
+    a, b = rng.randint(0, 9), rng.randint(0, 9)
+    return f"What is {a} plus {b}?", str(a + b)
+
+
+def next_weekday(rng: random.Random) -> Example:
+    i = rng.randrange(len(WEEKDAYS))
+    return f"Which day comes after {WEEKDAYS[i]}?", WEEKDAYS[(i + 1) % len(WEEKDAYS)]
+
+
+def next_month(rng: random.Random) -> Example:
+    i = rng.randrange(len(MONTHS))
+    return f"Which month comes after {MONTHS[i]}?", MONTHS[(i + 1) % len(MONTHS)]
+
+
+def repeat_word(rng: random.Random) -> Example:
+    word, n = rng.choice(WORDS), rng.randint(2, 4)
+    return f"Repeat {word} {n} times.", " ".join([word] * n)
+
+
+def sort_numbers(rng: random.Random) -> Example:
+    numbers = rng.sample(range(10), 3)
+    return f"Sort ascending: {' '.join(map(str, numbers))}", " ".join(map(str, sorted(numbers)))
+
+
+TASKS: tuple[Callable[[random.Random], Example], ...] = (
+    reverse_words, uppercase_word, add_numbers, next_weekday, next_month, repeat_word, sort_numbers,
+)  # fmt: skip
+
+
+def make_rows(rows: int, seed: int) -> list[dict[str, str]]:
+    """Return `rows` examples, cycling through the tasks so each is equally represented."""
+    rng = random.Random(seed)
+    examples = []
+    for i in range(rows):
+        prompt, response = TASKS[i % len(TASKS)](rng)
+        examples.append({"prompt": prompt, "response": response})
+    rng.shuffle(examples)
+    return examples
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=3000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=DEMO_DATASET)
+    args = parser.parse_args(argv)
+    with open(args.out, "w") as f:
+        for row in make_rows(args.rows, args.seed):
+            f.write(json.dumps(row) + "\n")
+    print(f"wrote {args.rows} rows to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

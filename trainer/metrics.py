@@ -1,0 +1,166 @@
+"""Throughput accounting (FLOPs per token, peak FLOPs, MFU) and the rank-0 metrics log."""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import PretrainedConfig
+
+# Dense bf16 peak per device (no sparsity), by a substring of the CUDA device name.
+PEAK_FLOPS_BY_DEVICE = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+def parameter_count(config: PretrainedConfig) -> dict[str, int]:
+    """Parameters of a Llama-shaped model, read off its config: embedding, blocks, head."""
+    hidden, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    q_size = config.num_attention_heads * head_dim
+    kv_size = config.num_key_value_heads * head_dim
+    attention = hidden * (q_size + 2 * kv_size) + q_size * hidden
+    if getattr(config, "attention_bias", False):
+        attention += q_size + 2 * kv_size + hidden
+    mlp = 3 * hidden * config.intermediate_size
+    if getattr(config, "mlp_bias", False):
+        mlp += 2 * config.intermediate_size + hidden
+    block = attention + mlp + 2 * hidden  # two RMSNorm weights
+    return {
+        "embedding": vocab * hidden,
+        "blocks": layers * block + hidden,  # plus the final norm
+        "lm_head": 0 if config.tie_word_embeddings else vocab * hidden,
+    }
+
+
+def flops_per_token(config: PretrainedConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x (params - input embedding) + 12 x layers x hidden x seq_len.
+
+    The input embedding is a lookup, not a matmul; a tied embedding still does the head's matmul,
+    so it is counted once, as the head.
+    """
+    counts = parameter_count(config)
+    matmul_params = counts["blocks"] + config.vocab_size * config.hidden_size
+    attention = 12 * config.num_hidden_layers * config.hidden_size * seq_len
+    return 6 * matmul_params + attention
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype, seconds: float = 0.3) -> float:
+    """FLOP/s of a square matmul, run for about `seconds`: the peak for devices with no spec."""
+    n = 512
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    torch.mm(a, b)  # warm up kernels and caches
+    iterations, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        torch.mm(a, b)
+        iterations += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return 2 * n**3 * iterations / (time.perf_counter() - start)
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    """(peak FLOP/s per device, where the number comes from), the same on every rank.
+
+    Known GPUs use their datasheet number; others measure a matmul in `dtype`, and CPUs in fp32,
+    their fastest path on most hosts.
+    """
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, flops in PEAK_FLOPS_BY_DEVICE.items():
+            if key in name:
+                return flops, f"spec:{key}"
+    else:
+        name, dtype = "cpu", torch.float32
+    measured = torch.tensor(measure_matmul_flops(device, dtype), dtype=torch.float64, device=device)
+    # Ranks measured at the same time, each under the others' load; their mean is the fair peak.
+    dist.all_reduce(measured)
+    source = f"measured:{name}-{str(dtype).removeprefix('torch.')}-matmul"
+    return measured.item() / dist.get_world_size(), source
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def format_duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+class MetricsLog:
+    """Rank 0 appends one JSON line per train step and per eval to `metrics.jsonl`."""
+
+    def __init__(
+        self,
+        output_dir: str,
+        rank: int,
+        max_steps: int,
+        log_interval: int,
+        resumed_from_step: int | None = None,
+    ):
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self.rank, self.max_steps, self.log_interval = rank, max_steps, log_interval
+        self.step_times: list[float] = []
+        self.train: list[dict[str, Any]] = []
+        if rank == 0:
+            self._keep_history_until(resumed_from_step)
+
+    def _keep_history_until(self, step: int | None) -> None:
+        """A fresh run starts an empty log; a resumed one drops what came after its checkpoint.
+
+        So the log holds each step once, as if the run had not been interrupted.
+        """
+        kept = []
+        if step is not None and self.path.is_file():
+            for line in self.path.read_text().splitlines():
+                try:
+                    if json.loads(line)["step"] <= step:
+                        kept.append(line + "\n")
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    continue  # a line torn by the crash that caused the restart
+        self.path.write_text("".join(kept))
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self.rank == 0:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def log_train(self, **record: Any) -> None:
+        record = {"type": "train", **record, "time": time.time()}
+        self.train.append(record)
+        self.step_times.append(record["step_time_s"])
+        self._write(record)
+        step = record["step"]
+        if self.rank == 0 and (step % self.log_interval == 0 or step == self.max_steps):
+            recent = self.step_times[-self.log_interval :]
+            eta = (self.max_steps - step) * sum(recent) / len(recent)
+            print(
+                f"step {step}/{self.max_steps} loss {record['loss']:.4f} lr {record['lr']:.2e} "
+                f"grad_norm {record['grad_norm']:.3f} tokens/s {record['tokens_per_s']:.0f} "
+                f"tflops/device {record['tflops_per_device']:.3f} mfu {record['mfu']:.1%} "
+                f"step {record['step_time_s']:.2f}s eta {format_duration(eta)}",
+                flush=True,
+            )
+
+    def log_eval(self, step: int, eval_loss: float) -> None:
+        self._write({"type": "eval", "step": step, "eval_loss": eval_loss, "time": time.time()})
+        if self.rank == 0:
+            print(f"step {step}/{self.max_steps} eval_loss {eval_loss:.4f}", flush=True)
+
+    def throughput_summary(self) -> dict[str, float | None]:
+        """Means over this run's steps after the first (which pays for warm-up)."""
+        steady = self.train[1:] or self.train
+        if not steady:
+            return {"tokens_per_s": None, "tflops_per_device": None, "mfu": None}
+        return {
+            key: sum(r[key] for r in steady) / len(steady)
+            for key in ("tokens_per_s", "tflops_per_device", "mfu")
+        }

@@ -1,0 +1,266 @@
+"""Fine-tune a causal LM with FSDP2. Run under torchrun, or alone as a world of one:
+
+torchrun --nproc-per-node 2 -m trainer.train --config cfg.json [--max_steps 10 ...]
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import transformers
+from torch.optim.lr_scheduler import LambdaLR
+from transformers import AutoTokenizer
+
+from trainer.checkpoint import Checkpointer
+from trainer.config import TrainConfig, parse_args
+from trainer.data import (
+    IGNORE_INDEX,
+    Batch,
+    DistributedSampler,
+    EvalBatches,
+    TrainBatches,
+    build_splits,
+)
+from trainer.export import export_hf
+from trainer.metrics import MetricsLog, flops_per_token, peak_flops, peak_memory_bytes
+from trainer.model import build_model
+from trainer.parallel import DistEnv, apply_parallelism, init_distributed
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    started = time.time()
+    config = parse_args(argv)
+    env = init_distributed()
+    try:
+        train(config, env, started)
+    finally:
+        dist.destroy_process_group()
+
+
+def train(config: TrainConfig, env: DistEnv, started: float) -> dict[str, Any] | None:
+    """The whole run; returns the summary on rank 0."""
+    output_dir = Path(config.output_dir)
+    if env.rank == 0:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        resolved = json.dumps(config.to_dict(), indent=2)
+        (output_dir / "trainer_config.resolved.json").write_text(resolved + "\n")
+        print(f"world size {env.world_size} on {env.device.type}; config:\n{resolved}", flush=True)
+    else:
+        transformers.logging.set_verbosity_error()
+    torch.manual_seed(config.seed)
+
+    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
+    pad_id = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+    splits = build_splits(config, tokenizer)
+    sampler = DistributedSampler(
+        len(splits.train), config.micro_batch, env.rank, env.world_size, config.seed
+    )
+    batches = TrainBatches(splits.train, sampler, pad_id)
+    evals = EvalBatches(splits.eval, config.micro_batch, env.rank, env.world_size, pad_id)
+    max_steps = config.max_steps or math.ceil(
+        config.epochs * sampler.batches_per_epoch / config.grad_accum
+    )
+    if env.rank == 0:
+        print(
+            f"data: {len(splits.train)} train rows, {len(splits.eval)} eval rows, skipped "
+            f"{splits.skipped_rows} rows (empty or missing fields, or no response within "
+            f"seq_len); {max_steps} steps",
+            flush=True,
+        )
+
+    model = build_model(config.model, config.seed, tokenizer)
+    model_config = model.config
+    token_flops = flops_per_token(model_config, config.seq_len)
+    apply_parallelism(model, config, env)
+    optimizer = build_optimizer(model, config, env.device)
+    scheduler = LambdaLR(
+        optimizer, warmup_cosine(config.warmup_steps, max_steps, config.min_lr_ratio)
+    )
+
+    checkpointer = Checkpointer(config.output_dir, config.keep_checkpoints, env.rank)
+    step, initial_eval_loss, resumed_from_step = 0, None, None
+    latest = checkpointer.latest()
+    if latest is not None:
+        state = checkpointer.load(latest, model, optimizer)
+        step = resumed_from_step = state["step"]
+        sampler.load_state_dict(state["sampler"])
+        scheduler.load_state_dict(state["scheduler"])
+        initial_eval_loss = state["initial_eval_loss"]
+        if env.rank == 0:
+            print(f"resumed from {latest}", flush=True)
+
+    compute_dtype = torch.bfloat16 if config.mixed_precision == "bf16" else torch.float32
+    peak, peak_source = peak_flops(env.device, compute_dtype)
+    log = MetricsLog(config.output_dir, env.rank, max_steps, config.log_interval, resumed_from_step)
+    eval_loss, last_eval_step = None, None
+    if initial_eval_loss is None:
+        initial_eval_loss = eval_loss = evaluate(model, evals, env.device)
+        last_eval_step = 0
+        log.log_eval(0, initial_eval_loss)
+
+    model.train()
+    while step < max_steps:
+        step_start = time.perf_counter()
+        micro_batches = [next(batches) for _ in range(config.grad_accum)]
+        loss, tokens = train_step(model, micro_batches, env)
+        grad_norm = clip_grad_norm(model, config.max_grad_norm)
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        step += 1
+        step_time = time.perf_counter() - step_start
+        tflops = token_flops * tokens / step_time / env.world_size / 1e12
+        log.log_train(
+            step=step,
+            loss=loss,
+            lr=lr,
+            grad_norm=grad_norm,
+            tokens=tokens,
+            tokens_per_s=tokens / step_time,
+            tflops_per_device=tflops,
+            mfu=tflops * 1e12 / peak,
+            step_time_s=step_time,
+            peak_memory_bytes=peak_memory_bytes(env.device),
+        )
+        if config.eval_interval and step % config.eval_interval == 0:
+            eval_loss, last_eval_step = evaluate(model, evals, env.device), step
+            log.log_eval(step, eval_loss)
+        if config.checkpoint_interval and step % config.checkpoint_interval == 0:
+            trainer_state = {
+                "sampler": sampler.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "initial_eval_loss": initial_eval_loss,
+            }
+            checkpointer.save(step, model, optimizer, trainer_state)
+
+    if last_eval_step != step:
+        eval_loss = evaluate(model, evals, env.device)
+        log.log_eval(step, eval_loss)
+    export_hf(model, model_config, tokenizer, output_dir / "model", env.rank, compute_dtype)
+
+    memory = torch.tensor(peak_memory_bytes(env.device), device=env.device)
+    dist.all_reduce(memory, op=dist.ReduceOp.MAX)
+    if env.rank != 0:
+        return None
+    summary = {
+        "initial_eval_loss": initial_eval_loss,
+        "final_eval_loss": eval_loss,
+        "steps": step,
+        **log.throughput_summary(),
+        "peak_memory_bytes": int(memory.item()),
+        "wall_time_s": time.time() - started,
+        "world_size": env.world_size,
+        "resumed_from_step": resumed_from_step,
+        "skipped_rows": splits.skipped_rows,
+        "train_rows": len(splits.train),
+        "eval_rows": len(splits.eval),
+        "flops_per_token": token_flops,
+        "peak_flops": peak,
+        "peak_flops_source": peak_source,
+        "config": config.to_dict(),
+    }
+    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(
+        f"done: {step} steps, eval loss {initial_eval_loss:.4f} -> {eval_loss:.4f}, "
+        f"{summary['wall_time_s']:.1f}s; model in {output_dir / 'model'}",
+        flush=True,
+    )
+    return summary
+
+
+def build_optimizer(
+    model: torch.nn.Module, config: TrainConfig, device: torch.device
+) -> torch.optim.Optimizer:
+    """AdamW; norms (1-D weights) take no weight decay."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": config.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda"
+    )
+
+
+def warmup_cosine(warmup_steps: int, max_steps: int, min_lr_ratio: float) -> Callable[[int], float]:
+    """LR multiplier for step i (0-based): linear warm-up, then cosine decay to min_lr_ratio."""
+
+    def multiplier(i: int) -> float:
+        if i < warmup_steps:
+            return (i + 1) / warmup_steps
+        progress = min(1.0, (i - warmup_steps) / max(1, max_steps - warmup_steps))
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return multiplier
+
+
+def token_loss_sum(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """Summed cross entropy of every labelled next-token prediction in the batch."""
+    logits = model(input_ids=batch.input_ids, use_cache=False).logits
+    return F.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(),
+        batch.labels[:, 1:].flatten(),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+
+
+def train_step(
+    model: torch.nn.Module, micro_batches: list[Batch], env: DistEnv
+) -> tuple[float, int]:
+    """Forward and backward over the micro batches; returns (mean loss per token, global tokens).
+
+    The loss is normalised by the labelled tokens of the whole global batch, so every token weighs
+    the same whatever its micro batch or rank; FSDP averages gradients over ranks, hence the
+    factor world_size.
+    """
+    counts = torch.tensor(
+        [
+            sum(int((b.labels[:, 1:] != IGNORE_INDEX).sum()) for b in micro_batches),
+            sum(b.num_tokens for b in micro_batches),
+        ],
+        dtype=torch.float64,
+        device=env.device,
+    )
+    dist.all_reduce(counts)
+    labelled_tokens, tokens = counts.tolist()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
+    for batch in micro_batches:
+        loss = token_loss_sum(model, batch.to(env.device))
+        (loss * env.world_size / labelled_tokens).backward()
+        loss_sum += loss.detach()
+    dist.all_reduce(loss_sum)
+    return loss_sum.item() / labelled_tokens, int(tokens)
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    # Sharded gradients give a DTensor norm; the full value is the same on every rank.
+    return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: Iterable[Batch], device: torch.device) -> float:
+    """Mean loss per labelled token over the whole eval split, all ranks together."""
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    for batch in batches:
+        batch = batch.to(device)
+        totals[0] += token_loss_sum(model, batch)
+        totals[1] += (batch.labels[:, 1:] != IGNORE_INDEX).sum()
+    dist.all_reduce(totals)
+    model.train()
+    return (totals[0] / totals[1]).item()
+
+
+if __name__ == "__main__":
+    main()
