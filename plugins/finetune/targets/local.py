@@ -1,0 +1,344 @@
+"""The `local` target: this machine is the cluster.
+
+Nodes are torchrun agents on this machine, the rendezvous is a local etcd (or torch's c10d store
+when etcd is not installed), the image is this checkout's trainer/ in this Python environment.
+State that later tasks need (etcd's pid, the trainer processes) is kept in <run_dir>/state/.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from finetune import REPO_ROOT
+from finetune.config import BUILTIN_MODELS, EVAL_FRACTION, RunConfig, local_cpu_count, resolve_path
+from finetune.etcd import LocalEtcd, delete_rendezvous_keys, etcd_binary, free_port
+from finetune.image import image_tag, local_environment
+from finetune.report import write_report
+from finetune.targets import Target
+
+log = logging.getLogger(__name__)
+
+LOG_TAIL_LINES = 40
+
+
+def gpu_count() -> int:
+    """GPUs on this machine, from nvidia-smi (no CUDA initialisation in the Airflow process)."""
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        visible = os.environ["CUDA_VISIBLE_DEVICES"].strip()
+        if not visible or visible == "-1":
+            return 0
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return 0
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30, check=True)
+    except (subprocess.SubprocessError, OSError):
+        return 0
+    count = sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        count = min(count, len(os.environ["CUDA_VISIBLE_DEVICES"].split(",")))
+    return count
+
+
+def local_resources(nodes: int, procs_per_node: int) -> dict[str, Any]:
+    """What a run of nodes x procs_per_node would use here, or why it cannot run."""
+    cpus, gpus = local_cpu_count(), gpu_count()
+    world = nodes * procs_per_node
+    device = "cuda" if gpus else "cpu"
+    capacity = gpus if gpus else cpus
+    return {
+        "device": device, "cpus": cpus, "gpus": gpus, "processes": world,
+        "capacity": capacity, "fits": world <= capacity,
+        "threads_per_process": max(1, cpus // world),
+    }
+
+
+def _state_dir(cfg: RunConfig) -> Path:
+    path = Path(cfg.run_dir) / "state"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _write_state(cfg: RunConfig, name: str, data: dict) -> None:
+    path = _state_dir(cfg) / f"{name}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(path)
+
+
+def _read_state(cfg: RunConfig, name: str) -> dict | None:
+    path = Path(cfg.run_dir) / "state" / f"{name}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def trainer_config(cfg: RunConfig) -> dict[str, Any]:
+    """The trainer's JSON config (trainer/config.py TrainConfig) for this run."""
+    model = cfg.model if cfg.model in BUILTIN_MODELS or not resolve_path(cfg.model).is_dir() \
+        else str(resolve_path(cfg.model))
+    return {
+        "model": model,
+        "tokenizer": str(resolve_path(cfg.tokenizer)) if cfg.tokenizer else None,
+        "dataset": str(resolve_path(cfg.dataset)),
+        "dataset_format": cfg.dataset_format,
+        "text_field": cfg.text_field or None,
+        "prompt_field": cfg.prompt_field,
+        "response_field": cfg.response_field,
+        "seq_len": cfg.seq_len,
+        "micro_batch": cfg.micro_batch,
+        "grad_accum": cfg.grad_accum,
+        "lr": cfg.lr,
+        "warmup_steps": cfg.warmup_steps,
+        "max_steps": cfg.max_steps,
+        "epochs": cfg.epochs,
+        "seed": cfg.seed,
+        "strategy": cfg.strategy,
+        "shard_group_size": cfg.shard_group_size,
+        "mixed_precision": cfg.mixed_precision,
+        "activation_checkpointing": cfg.activation_checkpointing,
+        "eval_interval": cfg.eval_interval,
+        "eval_fraction": EVAL_FRACTION,
+        "checkpoint_interval": cfg.checkpoint_interval,
+        "output_dir": cfg.run_dir,
+    }
+
+
+def _trainer_processes(config_path: str) -> list[int]:
+    """Pids of processes (agents and workers) running with this run's trainer config."""
+    needle = config_path.encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if needle in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def stop_processes(pids: list[int], timeout: float = 15.0) -> list[int]:
+    """SIGTERM, wait, then SIGKILL what is left; returns the pids that were running."""
+    running = []
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+            running.append(pid)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(_alive(p) for p in running):
+        time.sleep(0.2)
+    for pid in running:
+        if _alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return running
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+class LocalTarget(Target):
+    name = "local"
+
+    def check(self, values: dict[str, Any]) -> list[tuple[str, str]]:
+        res = local_resources(values["nodes"], values["procs_per_node"])
+        if res["fits"]:
+            return []
+        unit = "GPUs" if res["device"] == "cuda" else "CPU cores"
+        return [("procs_per_node", (
+            f"nodes x procs_per_node = {res['processes']} processes do not fit this machine: "
+            f"it has {res['capacity']} {unit}; allowed: at most {res['capacity']} in total"))]
+
+    def snapshot(self, cfg: RunConfig) -> dict:
+        Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+        return {"target": self.name, "run_dir": cfg.run_dir}
+
+    def scale_up(self, cfg: RunConfig) -> dict:
+        res = local_resources(cfg.nodes, cfg.procs_per_node)
+        if not res["fits"]:
+            raise RuntimeError(f"{res['processes']} processes no longer fit this machine "
+                               f"({res['capacity']} available)")
+        log.info("local target: %d node(s) x %d process(es) on %s; this machine has %d CPU "
+                 "cores and %d GPUs; %d thread(s) per process", cfg.nodes, cfg.procs_per_node,
+                 res["device"], res["cpus"], res["gpus"], res["threads_per_process"])
+        _write_state(cfg, "resources", res)
+        return res
+
+    def build_image(self, cfg: RunConfig) -> dict:
+        tag = image_tag()
+        env = local_environment()
+        (Path(cfg.run_dir) / "environment.json").write_text(
+            json.dumps({"image_tag": tag, **env}, indent=2))
+        log.info("trainer content hash (image tag) %s; torch %s, transformers %s, datasets %s",
+                 tag, env["torch"], env["transformers"], env["datasets"])
+        return {"image_tag": tag, "image": f"local/finetune-trainer:{tag}"}
+
+    def reset_etcd(self, cfg: RunConfig) -> dict:
+        endpoint, started = cfg.rdzv_endpoint, False
+        if not endpoint:
+            binary = etcd_binary()
+            if binary is None:
+                port = free_port()
+                log.warning("etcd is not installed: falling back to torch's c10d rendezvous "
+                            "store on 127.0.0.1:%d (install etcd-server for the etcd path)",
+                            port)
+                return {"backend": "c10d", "endpoint": f"127.0.0.1:{port}",
+                        "rdzv_id": cfg.rdzv_id, "started_etcd": False}
+            server = LocalEtcd.start(binary, Path(cfg.run_dir) / "logs")
+            _write_state(cfg, "etcd", server.to_dict())
+            endpoint, started = server.endpoint, True
+            log.info("started etcd (pid %d) on %s", server.pid, endpoint)
+        deleted = delete_rendezvous_keys(endpoint, cfg.rdzv_id)
+        log.info("rendezvous id %s: deleted %d stale key(s) on etcd %s", cfg.rdzv_id,
+                 len(deleted), endpoint)
+        return {"backend": "etcd-v2", "endpoint": endpoint, "rdzv_id": cfg.rdzv_id,
+                "started_etcd": started, "deleted_keys": len(deleted)}
+
+    def train(self, cfg: RunConfig, image: dict, rendezvous: dict) -> dict:
+        run_dir = Path(cfg.run_dir)
+        config_path = run_dir / "trainer_config.json"
+        config_path.write_text(json.dumps(trainer_config(cfg), indent=2))
+        res = local_resources(cfg.nodes, cfg.procs_per_node)
+        log_path = run_dir / "train.log"
+        tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
+        lock = threading.Lock()
+        procs: list[subprocess.Popen] = []
+        started = time.time()
+        try:
+            with log_path.open("a") as log_file:
+                for node in range(cfg.nodes):
+                    procs.append(self._start_agent(cfg, node, res, rendezvous, config_path))
+                _write_state(cfg, "train", {"agents": [p.pid for p in procs],
+                                            "config": str(config_path)})
+                readers = [threading.Thread(target=_stream, daemon=True,
+                                            args=(p, f"[node {i}] " if cfg.nodes > 1 else "",
+                                                  log_file, tail, lock))
+                           for i, p in enumerate(procs)]
+                for r in readers:
+                    r.start()
+                codes = _wait_all(procs)
+                for r in readers:
+                    r.join(timeout=10)
+        finally:
+            # On failure or when this task is killed, no torchrun agent or worker outlives it.
+            stop_processes([p.pid for p in procs if p.poll() is None])
+            stop_processes(_trainer_processes(str(config_path)))
+        failed = [(i, c) for i, c in enumerate(codes) if c != 0]
+        if failed:
+            node, code = failed[0]
+            last = "\n".join(tail)
+            raise RuntimeError(f"training failed: node {node} exited with code {code}; last "
+                               f"{len(tail)} lines of {log_path}:\n{last}")
+        model_dir = run_dir / "model"
+        return {"model_dir": str(model_dir), "train_log": str(log_path),
+                "wall_time_s": round(time.time() - started, 1), "image_tag": image["image_tag"],
+                "rendezvous": {k: rendezvous[k] for k in ("backend", "rdzv_id")},
+                "resources": res}
+
+    def _start_agent(self, cfg: RunConfig, node: int, res: dict, rendezvous: dict,
+                     config_path: Path) -> subprocess.Popen:
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run",
+            "--nnodes", str(cfg.nodes), "--nproc-per-node", str(cfg.procs_per_node),
+            "--rdzv-backend", rendezvous["backend"], "--rdzv-endpoint", rendezvous["endpoint"],
+            "--rdzv-id", rendezvous["rdzv_id"], "--max-restarts", str(cfg.max_restarts),
+            "-m", "trainer.train", "--config", str(config_path),
+        ]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        env["OMP_NUM_THREADS"] = str(res["threads_per_process"])
+        env["PYTHONUNBUFFERED"] = "1"
+        if res["device"] == "cuda":
+            first = node * cfg.procs_per_node
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(
+                str(i) for i in range(first, first + cfg.procs_per_node))
+            env.setdefault("NCCL_NVLS_ENABLE", "0")
+        log.info("starting torchrun agent %d: %s", node, " ".join(cmd))
+        return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+                                bufsize=1, errors="replace")
+
+    def collect_metrics(self, cfg: RunConfig, trained: dict) -> dict:
+        report = write_report(Path(cfg.run_dir), run_id=cfg.run_id, status="success",
+                              config=cfg.to_dict(), stages={"train": trained})
+        return _summary(cfg, report)
+
+    def teardown(self, cfg: RunConfig, snapshot: dict) -> dict:
+        run_dir = Path(cfg.run_dir)
+        stopped: dict[str, Any] = {}
+        train_state = _read_state(cfg, "train")
+        if train_state:
+            pids = [p for p in train_state["agents"] if _alive(p)]
+            pids += _trainer_processes(train_state["config"])
+            stopped["trainer_processes"] = stop_processes(sorted(set(pids)))
+        etcd_state = _read_state(cfg, "etcd")
+        if etcd_state:
+            server = LocalEtcd(**etcd_state)
+            stopped["etcd"] = server.is_running()
+            server.stop()
+        if run_dir.is_dir() and not (run_dir / "report.json").exists():
+            # The run failed before collect_metrics: still leave a report of what it did.
+            report = write_report(run_dir, run_id=cfg.run_id, status="failed",
+                                  config=cfg.to_dict())
+            stopped["report"] = _summary(cfg, report)
+        log.info("teardown: %s; outputs kept in %s", stopped or "nothing was running", run_dir)
+        return stopped
+
+
+def _summary(cfg: RunConfig, report: dict) -> dict:
+    run_dir = Path(cfg.run_dir)
+    model = run_dir / "model"
+    return {"status": report["status"], "run_dir": str(run_dir),
+            "model_dir": str(model) if model.is_dir() else None,
+            "report_json": str(run_dir / "report.json"),
+            "report_html": str(run_dir / "report.html"), "metrics": report["metrics"]}
+
+
+def _stream(proc: subprocess.Popen, prefix: str, log_file: Any, tail: collections.deque,
+            lock: threading.Lock) -> None:
+    """Copy a torchrun agent's output into the task log and the run's train.log, line by line."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        line = prefix + line.rstrip("\n")
+        with lock:
+            log.info("%s", line)
+            log_file.write(line + "\n")
+            log_file.flush()
+            tail.append(line)
+
+
+def _wait_all(procs: list[subprocess.Popen]) -> list[int]:
+    """Wait for every agent; when one fails, stop the others instead of letting them hang."""
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            return [int(c) for c in codes]
+        if any(c not in (None, 0) for c in codes):
+            stop_processes([p.pid for p in procs if p.poll() is None])
+        time.sleep(0.5)

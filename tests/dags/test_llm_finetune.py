@@ -1,0 +1,148 @@
+"""The llm_finetune DAG, run for real through Airflow on the local target."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from finetune.demo import load_dag, run_dag, task_results
+from finetune.etcd import LocalEtcd, etcd_binary, is_healthy
+from finetune.names import run_dir_name
+from finetune.targets.local import _trainer_processes
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DAG_FILE = REPO_ROOT / "dags" / "llm_finetune.py"
+STAGES = ["validate", "snapshot", "scale_up", "build_image", "reset_etcd", "train",
+          "collect_metrics", "teardown"]
+# A short run: enough steps to see learning, few enough for the test suite.
+FAST = {"max_steps": 24, "seq_len": 96, "eval_interval": 12, "checkpoint_interval": 12,
+        "warmup_steps": 4}
+
+
+def run_dir_of(dag_run, output_dir: Path) -> Path:
+    return output_dir / run_dir_name(dag_run.run_id)
+
+
+def assert_etcd_stopped(run_dir: Path) -> None:
+    server = LocalEtcd(**json.loads((run_dir / "state" / "etcd.json").read_text()))
+    assert not server.is_running()
+    assert not is_healthy(server.endpoint)
+    assert not Path(server.data_dir).exists()
+
+
+def test_dag_file_imports_without_errors_and_without_torch_or_transformers():
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('dag_under_test', {str(DAG_FILE)!r})\n"
+        "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'transformers', 'datasets'))\n"
+        "print('HEAVY', heavy)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert "HEAVY []" in out.stdout, out.stdout + out.stderr
+
+
+def test_dag_wires_the_stages_with_a_guaranteed_teardown():
+    dag = load_dag()
+    assert sorted(dag.task_ids) == sorted(STAGES)
+    assert type(dag.timetable).__name__ == "NullTimetable"  # triggered: form, REST, CLI
+    up = {t: set(dag.get_task(t).upstream_task_ids) for t in STAGES}
+    assert up["snapshot"] == {"validate"}
+    assert up["scale_up"] == {"validate", "snapshot"}
+    assert up["build_image"] == up["reset_etcd"] == {"validate", "scale_up"}
+    assert up["train"] == {"validate", "build_image", "reset_etcd"}
+    assert up["collect_metrics"] == {"validate", "train"}
+    assert up["teardown"] == {"validate", "snapshot", "collect_metrics"}
+    assert dag.get_task("snapshot").is_setup
+    assert dag.get_task("teardown").is_teardown
+
+
+def test_full_local_run_trains_a_model_transformers_loads_and_writes_the_report(tmp_path):
+    conf = {**FAST, "output_dir": str(tmp_path), "procs_per_node": 2}
+    dag_run = run_dag(conf)
+    states = task_results(dag_run)
+    assert str(dag_run.state) == "success", states
+    assert set(states.values()) == {"success"}
+
+    run_dir = run_dir_of(dag_run, tmp_path)
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["status"] == "success"
+    assert report["config"]["procs_per_node"] == 2
+    metrics = report["metrics"]
+    for key in ("initial_eval_loss", "final_eval_loss", "tokens_per_s", "mfu",
+                "peak_memory_bytes"):
+        assert metrics[key] is not None and metrics[key] > 0, key
+    assert metrics["final_eval_loss"] < metrics["initial_eval_loss"]
+    html = (run_dir / "report.html").read_text()
+    assert "<svg" in html and "polyline" in html
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "model")
+    tokenizer = AutoTokenizer.from_pretrained(run_dir / "model")
+    ids = tokenizer("### Instruction:\nhello", return_tensors="pt").input_ids
+    assert model(ids).logits.shape[-1] == model.config.vocab_size
+
+    # teardown stopped the run's etcd and left no trainer process behind
+    if etcd_binary() is not None:
+        assert_etcd_stopped(run_dir)
+    assert _trainer_processes(str(run_dir / "trainer_config.json")) == []
+    train_log = (run_dir / "train.log").read_text()
+    assert "step" in train_log
+
+
+SEMANTIC_BAD_CONFS = [
+    ({"procs_per_node": 64}, "procs_per_node"),
+    ({"dataset": "no/such/file.jsonl"}, "dataset"),
+    ({"micro_batch": 4000}, "micro_batch"),
+]
+
+
+@pytest.mark.parametrize(("conf", "field"), SEMANTIC_BAD_CONFS,
+                         ids=[c[1] for c in SEMANTIC_BAD_CONFS])
+def test_bad_conf_fails_in_validate_and_no_later_stage_runs(tmp_path, conf, field, capfd):
+    dag_run = run_dag({**conf, "output_dir": str(tmp_path)})
+    captured = capfd.readouterr()
+    assert f"- {field}: " in captured.out + captured.err  # the task log names the field
+    states = task_results(dag_run)
+    assert str(dag_run.state) == "failed"
+    assert states["validate"] == "failed"
+    assert all(states[t] in ("upstream_failed", "None", "skipped") for t in STAGES[1:]), states
+    assert list(tmp_path.iterdir()) == []  # nothing was created
+
+
+def test_conf_outside_the_form_schema_is_refused_before_the_run_starts(tmp_path):
+    from airflow.sdk.exceptions import ParamValidationError
+
+    with pytest.raises(ParamValidationError, match="nodes"):
+        run_dag({"nodes": 0, "output_dir": str(tmp_path)})
+
+
+def test_teardown_stops_etcd_and_trainers_when_train_fails(tmp_path):
+    if etcd_binary() is None:
+        pytest.skip("needs etcd to check that teardown stops it")
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{ this is not json")
+    out = tmp_path / "runs"
+    dag_run = run_dag({**FAST, "model": str(broken), "tokenizer": "trainer/demo/tokenizer",
+                       "output_dir": str(out), "procs_per_node": 2})
+    states = task_results(dag_run)
+    assert str(dag_run.state) == "failed"
+    assert states["train"] == "failed"
+    assert states["collect_metrics"] == "upstream_failed"
+    assert states["teardown"] == "success"
+
+    run_dir = run_dir_of(dag_run, out)
+    assert_etcd_stopped(run_dir)
+    train_log = (run_dir / "train.log").read_text()
+    assert "config.json" in train_log or "JSON" in train_log
+    assert _trainer_processes(str(run_dir / "trainer_config.json")) == []
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["status"] == "failed"

@@ -1,0 +1,180 @@
+"""validate_params: each bad value is refused naming the field; good params give a RunConfig."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from finetune.config import (
+    BUILTIN_MODELS,
+    PARAM_SPECS,
+    ConfigError,
+    RunConfig,
+    default_params,
+    local_cpu_count,
+    validate_params,
+)
+from finetune.names import dns_label, run_dir_name
+from finetune.params import dag_params
+from finetune.targets.local import trainer_config
+
+
+def _data_file(tmp_path, rows: int) -> str:
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"q{i}", "response": f"a{i}"}) + "\n"
+                            for i in range(rows)))
+    return str(path)
+
+
+# (conf overrides, field that must be named, a word the message must contain)
+BAD_CONFS = [
+    ({"target": "gcp"}, "target", "allowed: local, eks"),
+    ({"target": "eks"}, "target", "not available"),
+    ({"strategy": "ZERO3"}, "strategy", "FULL_SHARD"),
+    ({"nodes": 0}, "nodes", ">= 1"),
+    ({"nodes": -3}, "nodes", ">= 1"),
+    ({"procs_per_node": 10_000}, "procs_per_node", "<= 64"),
+    ({"procs_per_node": 64}, "procs_per_node", "do not fit this machine"),
+    ({"lr": 0}, "lr", "> 0"),
+    ({"lr": -1e-4}, "lr", "> 0"),
+    ({"lr": float("nan")}, "lr", "finite"),
+    ({"seq_len": "long"}, "seq_len", "positive integer"),
+    ({"seq_len": 1.5}, "seq_len", "positive integer"),
+    ({"seq_len": 0}, "seq_len", ">= 8"),
+    ({"micro_batch": True}, "micro_batch", "integer"),
+    ({"model": "/no/such/model"}, "model", "built-in config"),
+    ({"model": "not a model"}, "model", "tiny-llama"),
+    ({"dataset": "missing/data.jsonl"}, "dataset", "does not exist"),
+    ({"dataset": ""}, "dataset", "empty"),
+    ({"dataset": "s3://bucket/data.jsonl"}, "dataset", "target eks"),
+    ({"dataset_format": "xml"}, "dataset_format", "jsonl"),
+    ({"mixed_precision": "fp8"}, "mixed_precision", "bf16"),
+    ({"activation_checkpointing": "some"}, "activation_checkpointing", "full"),
+    ({"micro_batch": 4000}, "micro_batch", "too large for the data"),
+    ({"strategy": "HYBRID_SHARD", "procs_per_node": 2, "shard_group_size": 3},
+     "shard_group_size", "does not divide"),
+    ({"shard_group_size": 2}, "shard_group_size", "HYBRID_SHARD only"),
+    ({"text_field": "", "prompt_field": ""}, "text_field", "prompt_field"),
+    ({"warmup_steps": -1}, "warmup_steps", ">= 0"),
+    ({"rdzv_endpoint": "localhost"}, "rdzv_endpoint", "host:port"),
+    ({"output_dir": "s3://bucket/runs"}, "output_dir", "target eks"),
+    ({"max_stepz": 10}, "max_stepz", "unknown parameter"),
+]
+
+
+@pytest.mark.parametrize(("conf", "field", "needle"), BAD_CONFS,
+                         ids=[f"{c[1]}-{i}" for i, c in enumerate(BAD_CONFS)])
+def test_bad_param_is_refused_naming_the_field(conf, field, needle):
+    with pytest.raises(ConfigError) as err:
+        validate_params(conf, run_id="manual__bad")
+    fields = [f for f, _ in err.value.errors]
+    assert field in fields, err.value
+    message = dict(err.value.errors)[field]
+    assert needle in message, message
+    assert f"- {field}: " in str(err.value)
+
+
+def test_all_errors_are_reported_at_once():
+    with pytest.raises(ConfigError) as err:
+        validate_params({"nodes": 0, "lr": -1, "strategy": "X"}, run_id="r")
+    assert {f for f, _ in err.value.errors} == {"nodes", "lr", "strategy"}
+
+
+def test_defaults_give_a_valid_config_for_this_machine():
+    if local_cpu_count() < 2:
+        pytest.skip("the defaults use 2 processes")
+    cfg = validate_params({}, run_id="manual__2026-11-29T10:00:00+00:00")
+    assert cfg.target == "local" and cfg.model == "tiny-llama"
+    assert cfg.world_size == 2
+    assert cfg.run_name == run_dir_name(cfg.run_id)
+    assert cfg.run_dir.endswith("/runs/" + cfg.run_name)
+
+
+def test_run_config_is_immutable_and_round_trips_through_json():
+    cfg = validate_params({"procs_per_node": 1}, run_id="r1")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.lr = 1.0  # type: ignore[misc]
+    assert RunConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+def test_integer_learning_rate_and_padded_strings_are_normalised():
+    cfg = validate_params({"lr": 1, "strategy": " FULL_SHARD ", "procs_per_node": 1},
+                          run_id="r")
+    assert cfg.lr == 1.0 and isinstance(cfg.lr, float)
+    assert cfg.strategy == "FULL_SHARD"
+
+
+def test_micro_batch_check_counts_training_rows_after_the_eval_split(tmp_path):
+    data = _data_file(tmp_path, 20)  # 1 eval row, 19 training rows
+    validate_params({"dataset": data, "micro_batch": 19, "procs_per_node": 1}, run_id="r")
+    with pytest.raises(ConfigError, match="19 training rows"):
+        validate_params({"dataset": data, "micro_batch": 20, "procs_per_node": 1}, run_id="r")
+
+
+def test_empty_data_set_is_refused(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n")
+    with pytest.raises(ConfigError, match="has no rows"):
+        validate_params({"dataset": str(path), "procs_per_node": 1}, run_id="r")
+
+
+def test_model_directory_needs_a_config_json(tmp_path):
+    with pytest.raises(ConfigError, match="no config.json"):
+        validate_params({"model": str(tmp_path), "procs_per_node": 1}, run_id="r")
+    (tmp_path / "config.json").write_text("{}")
+    assert validate_params({"model": str(tmp_path), "procs_per_node": 1}, run_id="r")
+
+
+def test_hub_ids_are_accepted_as_models():
+    cfg = validate_params({"model": "meta-llama/Llama-3.2-1B", "procs_per_node": 1}, run_id="r")
+    assert cfg.model == "meta-llama/Llama-3.2-1B"
+
+
+def test_every_param_has_a_form_entry_with_title_description_and_section():
+    params = dag_params()
+    assert list(params) == [s.name for s in PARAM_SPECS]
+    for name, param in params.items():
+        schema = param.schema
+        assert schema["title"] and param.description and schema["section"], name
+    assert params["target"].schema["enum"] == ["local", "eks"]
+    assert params["strategy"].schema["enum"] == [
+        "FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
+    assert params["nodes"].schema["minimum"] == 1
+
+
+def test_form_defaults_are_the_validated_defaults():
+    assert {k: p.value for k, p in dag_params().items()} == default_params()
+
+
+def test_run_dir_names_are_safe_and_distinct_for_distinct_run_ids():
+    a = run_dir_name("manual__2026-11-29T10:00:00+00:00")
+    b = run_dir_name("manual__2026-11-29T10:00:00-00:00")
+    assert a != b
+    for name in (a, b, run_dir_name("ünïcode run / with spaces"), run_dir_name("../../etc")):
+        assert "/" not in name and not name.startswith(".") and name
+
+
+def test_rendezvous_ids_are_dns_labels_unique_per_run():
+    ids = {dns_label("llm_finetune", f"manual__2026-11-29T10:00:0{i}+00:00") for i in range(5)}
+    assert len(ids) == 5
+    long_id = dns_label("llm_finetune", "x" * 500 + "Ä b")
+    for rid in ids | {long_id}:
+        assert len(rid) <= 63
+        assert rid.replace("-", "").isalnum() and rid == rid.lower()
+        assert not rid.startswith("-") and not rid.endswith("-")
+
+
+def test_trainer_config_uses_only_fields_the_trainer_knows():
+    from trainer.config import TrainConfig
+
+    cfg = validate_params({"procs_per_node": 1}, run_id="r")
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    assert set(trainer_config(cfg)) <= known
+
+
+def test_builtin_model_names_match_the_trainer():
+    from trainer.model import BUILTIN_CONFIGS
+
+    assert set(BUILTIN_MODELS) == set(BUILTIN_CONFIGS)
