@@ -19,8 +19,9 @@ from trainer.model import BUILTIN_CONFIGS
 
 DatasetFormat = Literal["auto", "jsonl", "json", "parquet", "csv"]
 Strategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
-MixedPrecision = Literal["bf16", "fp32"]
-ActivationCheckpointing = Literal["none", "full"]
+MixedPrecision = Literal["bf16", "fp16", "fp32"]
+ActivationCheckpointing = Literal["none", "full", "selective"]
+PromptTemplate = Literal["instruction", "chat"]
 
 
 @dataclass(frozen=True)
@@ -31,9 +32,12 @@ class TrainConfig:
     tokenizer: str | None = None
     dataset: str = str(DEMO_DATASET)
     dataset_format: DatasetFormat = "auto"
+    dataset_split: str = "train"  # for hub data sets
     text_field: str | None = None
     prompt_field: str = "prompt"
     response_field: str = "response"
+    prompt_template: PromptTemplate = "instruction"  # chat: the tokenizer's chat template
+    packing: bool = False  # pack examples to seq_len; no attention across documents
     seq_len: int = 128
     micro_batch: int = 8
     grad_accum: int = 1
@@ -48,6 +52,11 @@ class TrainConfig:
     shard_group_size: int = 0
     mixed_precision: MixedPrecision = "fp32"
     activation_checkpointing: ActivationCheckpointing = "none"
+    selective_ac: str = "op"  # selective: "op" (save matmul outputs) or k (every k-th block)
+    activation_offload: bool = False  # saved activations to CPU memory
+    cpu_offload: bool = False  # parameters, gradients and optimizer step on CPU (FSDP2 policy)
+    compile: bool = False  # torch.compile each decoder block
+    tp_degree: int = 1  # tensor (and sequence) parallel degree: a 2-D mesh with FSDP
     eval_interval: int = 50
     eval_fraction: float = 0.05
     checkpoint_interval: int = 0
@@ -80,6 +89,7 @@ _RANGES: dict[str, tuple[str, Callable[[float], bool]]] = {
     "epochs": ("> 0", lambda v: v > 0),
     "seed": (">= 0", lambda v: v >= 0),
     "shard_group_size": (">= 0", lambda v: v >= 0),
+    "tp_degree": (">= 1", lambda v: v >= 1),
     "eval_interval": (">= 0", lambda v: v >= 0),
     "eval_fraction": ("> 0 and < 1", lambda v: 0 < v < 1),
     "checkpoint_interval": (">= 0", lambda v: v >= 0),
@@ -110,6 +120,12 @@ def _coerce(name: str, hint: Any, value: Any) -> Any:
         choices = typing.get_args(hint)
         if value not in choices:
             raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+        return value
+    if hint is bool:
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+            return value.lower() in ("true", "1")
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be true or false, got {value!r}")
         return value
     if hint is str:
         if not isinstance(value, str):
