@@ -17,13 +17,18 @@ from pathlib import Path
 from typing import Any
 
 from finetune import REPO_ROOT
+from finetune.instance_types import INSTANCE_TYPES
 from finetune.names import dns_label, run_dir_name
 
 TARGETS = ("local", "eks")
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
-MIXED_PRECISION = ("bf16", "fp32")
-ACTIVATION_CHECKPOINTING = ("none", "full")
+MIXED_PRECISION = ("bf16", "fp16", "fp32")
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+PROMPT_TEMPLATES = ("instruction", "chat")
 DATASET_FORMATS = ("auto", "jsonl", "json", "parquet", "csv")
+# torchrun rendezvous backends the training operator passes on (elasticPolicy.rdzvBackend).
+RDZV_BACKENDS = ("etcd-v2", "etcd", "c10d")
+ETCD_RESETS = ("keys", "restart")
 # Model configs the trainer builds from scratch (trainer/model.py BUILTIN_CONFIGS; a test keeps
 # the two lists equal, since Airflow workers do not have the trainer package installed).
 BUILTIN_MODELS = ("tiny-llama", "llama-1b", "llama-3b", "llama-8b")
@@ -76,15 +81,23 @@ PARAM_SPECS: tuple[ParamSpec, ...] = (
        "Directory with tokenizer files. Empty: the model's own (the demo tokenizer for "
        "built-in configs)."),
     _S("dataset", "trainer/demo/instructions.jsonl", "string", "Data", "Data set",
-       "A jsonl, json, parquet or csv file (relative paths are from the repository root)."),
+       "A jsonl, json, parquet or csv file or a directory of them (relative paths are from the "
+       "repository root), an s3://bucket/key URI (file or prefix), or a hub name (org/name)."),
     _S("dataset_format", "auto", "string", "Data", "Data set format",
        "`auto` picks the format from the file extension.", enum=DATASET_FORMATS),
+    _S("dataset_split", "train", "string", "Data", "Split",
+       "Split of a Hugging Face hub data set (files and s3:// use all their rows)."),
     _S("text_field", "", "string", "Data", "Text field",
        "Field holding plain text to train on. Empty: use the prompt and response fields."),
     _S("prompt_field", "prompt", "string", "Data", "Prompt field",
        "Field holding the instruction; the loss is not computed on it."),
     _S("response_field", "response", "string", "Data", "Response field",
        "Field holding the answer the model learns to give."),
+    _S("prompt_template", "instruction", "string", "Data", "Prompt template",
+       "instruction: '### Instruction: ... ### Response:'; chat: the tokenizer's chat template "
+       "(user = prompt, assistant = response).", enum=PROMPT_TEMPLATES),
+    _S("packing", False, "boolean", "Data", "Packing",
+       "Pack examples into full sequences; no token attends to another example."),
     _S("nodes", 1, "integer", "Resources", "Nodes",
        "Nodes (local: torchrun agents on this machine).", minimum=1, maximum=128),
     _S("procs_per_node", 2, "integer", "Resources", "Processes per node",
@@ -103,12 +116,27 @@ PARAM_SPECS: tuple[ParamSpec, ...] = (
     _S("shard_group_size", 0, "integer", "Parallelism", "Shard group size",
        "HYBRID_SHARD only: processes per shard group; 0 means processes per node.",
        minimum=0, maximum=8192),
-    _S("mixed_precision", "fp32", "string", "Parallelism", "Mixed precision",
+    _S("tp_degree", 1, "integer", "Parallelism", "Tensor parallel degree",
+       "Tensor (and sequence) parallel processes per model replica, for long sequences; "
+       "FSDP shards across the rest. Must divide the processes per node.",
+       minimum=1, maximum=64),
+    _S("mixed_precision", "fp32", "string", "Memory and speed", "Mixed precision",
        "bf16: bf16 compute with fp32 master weights and fp32 gradient reduction (GPUs). "
-       "fp32: full precision (the fast choice on CPUs).", enum=MIXED_PRECISION),
-    _S("activation_checkpointing", "none", "string", "Parallelism", "Activation checkpointing",
-       "full: recompute every decoder block's activations in backward to save memory.",
+       "fp16: fp16 compute with a gradient scaler. fp32: full precision (the fast choice on "
+       "CPUs).", enum=MIXED_PRECISION),
+    _S("activation_checkpointing", "none", "string", "Memory and speed",
+       "Activation checkpointing",
+       "full: recompute every decoder block in backward; selective: see below.",
        enum=ACTIVATION_CHECKPOINTING),
+    _S("selective_ac", "op", "string", "Memory and speed", "Selective checkpointing",
+       "With selective checkpointing: `op` keeps matmul outputs and recomputes the rest, or a "
+       "number k checkpoints every k-th block."),
+    _S("activation_offload", False, "boolean", "Memory and speed", "Offload activations",
+       "Keep saved activations in CPU memory until backward."),
+    _S("cpu_offload", False, "boolean", "Memory and speed", "Offload parameters",
+       "Parameters, gradients and the optimizer step on the CPU (FSDP2 CPU offload)."),
+    _S("compile", False, "boolean", "Memory and speed", "torch.compile",
+       "Compile each decoder block with torch.compile."),
     _S("seq_len", 128, "integer", "Training", "Sequence length",
        "Tokens per sequence; longer examples are truncated.", minimum=8, maximum=131072),
     _S("micro_batch", 8, "integer", "Training", "Micro-batch",
@@ -139,6 +167,39 @@ PARAM_SPECS: tuple[ParamSpec, ...] = (
     _S("output_dir", "runs", "string", "Output", "Output location",
        "Directory for the run's outputs (relative paths are from the repository root); each "
        "run writes to <output>/<run id>/."),
+    _S("cluster_name", "", "string", "EKS", "EKS cluster",
+       "Target eks: name of the Amazon EKS cluster."),
+    _S("nodegroup", "", "string", "EKS", "Node group",
+       "Target eks: the managed node group of GPU nodes the run scales up and gives back."),
+    _S("instance_type", "p4de.24xlarge", "string", "EKS", "Instance type",
+       "The node group's instance type: GPUs, EFA interfaces, CPU and memory per node.",
+       enum=tuple(INSTANCE_TYPES)),
+    _S("namespace", "default", "string", "EKS", "Namespace",
+       "Kubernetes namespace of the PyTorchJob, its ConfigMap and the etcd service."),
+    _S("image", "", "string", "EKS", "Trainer image",
+       "Trainer image reference (registry/repository:tag). Required on eks for now: building "
+       "it in the pipeline is not implemented yet."),
+    _S("max_nodes", 16, "integer", "EKS", "Node cap",
+       "The node group is never scaled above this many nodes.", minimum=1, maximum=1024),
+    _S("aws_conn_id", "aws_default", "string", "EKS", "AWS connection",
+       "Airflow connection for AWS (region, credentials or role)."),
+    _S("kubernetes_conn_id", "", "string", "EKS", "Kubernetes connection",
+       "Optional Airflow Kubernetes connection (kubeconfig). Empty: a token for the EKS cluster "
+       "is minted from the AWS connection."),
+    _S("etcd_service", "etcd", "string", "EKS", "etcd service",
+       "Service (port 2379, v2 API) in the namespace for torchrun's etcd rendezvous."),
+    _S("etcd_reset", "keys", "string", "EKS", "etcd reset",
+       "keys: delete this run's rendezvous keys; restart: restart the etcd pod (every key is "
+       "lost).", enum=ETCD_RESETS),
+    _S("rdzv_backend", "etcd-v2", "string", "EKS", "Rendezvous backend",
+       "torchrun rendezvous: etcd-v2 or etcd (the etcd service), or c10d (on worker 0).",
+       enum=RDZV_BACKENDS),
+    _S("hf_token_secret", "", "string", "EKS", "Hugging Face token secret",
+       "Kubernetes Secret with a Hugging Face token, as name or name:key (key default: token); "
+       "the trainer gets it as HF_TOKEN. Empty: no token."),
+    _S("active_deadline_s", 86400, "integer", "EKS", "Deadline (s)",
+       "The PyTorchJob is stopped after this many seconds; 0: no deadline.", minimum=0,
+       maximum=30 * 86400),
 )
 SPECS_BY_NAME = {spec.name: spec for spec in PARAM_SPECS}
 
@@ -165,6 +226,7 @@ class RunConfig:
     tokenizer: str
     dataset: str
     dataset_format: str
+    dataset_split: str
     text_field: str
     prompt_field: str
     response_field: str
@@ -172,8 +234,15 @@ class RunConfig:
     procs_per_node: int
     strategy: str
     shard_group_size: int
+    tp_degree: int
     mixed_precision: str
     activation_checkpointing: str
+    selective_ac: str
+    activation_offload: bool
+    cpu_offload: bool
+    compile: bool
+    prompt_template: str
+    packing: bool
     seq_len: int
     micro_batch: int
     grad_accum: int
@@ -187,6 +256,19 @@ class RunConfig:
     max_restarts: int
     output_dir: str
     rdzv_endpoint: str
+    cluster_name: str
+    nodegroup: str
+    instance_type: str
+    namespace: str
+    image: str
+    max_nodes: int
+    aws_conn_id: str
+    kubernetes_conn_id: str
+    etcd_service: str
+    etcd_reset: str
+    rdzv_backend: str
+    hf_token_secret: str
+    active_deadline_s: int
 
     @property
     def world_size(self) -> int:
@@ -203,6 +285,8 @@ class RunConfig:
 def _check_type(spec: ParamSpec, value: Any) -> str | None:
     if spec.type == "string":
         return None if isinstance(value, str) else f"must be a string, got {value!r}"
+    if spec.type == "boolean":
+        return None if isinstance(value, bool) else f"must be true or false, got {value!r}"
     if isinstance(value, bool):
         return f"must be a {spec.type}, got {value!r}"
     if spec.type == "integer":
@@ -262,10 +346,61 @@ def count_rows(path: Path, fmt: str) -> int | None:
     return None
 
 
+def dataset_kind(dataset: str) -> str:
+    """s3, local (a file or directory here), hub (org/name with no data-file extension), missing.
+
+    The trainer decides the same way (trainer/data.py dataset_source).
+    """
+    if dataset.startswith("s3://"):
+        return "s3"
+    if resolve_path(dataset).exists():
+        return "local"
+    if _HUB_ID.match(dataset) and Path(dataset).suffix.lower() not in _FORMAT_BY_SUFFIX \
+            and not dataset.startswith((".", "/", "~")):
+        return "hub"
+    return "missing"
+
+
+def _check_dataset(v: dict[str, Any], in_pod: bool) -> list[tuple[str, str]]:
+    """The data set exists (where it can be seen from here) and one step's batch fits in it."""
+    if not v["dataset"]:
+        return [("dataset", "is empty; give a data file, directory, s3:// URI or hub name")]
+    kind = dataset_kind(v["dataset"])
+    if kind in ("s3", "hub") or (in_pod and v["dataset"].startswith("/")):
+        return []  # read where the trainer runs
+    data_path = resolve_path(v["dataset"])
+    if kind == "missing":
+        return [("dataset", f"{v['dataset']!r} does not exist ({data_path}) and is not a hub "
+                 "name (org/name) or s3:// URI")]
+    if data_path.is_dir():
+        return []  # the trainer reads every data file in it
+    fmt = dataset_format(v["dataset"], v["dataset_format"])
+    if fmt is None:
+        return [("dataset_format", f"cannot tell the format of {v['dataset']!r} from its "
+                 "extension; set dataset_format to one of " + ", ".join(DATASET_FORMATS[1:]))]
+    try:
+        rows = count_rows(data_path, fmt)
+    except (OSError, ValueError) as exc:
+        return [("dataset", f"cannot read {v['dataset']!r} as {fmt}: {exc}")]
+    if rows == 0:
+        return [("dataset", f"{v['dataset']!r} has no rows")]
+    if rows is not None:
+        train_rows = rows - max(1, math.ceil(rows * EVAL_FRACTION))
+        per_step = v["micro_batch"] * v["nodes"] * v["procs_per_node"] // v["tp_degree"]
+        if train_rows < per_step:
+            return [("micro_batch", (
+                f"{v['micro_batch']} is too large for the data: one step needs micro_batch x "
+                f"data-parallel processes = {per_step} rows, the data set has {train_rows} "
+                "training rows"))]
+    return []
+
+
 def _check_semantics(v: dict[str, Any]) -> list[tuple[str, str]]:
     """Checks across fields and against the file system; `v` has well-typed values."""
     errors: list[tuple[str, str]] = []
-    if v["model"] not in BUILTIN_MODELS:
+    # On eks, absolute paths are read in the trainer's pod, not on this machine.
+    in_pod = v["target"] == "eks"
+    if v["model"] not in BUILTIN_MODELS and not (in_pod and v["model"].startswith("/")):
         model_path = resolve_path(v["model"])
         if model_path.is_dir():
             if not (model_path / "config.json").is_file():
@@ -274,42 +409,23 @@ def _check_semantics(v: dict[str, Any]) -> list[tuple[str, str]]:
             errors.append(("model", f"{v['model']!r} is not a built-in config ("
                            + ", ".join(BUILTIN_MODELS) + "), an existing model directory or "
                            "a hub id (org/name)"))
-    if v["tokenizer"] and not resolve_path(v["tokenizer"]).is_dir():
+    if v["tokenizer"] and not (in_pod and v["tokenizer"].startswith("/")) \
+            and not resolve_path(v["tokenizer"]).is_dir():
         errors.append(("tokenizer", f"directory {v['tokenizer']!r} does not exist"))
-    fmt = dataset_format(v["dataset"], v["dataset_format"])
-    if fmt is None:
-        errors.append(("dataset_format", f"cannot tell the format of {v['dataset']!r} from its "
-                       "extension; set dataset_format to one of "
-                       + ", ".join(DATASET_FORMATS[1:])))
-    if not v["dataset"]:
-        errors.append(("dataset", "is empty; give a data file"))
-    elif v["dataset"].startswith("s3://"):
-        if v["target"] == "local":
-            errors.append(("dataset", "s3:// data sets need target eks; the local target "
-                           "reads local files"))
-    else:
-        data_path = resolve_path(v["dataset"])
-        if not data_path.exists():
-            errors.append(("dataset", f"{v['dataset']!r} does not exist ({data_path})"))
-        elif fmt is not None:
-            try:
-                rows = count_rows(data_path, fmt)
-            except (OSError, ValueError) as exc:
-                errors.append(("dataset", f"cannot read {v['dataset']!r} as {fmt}: {exc}"))
-            else:
-                if rows == 0:
-                    errors.append(("dataset", f"{v['dataset']!r} has no rows"))
-                elif rows is not None:
-                    train_rows = rows - max(1, math.ceil(rows * EVAL_FRACTION))
-                    per_step = v["micro_batch"] * v["nodes"] * v["procs_per_node"]
-                    if train_rows < per_step:
-                        errors.append(("micro_batch", (
-                            f"{v['micro_batch']} is too large for the data: one step needs "
-                            f"micro_batch x processes = {per_step} rows, the data set has "
-                            f"{train_rows} training rows")))
+    errors.extend(_check_dataset(v, in_pod))
     if not v["text_field"] and not (v["prompt_field"] and v["response_field"]):
         errors.append(("text_field", "set text_field, or both prompt_field and response_field"))
     world = v["nodes"] * v["procs_per_node"]
+    if v["procs_per_node"] % v["tp_degree"]:
+        errors.append(("tp_degree", f"{v['tp_degree']} does not divide procs_per_node = "
+                       f"{v['procs_per_node']} (tensor parallelism stays within a node)"))
+    elif v["seq_len"] % v["tp_degree"]:
+        errors.append(("tp_degree", f"{v['tp_degree']} does not divide seq_len = "
+                       f"{v['seq_len']} (sequence parallelism splits the sequence)"))
+    if v["activation_checkpointing"] == "selective" and v["selective_ac"] != "op" and not (
+            v["selective_ac"].isdigit() and int(v["selective_ac"]) > 0):
+        errors.append(("selective_ac", f"{v['selective_ac']!r}: allowed: op, or a positive "
+                       "integer k (every k-th block)"))
     if v["strategy"] == "HYBRID_SHARD":
         group = v["shard_group_size"] or v["procs_per_node"]
         if world % group:
@@ -363,9 +479,16 @@ def validate_params(params: Mapping[str, Any], *, run_id: str,
         run_id=run_id,
         run_name=run_name,
         rdzv_id=dns_label(dag_id, run_id, max_len=48),
-        run_dir=str(resolve_path(values["output_dir"]) / run_name),
+        run_dir=run_output_dir(values["output_dir"], run_name, values["target"]),
         **values,
     )
+
+
+def run_output_dir(output_dir: str, run_name: str, target: str) -> str:
+    """<output_dir>/<run name>: on this machine (local), or as the trainer's pod sees it."""
+    if target == "local":
+        return str(resolve_path(output_dir) / run_name)
+    return f"{output_dir.rstrip('/')}/{run_name}"
 
 
 def default_params() -> dict[str, Any]:

@@ -23,6 +23,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -31,6 +32,11 @@ log = logging.getLogger(__name__)
 RENDEZVOUS_PREFIX = "/torch/elastic/rendezvous"
 STORE_PREFIX = "/torch/elastic/store"
 LEGACY_PREFIX = "/torchelastic/p2p"
+
+
+# One etcd v2 keys API call: (method, key, query) -> the JSON answer, or None when the key does
+# not exist. Over plain HTTP here; the eks target sends it through the Kubernetes service proxy.
+KeysRequest = Callable[[str, str, "dict[str, str] | None"], "dict | None"]
 
 
 class EtcdError(RuntimeError):
@@ -62,13 +68,26 @@ def _request(endpoint: str, method: str, key: str, query: dict[str, str] | None 
         raise EtcdError(f"etcd at {endpoint} is not reachable: {exc}") from exc
 
 
-def rendezvous_keys(endpoint: str, run_id: str) -> list[str]:
-    """The keys etcd holds for this rendezvous id (both torch backends)."""
+def http_keys_request(endpoint: str) -> KeysRequest:
+    """Keys API calls to etcd at host:port."""
+    return lambda method, key, query: _request(endpoint, method, key, query)
+
+
+def _keys_request(etcd: str | KeysRequest) -> KeysRequest:
+    return http_keys_request(etcd) if isinstance(etcd, str) else etcd
+
+
+def rendezvous_keys(etcd: str | KeysRequest, run_id: str) -> list[str]:
+    """The keys etcd (host:port, or a keys request function) holds for this rendezvous id.
+
+    Both torch backends: etcd-v2 (rendezvous and store keys) and the legacy etcd backend.
+    """
+    request = _keys_request(etcd)
     keys = []
     for key in (f"{RENDEZVOUS_PREFIX}/{run_id}", f"{LEGACY_PREFIX}/run_{run_id}"):
-        if _request(endpoint, "GET", key) is not None:
+        if request("GET", key, None) is not None:
             keys.append(key)
-    store = _request(endpoint, "GET", STORE_PREFIX)
+    store = request("GET", STORE_PREFIX, None)
     store_prefix = f"torch.rendezvous.{run_id}.".encode()
     for node in (store or {}).get("node", {}).get("nodes", []):
         name = node["key"].rsplit("/", 1)[-1]
@@ -81,11 +100,12 @@ def rendezvous_keys(endpoint: str, run_id: str) -> list[str]:
     return keys
 
 
-def delete_rendezvous_keys(endpoint: str, run_id: str) -> list[str]:
+def delete_rendezvous_keys(etcd: str | KeysRequest, run_id: str) -> list[str]:
     """Delete every key of this rendezvous id so the id can be used again; returns them."""
-    keys = rendezvous_keys(endpoint, run_id)
+    request = _keys_request(etcd)
+    keys = rendezvous_keys(request, run_id)
     for key in keys:
-        _request(endpoint, "DELETE", key, {"recursive": "true"})
+        request("DELETE", key, {"recursive": "true"})
     return keys
 
 

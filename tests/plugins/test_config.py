@@ -31,7 +31,8 @@ def _data_file(tmp_path, rows: int) -> str:
 # (conf overrides, field that must be named, a word the message must contain)
 BAD_CONFS = [
     ({"target": "gcp"}, "target", "allowed: local, eks"),
-    ({"target": "eks"}, "target", "not available"),
+    ({"target": "eks"}, "cluster_name", "required for target eks"),
+    ({"target": "eks", "cluster_name": "c", "nodegroup": "g"}, "image", "not implemented"),
     ({"strategy": "ZERO3"}, "strategy", "FULL_SHARD"),
     ({"nodes": 0}, "nodes", ">= 1"),
     ({"nodes": -3}, "nodes", ">= 1"),
@@ -48,7 +49,7 @@ BAD_CONFS = [
     ({"model": "not a model"}, "model", "tiny-llama"),
     ({"dataset": "missing/data.jsonl"}, "dataset", "does not exist"),
     ({"dataset": ""}, "dataset", "empty"),
-    ({"dataset": "s3://bucket/data.jsonl"}, "dataset", "target eks"),
+    ({"dataset": "org/data.jsonl"}, "dataset", "does not exist"),
     ({"dataset_format": "xml"}, "dataset_format", "jsonl"),
     ({"mixed_precision": "fp8"}, "mixed_precision", "bf16"),
     ({"activation_checkpointing": "some"}, "activation_checkpointing", "full"),
@@ -61,6 +62,13 @@ BAD_CONFS = [
     ({"rdzv_endpoint": "localhost"}, "rdzv_endpoint", "host:port"),
     ({"output_dir": "s3://bucket/runs"}, "output_dir", "target eks"),
     ({"max_stepz": 10}, "max_stepz", "unknown parameter"),
+    ({"tp_degree": 3}, "tp_degree", "does not divide procs_per_node"),
+    ({"tp_degree": 2, "seq_len": 99}, "tp_degree", "does not divide seq_len"),
+    ({"activation_checkpointing": "selective", "selective_ac": "every"}, "selective_ac",
+     "positive integer"),
+    ({"compile": "yes"}, "compile", "true or false"),
+    ({"packing": 1}, "packing", "true or false"),
+    ({"prompt_template": "alpaca"}, "prompt_template", "instruction, chat"),
 ]
 
 
@@ -125,6 +133,19 @@ def test_model_directory_needs_a_config_json(tmp_path):
         validate_params({"model": str(tmp_path), "procs_per_node": 1}, run_id="r")
     (tmp_path / "config.json").write_text("{}")
     assert validate_params({"model": str(tmp_path), "procs_per_node": 1}, run_id="r")
+
+
+@pytest.mark.parametrize("dataset", ["s3://bucket/data/train.jsonl", "s3://bucket/prefix/",
+                                     "tatsu-lab/alpaca"])
+def test_s3_and_hub_data_sets_are_left_to_the_trainer(dataset):
+    cfg = validate_params({"dataset": dataset, "procs_per_node": 1}, run_id="r")
+    assert trainer_config(cfg)["dataset"] == dataset
+
+
+def test_a_directory_of_data_files_is_accepted(tmp_path):
+    _data_file(tmp_path, 30)
+    cfg = validate_params({"dataset": str(tmp_path), "procs_per_node": 1}, run_id="r")
+    assert trainer_config(cfg)["dataset"] == str(tmp_path)
 
 
 def test_hub_ids_are_accepted_as_models():

@@ -70,5 +70,7 @@ def get_target(name: str) -> Target:
 
         return LocalTarget()
     if name == "eks":
-        return UnavailableTarget("eks", "the EKS target is not implemented yet; use local")
+        from finetune.targets.eks import EksTarget
+
+        return EksTarget()
     raise ValueError(f"unknown target {name!r}")

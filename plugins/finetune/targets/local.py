@@ -21,11 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from finetune import REPO_ROOT
-from finetune.config import BUILTIN_MODELS, EVAL_FRACTION, RunConfig, local_cpu_count, resolve_path
+from finetune.config import RunConfig, local_cpu_count
 from finetune.etcd import LocalEtcd, delete_rendezvous_keys, etcd_binary, free_port
 from finetune.image import image_tag, local_environment
 from finetune.report import write_report
 from finetune.targets import Target
+from finetune.trainer_config import trainer_config
 
 log = logging.getLogger(__name__)
 
@@ -80,37 +81,6 @@ def _write_state(cfg: RunConfig, name: str, data: dict) -> None:
 def _read_state(cfg: RunConfig, name: str) -> dict | None:
     path = Path(cfg.run_dir) / "state" / f"{name}.json"
     return json.loads(path.read_text()) if path.is_file() else None
-
-
-def trainer_config(cfg: RunConfig) -> dict[str, Any]:
-    """The trainer's JSON config (trainer/config.py TrainConfig) for this run."""
-    model = cfg.model if cfg.model in BUILTIN_MODELS or not resolve_path(cfg.model).is_dir() \
-        else str(resolve_path(cfg.model))
-    return {
-        "model": model,
-        "tokenizer": str(resolve_path(cfg.tokenizer)) if cfg.tokenizer else None,
-        "dataset": str(resolve_path(cfg.dataset)),
-        "dataset_format": cfg.dataset_format,
-        "text_field": cfg.text_field or None,
-        "prompt_field": cfg.prompt_field,
-        "response_field": cfg.response_field,
-        "seq_len": cfg.seq_len,
-        "micro_batch": cfg.micro_batch,
-        "grad_accum": cfg.grad_accum,
-        "lr": cfg.lr,
-        "warmup_steps": cfg.warmup_steps,
-        "max_steps": cfg.max_steps,
-        "epochs": cfg.epochs,
-        "seed": cfg.seed,
-        "strategy": cfg.strategy,
-        "shard_group_size": cfg.shard_group_size,
-        "mixed_precision": cfg.mixed_precision,
-        "activation_checkpointing": cfg.activation_checkpointing,
-        "eval_interval": cfg.eval_interval,
-        "eval_fraction": EVAL_FRACTION,
-        "checkpoint_interval": cfg.checkpoint_interval,
-        "output_dir": cfg.run_dir,
-    }
 
 
 def _trainer_processes(config_path: str) -> list[int]:

@@ -1,0 +1,241 @@
+"""Kubernetes manifests for the eks target, built from the run config: pure functions, no I/O.
+
+- `pytorchjob_manifest`: the Kubeflow PyTorchJob (kubeflow.org/v1) that runs the FSDP trainer
+  with torchrun on every node (elasticPolicy: the operator sets torchrun's PET_* variables);
+- `trainer_configmap_manifest`: the trainer's JSON config, mounted into every worker;
+- `etcd_manifests`: the etcd (v2 API) Deployment and Service torchrun's etcd rendezvous uses.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from finetune.config import RunConfig
+from finetune.instance_types import INSTANCE_TYPES
+from finetune.names import dns_label
+from finetune.trainer_config import trainer_config
+
+PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, PYTORCHJOB_PLURAL = "kubeflow.org", "v1", "pytorchjobs"
+PYTORCHJOB_API_VERSION = f"{PYTORCHJOB_GROUP}/{PYTORCHJOB_VERSION}"
+
+# Labels tying the cluster's objects to the DAG run (values are DNS-safe, at most 63 chars).
+LABEL_RUN = "finetune.airflow.apache.org/run"
+LABEL_APP = "app.kubernetes.io/managed-by"
+APP = "llm-finetune-airflow"
+# Labels the training operator puts on a job's pods.
+LABEL_JOB_NAME = "training.kubeflow.org/job-name"
+LABEL_REPLICA_TYPE = "training.kubeflow.org/replica-type"
+LABEL_REPLICA_INDEX = "training.kubeflow.org/replica-index"
+
+TRAINER_CONFIG_DIR = "/etc/finetune"
+TRAINER_CONFIG_FILE = "trainer_config.json"
+CONTAINER_NAME = "pytorch"  # the operator finds the training container by this name
+ETCD_PORT = 2379
+C10D_PORT = 29400
+ETCD_IMAGE = "quay.io/coreos/etcd:v3.4.35"
+GPU_RESOURCE = "nvidia.com/gpu"
+EFA_RESOURCE = "vpc.amazonaws.com/efa"
+NODEGROUP_LABEL = "eks.amazonaws.com/nodegroup"
+INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
+HF_TOKEN_DEFAULT_KEY = "token"
+TTL_AFTER_FINISHED_S = 3600
+BACKOFF_LIMIT = 3
+
+# NCCL over EFA (libfabric) on p4d/p5 class instances.
+EFA_ENV = {
+    "FI_PROVIDER": "efa",
+    "FI_EFA_USE_DEVICE_RDMA": "1",
+    "FI_EFA_FORK_SAFE": "1",
+    "NCCL_PROTO": "simple",
+}
+# NCCL diagnostics and torch's NCCL flight recorder: a hang dumps each rank's last collectives.
+NCCL_ENV = {
+    "NCCL_DEBUG": "WARN",
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "20000",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/tmp/nccl_trace_rank_",
+}
+
+
+def run_labels(cfg: RunConfig) -> dict[str, str]:
+    return {LABEL_APP: APP, LABEL_RUN: cfg.rdzv_id}
+
+
+def run_selector(cfg: RunConfig) -> str:
+    return ",".join(f"{k}={v}" for k, v in run_labels(cfg).items())
+
+
+def job_name(cfg: RunConfig) -> str:
+    """The PyTorchJob's name: a DNS-1035 label short enough for '<name>-worker-127' pods."""
+    return dns_label("ft", cfg.rdzv_id, max_len=45)
+
+
+def configmap_name(cfg: RunConfig) -> str:
+    return f"{job_name(cfg)}-config"
+
+
+def hf_token_ref(secret: str) -> tuple[str, str]:
+    """'name' or 'name:key' -> (name, key)."""
+    name, _, key = secret.partition(":")
+    return name, key or HF_TOKEN_DEFAULT_KEY
+
+
+def rendezvous_host(cfg: RunConfig) -> tuple[str, int]:
+    """Where torchrun's rendezvous lives: the etcd service, or worker 0's service for c10d."""
+    if cfg.rdzv_backend == "c10d":
+        return f"{job_name(cfg)}-worker-0", C10D_PORT
+    return f"{cfg.etcd_service}.{cfg.namespace}.svc", ETCD_PORT
+
+
+def trainer_configmap_manifest(cfg: RunConfig) -> dict[str, Any]:
+    data = trainer_config(cfg, local_paths=False)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": configmap_name(cfg), "namespace": cfg.namespace,
+                     "labels": run_labels(cfg)},
+        "data": {TRAINER_CONFIG_FILE: json.dumps(data, indent=2, sort_keys=True)},
+    }
+
+
+def _env(cfg: RunConfig, efa: bool) -> list[dict[str, Any]]:
+    plain = {"PYTHONUNBUFFERED": "1", "FINETUNE_RUN_ID": cfg.run_id, **NCCL_ENV,
+             **(EFA_ENV if efa else {})}
+    env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in plain.items()]
+    if cfg.hf_token_secret:
+        name, key = hf_token_ref(cfg.hf_token_secret)
+        # Never the token's value in the manifest: the kubelet reads it from the Secret.
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": name, "key": key}}})
+    return env
+
+
+def pytorchjob_manifest(cfg: RunConfig, image: str, *,
+                        ttl_after_finished_s: int = TTL_AFTER_FINISHED_S,
+                        backoff_limit: int = BACKOFF_LIMIT) -> dict[str, Any]:
+    """The PyTorchJob for this run: one Worker per node, torchrun with nProcPerNode GPUs each."""
+    itype = INSTANCE_TYPES[cfg.instance_type]
+    host, port = rendezvous_host(cfg)
+    efa = itype.efa > 0
+    accelerators = {GPU_RESOURCE: cfg.procs_per_node, **({EFA_RESOURCE: itype.efa} if efa else {})}
+    resources = {
+        "requests": {"cpu": str(itype.cpu_request), "memory": f"{itype.memory_request_gib}Gi",
+                     **accelerators},
+        "limits": dict(accelerators),
+    }
+    container = {
+        "name": CONTAINER_NAME,
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        # torchrun reads nodes, rendezvous and processes per node from the operator's PET_* env.
+        "command": ["python", "-m", "torch.distributed.run"],
+        "args": ["-m", "trainer.train", "--config",
+                 f"{TRAINER_CONFIG_DIR}/{TRAINER_CONFIG_FILE}"],
+        "env": _env(cfg, efa),
+        "resources": resources,
+        "volumeMounts": [
+            {"name": "trainer-config", "mountPath": TRAINER_CONFIG_DIR, "readOnly": True},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+        ],
+    }
+    tolerations = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+    if efa:
+        tolerations.append({"key": EFA_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
+    run_policy: dict[str, Any] = {
+        # Finished pods stay (until the TTL) so a failure's reasons and logs can be read.
+        "cleanPodPolicy": "Running",
+        "ttlSecondsAfterFinished": ttl_after_finished_s,
+        "backoffLimit": backoff_limit,
+    }
+    if cfg.active_deadline_s:
+        run_policy["activeDeadlineSeconds"] = cfg.active_deadline_s
+    return {
+        "apiVersion": PYTORCHJOB_API_VERSION,
+        "kind": "PyTorchJob",
+        "metadata": {"name": job_name(cfg), "namespace": cfg.namespace,
+                     "labels": run_labels(cfg),
+                     "annotations": {"finetune.airflow.apache.org/run-id": cfg.run_id}},
+        "spec": {
+            "elasticPolicy": {
+                "rdzvBackend": cfg.rdzv_backend,
+                "rdzvHost": host,
+                "rdzvPort": port,
+                "rdzvId": cfg.rdzv_id,
+                "minReplicas": cfg.nodes,
+                "maxReplicas": cfg.nodes,
+                "maxRestarts": cfg.max_restarts,
+                "nProcPerNode": cfg.procs_per_node,
+            },
+            "runPolicy": run_policy,
+            "pytorchReplicaSpecs": {
+                "Worker": {
+                    "replicas": cfg.nodes,
+                    "restartPolicy": "OnFailure",
+                    "template": {
+                        "metadata": {"labels": run_labels(cfg)},
+                        "spec": {
+                            "containers": [container],
+                            "nodeSelector": {NODEGROUP_LABEL: cfg.nodegroup,
+                                             INSTANCE_TYPE_LABEL: cfg.instance_type},
+                            "tolerations": tolerations,
+                            "volumes": [
+                                {"name": "trainer-config",
+                                 "configMap": {"name": configmap_name(cfg)}},
+                                {"name": "dshm", "emptyDir": {"medium": "Memory",
+                                                              "sizeLimit": f"{itype.shm_gib}Gi"}},
+                            ],
+                        },
+                    },
+                },
+            },
+        },
+    }
+
+
+def etcd_manifests(namespace: str, name: str = "etcd",
+                   image: str = ETCD_IMAGE) -> list[dict[str, Any]]:
+    """A one-member etcd 3.4 with the v2 API (torch's etcd backends) and its Service."""
+    labels = {"app.kubernetes.io/name": name, LABEL_APP: APP}
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": labels},
+            # Rendezvous state is disposable: a restart (etcd_reset=restart) starts it empty.
+            "strategy": {"type": "Recreate"},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    "containers": [{
+                        "name": "etcd",
+                        "image": image,
+                        "command": [
+                            "/usr/local/bin/etcd", "--name", name, "--data-dir", "/var/lib/etcd",
+                            "--enable-v2=true",
+                            "--listen-client-urls", f"http://0.0.0.0:{ETCD_PORT}",
+                            "--advertise-client-urls", f"http://{name}:{ETCD_PORT}",
+                        ],
+                        "ports": [{"name": "client", "containerPort": ETCD_PORT}],
+                        "readinessProbe": {"httpGet": {"path": "/health", "port": ETCD_PORT},
+                                           "periodSeconds": 5},
+                        "resources": {"requests": {"cpu": "500m", "memory": "512Mi"},
+                                      "limits": {"memory": "2Gi"}},
+                        "volumeMounts": [{"name": "data", "mountPath": "/var/lib/etcd"}],
+                    }],
+                    "volumes": [{"name": "data", "emptyDir": {}}],
+                },
+            },
+        },
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels},
+        "spec": {"selector": labels,
+                 "ports": [{"name": "client", "port": ETCD_PORT, "targetPort": ETCD_PORT}]},
+    }
+    return [deployment, service]

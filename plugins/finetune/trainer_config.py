@@ -1,0 +1,58 @@
+"""The trainer's config (trainer/config.py TrainConfig fields) from a run config; every target
+hands the trainer the same JSON."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from finetune.config import BUILTIN_MODELS, EVAL_FRACTION, RunConfig, dataset_kind, resolve_path
+
+
+def trainer_config(cfg: RunConfig, *, local_paths: bool = True) -> dict[str, Any]:
+    """The trainer's JSON config (trainer/config.py TrainConfig) for this run.
+
+    local_paths: resolve paths on this machine (local target). Off for a cluster: paths are read
+    in the trainer's container (relative ones from its working dir, which holds trainer/), or
+    are s3:// or hub ids.
+    """
+    if not local_paths:
+        model, tokenizer, dataset = cfg.model, cfg.tokenizer or None, cfg.dataset
+    else:
+        model = cfg.model if cfg.model in BUILTIN_MODELS or not resolve_path(cfg.model).is_dir() \
+            else str(resolve_path(cfg.model))
+        tokenizer = str(resolve_path(cfg.tokenizer)) if cfg.tokenizer else None
+        dataset = str(resolve_path(cfg.dataset)) if dataset_kind(cfg.dataset) == "local" \
+            else cfg.dataset
+    return {
+        "model": model,
+        "tokenizer": tokenizer,
+        "dataset": dataset,
+        "dataset_format": cfg.dataset_format,
+        "dataset_split": cfg.dataset_split,
+        "text_field": cfg.text_field or None,
+        "prompt_field": cfg.prompt_field,
+        "response_field": cfg.response_field,
+        "seq_len": cfg.seq_len,
+        "micro_batch": cfg.micro_batch,
+        "grad_accum": cfg.grad_accum,
+        "lr": cfg.lr,
+        "warmup_steps": cfg.warmup_steps,
+        "max_steps": cfg.max_steps,
+        "epochs": cfg.epochs,
+        "seed": cfg.seed,
+        "strategy": cfg.strategy,
+        "shard_group_size": cfg.shard_group_size,
+        "tp_degree": cfg.tp_degree,
+        "mixed_precision": cfg.mixed_precision,
+        "activation_checkpointing": cfg.activation_checkpointing,
+        "selective_ac": cfg.selective_ac,
+        "activation_offload": cfg.activation_offload,
+        "cpu_offload": cfg.cpu_offload,
+        "compile": cfg.compile,
+        "prompt_template": cfg.prompt_template,
+        "packing": cfg.packing,
+        "eval_interval": cfg.eval_interval,
+        "eval_fraction": EVAL_FRACTION,
+        "checkpoint_interval": cfg.checkpoint_interval,
+        "output_dir": cfg.run_dir,
+    }

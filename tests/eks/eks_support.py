@@ -1,0 +1,154 @@
+"""What the eks tests share: an eks run config, and kmock's KubernetesEmulator (a real HTTP
+server) fixed where the eks target relies on the API server, served from its own thread."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+from finetune.config import RunConfig, validate_params
+
+EKS_PARAMS = {
+    "target": "eks", "cluster_name": "train", "nodegroup": "gpu-p4de",
+    "instance_type": "p4de.24xlarge", "namespace": "ml", "image": "1234.dkr.ecr/ft:abc",
+    "procs_per_node": 8, "micro_batch": 1, "output_dir": "s3://bucket/runs",
+    "hf_token_secret": "hf:token",
+}
+
+
+def eks_config(run_id: str = "manual__2026-11-29T10:00:00+00:00", **changes: Any) -> RunConfig:
+    """A validated eks run config; `changes` bypass validation (for sizes the demo data lacks)."""
+    cfg = validate_params(EKS_PARAMS, run_id=run_id)
+    return dataclasses.replace(cfg, **changes)
+
+
+def _selector_matches(selector: str, labels: dict[str, str]) -> bool:
+    """Equality-based label selectors: k=v, k==v, k!=v, k, !k (comma = and)."""
+    for term in filter(None, (t.strip() for t in selector.split(","))):
+        if "!=" in term:
+            k, v = term.split("!=", 1)
+            if labels.get(k) == v:
+                return False
+        elif "=" in term:
+            k, v = re.split("==?", term, maxsplit=1)
+            if labels.get(k) != v:
+                return False
+        elif term.startswith("!"):
+            if term[1:] in labels:
+                return False
+        elif term not in labels:
+            return False
+    return True
+
+
+def make_emulator_class() -> type:
+    import aiohttp
+    import aiohttp.web
+    import attrs
+    import kmock
+    from kmock._internal import rendering
+
+    @attrs.define(kw_only=True)
+    class FixedEmulator(kmock.KubernetesEmulator):
+        """The emulator plus what the eks target relies on: label selectors on lists, pod logs
+        (`timestamps`, `tailLines`) and the service proxy to a real etcd."""
+
+        pod_logs: dict[tuple[str, str], list[tuple[str, str]]] = attrs.field(factory=dict)
+        proxies: dict[tuple[str, str], str] = attrs.field(factory=dict)
+
+        async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+            path = request.url.path
+            proxy = re.match(r"^/api/v1/namespaces/([^/]+)/services/([^/:]+):\d+/proxy(/.*)$",
+                             path)
+            if proxy and (proxy[1], proxy[2]) in self.proxies:
+                return await self._proxy(request, self.proxies[proxy[1], proxy[2]], proxy[3])
+            logs = re.match(r"^/api/v1/namespaces/([^/]+)/pods/([^/]+)/log$", path)
+            if logs and request.method.value.lower() == "get":
+                return self._log(request, (logs[1], logs[2]))
+            return await super()._handle(request)
+
+        async def _proxy(self, request: rendering.Request, endpoint: str,
+                         rest: str) -> aiohttp.web.StreamResponse:
+            url = f"http://{endpoint}{rest}"
+            async with aiohttp.ClientSession() as session, session.request(
+                    request.method.value.upper(), url, params=request.params,
+                    data=request.body or None) as resp:
+                body = await resp.read()
+                return aiohttp.web.Response(status=resp.status, body=body,
+                                            content_type="application/json")
+
+        def _log(self, request: rendering.Request,
+                 key: tuple[str, str]) -> aiohttp.web.StreamResponse:
+            if key not in self.pod_logs:
+                return aiohttp.web.json_response(
+                    {"kind": "Status", "code": 400, "message": "container is waiting to start"},
+                    status=400)
+            lines = list(self.pod_logs[key])
+            if request.params.get("tailLines"):
+                lines = lines[-int(request.params["tailLines"]):]
+            stamped = request.params.get("timestamps", "").lower() == "true"
+            text = "".join(f"{ts} {line}\n" if stamped else f"{line}\n" for ts, line in lines)
+            return aiohttp.web.Response(text=text, content_type="text/plain")
+
+        async def _serve_list(self, request: rendering.Request) -> Any:
+            listed = await super()._serve_list(request)
+            selector = request.params.get("labelSelector")
+            if selector:
+                listed["items"] = [
+                    o for o in listed["items"]
+                    if _selector_matches(selector, o.get("metadata", {}).get("labels") or {})]
+            return listed
+
+    return FixedEmulator
+
+
+class Cluster:
+    """The emulator served on loopback from its own event loop thread, and the test's hands."""
+
+    def __init__(self, tmp_path: Path):
+        import kmock
+
+        self.emulator = make_emulator_class()()
+        for res, namespaced in (("v1/pods", True), ("v1/configmaps", True),
+                                ("v1/services", True), ("v1/nodes", False),
+                                ("kubeflow.org/v1/pytorchjobs", True)):
+            self.emulator.resources[res] = kmock.ResourceInfo(namespaced=namespaced)
+        self.loop = asyncio.new_event_loop()
+        self._stop = asyncio.Event()
+        started = threading.Event()
+        self._thread = threading.Thread(target=self._serve, args=(started,), daemon=True)
+        self._thread.start()
+        if not started.wait(30):
+            raise RuntimeError("the Kubernetes emulator did not start")
+        self.kubeconfig = tmp_path / "kubeconfig"
+        self.kubeconfig.write_text(
+            "apiVersion: v1\nkind: Config\ncurrent-context: emu\n"
+            f"clusters: [{{name: emu, cluster: {{server: '{self.url}'}}}}]\n"
+            "users: [{name: emu, user: {token: test-token}}]\n"
+            "contexts: [{name: emu, context: {cluster: emu, user: emu}}]\n")
+
+    def _serve(self, started: threading.Event) -> None:
+        import kmock
+
+        async def main() -> None:
+            self._stop = asyncio.Event()
+            async with self.emulator, kmock.Server(self.emulator) as server:
+                self.url = str(server.url).rstrip("/")
+                started.set()
+                await self._stop.wait()
+
+        self.loop.run_until_complete(main())
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self._stop.set)
+        # The server's graceful shutdown waits for idle keep-alive clients: do not wait long.
+        self._thread.join(1)
+
+    def api(self) -> Any:
+        import kubernetes
+
+        return kubernetes.config.new_client_from_config(config_file=str(self.kubeconfig))

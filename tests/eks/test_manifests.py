@@ -1,0 +1,180 @@
+"""The eks target's manifests: valid against the real CRD and Kubernetes schemas, and carrying
+what the run needs (sizes, rendezvous, resources, secrets only by reference)."""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from eks_support import EKS_PARAMS, eks_config
+
+from finetune.config import RDZV_BACKENDS, STRATEGIES, ConfigError, validate_params
+from finetune.instance_types import INSTANCE_TYPES
+from finetune.manifests import (
+    ETCD_PORT,
+    LABEL_RUN,
+    etcd_manifests,
+    job_name,
+    pytorchjob_manifest,
+    trainer_configmap_manifest,
+)
+
+SCHEMAS = Path(__file__).resolve().parents[3] / "shared" / "k8s-schemas"
+K8S_VERSION = "1.33"
+
+
+@cache
+def pytorchjob_validator() -> jsonschema.protocols.Validator:
+    crd = yaml.safe_load((SCHEMAS / "kubeflow.org_pytorchjobs.yaml").read_text())
+    version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
+    schema = version["schema"]["openAPIV3Schema"]
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft7Validator)
+    return cls(schema)
+
+
+def assert_valid_pytorchjob(manifest: dict) -> None:
+    errors = sorted(pytorchjob_validator().iter_errors(manifest), key=str)
+    assert not errors, "\n".join(f"{list(e.path)}: {e.message}" for e in errors[:5])
+
+
+def test_schema_check_rejects_a_malformed_pytorchjob():
+    bad = pytorchjob_manifest(eks_config(), "img:1")
+    bad["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] = "two"
+    with pytest.raises(AssertionError, match="replicas"):
+        assert_valid_pytorchjob(bad)
+
+
+@pytest.mark.parametrize("instance_type", sorted(INSTANCE_TYPES))
+@pytest.mark.parametrize("backend", RDZV_BACKENDS)
+def test_every_generated_pytorchjob_validates_against_the_crd(instance_type, backend):
+    gpus = INSTANCE_TYPES[instance_type].gpus
+    for strategy in STRATEGIES:
+        for nodes in (1, 2, 3, 8, 16, 64, 128):
+            cfg = eks_config(instance_type=instance_type, rdzv_backend=backend,
+                             strategy=strategy, nodes=nodes, procs_per_node=gpus,
+                             max_nodes=128)
+            manifest = pytorchjob_manifest(cfg, "img:1")
+            assert_valid_pytorchjob(manifest)
+            worker = manifest["spec"]["pytorchReplicaSpecs"]["Worker"]
+            assert worker["replicas"] == nodes
+            assert manifest["spec"]["elasticPolicy"]["rdzvBackend"] == backend
+
+
+def test_pytorchjobs_for_1_to_128_nodes_validate_and_size_the_workers():
+    for nodes in range(1, 129):
+        cfg = eks_config(nodes=nodes, max_nodes=128)
+        manifest = pytorchjob_manifest(cfg, "img:1")
+        assert_valid_pytorchjob(manifest)
+        elastic = manifest["spec"]["elasticPolicy"]
+        assert elastic["minReplicas"] == elastic["maxReplicas"] == nodes
+
+
+def test_pytorchjob_carries_rendezvous_resources_and_placement_for_p4de():
+    cfg = eks_config(nodes=4, max_restarts=2)
+    manifest = pytorchjob_manifest(cfg, "1234.dkr.ecr/ft:abc")
+    elastic = manifest["spec"]["elasticPolicy"]
+    assert elastic == {"rdzvBackend": "etcd-v2", "rdzvHost": "etcd.ml.svc",
+                       "rdzvPort": ETCD_PORT, "rdzvId": cfg.rdzv_id, "minReplicas": 4,
+                       "maxReplicas": 4, "maxRestarts": 2, "nProcPerNode": 8}
+    run_policy = manifest["spec"]["runPolicy"]
+    assert run_policy["activeDeadlineSeconds"] == cfg.active_deadline_s
+    assert {"cleanPodPolicy", "ttlSecondsAfterFinished", "backoffLimit"} <= set(run_policy)
+    pod = manifest["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": 8,
+                                                "vpc.amazonaws.com/efa": 4}
+    assert container["args"][-2:] == ["--config", "/etc/finetune/trainer_config.json"]
+    assert pod["nodeSelector"]["eks.amazonaws.com/nodegroup"] == "gpu-p4de"
+    assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
+    shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"]["medium"] == "Memory"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["FI_PROVIDER"]["value"] == "efa"
+    assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"]["value"] != "0"
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"]["value"] == "1"
+    assert env["HF_TOKEN"] == {"name": "HF_TOKEN", "valueFrom": {
+        "secretKeyRef": {"name": "hf", "key": "token"}}}
+    assert manifest["metadata"]["labels"][LABEL_RUN] == cfg.rdzv_id
+
+
+def test_p5_gets_32_efa_interfaces_and_g5_none():
+    p5 = pytorchjob_manifest(eks_config(instance_type="p5.48xlarge"), "img:1")
+    limits = p5["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0][
+        "resources"]["limits"]
+    assert limits == {"nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 32}
+    g5 = pytorchjob_manifest(eks_config(instance_type="g5.12xlarge", procs_per_node=4), "img:1")
+    container = g5["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": 4}
+    assert "FI_PROVIDER" not in {e["name"] for e in container["env"]}
+
+
+def test_c10d_rendezvous_lives_on_worker_0():
+    cfg = eks_config(rdzv_backend="c10d")
+    elastic = pytorchjob_manifest(cfg, "img:1")["spec"]["elasticPolicy"]
+    assert elastic["rdzvHost"] == f"{job_name(cfg)}-worker-0"
+
+
+def test_the_token_value_never_appears_in_a_manifest():
+    text = json.dumps(pytorchjob_manifest(eks_config(), "img:1"))
+    assert "secretKeyRef" in text and "hf_" not in text.lower().replace("hf_token", "")
+
+
+def test_names_and_labels_are_dns_safe_for_odd_run_ids():
+    cfg = eks_config(run_id="scheduled__2026-11-29T10:00:00.123456+00:00 / ÄÖ" + "x" * 200)
+    manifest = pytorchjob_manifest(cfg, "img:1")
+    name = manifest["metadata"]["name"]
+    assert len(f"{name}-worker-127") <= 63 and name[0].isalpha()
+    kubernetes_validate.validate(trainer_configmap_manifest(cfg), K8S_VERSION, strict=True)
+    assert all(len(v) <= 63 for v in manifest["metadata"]["labels"].values())
+
+
+def test_configmap_holds_the_trainer_config_with_paths_as_the_pod_sees_them():
+    cfg = eks_config()
+    cm = trainer_configmap_manifest(cfg)
+    kubernetes_validate.validate(cm, K8S_VERSION, strict=True)
+    data = json.loads(cm["data"]["trainer_config.json"])
+    assert data["dataset"] == "trainer/demo/instructions.jsonl"  # relative to the image's /app
+    assert data["output_dir"] == f"s3://bucket/runs/{cfg.run_name}"
+    assert data["strategy"] == cfg.strategy
+
+
+def test_etcd_deployment_and_service_validate_and_enable_the_v2_api():
+    deployment, service = etcd_manifests("ml")
+    for manifest in (deployment, service):
+        kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
+    assert "--enable-v2=true" in deployment["spec"]["template"]["spec"]["containers"][0][
+        "command"]
+    assert service["metadata"]["name"] == "etcd"
+    assert service["spec"]["ports"][0]["port"] == 2379
+
+
+def test_shipped_etcd_yaml_is_what_the_function_builds():
+    shipped = list(yaml.safe_load_all(
+        (Path(__file__).resolve().parents[2] / "containers/k8s/etcd.yaml").read_text()))
+    assert shipped == etcd_manifests("default")
+
+
+@pytest.mark.parametrize(("conf", "field", "needle"), [
+    ({"cluster_name": ""}, "cluster_name", "required for target eks"),
+    ({"nodegroup": ""}, "nodegroup", "required for target eks"),
+    ({"image": ""}, "image", "not implemented"),
+    ({"nodes": 20, "max_nodes": 16}, "nodes", "max_nodes"),
+    ({"procs_per_node": 16}, "procs_per_node", "has 8 GPUs"),
+    ({"namespace": "ML_team"}, "namespace", "DNS label"),
+    ({"output_dir": "runs"}, "output_dir", "s3://"),
+    ({"rdzv_backend": "zookeeper"}, "rdzv_backend", "etcd-v2"),
+    ({"etcd_reset": "wipe"}, "etcd_reset", "keys, restart"),
+    ({"instance_type": "m5.large"}, "instance_type", "p4de.24xlarge"),
+    ({"hf_token_secret": "Bad_Name"}, "hf_token_secret", "Secret name"),
+])
+def test_bad_eks_param_is_refused_naming_the_field(conf, field, needle):
+    with pytest.raises(ConfigError) as err:
+        validate_params({**EKS_PARAMS, **conf}, run_id="r")
+    message = dict(err.value.errors).get(field, "")
+    assert needle in message, err.value
