@@ -258,7 +258,7 @@ def _headline_figures(metrics: dict) -> list[tuple[str, str]]:
     )
     return [
         ("tokens/s", _fmt(metrics.get("tokens_per_s"), ",.0f")),
-        ("TFLOPs/device", _fmt(metrics.get("tflops_per_device"), ".1f")),
+        ("TFLOPs/device", _fmt(metrics.get("tflops_per_device"), ".4g")),
         ("MFU", _fmt(mfu * 100 if _finite(mfu) is not None else None, ".1f", "%")),
         ("wall time", _fmt_duration(metrics.get("wall_time_s"))),
         ("peak memory", _fmt_bytes(metrics.get("peak_memory_bytes"))),
