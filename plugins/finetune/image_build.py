@@ -1,0 +1,573 @@
+"""The trainer image for the eks target: build it once per content hash, push it to ECR, verify.
+
+- The tag is `image.image_tag()`, the content hash of trainer/ and containers/; the ECR repository
+  is created when missing (scan on push, immutable tags); a tag already in ECR skips the build.
+- Builders (param `image_builder`; a set `image` param means `prebuilt`):
+  - `buildkit`: the build context goes to S3 as tar.gz; a Kubernetes Job runs rootless BuildKit
+    (daemonless), its init container fetches the context through a presigned URL, and the push
+    credentials come from ECR `get_authorization_token` as a dockerconfigjson Secret that is
+    deleted whatever the outcome;
+  - `codebuild`: the same files as a zip in S3, built by an AWS CodeBuild project;
+  - `prebuilt`: the user's image, verified in ECR when it is an ECR image.
+
+Service calls and pure builders only: when to wait (or defer) is the caller's decision.
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import io
+import json
+import logging
+import re
+import tarfile
+import time
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from finetune import REPO_ROOT
+from finetune.config import RunConfig
+from finetune.image import context_files, image_tag
+
+log = logging.getLogger(__name__)
+
+# Versions of what runs the build; pinned so a build today and in a year use the same tools.
+BUILDKIT_IMAGE = "moby/buildkit:v0.23.2-rootless"
+CONTEXT_FETCH_IMAGE = "busybox:1.37.0"
+CODEBUILD_IMAGE = "aws/codebuild/amazonlinux-x86_64-standard:5.0"
+CODEBUILD_COMPUTE = "BUILD_GENERAL1_LARGE"
+
+DOCKERFILE = "containers/trainer/Dockerfile"
+CONTEXT_PREFIX = "finetune-build-context"
+# The Job may wait for a node before its init container fetches the context.
+CONTEXT_URL_TTL_S = 2 * 3600
+BUILD_TIMEOUT_S = 3 * 3600
+BUILD_CONTAINER = "buildkit"
+FETCH_CONTAINER = "fetch-context"
+WORKSPACE = "/workspace"
+# Rootless BuildKit runs as uid 1000 with this home (moby/buildkit's rootless image).
+BUILDKIT_UID = 1000
+BUILDKIT_HOME = "/home/user"
+JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+LABEL_IMAGE_TAG = "finetune.airflow.apache.org/image-tag"
+LABEL_APP = "app.kubernetes.io/managed-by"
+APP = "llm-finetune-airflow"
+JOB_TTL_AFTER_FINISHED_S = 3600
+LOG_TAIL_LINES = 40
+BUILD_RESOURCES = {"requests": {"cpu": "4", "memory": "16Gi", "ephemeral-storage": "60Gi"},
+                   "limits": {"memory": "32Gi", "ephemeral-storage": "100Gi"}}
+
+_ECR_URI = re.compile(r"^(?P<account>\d{12})\.dkr\.ecr\.(?P<region>[a-z0-9-]+)\.amazonaws\.com"
+                      r"(?:\.cn)?/(?P<repo>[a-z0-9._/-]+?)(?::(?P<tag>[\w][\w.-]{0,127}))?"
+                      r"(?:@(?P<digest>sha256:[0-9a-f]{64}))?$")
+_IMAGE_REF = re.compile(r"^(?:[\w.-]+(?::\d+)?/)?[a-z0-9._/-]+(?::[\w][\w.-]{0,127})?"
+                        r"(?:@sha256:[0-9a-f]{64})?$")
+_ECR_REPOSITORY = re.compile(r"^(?:[a-z0-9]+(?:[._-][a-z0-9]+)*/)*[a-z0-9]+(?:[._-][a-z0-9]+)*$")
+_S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_ROLE_ARN = re.compile(r"^arn:aws[a-z-]*:iam::\d{12}:role/[\w+=,.@/-]+$")
+
+
+class ImageBuildError(RuntimeError):
+    """The image could not be provided; the message says why (with the build log's tail)."""
+
+
+# -- validate --------------------------------------------------------------------------------
+
+
+def effective_builder(image: str, image_builder: str) -> str:
+    """A set `image` is a prebuilt image whatever `image_builder` says."""
+    return "prebuilt" if image else image_builder
+
+
+def image_param_errors(values: dict[str, Any]) -> list[tuple[str, str]]:
+    """Validate-time checks of the image params on eks: (field, message) per problem."""
+    builder = effective_builder(values["image"], values["image_builder"])
+    if builder == "prebuilt":
+        if not values["image"]:
+            return [("image", "is required with image_builder prebuilt: the image reference "
+                     "(registry/repository:tag)")]
+        if not _IMAGE_REF.match(values["image"]):
+            return [("image", f"{values['image']!r} is not an image reference "
+                     "(registry/repository:tag or @sha256:digest)")]
+        return []
+    errors = []
+    repo = values["image_repository"]
+    if not (2 <= len(repo) <= 256 and _ECR_REPOSITORY.match(repo)):
+        errors.append(("image_repository", f"{repo!r} is not an ECR repository name "
+                       "(lowercase letters, digits, '.', '_', '-', '/')"))
+    bucket = values["build_bucket"]
+    if not bucket:
+        errors.append(("build_bucket", f"is required to build the image with {builder}: the S3 "
+                       "bucket for the build context (or set image to a prebuilt image)"))
+    elif not _S3_BUCKET.match(bucket) or ".." in bucket:
+        errors.append(("build_bucket", f"{bucket!r} is not an S3 bucket name"))
+    if builder == "codebuild" and not _ROLE_ARN.match(values["codebuild_role"]):
+        errors.append(("codebuild_role", "is required with image_builder codebuild: the IAM "
+                       f"role ARN the project runs as, got {values['codebuild_role']!r}"))
+    return errors
+
+
+# -- pure builders ---------------------------------------------------------------------------
+
+
+def pack_context(root: Path = REPO_ROOT, fmt: str = "tar.gz") -> bytes:
+    """The build context (exactly `image.context_files`) as tar.gz or zip, byte-for-byte
+    reproducible: the same tree gives the same archive."""
+    buf = io.BytesIO()
+    files = context_files(root)
+    if fmt == "zip":
+        with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
+            for rel in files:
+                info = zipfile.ZipInfo(rel.as_posix(), date_time=(1980, 1, 1, 0, 0, 0))
+                info.external_attr = (0o100000 | _mode(root / rel)) << 16
+                info.compress_type = zipfile.ZIP_DEFLATED
+                zf.writestr(info, (root / rel).read_bytes())
+        return buf.getvalue()
+    if fmt != "tar.gz":
+        raise ValueError(f"unknown context format {fmt!r}; allowed: tar.gz, zip")
+    with gzip.GzipFile(fileobj=buf, mode="wb", mtime=0) as gz, \
+            tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for rel in files:
+            data = (root / rel).read_bytes()
+            info = tarfile.TarInfo(rel.as_posix())
+            info.size, info.mode, info.mtime = len(data), _mode(root / rel), 0
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def _mode(path: Path) -> int:
+    return 0o755 if path.stat().st_mode & 0o111 else 0o644
+
+
+def context_key(tag: str, fmt: str) -> str:
+    return f"{CONTEXT_PREFIX}/{tag}.{fmt}"
+
+
+def build_job_name(tag: str) -> str:
+    """One Job per tag: a second run of the same tree adopts the running build."""
+    return f"finetune-image-{tag}"[:63]
+
+
+def dockerconfigjson(registry: str, username: str, password: str) -> str:
+    auth = base64.b64encode(f"{username}:{password}".encode()).decode()
+    return json.dumps({"auths": {registry: {"auth": auth}}}, sort_keys=True)
+
+
+def registry_secret_manifest(name: str, namespace: str, config_json: str,
+                             labels: dict[str, str]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "kubernetes.io/dockerconfigjson",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels},
+        "data": {".dockerconfigjson": base64.b64encode(config_json.encode()).decode()},
+    }
+
+
+def buildkit_job_manifest(name: str, namespace: str, image_ref: str, context_url: str,
+                          secret_name: str, labels: dict[str, str], *,
+                          deadline_s: int = BUILD_TIMEOUT_S) -> dict[str, Any]:
+    """A Job that fetches the context from S3 and builds and pushes it with rootless BuildKit."""
+    rootless = {"runAsUser": BUILDKIT_UID, "runAsGroup": BUILDKIT_UID, "runAsNonRoot": True}
+    fetch = {
+        "name": FETCH_CONTAINER,
+        "image": CONTEXT_FETCH_IMAGE,
+        # A fixed script: the URL arrives as an environment variable, never pasted into it.
+        "command": ["sh", "-c", f'set -e; wget -q -O /tmp/context.tar.gz "$CONTEXT_URL"; '
+                    f"tar -xzf /tmp/context.tar.gz -C {WORKSPACE}"],
+        "env": [{"name": "CONTEXT_URL", "value": context_url}],
+        "securityContext": {**rootless, "allowPrivilegeEscalation": False},
+        "volumeMounts": [{"name": "workspace", "mountPath": WORKSPACE}],
+    }
+    dockerfile_dir, dockerfile_name = DOCKERFILE.rsplit("/", 1)
+    build = {
+        "name": BUILD_CONTAINER,
+        "image": BUILDKIT_IMAGE,
+        "command": ["buildctl-daemonless.sh"],
+        "args": ["build", "--frontend", "dockerfile.v0",
+                 "--local", f"context={WORKSPACE}",
+                 "--local", f"dockerfile={WORKSPACE}/{dockerfile_dir}",
+                 "--opt", f"filename={dockerfile_name}",
+                 "--output", f"type=image,name={image_ref},push=true"],
+        "env": [
+            # No user namespaces for the build's RUN steps inside an unprivileged pod.
+            {"name": "BUILDKITD_FLAGS", "value": "--oci-worker-no-process-sandbox"},
+            {"name": "DOCKER_CONFIG", "value": f"{BUILDKIT_HOME}/.docker"},
+        ],
+        "securityContext": {**rootless, "seccompProfile": {"type": "Unconfined"},
+                            "appArmorProfile": {"type": "Unconfined"}},
+        "resources": BUILD_RESOURCES,
+        "volumeMounts": [
+            {"name": "workspace", "mountPath": WORKSPACE, "readOnly": True},
+            {"name": "registry-auth", "mountPath": f"{BUILDKIT_HOME}/.docker", "readOnly": True},
+            {"name": "buildkitd", "mountPath": f"{BUILDKIT_HOME}/.local/share/buildkit"},
+        ],
+    }
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels},
+        "spec": {
+            # A failed build does not fix itself: the task's retry decides.
+            "backoffLimit": 0,
+            "activeDeadlineSeconds": deadline_s,
+            "ttlSecondsAfterFinished": JOB_TTL_AFTER_FINISHED_S,
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    "restartPolicy": "Never",
+                    "automountServiceAccountToken": False,
+                    "initContainers": [fetch],
+                    "containers": [build],
+                    "volumes": [
+                        {"name": "workspace", "emptyDir": {}},
+                        {"name": "buildkitd", "emptyDir": {}},
+                        {"name": "registry-auth", "secret": {
+                            "secretName": secret_name,
+                            "items": [{"key": ".dockerconfigjson", "path": "config.json"}]}},
+                    ],
+                },
+            },
+        },
+    }
+
+
+def buildspec() -> str:
+    """CodeBuild's steps; the image URI and registry come in as environment variables."""
+    return (
+        "version: 0.2\n"
+        "env:\n"
+        "  shell: bash\n"
+        "phases:\n"
+        "  build:\n"
+        "    on-failure: ABORT\n"
+        "    commands:\n"
+        '      - aws ecr get-login-password --region "$AWS_REGION" | docker login --username AWS'
+        ' --password-stdin "$REGISTRY"\n'
+        f'      - docker build --file {DOCKERFILE} --tag "$IMAGE_URI" .\n'
+        '      - docker push "$IMAGE_URI"\n'
+    )
+
+
+def codebuild_project_name(repository: str) -> str:
+    return "finetune-" + re.sub(r"[^A-Za-z0-9_-]", "-", repository)[:140]
+
+
+# -- ECR and S3 ------------------------------------------------------------------------------
+
+
+def ensure_repository(ecr: Any, name: str) -> str:
+    """The repository's URI; created (scan on push, immutable tags) when missing."""
+    try:
+        repo = ecr.describe_repositories(repositoryNames=[name])["repositories"][0]
+    except ecr.exceptions.RepositoryNotFoundException:
+        repo = ecr.create_repository(
+            repositoryName=name, imageTagMutability="IMMUTABLE",
+            imageScanningConfiguration={"scanOnPush": True})["repository"]
+        log.info("created ECR repository %s (scan on push, immutable tags)", repo["repositoryUri"])
+    return repo["repositoryUri"]
+
+
+def image_digest(ecr: Any, repository: str, tag: str, registry_id: str | None = None) -> str | None:
+    """The digest of repository:tag in ECR, or None when it is not there."""
+    extra = {"registryId": registry_id} if registry_id else {}
+    try:
+        details = ecr.describe_images(repositoryName=repository, imageIds=[{"imageTag": tag}],
+                                      **extra)["imageDetails"]
+    except (ecr.exceptions.ImageNotFoundException, ecr.exceptions.RepositoryNotFoundException):
+        return None
+    return details[0]["imageDigest"] if details else None
+
+
+def registry_credentials(ecr: Any) -> tuple[str, str, str]:
+    """(registry host, user, password) from ECR's authorization token (valid 12 hours)."""
+    data = ecr.get_authorization_token()["authorizationData"][0]
+    user, _, password = base64.b64decode(data["authorizationToken"]).decode().partition(":")
+    return data["proxyEndpoint"].removeprefix("https://"), user, password
+
+
+def upload_context(s3: Any, bucket: str, key: str, data: bytes) -> None:
+    s3.put_object(Bucket=bucket, Key=key, Body=data)
+    log.info("build context (%d bytes) uploaded to s3://%s/%s", len(data), bucket, key)
+
+
+# -- the builders ----------------------------------------------------------------------------
+
+
+def provide_image(cfg: RunConfig, session: Any, kube_api: Callable[[], Any], *,
+                  poll_interval: float = 15.0, timeout: float = BUILD_TIMEOUT_S,
+                  root: Path = REPO_ROOT) -> dict[str, Any]:
+    """The trainer image for the run: prebuilt, already in ECR, or built now and verified."""
+    builder = effective_builder(cfg.image, cfg.image_builder)
+    ecr = session.client("ecr")
+    if builder == "prebuilt":
+        return use_prebuilt(session, cfg.image)
+    tag = image_tag(root)
+    ref = f"{ensure_repository(ecr, cfg.image_repository)}:{tag}"
+    result = {"image": ref, "image_tag": tag, "builder": builder, "built": False}
+    digest = image_digest(ecr, cfg.image_repository, tag)
+    if digest:
+        log.info("image %s is already in ECR (%s): build skipped", ref, digest)
+        return {**result, "digest": digest}
+    fmt = "tar.gz" if builder == "buildkit" else "zip"  # CodeBuild's S3 source must be a zip
+    key = context_key(tag, fmt)
+    s3 = session.client("s3")
+    upload_context(s3, cfg.build_bucket, key, pack_context(root, fmt))
+    log.info("building %s with %s", ref, builder)
+    try:
+        if builder == "buildkit":
+            url = s3.generate_presigned_url("get_object", ExpiresIn=CONTEXT_URL_TTL_S,
+                                            Params={"Bucket": cfg.build_bucket, "Key": key})
+            build_with_buildkit(kube_api(), ecr, cfg.namespace, ref, tag, url,
+                                poll_interval=poll_interval, timeout=timeout)
+        else:
+            build_with_codebuild(session, cfg, ref, key, poll_interval=poll_interval,
+                                 timeout=timeout)
+    except ImageBuildError:
+        # Immutable tags: a concurrent run may have pushed the same content first.
+        digest = image_digest(ecr, cfg.image_repository, tag)
+        if not digest:
+            raise
+        log.info("this build failed, but %s was pushed meanwhile (another run): using it", ref)
+        return {**result, "digest": digest}
+    digest = image_digest(ecr, cfg.image_repository, tag)
+    if not digest:
+        raise ImageBuildError(f"the {builder} build reported success, but {ref} is not in ECR")
+    log.info("built and pushed %s (%s)", ref, digest)
+    return {**result, "built": True, "digest": digest}
+
+
+def use_prebuilt(session: Any, image: str) -> dict[str, Any]:
+    """The user's image: verified when it is in ECR, accepted as given otherwise."""
+    m = _ECR_URI.match(image)
+    tag = (m and m["tag"]) or (image.rsplit(":", 1)[1] if ":" in image.rsplit("/", 1)[-1]
+                               else "latest")
+    result = {"image": image, "image_tag": tag, "builder": "prebuilt", "built": False}
+    if not m:
+        log.info("using image %s as given (not in ECR: the nodes' pull will tell)", image)
+        return result
+    ecr = session.client("ecr", region_name=m["region"])
+    ident = {"imageDigest": m["digest"]} if m["digest"] else {"imageTag": m["tag"] or "latest"}
+    try:
+        details = ecr.describe_images(repositoryName=m["repo"], registryId=m["account"],
+                                      imageIds=[ident])["imageDetails"]
+    except (ecr.exceptions.ImageNotFoundException, ecr.exceptions.RepositoryNotFoundException):
+        details = []
+    if not details:
+        raise ImageBuildError(f"prebuilt image {image} is not in ECR (repository {m['repo']}, "
+                              f"registry {m['account']}, region {m['region']})")
+    log.info("using prebuilt image %s (%s)", image, details[0]["imageDigest"])
+    return {**result, "digest": details[0]["imageDigest"]}
+
+
+def build_with_buildkit(api: Any, ecr: Any, namespace: str, ref: str, tag: str,
+                        context_url: str, *, poll_interval: float = 15.0,
+                        timeout: float = BUILD_TIMEOUT_S) -> None:
+    """Run the BuildKit Job to its end; the registry Secret is deleted whatever happens."""
+    import kubernetes
+
+    core, batch = kubernetes.client.CoreV1Api(api), kubernetes.client.BatchV1Api(api)
+    name = build_job_name(tag)
+    labels = {LABEL_APP: APP, LABEL_IMAGE_TAG: tag}
+    secret = f"{name}-registry"
+    registry, user, password = registry_credentials(ecr)
+    _apply_secret(core, registry_secret_manifest(
+        secret, namespace, dockerconfigjson(registry, user, password), labels))
+    try:
+        _create_or_adopt_job(batch, buildkit_job_manifest(
+            name, namespace, ref, context_url, secret, labels, deadline_s=int(timeout)))
+        state, message = wait_for_job(batch, namespace, name, poll_interval, timeout)
+        if state == "Failed":
+            raise ImageBuildError(job_failure_report(core, namespace, name, message))
+        if state != "Complete":
+            _delete_job(batch, namespace, name)
+            raise ImageBuildError(job_failure_report(
+                core, namespace, name, f"no result after {timeout:.0f}s: the Job was deleted"))
+    finally:
+        try:
+            core.delete_namespaced_secret(secret, namespace)
+            log.info("deleted registry Secret %s/%s", namespace, secret)
+        except kubernetes.client.ApiException as exc:
+            if exc.status != 404:
+                raise
+
+
+def job_state(job: dict[str, Any]) -> tuple[str, str]:
+    """(Complete | Failed | Running, message) from a batch/v1 Job's status."""
+    status = job.get("status") or {}
+    for cond in status.get("conditions") or []:
+        if cond.get("type") in ("Complete", "Failed") and cond.get("status") == "True":
+            return cond["type"], f"{cond.get('reason', '')}: {cond.get('message', '')}".strip()
+    backoff = (job.get("spec") or {}).get("backoffLimit", 6)
+    if status.get("succeeded", 0) >= 1:
+        return "Complete", ""
+    if status.get("failed", 0) > backoff:
+        return "Failed", f"{status['failed']} pod(s) failed"
+    return "Running", ""
+
+
+def wait_for_job(batch: Any, namespace: str, name: str, poll_interval: float,
+                 timeout: float) -> tuple[str, str]:
+    """Poll the Job until it ends or `timeout` passes (then "Running")."""
+    api = batch.api_client
+    deadline = time.monotonic() + timeout
+    while True:
+        job = api.sanitize_for_serialization(batch.read_namespaced_job(name, namespace))
+        state, message = job_state(job)
+        if state != "Running" or time.monotonic() > deadline:
+            log.info("build Job %s/%s: %s %s", namespace, name, state, message)
+            return state, message
+        time.sleep(poll_interval)
+
+
+def job_failure_report(core: Any, namespace: str, name: str, message: str) -> str:
+    """The Job's failure with each pod's reason and the tail of the failing container's log."""
+    import kubernetes
+
+    api = core.api_client
+    pods = api.sanitize_for_serialization(core.list_namespaced_pod(
+        namespace, label_selector=f"{JOB_NAME_LABEL}={name}"))["items"]
+    parts = [f"image build Job {namespace}/{name} failed: {message}"]
+    for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
+        pod_name = pod["metadata"]["name"]
+        container, reason = _failed_container(pod)
+        parts.append(f"pod {pod_name}: {reason}")
+        try:
+            resp = core.read_namespaced_pod_log(pod_name, namespace, container=container,
+                                                tail_lines=LOG_TAIL_LINES, _preload_content=False)
+            tail = resp.data.decode("utf-8", errors="replace")
+        except kubernetes.client.ApiException:
+            tail = ""
+        if tail.strip():
+            parts.append(f"  last lines of {pod_name} ({container}):\n" + "\n".join(
+                "    " + line for line in tail.splitlines()[-LOG_TAIL_LINES:]))
+    if len(parts) == 1:
+        parts.append("no build pod found")
+    return "\n".join(parts)
+
+
+def _failed_container(pod: dict[str, Any]) -> tuple[str, str]:
+    """(container whose log explains the failure, its reason): the context fetch or the build."""
+    status = pod.get("status") or {}
+    for key, default in (("initContainerStatuses", FETCH_CONTAINER),
+                         ("containerStatuses", BUILD_CONTAINER)):
+        for cs in status.get(key) or []:
+            term = (cs.get("state") or {}).get("terminated") or {}
+            if term.get("exitCode"):
+                return cs.get("name", default), (f"{cs.get('name')} exited with code "
+                                                 f"{term['exitCode']} ({term.get('reason', '')})")
+    return BUILD_CONTAINER, f"phase {status.get('phase', 'Unknown')}"
+
+
+def _apply_secret(core: Any, manifest: dict[str, Any]) -> None:
+    import kubernetes
+
+    meta = manifest["metadata"]
+    try:
+        core.create_namespaced_secret(meta["namespace"], manifest)
+    except kubernetes.client.ApiException as exc:
+        if exc.status != 409:
+            raise
+        core.replace_namespaced_secret(meta["name"], meta["namespace"], manifest)
+
+
+def _create_or_adopt_job(batch: Any, manifest: dict[str, Any]) -> None:
+    """Create the build Job; adopt a running one of the same tag; replace a failed one."""
+    import kubernetes
+
+    meta = manifest["metadata"]
+    try:
+        job = batch.api_client.sanitize_for_serialization(
+            batch.read_namespaced_job(meta["name"], meta["namespace"]))
+    except kubernetes.client.ApiException as exc:
+        if exc.status != 404:
+            raise
+        job = None
+    if job is not None:
+        state, _ = job_state(job)
+        if state != "Failed":
+            log.info("adopting build Job %s/%s (%s)", meta["namespace"], meta["name"], state)
+            return
+        log.info("build Job %s/%s failed before: starting it again", meta["namespace"],
+                 meta["name"])
+        _delete_job(batch, meta["namespace"], meta["name"])
+    batch.create_namespaced_job(meta["namespace"], manifest)
+    log.info("created build Job %s/%s", meta["namespace"], meta["name"])
+
+
+def _delete_job(batch: Any, namespace: str, name: str) -> None:
+    import kubernetes
+
+    try:
+        # Background: the Job's pods go with it.
+        batch.delete_namespaced_job(name, namespace, propagation_policy="Background")
+    except kubernetes.client.ApiException as exc:
+        if exc.status != 404:
+            raise
+
+
+def build_with_codebuild(session: Any, cfg: RunConfig, ref: str, key: str, *,
+                         poll_interval: float = 15.0, timeout: float = BUILD_TIMEOUT_S) -> None:
+    """Create or update the CodeBuild project, start a build of the S3 context, wait for it."""
+    codebuild = session.client("codebuild")
+    name = codebuild_project_name(cfg.image_repository)
+    project = {
+        "name": name,
+        "source": {"type": "S3", "location": f"{cfg.build_bucket}/{key}",
+                   "buildspec": buildspec()},
+        "artifacts": {"type": "NO_ARTIFACTS"},
+        "environment": {"type": "LINUX_CONTAINER", "image": CODEBUILD_IMAGE,
+                        "computeType": CODEBUILD_COMPUTE,
+                        # docker build needs the Docker daemon CodeBuild starts in this mode.
+                        "privilegedMode": True},
+        "serviceRole": cfg.codebuild_role,
+        "timeoutInMinutes": max(5, min(2160, int(timeout // 60))),
+    }
+    if codebuild.batch_get_projects(names=[name])["projects"]:
+        codebuild.update_project(**project)
+    else:
+        codebuild.create_project(**project)
+        log.info("created CodeBuild project %s", name)
+    registry = ref.split("/", 1)[0]
+    build = codebuild.start_build(
+        projectName=name, sourceTypeOverride="S3",
+        sourceLocationOverride=f"{cfg.build_bucket}/{key}",
+        environmentVariablesOverride=[
+            {"name": "IMAGE_URI", "value": ref, "type": "PLAINTEXT"},
+            {"name": "REGISTRY", "value": registry, "type": "PLAINTEXT"},
+            {"name": "DOCKER_BUILDKIT", "value": "1", "type": "PLAINTEXT"}])["build"]
+    log.info("started CodeBuild build %s", build["id"])
+    deadline = time.monotonic() + timeout
+    while build["buildStatus"] == "IN_PROGRESS":
+        if time.monotonic() > deadline:
+            codebuild.stop_build(id=build["id"])
+            raise ImageBuildError(f"CodeBuild build {build['id']} did not finish in "
+                                  f"{timeout:.0f}s: stopped")
+        time.sleep(poll_interval)
+        build = codebuild.batch_get_builds(ids=[build["id"]])["builds"][0]
+    if build["buildStatus"] != "SUCCEEDED":
+        raise ImageBuildError(codebuild_failure_report(session, build))
+
+
+def codebuild_failure_report(session: Any, build: dict[str, Any]) -> str:
+    parts = [f"CodeBuild build {build['id']} ended {build['buildStatus']}"]
+    for phase in build.get("phases") or []:
+        if phase.get("phaseStatus") not in (None, "SUCCEEDED"):
+            contexts = "; ".join(c.get("message", "") for c in phase.get("contexts") or [])
+            parts.append(f"phase {phase['phaseType']}: {phase['phaseStatus']} {contexts}")
+    logs = build.get("logs") or {}
+    if logs.get("groupName") and logs.get("streamName"):
+        try:
+            events = session.client("logs").get_log_events(
+                logGroupName=logs["groupName"], logStreamName=logs["streamName"],
+                limit=LOG_TAIL_LINES, startFromHead=False)["events"]
+        except Exception as exc:  # the log is extra detail: the failure is reported anyway
+            events = [{"message": f"(log not readable: {exc})"}]
+        parts.append("last lines of the build log:\n" + "\n".join(
+            "    " + e["message"].rstrip() for e in events))
+    if logs.get("deepLink"):
+        parts.append(f"log: {logs['deepLink']}")
+    return "\n".join(parts)

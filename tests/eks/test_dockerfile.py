@@ -1,0 +1,145 @@
+"""The trainer Dockerfile parses and names only pinned versions (no container engine runs here:
+this checks the file, it does not build the image)."""
+
+from __future__ import annotations
+
+import io
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+from dockerfile_parse import DockerfileParser
+
+REPO = Path(__file__).resolve().parents[2]
+DOCKERFILE = REPO / "containers" / "trainer" / "Dockerfile"
+_PINNED_REQUIREMENT = re.compile(r"^[A-Za-z0-9][\w.\-\[\],]*==[\w.+!-]+$")
+
+
+def _substitute(text: str, args: dict[str, str]) -> str:
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: args.get(m[1] or m[2], m[0]), text)
+
+
+def pinning_problems(dockerfile: str, requirements: dict[str, str]) -> list[str]:
+    """Every reason the Dockerfile's FROM images, ARG versions or pip installs are not pinned.
+
+    `requirements` maps the files a `pip install -r` may name to their text."""
+    # A file object: given none, the parser writes ./Dockerfile.
+    parser = DockerfileParser(fileobj=io.BytesIO(dockerfile.encode()))
+    problems: list[str] = []
+    args: dict[str, str] = {}
+    stages: set[str] = set()
+    seen_from = False
+    for instr in parser.structure:
+        kind, value = instr["instruction"], instr["value"]
+        if kind == "ARG" and "=" in value:
+            name, default = value.split("=", 1)
+            default = _substitute(default.strip().strip('"'), args)
+            if not seen_from:
+                args[name.strip()] = default  # global ARGs: what FROM lines see
+            if "latest" in default.lower():
+                problems.append(f"ARG {name} = {default!r} names 'latest'")
+            if name.endswith("_VERSION") and not re.match(r"^\d+(\.\d+)+$", default):
+                problems.append(f"ARG {name} = {default!r} is not an exact version")
+        elif kind == "ARG" and not seen_from:
+            problems.append(f"global ARG {value} has no default: FROM would be unpinned")
+        elif kind == "FROM":
+            seen_from = True
+            words = value.split()
+            image = _substitute(words[0], args)
+            if len(words) >= 3 and words[1].upper() == "AS":
+                stages.add(words[2])
+            if image in stages:
+                continue
+            if "$" in image:
+                problems.append(f"FROM {words[0]}: unresolved build argument")
+            elif "@sha256:" not in image:
+                tag = image.rsplit("/", 1)[-1].partition(":")[2]
+                if not tag or tag == "latest":
+                    problems.append(f"FROM {image}: no pinned tag or digest")
+        elif kind == "RUN":
+            for command in re.split(r"&&|;|\|\|", value):
+                words = shlex.split(command)
+                if words[:2] in (["pip", "install"], ["pip3", "install"]) or \
+                        words[1:4] == ["-m", "pip", "install"]:
+                    problems += _pip_problems(words, requirements)
+            if re.search(r"\blatest\b", value):
+                problems.append(f"RUN names 'latest': {value[:80]}")
+    return problems
+
+
+def _pip_problems(words: list[str], requirements: dict[str, str]) -> list[str]:
+    problems = []
+    rest = iter(words[words.index("install") + 1:])
+    for word in rest:
+        if word in ("-r", "--requirement"):
+            path = next(rest)
+            text = requirements.get(path)
+            if text is None:
+                problems.append(f"pip install -r {path}: not a known requirements file")
+                continue
+            for line in text.splitlines():
+                line = line.split("#", 1)[0].strip()
+                if line and not _PINNED_REQUIREMENT.match(line):
+                    problems.append(f"{path}: {line!r} is not pinned with ==")
+        elif word in ("--extra-index-url", "--index-url", "-i", "-c"):
+            next(rest)
+        elif not word.startswith("-") and not _PINNED_REQUIREMENT.match(word):
+            problems.append(f"pip install {word}: not pinned with ==")
+    return problems
+
+
+def shipped_requirements() -> dict[str, str]:
+    """The requirements files the Dockerfile copies in, under their path in the image."""
+    content = DOCKERFILE.read_text()
+    copies = re.findall(r"^COPY\s+(\S+)\s+(\S+)$", content, re.M)
+    return {dest: (REPO / src).read_text() for src, dest in copies
+            if src.endswith("requirements.txt")}
+
+
+def test_trainer_dockerfile_pins_every_base_image_version_and_package():
+    assert pinning_problems(DOCKERFILE.read_text(), shipped_requirements()) == []
+
+
+def test_trainer_image_installs_the_torch_the_trainer_pins():
+    reqs = shipped_requirements()
+    assert reqs, "the Dockerfile installs trainer/requirements.txt"
+    pinned = (REPO / "trainer" / "requirements.txt").read_text()
+    assert re.search(r"^torch==\S+$", pinned, re.M)
+    assert pinned in reqs.values()
+
+
+def test_trainer_image_has_efa_aws_ofi_nccl_a_cuda_base_and_a_non_root_user():
+    parser = DockerfileParser(str(DOCKERFILE))
+    args = parser.args  # the final stage's
+    content = DOCKERFILE.read_text()
+    for name in ("CUDA_VERSION", "EFA_INSTALLER_VERSION", "AWS_OFI_NCCL_VERSION"):
+        assert re.search(rf"^ARG {name}=\d", content, re.M), name
+    assert "efa_installer.sh" in content and "sha256sum -c" in content
+    assert "--with-libfabric=/opt/amazon/efa" in content
+    assert "nvidia/cuda:" in content and "ubuntu" in content
+    user = [i["value"] for i in parser.structure if i["instruction"] == "USER"]
+    assert user and user[-1] not in ("root", "0")
+    assert args["TRAINER_UID"] != "0"
+    # Ships only what the content hash covers: the image tag changes exactly when it should.
+    sources = re.findall(r"^COPY\s+(?!--from)(?:--\S+\s+)*(\S+)\s", content, re.M)
+    assert sources and all(s.startswith(("trainer/", "containers/")) for s in sources)
+
+
+def test_dockerignore_sits_beside_the_dockerfile():
+    ignore = (DOCKERFILE.parent / "Dockerfile.dockerignore").read_text().split()
+    assert "**/__pycache__" in ignore and "tests" in ignore
+
+
+@pytest.mark.parametrize(("snippet", "needle"), [
+    ("FROM python:latest\n", "no pinned tag"),
+    ("FROM python\n", "no pinned tag"),
+    ("ARG BASE\nFROM ${BASE}\n", "no default"),
+    ("ARG EFA_INSTALLER_VERSION=latest\nFROM python:3.12\n", "latest"),
+    ("FROM python:3.12\nRUN pip install torch\n", "pip install torch"),
+    ("FROM python:3.12\nRUN pip install -U transformers==5.0 accelerate\n", "accelerate"),
+    ("FROM python:3.12\nRUN pip install -r /tmp/req.txt\n", "torch>=2"),
+])
+def test_pin_check_catches_unpinned_versions(snippet, needle):
+    problems = pinning_problems(snippet, {"/tmp/req.txt": "torch>=2\n"})
+    assert any(needle in p for p in problems), problems

@@ -1,0 +1,313 @@
+"""build_image on eks against moto in server mode (ECR, S3, CodeBuild) and the Kubernetes emulator,
+where the test plays the Job controller and BuildKit's push. No image is built here: the tests
+prove the API calls, the manifests and the outcomes, up to what a container engine would do."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import io
+import json
+import tarfile
+import threading
+import time
+import urllib.request
+import zipfile
+from typing import Any
+
+import boto3
+import kmock
+import kubernetes
+import kubernetes_validate
+import pytest
+from eks_support import EKS_PARAMS, Cluster, eks_config
+
+from finetune.config import ConfigError, RunConfig, validate_params
+from finetune.image import context_files, image_tag
+from finetune.image_build import (
+    BUILD_CONTAINER,
+    BUILDKIT_IMAGE,
+    FETCH_CONTAINER,
+    JOB_NAME_LABEL,
+    ImageBuildError,
+    build_job_name,
+    buildkit_job_manifest,
+    codebuild_project_name,
+    ensure_repository,
+    pack_context,
+    provide_image,
+)
+from finetune.targets.eks import EksTarget
+
+NS = "ml"
+REPO_NAME = "finetune-trainer"
+BUCKET = "ctx-bucket"
+K8S_VERSION = "1.33"
+ROLE = "arn:aws:iam::123456789012:role/codebuild-finetune"
+MANIFEST = json.dumps({"schemaVersion": 2,
+                       "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
+                       "config": {"mediaType": "application/vnd.docker.container.image.v1+json",
+                                  "size": 2, "digest": "sha256:" + "0" * 64},
+                       "layers": []})
+
+
+def build_config(**changes: Any) -> RunConfig:
+    return eks_config(**{"image": "", "build_bucket": BUCKET, **changes})
+
+
+@pytest.fixture
+def session(aws: str) -> boto3.Session:
+    s = boto3.Session(region_name="us-east-1")
+    s.client("s3").create_bucket(Bucket=BUCKET)
+    return s
+
+
+@pytest.fixture
+def kube(cluster: Cluster) -> Cluster:
+    """The emulator, serving Jobs and Secrets too."""
+    for res in ("batch/v1/jobs", "v1/secrets"):
+        cluster.emulator.resources[res] = kmock.ResourceInfo(namespaced=True)
+    return cluster
+
+
+def push(session: boto3.Session, tag: str, repo: str = REPO_NAME) -> None:
+    """What BuildKit's (or CodeBuild's) push does to ECR."""
+    session.client("ecr").put_image(repositoryName=repo, imageManifest=MANIFEST, imageTag=tag)
+
+
+def no_cluster() -> Any:
+    raise AssertionError("the cluster must not be needed")
+
+
+def secret_names(cluster: Cluster) -> list[str]:
+    core = kubernetes.client.CoreV1Api(cluster.api())
+    return [s.metadata.name for s in core.list_namespaced_secret(NS).items]
+
+
+class JobController(threading.Thread):
+    """Plays the Job controller and BuildKit: waits for the build Job, records the registry
+    Secret it mounts, makes its pod and log, pushes (or not) and sets the Job's status."""
+
+    def __init__(self, cluster: Cluster, session: boto3.Session, outcome: str = "succeeded",
+                 push: bool = True, log_lines: int = 3):
+        super().__init__(daemon=True)
+        self.cluster, self.session, self.outcome = cluster, session, outcome
+        self.push, self.log_lines = push, log_lines
+        self.job: dict[str, Any] | None = None
+        self.secret: dict[str, Any] | None = None
+
+    def run(self) -> None:
+        api = self.cluster.api()
+        batch, core = kubernetes.client.BatchV1Api(api), kubernetes.client.CoreV1Api(api)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not (jobs := batch.list_namespaced_job(NS).items):
+            time.sleep(0.02)
+        if not jobs:
+            return
+        self.job = api.sanitize_for_serialization(jobs[0])
+        name = self.job["metadata"]["name"]
+        volumes = self.job["spec"]["template"]["spec"]["volumes"]
+        secret = next(v["secret"]["secretName"] for v in volumes if "secret" in v)
+        self.secret = api.sanitize_for_serialization(core.read_namespaced_secret(secret, NS))
+        pod = f"{name}-x7k2p"
+        failed = self.outcome == "failed"
+        core.create_namespaced_pod(NS, {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": pod, "namespace": NS, "labels": {JOB_NAME_LABEL: name}},
+            "spec": {"containers": [{"name": BUILD_CONTAINER, "image": BUILDKIT_IMAGE}]},
+            "status": {"phase": "Failed" if failed else "Succeeded", "containerStatuses": [{
+                "name": BUILD_CONTAINER, "ready": False, "restartCount": 0, "image": "b",
+                "imageID": "", "state": {"terminated": {"exitCode": 1 if failed else 0,
+                                                        "reason": "Error"}}}]}})
+        self.cluster.emulator.pod_logs[NS, pod] = [
+            ("2026-11-29T10:00:00Z", f"#{i} build step {i}") for i in range(self.log_lines)]
+        if self.push and not failed:
+            push(self.session, name.removeprefix("finetune-image-"))
+        batch.patch_namespaced_job_status(name, NS, {"status": {self.outcome: 1}})
+
+
+def test_tag_already_in_ecr_skips_the_build(session):
+    ensure_repository(session.client("ecr"), REPO_NAME)
+    push(session, image_tag())
+    result = provide_image(build_config(), session, no_cluster, poll_interval=0.05)
+    assert result["built"] is False and result["image_tag"] == image_tag()
+    assert result["image"].endswith(f"/{REPO_NAME}:{image_tag()}") and result["digest"]
+    # Nothing was uploaded either.
+    assert "Contents" not in session.client("s3").list_objects_v2(Bucket=BUCKET)
+
+
+def test_missing_repository_is_created_with_scan_on_push_and_immutable_tags(session):
+    ecr = session.client("ecr")
+    uri = ensure_repository(ecr, "team/trainer")
+    repo = ecr.describe_repositories(repositoryNames=["team/trainer"])["repositories"][0]
+    assert repo["imageScanningConfiguration"] == {"scanOnPush": True}
+    assert repo["imageTagMutability"] == "IMMUTABLE"
+    assert uri == repo["repositoryUri"] and ensure_repository(ecr, "team/trainer") == uri
+
+
+def test_build_job_is_a_valid_kubernetes_job_with_the_context_and_secret_wired():
+    ref, url = "123456789012.dkr.ecr.us-east-1.amazonaws.com/ft:0123abcd", "https://s3/x?sig=1"
+    job = buildkit_job_manifest("finetune-image-0123abcd", NS, ref, url, "reg-auth",
+                                {"app": "x"})
+    kubernetes_validate.validate(job, K8S_VERSION, strict=True)
+    pod = job["spec"]["template"]["spec"]
+    (fetch,), (build,) = pod["initContainers"], pod["containers"]
+    assert fetch["name"] == FETCH_CONTAINER
+    assert {"name": "CONTEXT_URL", "value": url} in fetch["env"]
+    assert url not in " ".join(fetch["command"])  # passed by variable, not pasted in a script
+    assert build["image"] == BUILDKIT_IMAGE and build["image"].endswith("-rootless")
+    assert build["command"] == ["buildctl-daemonless.sh"]
+    assert f"type=image,name={ref},push=true" in build["args"]
+    auth = next(v for v in pod["volumes"] if v["name"] == "registry-auth")
+    assert auth["secret"] == {"secretName": "reg-auth",
+                              "items": [{"key": ".dockerconfigjson", "path": "config.json"}]}
+    docker_config = next(e["value"] for e in build["env"] if e["name"] == "DOCKER_CONFIG")
+    assert {"name": "registry-auth", "mountPath": docker_config, "readOnly": True} in \
+        build["volumeMounts"]
+    workspace = {m["mountPath"] for c in (fetch, build) for m in c["volumeMounts"]
+                 if m["name"] == "workspace"}
+    assert len(workspace) == 1  # the fetched context is what BuildKit builds
+    assert build["securityContext"]["runAsNonRoot"] and pod["restartPolicy"] == "Never"
+    assert "AWS_" not in json.dumps(job)  # no credentials in the manifest
+
+
+def test_buildkit_build_pushes_verifies_and_deletes_the_secret(session, kube):
+    controller = JobController(kube, session)
+    controller.start()
+    target = EksTarget(poll_interval=0.05)
+    result = target.build_image(build_config())
+    controller.join(5)
+    tag = image_tag()
+    assert result["built"] is True and result["builder"] == "buildkit"
+    assert result["image"] == f"123456789012.dkr.ecr.us-east-1.amazonaws.com/{REPO_NAME}:{tag}"
+    assert result["digest"].startswith("sha256:")
+    repo = session.client("ecr").describe_repositories(
+        repositoryNames=[REPO_NAME])["repositories"][0]
+    assert repo["imageTagMutability"] == "IMMUTABLE"
+    # The Secret the Job mounted was a valid dockerconfigjson with ECR's credentials...
+    assert controller.secret["type"] == "kubernetes.io/dockerconfigjson"
+    config = json.loads(base64.b64decode(controller.secret["data"][".dockerconfigjson"]))
+    token = session.client("ecr").get_authorization_token()["authorizationData"][0]
+    registry = token["proxyEndpoint"].removeprefix("https://")
+    assert list(config["auths"]) == [registry]
+    user, _, password = base64.b64decode(config["auths"][registry]["auth"]).decode().partition(":")
+    assert user == "AWS" and password
+    # ...and is gone now.
+    assert secret_names(kube) == []
+    # The init container's URL serves exactly the image context.
+    job = controller.job
+    assert job["metadata"]["name"] == build_job_name(tag)
+    url = job["spec"]["template"]["spec"]["initContainers"][0]["env"][0]["value"]
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        archive = tarfile.open(fileobj=io.BytesIO(resp.read()), mode="r:gz")
+    assert archive.getnames() == [p.as_posix() for p in context_files()]
+
+
+def test_failed_build_fails_with_the_log_tail_and_deletes_the_secret(session, kube):
+    controller = JobController(kube, session, outcome="failed", log_lines=60)
+    controller.start()
+    with pytest.raises(ImageBuildError) as err:
+        provide_image(build_config(), session, kube.api, poll_interval=0.05)
+    controller.join(5)
+    message = str(err.value)
+    assert "failed" in message and "exited with code 1" in message
+    assert "#59 build step 59" in message  # the end of the build log
+    assert "#5 build step 5\n" not in message  # only its tail
+    assert controller.secret is not None and secret_names(kube) == []
+
+
+def test_build_that_succeeds_without_pushing_the_tag_fails_verification(session, kube):
+    controller = JobController(kube, session, push=False)
+    controller.start()
+    with pytest.raises(ImageBuildError, match="not in ECR"):
+        provide_image(build_config(), session, kube.api, poll_interval=0.05)
+    controller.join(5)
+    assert secret_names(kube) == []
+
+
+def test_context_archive_is_reproducible_and_holds_exactly_the_context_files(repo_copy):
+    expected = [p.as_posix() for p in context_files(repo_copy)]
+    tgz = pack_context(repo_copy, "tar.gz")
+    assert tgz == pack_context(repo_copy, "tar.gz")
+    assert tarfile.open(fileobj=io.BytesIO(tgz), mode="r:gz").getnames() == expected
+    with zipfile.ZipFile(io.BytesIO(pack_context(repo_copy, "zip"))) as zf:
+        assert zf.namelist() == expected
+    (repo_copy / "trainer" / "config.py").write_text("# changed\n")
+    assert pack_context(repo_copy, "tar.gz") != tgz
+
+
+def test_codebuild_project_builds_the_s3_context_and_the_tag_is_verified(session):
+    """moto implements create_project, start_build and batch_get_builds (which reports every
+    build SUCCEEDED); it ignores start_build's overrides, does not implement update_project,
+    and runs nothing: the test plays the push."""
+    codebuild = session.client("codebuild")
+    name = codebuild_project_name(REPO_NAME)
+
+    def play_push() -> None:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                if codebuild.list_builds_for_project(projectName=name)["ids"]:
+                    push(session, image_tag())
+                    return
+            except codebuild.exceptions.ResourceNotFoundException:
+                pass
+            time.sleep(0.02)
+
+    pusher = threading.Thread(target=play_push, daemon=True)
+    pusher.start()
+    result = provide_image(build_config(image_builder="codebuild", codebuild_role=ROLE),
+                           session, no_cluster, poll_interval=0.2)
+    pusher.join(5)
+    assert result["built"] is True and result["builder"] == "codebuild"
+    project = codebuild.batch_get_projects(names=[name])["projects"][0]
+    key = f"finetune-build-context/{image_tag()}.zip"
+    assert project["source"]["type"] == "S3"
+    assert project["source"]["location"] == f"{BUCKET}/{key}"
+    assert 'docker push "$IMAGE_URI"' in project["source"]["buildspec"]
+    assert project["environment"]["privilegedMode"] is True
+    assert project["serviceRole"] == ROLE
+    body = session.client("s3").get_object(Bucket=BUCKET, Key=key)["Body"].read()
+    with zipfile.ZipFile(io.BytesIO(body)) as zf:
+        assert zf.namelist() == [p.as_posix() for p in context_files()]
+
+
+def test_prebuilt_ecr_image_is_verified_and_used(session):
+    ensure_repository(session.client("ecr"), "ft")
+    push(session, "v1", repo="ft")
+    image = "123456789012.dkr.ecr.us-east-1.amazonaws.com/ft:v1"
+    cfg = dataclasses.replace(eks_config(), image=image, image_builder="prebuilt")
+    result = provide_image(cfg, session, no_cluster)
+    assert result["image"] == image and result["image_tag"] == "v1" and result["digest"]
+    missing = dataclasses.replace(cfg, image=image.replace(":v1", ":v2"))
+    with pytest.raises(ImageBuildError, match="not in ECR"):
+        provide_image(missing, session, no_cluster)
+
+
+def test_prebuilt_image_outside_ecr_is_accepted_as_given(session):
+    cfg = dataclasses.replace(eks_config(), image="nvcr.io/nvidia/pytorch:25.01-py3")
+    result = provide_image(cfg, session, no_cluster)
+    assert result == {"image": "nvcr.io/nvidia/pytorch:25.01-py3", "image_tag": "25.01-py3",
+                      "builder": "prebuilt", "built": False}
+
+
+@pytest.mark.parametrize(("conf", "field", "needle"), [
+    ({"image": "", "image_builder": "prebuilt"}, "image", "required with image_builder prebuilt"),
+    ({"image": "not an image!"}, "image", "not an image reference"),
+    ({"image": ""}, "build_bucket", "required to build the image"),
+    ({"image": "", "build_bucket": "Bad_Bucket"}, "build_bucket", "not an S3 bucket"),
+    ({"image": "", "build_bucket": BUCKET, "image_repository": "Team/X"}, "image_repository",
+     "not an ECR repository"),
+    ({"image": "", "build_bucket": BUCKET, "image_builder": "codebuild"}, "codebuild_role",
+     "required with image_builder codebuild"),
+    ({"image_builder": "kaniko"}, "image_builder", "buildkit, codebuild, prebuilt"),
+])
+def test_bad_image_params_are_refused_at_validate_naming_the_field(conf, field, needle):
+    with pytest.raises(ConfigError) as err:
+        validate_params({**EKS_PARAMS, **conf}, run_id="r")
+    assert needle in dict(err.value.errors).get(field, ""), err.value
+
+
+def test_empty_image_with_a_bucket_validates_for_a_build():
+    cfg = validate_params({**EKS_PARAMS, "image": "", "build_bucket": BUCKET}, run_id="r")
+    assert cfg.image_builder == "buildkit" and cfg.image_repository == REPO_NAME
