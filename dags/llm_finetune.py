@@ -10,15 +10,14 @@ from __future__ import annotations
 
 from airflow.sdk import dag, get_current_context, task
 
+from finetune.operators import ScaleUpOperator, TrainOperator
 from finetune.params import dag_params
 
 
 def _target(run_config: dict):
-    from finetune.config import RunConfig
-    from finetune.targets import get_target
+    from finetune.targets import run_target
 
-    cfg = RunConfig.from_dict(run_config)
-    return get_target(cfg.target), cfg
+    return run_target(run_config)
 
 
 @dag(
@@ -46,11 +45,6 @@ def llm_finetune():
         return target.snapshot(cfg)
 
     @task
-    def scale_up(run_config: dict) -> dict:
-        target, cfg = _target(run_config)
-        return target.scale_up(cfg)
-
-    @task
     def build_image(run_config: dict) -> dict:
         target, cfg = _target(run_config)
         return target.build_image(cfg)
@@ -59,11 +53,6 @@ def llm_finetune():
     def reset_etcd(run_config: dict) -> dict:
         target, cfg = _target(run_config)
         return target.reset_etcd(cfg)
-
-    @task
-    def train(run_config: dict, image: dict, rendezvous: dict) -> dict:
-        target, cfg = _target(run_config)
-        return target.train(cfg, image, rendezvous)
 
     @task
     def collect_metrics(run_config: dict, trained: dict) -> dict:
@@ -77,12 +66,14 @@ def llm_finetune():
 
     cfg = validate()
     snap = snapshot(cfg)
-    up = scale_up(cfg)
+    # On eks both wait deferred (no worker slot held); elsewhere they run in the task.
+    up = ScaleUpOperator(task_id="scale_up", run_config=cfg)
     snap >> up
     image, rendezvous = build_image(cfg), reset_etcd(cfg)
     up >> [image, rendezvous]
-    trained = train(cfg, image, rendezvous)
-    metrics = collect_metrics(cfg, trained)
+    trained = TrainOperator(task_id="train", run_config=cfg, image=image,
+                            rendezvous=rendezvous)
+    metrics = collect_metrics(cfg, trained.output)
     metrics >> teardown(cfg, snap).as_teardown(setups=snap)
 
 

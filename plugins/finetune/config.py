@@ -29,6 +29,8 @@ DATASET_FORMATS = ("auto", "jsonl", "json", "parquet", "csv")
 # torchrun rendezvous backends the training operator passes on (elasticPolicy.rdzvBackend).
 RDZV_BACKENDS = ("etcd-v2", "etcd", "c10d")
 ETCD_RESETS = ("keys", "restart")
+# How the eks target provides the trainer image (plugins/finetune/image_build.py).
+IMAGE_BUILDERS = ("buildkit", "codebuild", "prebuilt")
 # Model configs the trainer builds from scratch (trainer/model.py BUILTIN_CONFIGS; a test keeps
 # the two lists equal, since Airflow workers do not have the trainer package installed).
 BUILTIN_MODELS = ("tiny-llama", "llama-1b", "llama-3b", "llama-8b")
@@ -177,8 +179,23 @@ PARAM_SPECS: tuple[ParamSpec, ...] = (
     _S("namespace", "default", "string", "EKS", "Namespace",
        "Kubernetes namespace of the PyTorchJob, its ConfigMap and the etcd service."),
     _S("image", "", "string", "EKS", "Trainer image",
-       "Trainer image reference (registry/repository:tag). Required on eks for now: building "
-       "it in the pipeline is not implemented yet."),
+       "A prebuilt trainer image (registry/repository:tag), used as is (verified when in ECR). "
+       "Empty: the pipeline builds the image from trainer/ and containers/ with "
+       "image_builder."),
+    _S("image_builder", "buildkit", "string", "EKS", "Image builder",
+       "How the image is built when `image` is empty: buildkit (a rootless BuildKit Job in the "
+       "cluster) or codebuild (AWS CodeBuild); prebuilt requires `image`. The tag is the "
+       "content hash of trainer/ and containers/: a tag already in ECR is not built again.",
+       enum=IMAGE_BUILDERS),
+    _S("image_repository", "finetune-trainer", "string", "EKS", "ECR repository",
+       "ECR repository the built image is pushed to; created when missing (scan on push, "
+       "immutable tags)."),
+    _S("build_bucket", "", "string", "EKS", "Build context bucket",
+       "S3 bucket the build context is uploaded to (under finetune-build-context/). Required "
+       "when the image is built."),
+    _S("codebuild_role", "", "string", "EKS", "CodeBuild role",
+       "image_builder codebuild: ARN of the IAM role the CodeBuild project runs as (reads the "
+       "context from S3, pushes to ECR)."),
     _S("max_nodes", 16, "integer", "EKS", "Node cap",
        "The node group is never scaled above this many nodes.", minimum=1, maximum=1024),
     _S("aws_conn_id", "aws_default", "string", "EKS", "AWS connection",
@@ -261,6 +278,10 @@ class RunConfig:
     instance_type: str
     namespace: str
     image: str
+    image_builder: str
+    image_repository: str
+    build_bucket: str
+    codebuild_role: str
     max_nodes: int
     aws_conn_id: str
     kubernetes_conn_id: str

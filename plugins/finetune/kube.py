@@ -8,10 +8,13 @@ describe_cluster with a bearer token minted from STS, re-minted before it expire
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import os
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 KUBECONFIG_ENV = "FINETUNE_KUBECONFIG"
@@ -48,19 +51,25 @@ def eks_token(session: Any, cluster_name: str) -> str:
     return TOKEN_PREFIX + base64.urlsafe_b64encode(url.encode()).decode().rstrip("=")
 
 
+def eks_cluster_access(session: Any, cluster_name: str) -> tuple[str, str | None]:
+    """(API server endpoint, CA bundle file or None) of an EKS cluster."""
+    cluster = session.client("eks").describe_cluster(name=cluster_name)["cluster"]
+    ca_data = (cluster.get("certificateAuthority") or {}).get("data")
+    if not ca_data:
+        return cluster["endpoint"], None
+    with tempfile.NamedTemporaryFile("wb", prefix="eks-ca-", suffix=".crt", delete=False) as ca:
+        ca.write(base64.b64decode(ca_data))
+    return cluster["endpoint"], ca.name
+
+
 def eks_api_client(session: Any, cluster_name: str) -> Any:
     """A kubernetes ApiClient for an EKS cluster; its token is re-minted every 10 minutes."""
     import kubernetes
 
-    cluster = session.client("eks").describe_cluster(name=cluster_name)["cluster"]
     conf = kubernetes.client.Configuration()
-    conf.host = cluster["endpoint"]
-    ca_data = (cluster.get("certificateAuthority") or {}).get("data")
-    if ca_data:
-        with tempfile.NamedTemporaryFile("wb", prefix="eks-ca-", suffix=".crt",
-                                         delete=False) as ca:
-            ca.write(base64.b64decode(ca_data))
-        conf.ssl_ca_cert = ca.name
+    conf.host, ca_file = eks_cluster_access(session, cluster_name)
+    if ca_file:
+        conf.ssl_ca_cert = ca_file
     minted = {"at": 0.0}
 
     def refresh(c: Any) -> None:
@@ -90,3 +99,42 @@ def kube_api_client(*, kubernetes_conn_id: str = "", aws_conn_id: str = "",
         raise ValueError(f"no Kubernetes credentials: set kubernetes_conn_id, {KUBECONFIG_ENV} "
                          "or cluster_name")
     return eks_api_client(aws_session(aws_conn_id), cluster_name)
+
+
+@contextlib.asynccontextmanager
+async def async_kube_api_client(*, kubernetes_conn_id: str = "", aws_conn_id: str = "",
+                                cluster_name: str = "") -> AsyncIterator[Any]:
+    """A kubernetes_asyncio ApiClient from the same credentials as `kube_api_client`.
+
+    On EKS its token is minted once: a trigger that waits longer re-opens the client.
+    """
+    from kubernetes_asyncio import client, config
+
+    if kubernetes_conn_id:
+        from airflow.providers.cncf.kubernetes.hooks.kubernetes import AsyncKubernetesHook
+
+        async with AsyncKubernetesHook(conn_id=kubernetes_conn_id).get_conn() as api:
+            yield api
+        return
+    if os.environ.get(KUBECONFIG_ENV):
+        api = await config.new_client_from_config(config_file=os.environ[KUBECONFIG_ENV])
+    elif cluster_name:
+        # boto3 blocks: keep it off the triggerer's event loop.
+        session = await asyncio.to_thread(aws_session, aws_conn_id)
+        host, ca_file = await asyncio.to_thread(eks_cluster_access, session, cluster_name)
+        conf = client.Configuration(host=host)
+        if ca_file:
+            conf.ssl_ca_cert = ca_file
+        # kubernetes_asyncio names the bearer token "BearerToken" (the sync client:
+        # "authorization").
+        conf.api_key = {"BearerToken": await asyncio.to_thread(eks_token, session,
+                                                               cluster_name)}
+        conf.api_key_prefix = {"BearerToken": "Bearer"}
+        api = client.ApiClient(conf)
+    else:
+        raise ValueError(f"no Kubernetes credentials: set kubernetes_conn_id, {KUBECONFIG_ENV} "
+                         "or cluster_name")
+    try:
+        yield api
+    finally:
+        await api.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 import socket
 import subprocess
@@ -10,9 +11,11 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import boto3
 import pytest
-from eks_support import Cluster
+from eks_support import SCALING, Cluster
 
 
 def _free_port() -> int:
@@ -64,3 +67,30 @@ def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster
     monkeypatch.setenv("FINETUNE_KUBECONFIG", str(c.kubeconfig))
     yield c
     c.close()
+
+
+@pytest.fixture
+def nodegroup(aws: str) -> Any:
+    """The cluster and its GPU node group in moto (scaled to zero)."""
+    eks = boto3.client("eks")
+    eks.create_cluster(name="train", roleArn="arn:aws:iam::123456789012:role/eks",
+                       resourcesVpcConfig={"subnetIds": ["subnet-1"]})
+    eks.create_nodegroup(clusterName="train", nodegroupName="gpu-p4de",
+                         nodeRole="arn:aws:iam::123456789012:role/node", subnets=["subnet-1"],
+                         scalingConfig=SCALING, instanceTypes=["p4de.24xlarge"])
+    return eks
+
+
+@pytest.fixture
+def task_log() -> Any:
+    """What the eks target writes to the task log (Airflow's logging does not reach caplog)."""
+    records: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("finetune")
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    yield records
+    logger.removeHandler(handler)
+    logger.setLevel(old_level)

@@ -7,10 +7,23 @@ import asyncio
 import dataclasses
 import re
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
+import kubernetes
+
 from finetune.config import RunConfig, validate_params
+from finetune.manifests import (
+    LABEL_JOB_NAME,
+    LABEL_REPLICA_INDEX,
+    LABEL_REPLICA_TYPE,
+    PYTORCHJOB_GROUP,
+    PYTORCHJOB_PLURAL,
+    PYTORCHJOB_VERSION,
+    run_selector,
+)
+from finetune.targets.eks import EksTarget
 
 EKS_PARAMS = {
     "target": "eks", "cluster_name": "train", "nodegroup": "gpu-p4de",
@@ -55,12 +68,65 @@ def make_emulator_class() -> type:
     @attrs.define(kw_only=True)
     class FixedEmulator(kmock.KubernetesEmulator):
         """The emulator plus what the eks target relies on: label selectors on lists, pod logs
-        (`timestamps`, `tailLines`) and the service proxy to a real etcd."""
+        (`timestamps`, `tailLines`), the service proxy to a real etcd, and resourceVersion:
+        each write sets a new one, a write naming a stale one fails with 409 Conflict."""
 
         pod_logs: dict[tuple[str, str], list[tuple[str, str]]] = attrs.field(factory=dict)
         proxies: dict[tuple[str, str], str] = attrs.field(factory=dict)
+        # The bearer token of each request, in order (to see tokens being re-minted).
+        tokens: list[str] = attrs.field(factory=list)
+        _version: int = attrs.field(default=0)
+        _write_lock: asyncio.Lock = attrs.field(factory=asyncio.Lock)
 
         async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+            auth = request.headers.get("Authorization", "")
+            if auth:
+                self.tokens.append(auth.removeprefix("Bearer "))
+            replace = (request.resource is not None and request.name is not None
+                       and not request.subresource and request.method == kmock.method.PUT)
+            writes = (kmock.action.CREATE, kmock.action.UPDATE)
+            if isinstance(request.data, dict) and (replace or (
+                    request.resource is not None and request.action in writes)):
+                # Check and write as one step: concurrent writers must see each other.
+                async with self._write_lock:
+                    self._check_and_bump_version(request)
+                    if replace:  # kmock has no PUT: a replace is the whole new object
+                        return await self._replace(request)
+                    return await self._handle_plain(request)
+            return await self._handle_plain(request)
+
+        def _stored(self, request: rendering.Request) -> Any:
+            key = (request.resource, request.namespace, request.name)
+            stored = self.objects[key] if key in self.objects else None
+            return None if stored is None or stored.deleted else stored
+
+        def _check_and_bump_version(self, request: rendering.Request) -> None:
+            from kmock._internal.k8s import KubernetesObjectConflictError
+
+            meta = request.data.setdefault("metadata", {})
+            if request.action != kmock.action.CREATE and meta.get("resourceVersion"):
+                stored = self._stored(request)
+                current = None if stored is None else (stored.get("metadata") or {}).get(
+                    "resourceVersion")
+                if current is not None and meta["resourceVersion"] != current:
+                    raise KubernetesObjectConflictError(
+                        reason="Conflict", message=f"the object has been modified: "
+                        f"resourceVersion {meta['resourceVersion']} is not {current}")
+            self._version += 1
+            meta["resourceVersion"] = str(self._version)
+
+        async def _replace(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+            from kmock._internal.k8s import KubernetesObjectNotFoundError
+
+            stored = self._stored(request)
+            if stored is None:
+                raise KubernetesObjectNotFoundError()
+            stored.create(request.data)
+            await self._buses[request.resource].put({"type": "MODIFIED",
+                                                     "object": stored.raw})
+            return aiohttp.web.json_response(stored.raw)
+
+        async def _handle_plain(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
             path = request.url.path
             proxy = re.match(r"^/api/v1/namespaces/([^/]+)/services/([^/:]+):\d+/proxy(/.*)$",
                              path)
@@ -152,3 +218,103 @@ class Cluster:
         import kubernetes
 
         return kubernetes.config.new_client_from_config(config_file=str(self.kubeconfig))
+
+
+NS = "ml"
+SCALING = {"minSize": 0, "maxSize": 2, "desiredSize": 0}
+
+
+def scaling(eks: Any) -> dict[str, int]:
+    return eks.describe_nodegroup(clusterName="train",
+                                  nodegroupName="gpu-p4de")["nodegroup"]["scalingConfig"]
+
+
+def target() -> EksTarget:
+    return EksTarget(poll_interval=0.05, nodes_timeout=3.0, etcd_timeout=3.0, update_retries=3)
+
+
+def add_nodes(cluster: Cluster, count: int, ready: bool = True, gpus: int = 8) -> None:
+    core = kubernetes.client.CoreV1Api(cluster.api())
+    for i in range(count):
+        core.create_node({
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": f"ip-10-0-0-{i}", "labels": {
+                "eks.amazonaws.com/nodegroup": "gpu-p4de",
+                "node.kubernetes.io/instance-type": "p4de.24xlarge"}},
+            "status": {
+                "conditions": [{"type": "Ready", "status": "True" if ready else "False",
+                                "reason": "KubeletReady" if ready else "KubeletNotReady",
+                                "message": "" if ready else "container runtime not ready"}],
+                "allocatable": {"nvidia.com/gpu": str(gpus), "vpc.amazonaws.com/efa": "4"}},
+        })
+
+
+class TrainingOperator(threading.Thread):
+    """Plays the training operator: waits for the run's PyTorchJob, makes its pods, writes the
+    leader's log and moves the job to `outcome`."""
+
+    def __init__(self, cluster: Cluster, cfg: RunConfig, outcome: str = "Succeeded",
+                 oom_worker: int | None = None):
+        super().__init__(daemon=True)
+        self.cluster, self.cfg, self.outcome, self.oom_worker = cluster, cfg, outcome, oom_worker
+        self.created: list[str] = []
+
+    def run(self) -> None:
+        api = self.cluster.api()
+        custom, core = kubernetes.client.CustomObjectsApi(api), kubernetes.client.CoreV1Api(api)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            jobs = custom.list_namespaced_custom_object(
+                PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, NS, PYTORCHJOB_PLURAL,
+                label_selector=run_selector(self.cfg))["items"]
+            if jobs:
+                break
+            time.sleep(0.02)
+        else:
+            return
+        name = jobs[0]["metadata"]["name"]
+        workers = jobs[0]["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"]
+        for i in range(workers):
+            pod = f"{name}-worker-{i}"
+            core.create_namespaced_pod(NS, {
+                "apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": pod, "namespace": NS, "labels": {
+                    LABEL_JOB_NAME: name, LABEL_REPLICA_TYPE: "worker",
+                    LABEL_REPLICA_INDEX: str(i)}},
+                "spec": {"containers": [{"name": "pytorch", "image": "img"}]},
+                "status": {"phase": "Running"}})
+            self.created.append(pod)
+        self._set(custom, name, "Running")
+        logs = self.cluster.emulator.pod_logs
+        logs[NS, f"{name}-worker-0"] = []
+        for step in range(1, 4):
+            logs[NS, f"{name}-worker-0"].append(
+                (f"2026-11-29T10:00:0{step}.000000000Z", f"step {step} loss {4 - step}.0"))
+            time.sleep(0.15)
+        if self.oom_worker is not None:
+            pod = f"{name}-worker-{self.oom_worker}"
+            logs[NS, pod] = [("2026-11-29T10:00:05.000000000Z", "allocating activations")]
+            core.patch_namespaced_pod_status(pod, NS, {"status": {
+                "phase": "Failed", "containerStatuses": [{
+                    "name": "pytorch", "ready": False, "restartCount": 0, "image": "img",
+                    "imageID": "", "state": {"terminated": {"exitCode": 137,
+                                                            "reason": "OOMKilled"}}}]}})
+        time.sleep(0.15)
+        self._set(custom, name, self.outcome)
+
+    def _set(self, custom: Any, name: str, condition: str) -> None:
+        custom.patch_namespaced_custom_object_status(
+            PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, NS, PYTORCHJOB_PLURAL, name,
+            {"status": {"conditions": [{"type": condition, "status": "True",
+                                        "message": f"PyTorchJob {name} is {condition}"}]}})
+
+
+def jobs_of_run(cluster: Cluster, cfg: RunConfig) -> list[dict]:
+    custom = kubernetes.client.CustomObjectsApi(cluster.api())
+    return custom.list_namespaced_custom_object(
+        PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, NS, PYTORCHJOB_PLURAL,
+        label_selector=run_selector(cfg))["items"]
+
+
+IMAGE = {"image": "1234.dkr.ecr/ft:abc", "image_tag": "abc"}
+RDZV = {"backend": "etcd-v2", "rdzv_id": "x"}

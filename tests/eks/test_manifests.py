@@ -163,7 +163,8 @@ def test_shipped_etcd_yaml_is_what_the_function_builds():
 @pytest.mark.parametrize(("conf", "field", "needle"), [
     ({"cluster_name": ""}, "cluster_name", "required for target eks"),
     ({"nodegroup": ""}, "nodegroup", "required for target eks"),
-    ({"image": ""}, "image", "not implemented"),
+    ({"image": ""}, "build_bucket", "required to build the image"),
+    ({"image": "", "image_builder": "prebuilt"}, "image", "required with image_builder"),
     ({"nodes": 20, "max_nodes": 16}, "nodes", "max_nodes"),
     ({"procs_per_node": 16}, "procs_per_node", "has 8 GPUs"),
     ({"namespace": "ML_team"}, "namespace", "DNS label"),

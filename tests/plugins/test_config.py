@@ -32,7 +32,7 @@ def _data_file(tmp_path, rows: int) -> str:
 BAD_CONFS = [
     ({"target": "gcp"}, "target", "allowed: local, eks"),
     ({"target": "eks"}, "cluster_name", "required for target eks"),
-    ({"target": "eks", "cluster_name": "c", "nodegroup": "g"}, "image", "not implemented"),
+    ({"target": "eks", "cluster_name": "c", "nodegroup": "g"}, "build_bucket", "required"),
     ({"strategy": "ZERO3"}, "strategy", "FULL_SHARD"),
     ({"nodes": 0}, "nodes", ">= 1"),
     ({"nodes": -3}, "nodes", ">= 1"),

@@ -74,3 +74,9 @@ def get_target(name: str) -> Target:
 
         return EksTarget()
     raise ValueError(f"unknown target {name!r}")
+
+
+def run_target(run_config: dict[str, Any]) -> tuple[Target, RunConfig]:
+    """The validated run config (as XCom carries it) and the target it names."""
+    cfg = RunConfig.from_dict(run_config)
+    return get_target(cfg.target), cfg

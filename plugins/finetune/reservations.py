@@ -1,0 +1,143 @@
+"""Node reservations: concurrent runs on one node group never scale down each other's nodes.
+
+One ConfigMap per node group holds the baseline scaling config (recorded when no run holds a
+reservation) and each run's reservation (nodes, expiry). The node group's desired size is the
+baseline plus the live reservations; a run's teardown removes its own and restores only what no
+other live reservation needs; a reservation whose run died without a teardown expires.
+
+Every change is a read-modify-replace conditional on the ConfigMap's resourceVersion, retried
+on 409 Conflict, so two runs changing it at the same time never lose each other's change.
+The state lives in one JSON key: a replace is the whole truth, never a merge.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from finetune.manifests import APP, LABEL_APP
+from finetune.names import dns_label
+
+log = logging.getLogger(__name__)
+
+STATE_KEY = "reservations.json"
+SCALING_KEYS = ("minSize", "maxSize", "desiredSize")
+# A live run renews its reservation at every stage and every train wake-up (about a minute).
+RESERVATION_TTL_S = 3600
+CONFLICT_RETRIES = 20
+
+State = dict[str, Any]
+
+
+def configmap_name(cluster: str, nodegroup: str) -> str:
+    return dns_label("finetune-nodes", cluster, nodegroup)
+
+
+def empty_state() -> State:
+    return {"baseline": None, "reservations": {}}
+
+
+def live_reservations(state: State, now: float) -> dict[str, dict[str, Any]]:
+    return {run: r for run, r in state["reservations"].items() if r["expires"] > now}
+
+
+def record_baseline(state: State, current: dict[str, int]) -> State:
+    """The node group's own size, recorded while no run (live or dead) holds a reservation."""
+    if state["reservations"] and state["baseline"]:
+        return state
+    return {**state, "baseline": {k: int(current[k]) for k in SCALING_KEYS}}
+
+
+def reserve(state: State, run: str, nodes: int, now: float, cap: int,
+            ttl: float = RESERVATION_TTL_S) -> State:
+    """Add or renew `run`'s reservation; refuse one that would take the group above `cap`."""
+    others = sum(r["nodes"] for k, r in live_reservations(state, now).items() if k != run)
+    total = state["baseline"]["desiredSize"] + others + nodes
+    if total > cap:
+        raise RuntimeError(
+            f"the node group would need {total} nodes (baseline "
+            f"{state['baseline']['desiredSize']} + {others} reserved by other live runs + "
+            f"{nodes} for this run), above max_nodes = {cap}")
+    reservations = {**state["reservations"], run: {"nodes": nodes, "expires": now + ttl}}
+    return {**state, "reservations": reservations}
+
+
+def renew(state: State, run: str, now: float, ttl: float = RESERVATION_TTL_S) -> State:
+    if run not in state["reservations"]:
+        return state
+    renewed = {**state["reservations"][run], "expires": now + ttl}
+    return {**state, "reservations": {**state["reservations"], run: renewed}}
+
+
+def release(state: State, run: str, now: float) -> State:
+    """Remove `run`'s reservation; the last live run also clears the dead runs' ones."""
+    rest = {k: r for k, r in state["reservations"].items() if k != run}
+    if not live_reservations({"reservations": rest}, now):
+        rest = {}
+    return {**state, "reservations": rest}
+
+
+def wanted_scaling(state: State, now: float) -> dict[str, int]:
+    """The baseline plus the live reservations (maxSize raised to fit, never lowered)."""
+    base = state["baseline"]
+    desired = base["desiredSize"] + sum(r["nodes"] for r in live_reservations(state,
+                                                                            now).values())
+    return {"minSize": base["minSize"], "maxSize": max(base["maxSize"], desired),
+            "desiredSize": desired}
+
+
+class ReservationStore:
+    """The node group's reservation ConfigMap, changed with optimistic concurrency."""
+
+    def __init__(self, core: Any, namespace: str, cluster: str, nodegroup: str,
+                 retries: int = CONFLICT_RETRIES):
+        self.core, self.namespace, self.retries = core, namespace, retries
+        self.name = configmap_name(cluster, nodegroup)
+        self.nodegroup = nodegroup
+
+    def read(self) -> tuple[State, str | None]:
+        """(state, resourceVersion); an empty state and None when the ConfigMap is absent."""
+        import kubernetes
+
+        try:
+            cm = self.core.read_namespaced_config_map(self.name, self.namespace)
+        except kubernetes.client.ApiException as exc:
+            if exc.status == 404:
+                return empty_state(), None
+            raise
+        raw = (cm.data or {}).get(STATE_KEY)
+        return (json.loads(raw) if raw else empty_state()), cm.metadata.resource_version
+
+    def update(self, change: Callable[[State], State]) -> State:
+        """Apply `change` to the latest state; on a concurrent change, re-read and re-apply."""
+        import kubernetes
+
+        for attempt in range(self.retries):
+            state, version = self.read()
+            new = change(state)
+            if new == state:  # nothing to write (a renewal of a run that holds none)
+                return new
+            body = {"apiVersion": "v1", "kind": "ConfigMap",
+                    "metadata": {"name": self.name, "namespace": self.namespace,
+                                 "labels": {LABEL_APP: APP},
+                                 "annotations": {"finetune.airflow.apache.org/nodegroup":
+                                                 self.nodegroup}},
+                    "data": {STATE_KEY: json.dumps(new, sort_keys=True)}}
+            try:
+                if version is None:
+                    self.core.create_namespaced_config_map(self.namespace, body)
+                else:
+                    body["metadata"]["resourceVersion"] = version
+                    self.core.replace_namespaced_config_map(self.name, self.namespace, body)
+                return new
+            except kubernetes.client.ApiException as exc:
+                # 409: another run changed (or created) it since we read it.
+                if exc.status != 409 or attempt == self.retries - 1:
+                    raise
+                log.info("reservations %s/%s changed concurrently: retrying", self.namespace,
+                         self.name)
+                time.sleep(0.05 * (attempt + 1))
+        raise AssertionError("unreachable")
