@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -22,6 +23,9 @@ Strategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
 MixedPrecision = Literal["bf16", "fp16", "fp32"]
 ActivationCheckpointing = Literal["none", "full", "selective"]
 PromptTemplate = Literal["instruction", "chat"]
+DatasetSource = Literal["s3", "local", "hub"]
+FORMAT_BY_EXTENSION = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # org/name or name, as the hub allows
 
 
 @dataclass(frozen=True)
@@ -170,7 +174,8 @@ def resolve(config: TrainConfig) -> TrainConfig:
     """Make paths absolute (relative to the working dir) and fill in the tokenizer.
 
     The resolved config is saved and read from other working dirs, so it holds no relative path.
-    A model or tokenizer that is not a local path stays as given: a Hugging Face hub id.
+    A model, tokenizer or data set that is not a local path stays as given: a Hugging Face hub id
+    (or, for the data set, an s3:// URI).
     """
     model = config.model if config.model in BUILTIN_CONFIGS else _absolute_if_local(config.model)
     tokenizer = config.tokenizer
@@ -180,9 +185,25 @@ def resolve(config: TrainConfig) -> TrainConfig:
         config,
         model=model,
         tokenizer=_absolute_if_local(tokenizer),
-        dataset=_absolute(config.dataset),
+        dataset=_absolute(config.dataset)
+        if dataset_source(config.dataset) == "local"
+        else config.dataset,
         output_dir=_absolute(config.output_dir),
     )
+
+
+def dataset_source(dataset: str) -> DatasetSource:
+    """Where a data set lives: an s3:// URI, a local file or directory, or the Hugging Face hub.
+
+    A name that is not on disk is a hub name only if shaped like one and not like a data file, so
+    a mistyped path is reported missing rather than looked up on the hub.
+    """
+    if dataset.startswith("s3://"):
+        return "s3"
+    path = Path(dataset).expanduser()
+    if path.exists() or path.suffix.lower() in FORMAT_BY_EXTENSION or not _HUB_NAME.match(dataset):
+        return "local"
+    return "hub"
 
 
 def _absolute(path: str) -> str:

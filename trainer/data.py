@@ -1,8 +1,15 @@
-"""Data: load rows with `datasets`, tokenize with the loss masked on the prompt, sample per rank."""
+"""Data: load rows with `datasets`, tokenize with the prompt masked from the loss, pack, sample.
+
+Sources: a jsonl/json/parquet/csv file, a directory of them, an s3:// object or prefix (downloaded
+first), or a Hugging Face hub data set name.
+"""
 
 from __future__ import annotations
 
 import math
+import os
+import tempfile
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -14,21 +21,11 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
-from trainer.config import TrainConfig
+from trainer.batch import IGNORE_INDEX, Batch
+from trainer.config import FORMAT_BY_EXTENSION, PromptTemplate, TrainConfig, dataset_source
 
 PROMPT_TEMPLATE = "### Instruction:\n{prompt}\n\n### Response:\n"
-IGNORE_INDEX = -100  # the label value cross_entropy skips: prompt and padding positions
-_FORMAT_BY_EXTENSION = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-
-
-@dataclass
-class Batch:
-    input_ids: torch.Tensor  # (batch, length), right-padded
-    labels: torch.Tensor  # same shape; IGNORE_INDEX where no loss is taken
-    num_tokens: int  # tokens that are not padding
-
-    def to(self, device: torch.device) -> Batch:
-        return Batch(self.input_ids.to(device), self.labels.to(device), self.num_tokens)
+S3_CACHE_DIR = "dataset_cache"  # under output_dir: where s3:// data sets are downloaded
 
 
 @dataclass
@@ -43,35 +40,171 @@ def builder_name(path: str, dataset_format: str) -> str:
     if dataset_format != "auto":
         return "json" if dataset_format == "jsonl" else dataset_format
     suffix = Path(path).suffix.lower()
-    if suffix not in _FORMAT_BY_EXTENSION:
+    if suffix not in FORMAT_BY_EXTENSION:
         raise ValueError(
             f"dataset_format is auto but the extension of {path!r} is not one of "
-            f"{', '.join(_FORMAT_BY_EXTENSION)}; set dataset_format"
+            f"{', '.join(FORMAT_BY_EXTENSION)}; set dataset_format"
         )
-    return _FORMAT_BY_EXTENSION[suffix]
+    return FORMAT_BY_EXTENSION[suffix]
 
 
-def load_rows(config: TrainConfig) -> datasets.Dataset:
-    if not Path(config.dataset).exists():
-        raise ValueError(f"dataset {config.dataset!r} does not exist")
-    builder = builder_name(config.dataset, config.dataset_format)
-    return datasets.load_dataset(builder, data_files=config.dataset, split="train")
+def data_files(path: Path, dataset_format: str) -> list[str]:
+    """The file itself, or a directory's data files (recursively, in path order), all one format.
+
+    A directory's data files are those with a data extension (of dataset_format, when set); hidden
+    and `_` files, as Spark and S3 tools leave them, are skipped.
+    """
+    if not path.exists():
+        raise ValueError(f"dataset {str(path)!r} does not exist")
+    if path.is_file():
+        return [str(path)]
+    files = [
+        p
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
+        and p.suffix.lower() in FORMAT_BY_EXTENSION
+        and not any(part.startswith((".", "_")) for part in p.relative_to(path).parts)
+    ]
+    if dataset_format != "auto":
+        wanted = builder_name(str(path), dataset_format)
+        files = [p for p in files if FORMAT_BY_EXTENSION[p.suffix.lower()] == wanted]
+    if not files:
+        extensions = ", ".join(FORMAT_BY_EXTENSION)
+        raise ValueError(f"dataset directory {str(path)!r} holds no data files ({extensions})")
+    formats = sorted({FORMAT_BY_EXTENSION[p.suffix.lower()] for p in files})
+    if len(formats) > 1:
+        raise ValueError(
+            f"dataset directory {str(path)!r} holds files of formats {', '.join(formats)}; keep "
+            "one format there or choose one with dataset_format"
+        )
+    return [str(p) for p in files]
+
+
+def s3_cache_dir(output_dir: str) -> Path:
+    """Where s3:// data sets are downloaded: the output dir, or the temp dir if that is on S3."""
+    if output_dir.startswith("s3://"):
+        return Path(tempfile.gettempdir()) / "trainer" / S3_CACHE_DIR
+    return Path(output_dir) / S3_CACHE_DIR
+
+
+def download_s3(uri: str, cache_dir: Path) -> Path:
+    """Copy an s3:// object, or every object under a prefix, to cache_dir/<bucket>/<key>.
+
+    As `aws s3 sync` does, a file already there with the object's size and time is kept.
+    """
+    import boto3  # only S3 data sets need it
+    from botocore.exceptions import ClientError
+
+    bucket, _, key = uri.removeprefix("s3://").partition("/")
+    s3 = boto3.client("s3")
+    try:
+        key, objects = _s3_objects(s3, bucket, key)
+    except ClientError as error:
+        raise ValueError(f"dataset {uri!r} cannot be read: {error}") from error
+    if not objects:
+        raise ValueError(f"dataset {uri!r}: no object has that key or is under that prefix")
+    bucket_dir = (cache_dir / bucket).absolute()
+    for obj in objects:
+        local = (bucket_dir / obj["Key"]).resolve()
+        if not local.is_relative_to(bucket_dir.resolve()):
+            raise ValueError(f"dataset {uri!r}: object key {obj['Key']!r} leaves the cache dir")
+        size, mtime = obj["Size"], obj["LastModified"].timestamp()
+        if local.is_file() and (local.stat().st_size, local.stat().st_mtime) == (size, mtime):
+            continue
+        local.parent.mkdir(parents=True, exist_ok=True)
+        # A unique hidden name: nodes sharing the cache may fetch the same object at the same time.
+        partial = local.with_name(f".{local.name}.{uuid.uuid4().hex}")
+        s3.download_file(bucket, obj["Key"], str(partial))
+        os.utime(partial, (mtime, mtime))
+        os.replace(partial, local)
+    return bucket_dir / key
+
+
+def _s3_objects(s3: Any, bucket: str, key: str) -> tuple[str, list[dict[str, Any]]]:
+    """(key or prefix, its objects): the object at `key`, else the objects under `key/`."""
+    from botocore.exceptions import ClientError
+
+    if key and not key.endswith("/"):
+        try:
+            head = s3.head_object(Bucket=bucket, Key=key)
+            return key, [
+                {"Key": key, "Size": head["ContentLength"], "LastModified": head["LastModified"]}
+            ]
+        except ClientError as error:
+            if error.response["Error"]["Code"] not in ("404", "NoSuchKey", "NotFound"):
+                raise
+        key += "/"
+    pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key)
+    objects = [obj for page in pages for obj in page.get("Contents", [])]
+    return key, [obj for obj in objects if not obj["Key"].endswith("/")]
+
+
+def local_dataset(config: TrainConfig) -> Path | None:
+    """The data set's local file or directory, downloaded first if on S3; None for a hub name."""
+    source = dataset_source(config.dataset)
+    if source == "hub":
+        return None
+    if source == "s3":
+        return download_s3(config.dataset, s3_cache_dir(config.output_dir))
+    return Path(config.dataset)
+
+
+def load_rows(config: TrainConfig, local_path: Path | None) -> datasets.Dataset:
+    """The raw rows of the local file or directory, or (for None) of the hub data set."""
+    if local_path is None:
+        try:
+            return datasets.load_dataset(config.dataset, split=config.dataset_split)
+        except OSError as error:  # not found (DatasetNotFoundError) or hub unreachable
+            raise ValueError(
+                f"dataset {config.dataset!r} is no local file or directory, so it was looked up "
+                f"as a Hugging Face hub data set: {error}"
+            ) from error
+    files = data_files(local_path, config.dataset_format)
+    builder = builder_name(files[0], config.dataset_format)
+    return datasets.load_dataset(builder, data_files=files, split="train")
+
+
+def chat_texts(tokenizer: PreTrainedTokenizerBase, prompt: str, response: str) -> tuple[str, str]:
+    """The chat template's rendering of the user's turn with the assistant's cue, and of both."""
+    user = [{"role": "user", "content": prompt}]
+    prompt_text = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+    full_text = tokenizer.apply_chat_template(
+        [*user, {"role": "assistant", "content": response}], tokenize=False
+    )
+    if not full_text.startswith(prompt_text):
+        raise ValueError(
+            f"prompt_template=chat: the chat template of tokenizer {tokenizer.name_or_path} "
+            "renders a conversation that does not start with its prompt (rendered with "
+            "add_generation_prompt=True), so the prompt cannot be masked from the loss"
+        )
+    return prompt_text, full_text
 
 
 def encode_example(
-    tokenizer: PreTrainedTokenizerBase, seq_len: int, prompt: str | None, response: str
+    tokenizer: PreTrainedTokenizerBase,
+    seq_len: int,
+    prompt: str | None,
+    response: str,
+    template: PromptTemplate = "instruction",
 ) -> tuple[list[int], list[int]]:
     """Token ids and labels for one example; with a prompt, only the response carries loss.
 
     Prompt and response are tokenized separately so the boundary is exact, as at inference time.
+    A chat template ends the assistant's turn itself (with its own end token): no EOS is added.
     """
     eos = [tokenizer.eos_token_id]
     if prompt is None:
         input_ids = tokenizer(response)["input_ids"] + eos
         labels = list(input_ids)
     else:
-        prompt_ids = tokenizer(PROMPT_TEMPLATE.format(prompt=prompt))["input_ids"]
-        response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + eos
+        if template == "chat":
+            prompt_text, full_text = chat_texts(tokenizer, prompt, response)
+            prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+            response_text = full_text[len(prompt_text) :]
+            response_ids = tokenizer(response_text, add_special_tokens=False)["input_ids"]
+        else:
+            prompt_ids = tokenizer(PROMPT_TEMPLATE.format(prompt=prompt))["input_ids"]
+            response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + eos
         input_ids = prompt_ids + response_ids
         labels = [IGNORE_INDEX] * len(prompt_ids) + response_ids
     return input_ids[:seq_len], labels[:seq_len]
@@ -103,7 +236,9 @@ def tokenize(
             if not all(_present(v) for v in values):
                 continue
             prompt, response = (None, values[0]) if config.text_field else values
-            input_ids, labels = encode_example(tokenizer, config.seq_len, prompt, response)
+            input_ids, labels = encode_example(
+                tokenizer, config.seq_len, prompt, response, config.prompt_template
+            )
             # The first label is never predicted (nothing precedes it), so it alone teaches nothing.
             if all(label == IGNORE_INDEX for label in labels[1:]):
                 continue
@@ -115,21 +250,47 @@ def tokenize(
 
 
 @contextmanager
-def _rank_zero_first() -> Iterator[None]:
-    """Rank 0 fills the `datasets` cache first so the other ranks read it instead of racing."""
+def _rank_zero_first(per_node: bool = False) -> Iterator[None]:
+    """Rank 0 fills the `datasets` cache first so the other ranks read it instead of racing.
+
+    per_node: each node's local rank 0 goes first, for what lands on a node's own disk.
+    """
     distributed = dist.is_initialized() and dist.get_world_size() > 1
-    if distributed and dist.get_rank() != 0:
+    if not distributed:
+        yield
+        return
+    rank = int(os.environ.get("LOCAL_RANK", 0)) if per_node else dist.get_rank()
+    if rank != 0:
         dist.barrier()
     yield
-    if distributed and dist.get_rank() == 0:
+    if rank == 0:
         dist.barrier()
+
+
+def check_prompt_template(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Fail at start, before any download, when the prompt template cannot be applied."""
+    if config.prompt_template != "chat":
+        return
+    if config.text_field:
+        raise ValueError(
+            f"prompt_template=chat needs prompt and response fields, but text_field="
+            f"{config.text_field!r} makes every row plain text: unset one of them"
+        )
+    if not tokenizer.chat_template:
+        raise ValueError(
+            f"prompt_template=chat but tokenizer {config.tokenizer} has no chat template: use "
+            "prompt_template=instruction or a tokenizer with a chat template"
+        )
 
 
 def build_splits(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> Splits:
     """Tokenized train and held-out eval rows: the same split on every rank and every run."""
     datasets.disable_progress_bars()
+    check_prompt_template(config, tokenizer)
+    with _rank_zero_first(per_node=True):
+        local_path = local_dataset(config)
     with _rank_zero_first():
-        rows = load_rows(config)
+        rows = load_rows(config, local_path)
         tokenized = tokenize(rows, tokenizer, config)
     n = len(tokenized)
     n_eval = max(math.ceil(config.eval_fraction * n), config.micro_batch)
@@ -139,31 +300,63 @@ def build_splits(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> Spl
             "(eval_fraction, at least micro_batch rows) plus training rows"
         )
     split = tokenized.train_test_split(test_size=n_eval, shuffle=True, seed=config.seed)
-    return Splits(train=split["train"], eval=split["test"], skipped_rows=len(rows) - n)
+    train, held_out = split["train"], split["test"]
+    if config.packing:
+        # Split before packing: the eval split holds the same examples with packing on or off.
+        with _rank_zero_first():
+            train, held_out = pack(train, config.seq_len), pack(held_out, config.seq_len)
+    return Splits(train=train, eval=held_out, skipped_rows=len(rows) - n)
+
+
+def pack(ds: datasets.Dataset, seq_len: int) -> datasets.Dataset:
+    """Examples concatenated in order into rows of up to seq_len tokens; none is split.
+
+    position_ids restart at 0 for each example, so the model sees each one as it would alone
+    (see Batch.model_inputs). An example's first token takes no loss, as it would be predicted
+    from the example before: the labelled tokens are those of the unpacked examples.
+    """
+
+    def pack_batch(batch: dict[str, list[list[int]]]) -> dict[str, list[list[int]]]:
+        packed: dict[str, list[list[int]]] = {"input_ids": [], "labels": [], "position_ids": []}
+        for input_ids, labels in zip(batch["input_ids"], batch["labels"]):
+            if not packed["input_ids"] or len(packed["input_ids"][-1]) + len(input_ids) > seq_len:
+                for column in packed.values():
+                    column.append([])
+            packed["input_ids"][-1] += input_ids
+            packed["labels"][-1] += [IGNORE_INDEX, *labels[1:]]
+            packed["position_ids"][-1] += range(len(input_ids))
+        return packed
+
+    # Packed per map batch (1000 examples): memory stays bounded, one short row per batch.
+    return ds.map(pack_batch, batched=True, remove_columns=ds.column_names)
 
 
 def collate(rows: list[dict[str, list[int]]], pad_id: int, pad_to: int | None = None) -> Batch:
     """Right-pad to the longest row (or to `pad_to`).
 
     No attention mask is needed: with causal attention and right padding, real tokens never see
-    the pads, and pad positions carry no loss.
+    the pads, and pad positions carry no loss. Packed rows' padding gets positions from 0, so the
+    model takes it for one more example, which no real token attends to.
     """
     length = pad_to or max(len(row["input_ids"]) for row in rows)
     input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
+    packed = "position_ids" in rows[0]
+    position_ids = torch.zeros((len(rows), length), dtype=torch.long) if packed else None
     for i, row in enumerate(rows):
         n = len(row["input_ids"])
         input_ids[i, :n] = torch.tensor(row["input_ids"])
         labels[i, :n] = torch.tensor(row["labels"])
-    return Batch(input_ids, labels, sum(len(row["input_ids"]) for row in rows))
+        if position_ids is not None:
+            position_ids[i, :n] = torch.tensor(row["position_ids"])
+            position_ids[i, n:] = torch.arange(length - n)
+    num_tokens = sum(len(row["input_ids"]) for row in rows)
+    return Batch(input_ids, labels, num_tokens, position_ids)
 
 
 def _rows(ds: datasets.Dataset, indices: list[int]) -> list[dict[str, list[int]]]:
     columns = ds[indices]
-    return [
-        {"input_ids": ids, "labels": labels}
-        for ids, labels in zip(columns["input_ids"], columns["labels"])
-    ]
+    return [dict(zip(columns, values)) for values in zip(*columns.values())]
 
 
 class DistributedSampler:
@@ -208,16 +401,22 @@ class DistributedSampler:
 
 
 class TrainBatches:
-    """Endless micro batches for this rank, in the sampler's order."""
+    """Endless micro batches for this rank, in the sampler's order; pad_to: a fixed length."""
 
-    def __init__(self, ds: datasets.Dataset, sampler: DistributedSampler, pad_id: int):
-        self.ds, self.sampler, self.pad_id = ds, sampler, pad_id
+    def __init__(
+        self,
+        ds: datasets.Dataset,
+        sampler: DistributedSampler,
+        pad_id: int,
+        pad_to: int | None = None,
+    ):
+        self.ds, self.sampler, self.pad_id, self.pad_to = ds, sampler, pad_id, pad_to
 
     def __iter__(self) -> Iterator[Batch]:
         return self
 
     def __next__(self) -> Batch:
-        return collate(_rows(self.ds, self.sampler.next_indices()), self.pad_id)
+        return collate(_rows(self.ds, self.sampler.next_indices()), self.pad_id, self.pad_to)
 
 
 class EvalBatches:
@@ -228,9 +427,15 @@ class EvalBatches:
     """
 
     def __init__(
-        self, ds: datasets.Dataset, micro_batch: int, rank: int, world_size: int, pad_id: int
+        self,
+        ds: datasets.Dataset,
+        micro_batch: int,
+        rank: int,
+        world_size: int,
+        pad_id: int,
+        pad_to: int | None = None,
     ):
-        self.ds, self.micro_batch, self.pad_id = ds, micro_batch, pad_id
+        self.ds, self.micro_batch, self.pad_id, self.pad_to = ds, micro_batch, pad_id, pad_to
         self.indices = list(range(rank, len(ds), world_size))
         self.num_batches = math.ceil(math.ceil(len(ds) / world_size) / micro_batch)
 
@@ -241,9 +446,9 @@ class EvalBatches:
         for b in range(self.num_batches):
             chunk = self.indices[b * self.micro_batch : (b + 1) * self.micro_batch]
             if chunk:
-                yield collate(_rows(self.ds, chunk), self.pad_id)
+                yield collate(_rows(self.ds, chunk), self.pad_id, self.pad_to)
             else:
-                filler = collate(_rows(self.ds, [0]), self.pad_id)
+                filler = collate(_rows(self.ds, [0]), self.pad_id, self.pad_to)
                 filler.labels.fill_(IGNORE_INDEX)
                 filler.num_tokens = 0
                 yield filler

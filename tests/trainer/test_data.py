@@ -1,9 +1,14 @@
 import json
+import re
+import shutil
+from pathlib import Path
 
+import datasets
 import pandas as pd
 import pytest
-from conftest import demo_rows, write_jsonl
-from transformers import AutoTokenizer
+import torch
+from conftest import demo_rows, read_metrics, write_jsonl
+from transformers import AutoTokenizer, LlamaForCausalLM
 
 from trainer.config import load_config
 from trainer.data import (
@@ -11,13 +16,23 @@ from trainer.data import (
     PROMPT_TEMPLATE,
     DistributedSampler,
     EvalBatches,
+    TrainBatches,
     build_splits,
     collate,
     encode_example,
+    pack,
 )
 from trainer.demo import DEMO_DATASET, DEMO_TOKENIZER
 from trainer.demo.make_data import make_rows
-from trainer.model import BUILTIN_CONFIGS
+from trainer.model import BUILTIN_CONFIGS, builtin_config
+from trainer.train import train
+
+# A minimal chat template in the usual shape: BOS, role-tagged turns, EOS ending the assistant's.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -146,3 +161,180 @@ def test_the_demo_data_is_what_the_generator_makes():
 
 def test_the_demo_tokenizer_fills_the_tiny_llama_vocabulary(tokenizer):
     assert len(tokenizer) == BUILTIN_CONFIGS["tiny-llama"]["vocab_size"]
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer_dir(tmp_path_factory):
+    """The demo tokenizer (which has no chat template) saved with one."""
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_TOKENIZER)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    path = tmp_path_factory.mktemp("chat-tokenizer")
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_chat_template_rows_take_loss_on_the_assistant_turn_only(chat_tokenizer_dir):
+    tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer_dir)
+    prompt, response = "Which day comes after Monday?", "Tuesday"
+    input_ids, labels = encode_example(tokenizer, 128, prompt, response, "chat")
+    user = [{"role": "user", "content": prompt}]
+    prompt_text = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+    prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+    n = len(prompt_ids)
+    assert input_ids[:n] == prompt_ids
+    assert labels[:n] == [IGNORE_INDEX] * n
+    assert labels[n:] == input_ids[n:]
+    assert tokenizer.decode(input_ids[n:], skip_special_tokens=True).strip() == response
+    # The template's own BOS and EOS, each once: none added on top.
+    assert input_ids.count(tokenizer.bos_token_id) == 1 and input_ids[0] == tokenizer.bos_token_id
+    assert input_ids.count(tokenizer.eos_token_id) == 1 and tokenizer.eos_token_id in input_ids[n:]
+
+
+def test_prompt_template_chat_tokenizes_every_row_with_the_chat_template(
+    tmp_path, chat_tokenizer_dir
+):
+    path = write_jsonl(tmp_path / "d.jsonl", demo_rows(30))
+    config = load_config(
+        None,
+        {"dataset": str(path), "prompt_template": "chat", "tokenizer": str(chat_tokenizer_dir)},
+    )
+    tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer_dir)
+    splits = build_splits(config, tokenizer)
+    expected = [
+        encode_example(tokenizer, config.seq_len, row["prompt"], row["response"], "chat")
+        for row in demo_rows(30)
+    ]
+    actual = [(row["input_ids"], row["labels"]) for row in (*splits.train, *splits.eval)]
+    assert sorted(actual) == sorted(expected)
+
+
+def test_prompt_template_chat_without_a_chat_template_fails_at_start_naming_both(
+    tmp_path, tokenizer
+):
+    # The data set does not exist: the template is checked before any data is read.
+    config = load_config(
+        None, {"dataset": str(tmp_path / "missing.jsonl"), "prompt_template": "chat"}
+    )
+    expected = f"prompt_template=chat.*tokenizer {re.escape(config.tokenizer)} has no chat"
+    with pytest.raises(ValueError, match=expected):
+        build_splits(config, tokenizer)
+
+
+def tokenized_examples(tokenizer, pairs, seq_len=128) -> datasets.Dataset:
+    encoded = [encode_example(tokenizer, seq_len, p, r) for p, r in pairs]
+    return datasets.Dataset.from_dict(
+        {"input_ids": [ids for ids, _ in encoded], "labels": [labels for _, labels in encoded]}
+    )
+
+
+PAIRS = [
+    ("Write in capitals: owl", "OWL"),
+    ("Reverse the list: a b c", "c b a"),
+    ("Which day comes after Monday?", "Tuesday"),
+    ("Repeat cat 4 times.", "cat cat cat cat"),
+    ("Write in capitals: sun and moon", "SUN AND MOON"),
+]
+
+
+def test_packing_concatenates_whole_examples_in_order_with_positions_restarting(tokenizer):
+    examples = tokenized_examples(tokenizer, PAIRS)
+    seq_len = 48
+    packed = pack(examples, seq_len)
+    assert len(packed) < len(examples)
+    recovered_ids, recovered_labels = [], []
+    for row in packed:
+        assert len(row["input_ids"]) == len(row["labels"]) == len(row["position_ids"]) <= seq_len
+        starts = [i for i, p in enumerate(row["position_ids"]) if p == 0]
+        for start, end in zip(starts, [*starts[1:], len(row["input_ids"])]):
+            assert row["position_ids"][start:end] == list(range(end - start))
+            recovered_ids.append(row["input_ids"][start:end])
+            recovered_labels.append(row["labels"][start:end])
+    assert recovered_ids == examples["input_ids"]
+    # An example's first token is not predicted from the one before it.
+    for labels, original in zip(recovered_labels, examples["labels"]):
+        assert labels == [IGNORE_INDEX, *original[1:]]
+
+
+def test_packed_batches_are_seq_len_long_and_their_padding_is_a_document_of_its_own(tokenizer):
+    packed = pack(tokenized_examples(tokenizer, PAIRS), 48)
+    drawn = DistributedSampler(len(packed), 2, 0, 1, seed=0).next_indices()
+    sampler = DistributedSampler(len(packed), 2, 0, 1, seed=0)
+    batch = next(TrainBatches(packed, sampler, tokenizer.pad_token_id, pad_to=48))
+    assert batch.input_ids.shape == batch.labels.shape == batch.position_ids.shape == (2, 48)
+    for i, row in enumerate(packed.select(drawn)):
+        n = len(row["input_ids"])
+        assert (batch.labels[i, n:] == IGNORE_INDEX).all()
+        assert batch.position_ids[i, n:].tolist() == list(range(48 - n))
+    assert set(batch.model_inputs()) == {"input_ids", "position_ids"}
+    evals = list(EvalBatches(packed, 4, 1, 4, tokenizer.pad_token_id, pad_to=48))
+    assert all(b.input_ids.shape[1] == 48 and b.position_ids is not None for b in evals)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_a_document_in_a_packed_row_has_the_logits_it_has_alone(tokenizer, attention):
+    examples = tokenized_examples(tokenizer, PAIRS[:3])
+    packed = pack(examples, 64)
+    assert len(packed) == 1  # all three in one row, then padding
+    torch.manual_seed(0)
+    config = builtin_config("tiny-llama", tokenizer)
+    config._attn_implementation = attention
+    model = LlamaForCausalLM(config).eval()
+    batch = collate([packed[0]], tokenizer.pad_token_id, pad_to=64)
+    with torch.no_grad():
+        logits = model(**batch.model_inputs(), use_cache=False).logits[0]
+        unmasked = model(input_ids=batch.input_ids, use_cache=False).logits[0]
+        start = 0
+        for i, ids in enumerate(examples["input_ids"]):
+            alone = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
+            inside = slice(start, start + len(ids))
+            torch.testing.assert_close(logits[inside], alone, rtol=1e-5, atol=1e-5)
+            if i > 0:  # the check has teeth: attending across documents changes the logits
+                assert not torch.allclose(unmasked[inside], alone, rtol=1e-3, atol=1e-3)
+            start += len(ids)
+
+
+def labelled_tokens(ds: datasets.Dataset) -> int:
+    return sum(sum(label != IGNORE_INDEX for label in labels[1:]) for labels in ds["labels"])
+
+
+def test_packing_keeps_every_labelled_token_and_the_same_split_on_every_run(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "d.jsonl", demo_rows(200))
+    plain = build_splits(load_config(None, {"dataset": str(path)}), tokenizer)
+    config = load_config(None, {"dataset": str(path), "packing": True, "seq_len": 128})
+    packed, again = build_splits(config, tokenizer), build_splits(config, tokenizer)
+    assert len(packed.train) < len(plain.train) / 2
+    assert labelled_tokens(packed.train) == labelled_tokens(plain.train)
+    assert labelled_tokens(packed.eval) == labelled_tokens(plain.eval)
+    assert packed.train["input_ids"] == again.train["input_ids"]
+    assert packed.train["position_ids"] == again.train["position_ids"]
+
+
+def test_a_packed_run_resumed_mid_epoch_reproduces_the_uninterrupted_losses(world_of_one, tmp_path):
+    # 80 examples pack into 13 rows: 6 micro batches of 2 per epoch, so the checkpoint at step 2
+    # (4 micro batches) is mid-epoch and steps 3-4 cross into the next epoch.
+    values = {
+        "dataset": str(write_jsonl(tmp_path / "d.jsonl", demo_rows(80))),
+        "packing": True,
+        "micro_batch": 2,
+        "grad_accum": 2,
+        "max_steps": 4,
+        "warmup_steps": 1,
+        "eval_interval": 0,
+        "checkpoint_interval": 2,
+    }
+
+    def run(name: str) -> dict:
+        config = load_config(None, {**values, "output_dir": str(tmp_path / name)})
+        return train(config, world_of_one, started=0)
+
+    assert 4 < run("full")["train_rows"] // 2 < 8  # micro batches per epoch
+    checkpoint = Path("checkpoints") / "step_00000002"
+    shutil.copytree(tmp_path / "full" / checkpoint, tmp_path / "resumed" / checkpoint)
+    run("resumed")
+
+    def losses(run: str) -> dict[int, float]:
+        return {r["step"]: r["loss"] for r in read_metrics(tmp_path / run) if r["type"] == "train"}
+
+    resumed, uninterrupted = losses("resumed"), losses("full")
+    assert resumed.keys() == {3, 4}
+    assert resumed == pytest.approx({s: uninterrupted[s] for s in (3, 4)}, rel=1e-5)

@@ -1,0 +1,35 @@
+"""A training batch and the label value that carries no loss (no `datasets` import: the
+benchmark and the parallelism code use these without the data pipeline)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+IGNORE_INDEX = -100  # the label value cross_entropy skips: prompt and padding positions
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # (batch, length), right-padded
+    labels: torch.Tensor  # same shape; IGNORE_INDEX where no loss is taken
+    num_tokens: int  # tokens that are not padding
+    position_ids: torch.Tensor | None = None  # packed rows: restart at 0 for every example
+
+    def to(self, device: torch.device) -> Batch:
+        positions = None if self.position_ids is None else self.position_ids.to(device)
+        return Batch(self.input_ids.to(device), self.labels.to(device), self.num_tokens, positions)
+
+    def model_inputs(self) -> dict[str, Any]:
+        """The model's keyword arguments for this batch.
+
+        From position_ids that restart, transformers builds the block-diagonal causal mask (sdpa,
+        eager, flex) or varlen attention (flash), so no token attends to another packed example;
+        it does so only without a KV cache: call the model with use_cache=False.
+        """
+        inputs: dict[str, Any] = {"input_ids": self.input_ids}
+        if self.position_ids is not None:
+            inputs["position_ids"] = self.position_ids
+        return inputs
