@@ -1,14 +1,23 @@
-"""Build the causal LM: a built-in Llama shape with seeded random init, or a local HF model dir."""
+"""Build the causal LM on the meta device, then fill its shards: seeded random or pretrained."""
 
 from __future__ import annotations
 
+import json
+from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub import snapshot_download
+from safetensors import safe_open
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
@@ -87,22 +96,147 @@ def builtin_config(name: str, tokenizer: PreTrainedTokenizerBase | None = None) 
     return config
 
 
-def build_model(
-    model: str, seed: int, tokenizer: PreTrainedTokenizerBase | None = None
-) -> PreTrainedModel:
-    """An fp32 model on the CPU, identical on every rank (FSDP then keeps each rank's shard)."""
+def build_model(model: str, tokenizer: PreTrainedTokenizerBase | None = None) -> PreTrainedModel:
+    """The model's modules on the meta device, fp32 and without storage.
+
+    Shard it first, then `materialize_weights` allocates each rank's shards and fills them, so no
+    process ever holds the whole model.
+    """
     if model in BUILTIN_CONFIGS:
-        torch.manual_seed(seed)
-        return LlamaForCausalLM(builtin_config(model, tokenizer))
-    try:
-        return AutoModelForCausalLM.from_pretrained(
-            model, dtype=torch.float32, attn_implementation="sdpa"
+        config = builtin_config(model, tokenizer)
+    else:
+        config = AutoConfig.from_pretrained(pretrained_dir(model))
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32, attn_implementation="sdpa"
         )
-    except OSError as error:
+
+
+def pretrained_dir(model: str) -> Path:
+    """A local Hugging Face model dir, or the local snapshot of a hub id (config and weights)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    try:
+        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors"]))
+    except (OSError, ValueError) as error:
         raise ValueError(
             f"model must be one of {', '.join(BUILTIN_CONFIGS)}, a local Hugging Face model dir or "
             f"a hub id; {model!r} could not be loaded: {error}"
         ) from error
+
+
+@torch.no_grad()
+def materialize_weights(
+    model: PreTrainedModel, source: str, seed: int, device: torch.device
+) -> None:
+    """Allocate the (sharded) parameters of a `build_model` model on `device` and fill them.
+
+    `source` is the `build_model` name: a built-in config gets seeded random weights, anything
+    else its pretrained weights. Run after sharding (fully_shard), before the first forward.
+    """
+    model.to_empty(device=device)
+    model.tie_weights()  # to_empty gives an unsharded (non-DTensor) head its own new tensor
+    if source in BUILTIN_CONFIGS:
+        init_random_weights(model, seed)
+    else:
+        load_pretrained_weights(model, pretrained_dir(source))
+    for module in model.modules():
+        # Non-persistent buffers (the rotary frequencies) are in no checkpoint: recompute them.
+        if next(module.buffers(recurse=False), None) is not None:
+            if next(module.parameters(recurse=False), None) is not None:
+                raise ValueError(f"{type(module).__name__} has buffers and parameters: no init")
+            model._init_weights(module)
+
+
+@torch.no_grad()
+def init_random_weights(model: torch.nn.Module, seed: int) -> None:
+    """Hugging Face's init for Llama-like models: normal(0, initializer_range) matrices and
+    embeddings (padding row zero), norms one, biases zero.
+
+    Each parameter is drawn whole on its device, in model order from one generator seeded with
+    `seed`, then cut to this rank's shard: every rank draws the same numbers, so the model is the
+    same on every rank and for every world size (the device type decides the random stream).
+    """
+    std = model.config.initializer_range  # type: ignore[union-attr]
+    generator: torch.Generator | None = None
+    seen: set[int] = set()
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue  # a tied weight, drawn once
+            seen.add(id(param))
+            if generator is None:
+                generator = torch.Generator(param.device).manual_seed(seed)
+            full = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+            if name == "bias":
+                full.zero_()
+            elif isinstance(module, torch.nn.Linear | torch.nn.Embedding):
+                full.normal_(0.0, std, generator=generator)
+                if isinstance(module, torch.nn.Embedding) and module.padding_idx is not None:
+                    full[module.padding_idx] = 0
+            elif "Norm" in type(module).__name__:
+                full.fill_(1.0)
+            else:
+                raise ValueError(f"no init for {type(module).__name__}.{name}: not Llama-like")
+            _local(param).copy_(_shard_of(full, param))
+
+
+@torch.no_grad()
+def load_pretrained_weights(model: torch.nn.Module, path: Path) -> None:
+    """Copy a Hugging Face safetensors checkpoint into the (sharded) parameters.
+
+    Each rank reads from the memory-mapped files only the slice of each tensor its shard holds,
+    so CPU memory stays at about one shard of one tensor, whatever the model's size.
+    """
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+    elif (path / "model.safetensors").is_file():
+        with safe_open(path / "model.safetensors", framework="pt") as f:
+            weight_map = dict.fromkeys(f.keys(), "model.safetensors")
+    else:
+        raise ValueError(f"{path} has no safetensors weights (model.safetensors or its index)")
+    with ExitStack() as stack:
+        files: dict[str, Any] = {}
+        for fqn, param in model.named_parameters():
+            key = fqn.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+            if key not in weight_map:
+                raise ValueError(f"{path}: the checkpoint has no tensor {key}")
+            file = weight_map[key]
+            if file not in files:
+                files[file] = stack.enter_context(safe_open(path / file, framework="pt"))
+            stored = files[file].get_slice(key)
+            if tuple(stored.get_shape()) != tuple(param.shape):
+                raise ValueError(
+                    f"{path}: {key} has shape {tuple(stored.get_shape())}, the model "
+                    f"{tuple(param.shape)}"
+                )
+            _local(param).copy_(_read_shard(stored, param))
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter, to write into (no_grad: the storage itself)."""
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def _shard_of(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    if not isinstance(param, DTensor):
+        return full
+    # src_data_rank=None: every rank holds the same full tensor, so cut locally, no traffic.
+    return distribute_tensor(
+        full, param.device_mesh, param.placements, src_data_rank=None
+    ).to_local()
+
+
+def _read_shard(stored: Any, param: torch.Tensor) -> torch.Tensor:
+    """Read this rank's shard of `param` from a safetensors slice, reading no other rows."""
+    if isinstance(param, DTensor) and all(type(p) in (Shard, Replicate) for p in param.placements):
+        shape, offset = compute_local_shape_and_global_offset(
+            param.shape, param.device_mesh, param.placements
+        )
+        return stored[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+    return _shard_of(stored[:], param)  # strided shards (FSDP over TP): one whole tensor
 
 
 def decoder_blocks(model: PreTrainedModel) -> torch.nn.ModuleList:
@@ -113,3 +247,13 @@ def decoder_blocks(model: PreTrainedModel) -> torch.nn.ModuleList:
             f"{type(model).__name__} has no model.layers; only Llama-like models are supported"
         )
     return blocks
+
+
+def check_seq_len(model_name: str, seq_len: int, model_config: PretrainedConfig) -> None:
+    """Fail at start on a seq_len beyond the positions the model was built for."""
+    positions = getattr(model_config, "max_position_embeddings", None)
+    if positions is not None and seq_len > positions:
+        raise ValueError(
+            f"seq_len ({seq_len}) exceeds model {model_name}'s max_position_embeddings "
+            f"({positions}): lower seq_len or choose a model with more positions"
+        )

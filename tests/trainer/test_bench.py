@@ -1,0 +1,68 @@
+"""trainer.bench on a CPU: a tiny model, two timed steps, one JSON line per run."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO_ROOT
+
+RUN_KEYS = {
+    "run", "model", "options", "micro_batch", "seq_len", "steps_timed", "step_time_s",
+    "step_time_mean_s", "tokens_per_s", "tflops_per_gpu", "mfu", "peak_memory_gib", "loss_first",
+    "loss_last", "device", "torch",
+}  # fmt: skip
+
+
+def bench(*args: str) -> list[dict]:
+    command = [
+        sys.executable, "-m", "trainer.bench", "--models", "tiny", "--seq-len", "64",
+        "--micro-batch", "2", "--steps", "2", "--warmup", "1", *args,
+    ]  # fmt: skip
+    path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-5000:]
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"')]
+
+
+def check_run(record: dict, run: str) -> None:
+    assert set(record) == RUN_KEYS
+    assert record["run"] == run and record["model"] == "tiny-llama"
+    assert record["steps_timed"] == 2 and record["seq_len"] == 64 and record["micro_batch"] == 2
+    assert record["tokens_per_s"] > 0 and record["tflops_per_gpu"] > 0 and 0 < record["mfu"]
+    assert record["step_time_s"] == pytest.approx(128 / record["tokens_per_s"], rel=1e-3)
+
+
+def test_the_benchmark_prints_the_trainers_throughput_as_one_json_line():
+    (record,) = bench("--no-hf")
+    check_run(record, "trainer")
+    assert record["options"]["mixed_precision"].startswith("bf16")
+    assert record["options"]["loss"] == "chunked" and record["options"]["compile"] is False
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("accelerate") is None, reason="Hugging Face Trainer needs accelerate"
+)
+def test_the_benchmark_runs_hugging_face_trainer_on_the_same_model_and_prints_the_ratio():
+    ours, theirs, ratio = bench("--hf")
+    check_run(ours, "trainer")
+    check_run(theirs, "hf_trainer")
+    assert theirs["options"]["attention"] == "sdpa"
+    # Same model shape, init distribution and first batch: the same loss before any update.
+    assert theirs["loss_first"] == pytest.approx(ours["loss_first"], rel=0.01)
+    expected = ours["tokens_per_s"] / theirs["tokens_per_s"]
+    assert ratio["trainer_over_hf_tokens_per_s"] == pytest.approx(expected, rel=1e-2)
+
+
+def test_the_benchmark_imports_neither_trainer_data_nor_datasets():
+    modules = "'datasets', 'trainer.data'"
+    code = f"import sys, trainer.bench; print(*(m in sys.modules for m in [{modules}]))"
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+    )
+    assert result.stdout.split() == ["False", "False"]

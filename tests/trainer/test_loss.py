@@ -1,0 +1,145 @@
+"""The chunked head + cross entropy equals the plain loss over whole logits: values, gradients."""
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from trainer.config import load_config
+from trainer.loss import LOSS_METHOD, add_loss_method, causal_lm_loss_sum, linear_cross_entropy_sum
+from trainer.model import build_model, materialize_weights
+from trainer.parallel import apply_parallelism
+
+
+def plain_loss_and_grads(hidden, weight, labels):
+    hidden, weight = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+    loss = F.cross_entropy((hidden @ weight.T).float(), labels, reduction="sum")
+    (loss * 0.5).backward()
+    return loss.detach(), hidden.grad, weight.grad
+
+
+def chunked_loss_and_grads(hidden, weight, labels, chunk_tokens):
+    hidden, weight = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+    loss = linear_cross_entropy_sum(hidden, weight, labels, chunk_tokens=chunk_tokens)
+    (loss * 0.5).backward()
+    return loss.detach(), hidden.grad, weight.grad
+
+
+def random_problem(dtype, tokens=37, hidden=16, vocab=101):
+    generator = torch.Generator().manual_seed(0)
+    h = torch.randn(tokens, hidden, generator=generator).to(dtype)
+    w = torch.randn(vocab, hidden, generator=generator).to(dtype)
+    labels = torch.randint(0, vocab, (tokens,), generator=generator)
+    labels[::5] = -100  # ignored positions (prompt, padding)
+    return h, w, labels
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 8, 37, 1000])
+def test_chunked_loss_and_gradients_equal_the_plain_cross_entropy(chunk_tokens):
+    h, w, labels = random_problem(torch.float64)
+    expected = plain_loss_and_grads(h, w, labels)
+    actual = chunked_loss_and_grads(h, w, labels, chunk_tokens)
+    assert actual[0].dtype == torch.float32
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a.double(), e.double(), rtol=1e-5, atol=1e-6)
+
+
+def test_chunked_bf16_loss_matches_the_plain_loss_on_bf16_logits_upcast_to_fp32():
+    h, w, labels = random_problem(torch.bfloat16, tokens=64, hidden=32, vocab=300)
+    expected = plain_loss_and_grads(h, w, labels)
+    actual = chunked_loss_and_grads(h, w, labels, chunk_tokens=16)
+    torch.testing.assert_close(actual[0], expected[0], rtol=1e-3, atol=0)
+    for a, e in zip(actual[1:], expected[1:], strict=True):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a.float(), e.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_without_gradients_the_loss_is_the_same():
+    h, w, labels = random_problem(torch.float32)
+    with torch.no_grad():
+        loss = linear_cross_entropy_sum(h, w, labels, chunk_tokens=8)
+    torch.testing.assert_close(loss, plain_loss_and_grads(h, w, labels)[0])
+
+
+def tiny_model(env=None, **overrides):
+    config = load_config(None, overrides)
+    model = build_model(config.model)
+    if env is not None:
+        apply_parallelism(model, config, env)
+    materialize_weights(model, config.model, config.seed, torch.device("cpu"))
+    return model
+
+
+def batch(vocab: int):
+    input_ids = torch.randint(0, vocab, (3, 20), generator=torch.Generator().manual_seed(1))
+    labels = input_ids.clone()
+    labels[:, :6] = -100  # the prompt carries no loss
+    return input_ids, labels
+
+
+def plain_model_loss(model, input_ids, labels):
+    logits = model(input_ids=input_ids, use_cache=False).logits
+    flat = logits[:, :-1].flatten(0, 1).float()
+    return F.cross_entropy(flat, labels[:, 1:].flatten(), reduction="sum")
+
+
+def test_the_causal_lm_loss_equals_the_models_own_logits_loss_and_gradients():
+    model = tiny_model()
+    input_ids, labels = batch(model.config.vocab_size)
+    plain = plain_model_loss(model, input_ids, labels)
+    plain.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    chunked = causal_lm_loss_sum(model, labels, chunk_tokens=7, input_ids=input_ids)
+    chunked.backward()
+    torch.testing.assert_close(chunked, plain)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, expected[name], rtol=1e-4, atol=1e-5)
+
+
+def test_the_loss_method_of_a_sharded_model_gathers_its_weights_like_a_forward(world_of_one):
+    plain, sharded = tiny_model(), tiny_model(world_of_one)
+    add_loss_method(sharded)
+    input_ids, labels = batch(plain.config.vocab_size)
+    expected = plain_model_loss(plain, input_ids, labels)
+    expected.backward()
+    for _ in range(2):  # the second call runs on FSDP's state after a whole step
+        sharded.zero_grad()
+        actual = getattr(sharded, LOSS_METHOD)(labels, input_ids=input_ids)
+        actual.backward()
+        torch.testing.assert_close(actual, expected)
+    grads = dict(sharded.named_parameters())
+    for name, param in plain.named_parameters():
+        grad = grads[name].grad
+        assert isinstance(grad, DTensor)  # reduced into the shard by FSDP's backward hooks
+        torch.testing.assert_close(grad.full_tensor(), param.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled chunk loss runs on CUDA")
+def test_on_cuda_the_compiled_chunked_loss_matches_the_plain_loss_in_less_memory():
+    device = torch.device("cuda")
+    generator = torch.Generator(device).manual_seed(0)
+    tokens, hidden, vocab = 8192, 2048, 128256  # llama-1b's head, micro batch 2 of 4096
+    h = torch.randn(tokens, hidden, device=device, generator=generator).bfloat16()
+    w = (torch.randn(vocab, hidden, device=device, generator=generator) * 0.02).bfloat16()
+    labels = torch.randint(0, vocab, (tokens,), device=device, generator=generator)
+    labels[:100] = -100
+
+    def measured(loss_fn):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        result = loss_fn(h, w, labels)
+        torch.cuda.synchronize()
+        return result, torch.cuda.max_memory_allocated() - before
+
+    (plain, plain_memory) = measured(plain_loss_and_grads)
+    chunked_fn = functools.partial(chunked_loss_and_grads, chunk_tokens=None)
+    chunked_loss_and_grads(h, w, labels, chunk_tokens=None)  # compile first
+    (chunked, chunked_memory) = measured(chunked_fn)
+    torch.testing.assert_close(chunked[0], plain[0], rtol=1e-4, atol=0)
+    for a, e in zip(chunked[1:], plain[1:], strict=True):
+        assert (a.float() - e.float()).norm() / e.float().norm() < 1e-2
+    assert chunked_memory < plain_memory / 2

@@ -1,0 +1,295 @@
+"""Throughput on one device: this trainer against Hugging Face Trainer, same model, batch and data.
+
+python -m trainer.bench --models 1b,3b --micro-batch 4 --compile
+python -m trainer.bench --models 8b --micro-batch 2 --compile --ac full --strategy FULL_SHARD
+
+Each model is built from its config (random init) and trained on random tokens, first through the
+trainer's own path (meta init, apply_parallelism, chunked loss, fused AdamW; bf16 compute on fp32
+master weights, fp32 gradient reduction), then by Hugging Face Trainer (bf16=True autocast on fp32
+weights, adamw_torch_fused, sdpa). One JSON line per run, and one with the ratio of tokens/s.
+Steps are timed between device synchronisations; the first `--warmup` steps (compilation,
+allocator growth) are not timed. Imports neither trainer.data nor `datasets`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import LlamaForCausalLM, PretrainedConfig
+
+from trainer.config import TrainConfig
+from trainer.loss import LOSS_METHOD, add_loss_method
+from trainer.metrics import flops_per_token, peak_flops
+from trainer.model import BUILTIN_CONFIGS, build_model, builtin_config, materialize_weights
+from trainer.optim import build_optimizer, clip_grad_norm
+from trainer.parallel import DistEnv, apply_parallelism, init_distributed
+
+SHORT_NAMES = {"1b": "llama-1b", "3b": "llama-3b", "8b": "llama-8b", "tiny": "tiny-llama"}
+GIB = 1024**3
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="trainer.bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="1b,3b,8b", help="comma-separated: 1b, 3b, 8b, tiny")
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False)
+    parser.add_argument("--ac", choices=["none", "full", "selective"], default="none")
+    parser.add_argument("--selective-ac", default="op", help="op, or k: every k-th block")
+    # One GPU: resharding after forward saves memory (8B needs it) but gathers again in backward.
+    parser.add_argument("--strategy", default="SHARD_GRAD_OP", help="FULL_SHARD for 8B")
+    parser.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--profile", action="store_true", help="print a profile of our steps")
+    parser.add_argument("--seed", type=int, default=1234)
+    args = parser.parse_args(argv)
+    args.models = [SHORT_NAMES.get(m, m) for m in args.models.split(",") if m]
+    unknown = [m for m in args.models if m not in BUILTIN_CONFIGS]
+    if unknown:
+        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(SHORT_NAMES)}")
+    return args
+
+
+def random_batches(vocab: int, args: argparse.Namespace, device: torch.device) -> torch.Tensor:
+    """(warmup + steps, micro_batch, seq_len) token ids, the same for both trainers."""
+    generator = torch.Generator().manual_seed(args.seed)
+    shape = (args.warmup + args.steps, args.micro_batch, args.seq_len)
+    return torch.randint(0, vocab, shape, generator=generator).to(device)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
+
+
+def release_memory(device: torch.device) -> None:
+    torch._dynamo.reset()  # compiled graphs hold on to their inputs' metadata and pools
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def result(
+    run: str,
+    model: str,
+    options: dict[str, Any],
+    args: argparse.Namespace,
+    model_config: PretrainedConfig,
+    step_times: list[float],
+    losses: list[float],
+    device: torch.device,
+    peak: float,
+) -> dict[str, Any]:
+    """The JSON line of a run: throughput from the median timed step."""
+    timed = step_times[args.warmup :]
+    median = statistics.median(timed)
+    tokens_per_s = args.micro_batch * args.seq_len / median
+    tflops = flops_per_token(model_config, args.seq_len) * tokens_per_s / 1e12
+    return {
+        "run": run,
+        "model": model,
+        "options": options,
+        "micro_batch": args.micro_batch,
+        "seq_len": args.seq_len,
+        "steps_timed": len(timed),
+        "step_time_s": _rounded(median),
+        "step_time_mean_s": _rounded(statistics.fmean(timed)),
+        "tokens_per_s": _rounded(tokens_per_s),
+        "tflops_per_gpu": _rounded(tflops),
+        "mfu": _rounded(tflops * 1e12 / peak),
+        "peak_memory_gib": _rounded(peak_memory_gib(device)),
+        "loss_first": _rounded(losses[0]),
+        "loss_last": _rounded(losses[-1]),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+    }
+
+
+def _rounded(value: float | None) -> float | None:
+    """Four significant digits: enough for a table, whatever the scale (CPU or H200)."""
+    return None if value is None else float(f"{value:.4g}")
+
+
+def run_trainer(
+    name: str, args: argparse.Namespace, env: DistEnv, peak: float
+) -> dict[str, Any]:
+    """This trainer's step (as train.py runs it) on random tokens."""
+    config = TrainConfig(
+        model=name,
+        seq_len=args.seq_len,
+        micro_batch=args.micro_batch,
+        lr=1e-5,
+        seed=args.seed,
+        strategy=args.strategy,
+        mixed_precision="bf16",
+        activation_checkpointing=args.ac,
+        selective_ac=args.selective_ac if args.ac == "selective" else "op",
+        compile=args.compile,
+    )
+    model = build_model(name)
+    model_config = model.config
+    apply_parallelism(model, config, env)
+    materialize_weights(model, name, config.seed, env.device)
+    add_loss_method(model)
+    optimizer = build_optimizer(model, config, env.device)
+    loss_sum: Callable[..., torch.Tensor] = getattr(model, LOSS_METHOD)
+    batches = random_batches(model_config.vocab_size, args, env.device)
+    labelled = args.micro_batch * (args.seq_len - 1)
+
+    def step(input_ids: torch.Tensor) -> float:
+        loss = loss_sum(input_ids, input_ids=input_ids) / labelled
+        loss.backward()
+        clip_grad_norm(model, config.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    step_times, losses = [], []
+    for input_ids in batches:
+        synchronize(env.device)
+        start = time.perf_counter()
+        losses.append(step(input_ids))
+        synchronize(env.device)
+        step_times.append(time.perf_counter() - start)
+    if args.profile:
+        print_profile(lambda: step(batches[-1]), env.device)
+    options = {
+        "strategy": args.strategy,
+        "mixed_precision": "bf16 (fp32 master, fp32 reduce)",
+        "ac": args.ac if args.ac != "selective" else f"selective:{args.selective_ac}",
+        "compile": args.compile,
+        "loss": "chunked",
+        "optimizer": "AdamW fused" if env.device.type == "cuda" else "AdamW",
+    }
+    return result(
+        "trainer", name, options, args, model_config, step_times, losses, env.device, peak
+    )
+
+
+def run_hf_trainer(
+    name: str, args: argparse.Namespace, device: torch.device, peak: float
+) -> dict[str, Any]:
+    """Hugging Face Trainer on the same model, batches and hyper-parameters."""
+    from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+
+    model_config = builtin_config(name)
+    torch.manual_seed(args.seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(model_config)  # fp32: bf16=True autocasts, as users run it
+    batches = random_batches(model_config.vocab_size, args, torch.device("cpu"))
+    rows = [{"input_ids": ids, "labels": ids} for ids in batches.flatten(0, 1)]
+    step_times: list[float] = []
+    losses: list[float] = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, *_: Any, **__: Any) -> None:
+            synchronize(device)
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *_: Any, **__: Any) -> None:
+            synchronize(device)
+            step_times.append(time.perf_counter() - self.start)
+
+        def on_log(self, *_: Any, logs: dict[str, float] | None = None, **__: Any) -> None:
+            if logs and "loss" in logs:
+                losses.append(logs["loss"])
+
+    cuda = device.type == "cuda"
+    with tempfile.TemporaryDirectory() as output_dir:
+        training_args = TrainingArguments(
+            output_dir=output_dir,
+            per_device_train_batch_size=args.micro_batch,
+            max_steps=args.warmup + args.steps,
+            learning_rate=1e-5,
+            lr_scheduler_type="constant",
+            weight_decay=0.0,
+            adam_beta2=0.95,
+            max_grad_norm=1.0,
+            bf16=True,
+            optim="adamw_torch_fused" if cuda else "adamw_torch",
+            gradient_checkpointing=args.ac != "none",
+            logging_steps=max(1, args.warmup + args.steps - 1),  # 2 logs: 2 syncs
+            logging_first_step=True,
+            save_strategy="no",
+            report_to="none",
+            dataloader_num_workers=0,
+            disable_tqdm=True,
+            seed=args.seed,
+            use_cpu=not cuda,
+        )
+        trainer = Trainer(
+            model=model, args=training_args, train_dataset=rows, callbacks=[StepTimer()]
+        )
+        trainer.remove_callback(PrinterCallback)  # its log dicts would break the JSON lines
+        trainer.train()
+    options = {
+        "mixed_precision": "bf16 autocast (fp32 weights)",
+        "gradient_checkpointing": args.ac != "none",
+        "attention": model_config._attn_implementation,
+        "optimizer": training_args.optim,
+    }
+    return result(
+        "hf_trainer", name, options, args, model_config, step_times, losses, device, peak
+    )
+
+
+def print_profile(step: Callable[[], float], device: torch.device) -> None:
+    """The ops that take the most device time over two steps, as a table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(2):
+            step()
+        synchronize(device)
+    sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort_by, row_limit=40, max_name_column_width=70))
+
+
+def guarded(run: Callable[[], dict[str, Any]], run_name: str, model: str) -> dict[str, Any]:
+    """A run's result, or its error: a model that does not fit must not stop the others."""
+    try:
+        return run()
+    except torch.OutOfMemoryError as error:
+        return {"run": run_name, "model": model, "error": f"out of memory: {error}"[:300]}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    for name in args.models:
+        env = init_distributed()
+        peak, _ = peak_flops(env.device, torch.bfloat16)
+        ours = guarded(functools.partial(run_trainer, name, args, env, peak), "trainer", name)
+        dist.destroy_process_group()  # HF Trainer runs as a plain single process
+        release_memory(env.device)
+        print(json.dumps(ours), flush=True)
+        if not args.hf:
+            continue
+        hf_run = functools.partial(run_hf_trainer, name, args, env.device, peak)
+        theirs = guarded(hf_run, "hf_trainer", name)
+        release_memory(env.device)
+        print(json.dumps(theirs), flush=True)
+        if "error" not in ours and "error" not in theirs:
+            ratio = ours["tokens_per_s"] / theirs["tokens_per_s"]
+            summary = {"run": "ratio", "model": name, "micro_batch": args.micro_batch}
+            print(json.dumps({**summary, "trainer_over_hf_tokens_per_s": round(ratio, 3)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""The LM loss without the whole logits tensor: the head's matmul and cross entropy in chunks.
+
+With a 128k vocabulary the fp32 logits of one micro batch are the largest tensor of a step (8k
+tokens: 4 GB, and plain autograd keeps several copies). Here the head and the loss run over chunks
+of tokens; the forward also computes the gradients of each chunk, so no logits outlive their chunk
+and the backward only scales the stored gradients by grad_output.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.fsdp import register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
+
+# Logits per chunk: 2**29 elements is 4k tokens of a 128k vocabulary, 1 GB in bf16.
+LOGITS_PER_CHUNK = 1 << 29
+LOSS_METHOD = "causal_lm_loss_sum"
+
+
+def _chunk_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """Summed cross entropy of one chunk, in fp32."""
+    logits = logits.float()
+    valid = labels != ignore_index
+    target = logits.gather(1, labels.masked_fill(~valid, 0)[:, None]).squeeze(1)
+    return ((torch.logsumexp(logits, dim=-1) - target) * valid).sum()
+
+
+def _chunk_loss_and_grad(
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed loss, its gradient w.r.t. the logits in their dtype), computed in fp32.
+
+    Written as one reduction and pointwise ops (a one-hot by comparison, not a scatter) so that
+    torch.compile fuses it into a pass or two over the chunk.
+    """
+    logits32 = logits.float()
+    valid = labels != ignore_index
+    target = labels.masked_fill(~valid, 0)
+    lse = torch.logsumexp(logits32, dim=-1)
+    loss = ((lse - logits32.gather(1, target[:, None]).squeeze(1)) * valid).sum()
+    classes = torch.arange(logits.shape[1], device=logits.device)
+    one_hot = classes[None, :] == target[:, None]
+    grad = (torch.exp(logits32 - lse[:, None]) - one_hot.float()) * valid[:, None]
+    return loss, grad.to(logits.dtype)
+
+
+@functools.cache
+def _compiled(fn: Any) -> Any:
+    # Eager it takes ~10 passes over the chunk; compiled one reduction and one pointwise pass.
+    return torch.compile(fn, dynamic=True)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        ignore_index: int,
+        chunk_tokens: int,
+    ) -> torch.Tensor:
+        needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        loss_and_grad, loss_only = _chunk_loss_and_grad, _chunk_loss
+        if hidden.is_cuda:
+            loss_and_grad, loss_only = _compiled(loss_and_grad), _compiled(loss_only)
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if needs_grad else None
+        grad_weight = torch.zeros_like(weight) if needs_grad else None
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            h, y = hidden[start : start + chunk_tokens], labels[start : start + chunk_tokens]
+            logits = h @ weight.T
+            if grad_hidden is None or grad_weight is None:
+                loss += loss_only(logits, y, ignore_index)
+                continue
+            chunk_loss, grad_logits = loss_and_grad(logits, y, ignore_index)
+            del logits
+            loss += chunk_loss
+            torch.mm(grad_logits, weight, out=grad_hidden[start : start + chunk_tokens])
+            grad_weight.addmm_(grad_logits.T, h)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        grad_hidden, grad_weight = ctx.saved_tensors
+        # In place: the stored gradients are used once (no double backward).
+        scale = grad_loss.to(grad_hidden.dtype)
+        return grad_hidden.mul_(scale), grad_weight.mul_(scale), None, None, None
+
+
+def linear_cross_entropy_sum(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int = -100,
+    chunk_tokens: int | None = None,
+) -> torch.Tensor:
+    """sum(cross_entropy(hidden @ weight.T, labels)) over labels != ignore_index, in fp32.
+
+    hidden: (tokens, hidden), weight: (vocab, hidden), labels: (tokens,). Equal to the plain
+    loss (logits upcast to fp32) within rounding, without ever holding more than `chunk_tokens`
+    rows of logits.
+    """
+    if chunk_tokens is None:
+        chunk_tokens = max(1, LOGITS_PER_CHUNK // weight.shape[0])
+    result = _LinearCrossEntropy.apply(
+        hidden.contiguous(), weight, labels.contiguous(), ignore_index, chunk_tokens
+    )
+    return result  # type: ignore[no-any-return]
+
+
+def causal_lm_loss_sum(
+    model: torch.nn.Module,
+    labels: torch.Tensor,
+    ignore_index: int = -100,
+    chunk_tokens: int | None = None,
+    **inputs: Any,
+) -> torch.Tensor:
+    """Summed cross entropy of every labelled next-token prediction of a Hugging Face causal LM.
+
+    `inputs` go to the decoder (`model.model`); the head is applied here, chunked. A tensor
+    parallel head (a DTensor weight) keeps its own module, which gathers whole logits.
+    """
+    hidden = model.model(**inputs, use_cache=False).last_hidden_state
+    head = model.get_output_embeddings()
+    labels = labels[:, 1:].flatten()
+    if isinstance(head.weight, DTensor) or getattr(head, "bias", None) is not None:
+        logits = head(hidden)[:, :-1].flatten(0, 1).float()
+        return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
+    hidden = hidden[:, :-1].flatten(0, 1)
+    return linear_cross_entropy_sum(hidden, head.weight, labels, ignore_index, chunk_tokens)
+
+
+def add_loss_method(model: torch.nn.Module) -> None:
+    """Give `model` a `causal_lm_loss_sum(labels, ignore_index, **inputs)` method.
+
+    It reads the head's weight outside the head's forward, so FSDP must treat the method as a
+    forward of the root (gather the root's parameters before, hook its backward after) as it
+    does for `model(...)`; a model that is not FSDP-sharded gets the plain method.
+    """
+    setattr(model, LOSS_METHOD, functools.partial(causal_lm_loss_sum, model))
+    register_fsdp_forward_method(model, LOSS_METHOD)
