@@ -3,18 +3,32 @@
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
+from trainer.activations import checkpoint_activations, checkpoint_every, offload_activations
 from trainer.config import TrainConfig
 from trainer.model import decoder_blocks
+from trainer.tensor_parallel import (
+    TP_DIM,
+    apply_tensor_parallel,
+    check_tensor_parallel,
+    mesh_plan,
+)
 
 MeshPlan = tuple[tuple[int, ...], tuple[str, ...], bool]
+# The dtype blocks compute in for each mixed_precision; master weights and optimizer stay fp32.
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -26,13 +40,14 @@ class DistEnv:
     device: torch.device
 
 
-def init_distributed() -> DistEnv:
+def init_distributed(cpu_offload: bool = False) -> DistEnv:
     """Join the torchrun process group (NCCL on GPUs, gloo on CPU), or make a world of one."""
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        backend = "nccl"
+        # CPU-offloaded gradients are reduced on the CPU (grad norm, fp16 inf check): gloo's job.
+        backend = "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
     if "RANK" in os.environ:
@@ -75,23 +90,84 @@ def fsdp_plan(
     )
 
 
+def mixed_precision_policy(mixed_precision: str) -> MixedPrecisionPolicy:
+    """bf16/fp16: blocks compute on low-precision copies of fp32 weights; grads reduce in fp32."""
+    if mixed_precision == "fp32":
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(
+        param_dtype=COMPUTE_DTYPES[mixed_precision], reduce_dtype=torch.float32
+    )
+
+
+def check_combinations(config: TrainConfig, world_size: int, device_type: str) -> None:
+    """Fail at start on options that cannot work together, naming both; warn on no-ops.
+
+    Allowed: bf16 and fp16 on a CPU (slow, but the numerics of a GPU run, which the local demo and
+    tests want); fp16 with cpu_offload (the inf check of the grad scaler reduces CPU gradients).
+    """
+    if config.activation_checkpointing == "selective":
+        checkpoint_every(config.selective_ac)  # names both options when it is neither op nor k
+    elif config.selective_ac != "op":
+        raise ValueError(
+            f"selective_ac ({config.selective_ac!r}) applies only to activation_checkpointing "
+            f"selective, but activation_checkpointing is {config.activation_checkpointing!r}: "
+            "set activation_checkpointing to selective or leave selective_ac at op"
+        )
+    if device_type == "cpu":
+        for name in ("activation_offload", "cpu_offload"):
+            if getattr(config, name):
+                # Still applied, so a CPU run tests the code path a GPU run takes.
+                warnings.warn(
+                    f"{name} saves no memory on device cpu: everything already is in CPU memory",
+                    stacklevel=2,
+                )
+
+
+def compile_blocks(blocks: torch.nn.ModuleList) -> None:
+    """torch.compile each block in place: after checkpoint wrapping, before fully_shard (whose
+    hooks then run outside the graph), as torchtitan does. Blocks of one shape share the code.
+
+    TRAINER_COMPILE_BACKEND picks another backend (tests on CPU use aot_eager: same graphs, no
+    minutes of C++ code generation).
+    """
+    backend = os.environ.get("TRAINER_COMPILE_BACKEND", "inductor")
+    for i, block in enumerate(blocks):
+        blocks[i] = torch.compile(block, backend=backend, fullgraph=True)
+
+
 def apply_parallelism(model: torch.nn.Module, config: TrainConfig, env: DistEnv) -> DeviceMesh:
     """Checkpoint activations per block if asked, then fully_shard every block and the root."""
+    tp = config.tp_degree
+    check_tensor_parallel(config, env.world_size, model.config)
+    # With TP, FSDP's dims cover world_size / tp ranks; a node holds local_world_size / tp of them.
     shape, names, reshard = fsdp_plan(
-        config.strategy, env.world_size, env.local_world_size, config.shard_group_size
+        config.strategy,
+        env.world_size // tp,
+        max(1, env.local_world_size // tp),
+        config.shard_group_size,
     )
-    mesh = init_device_mesh(env.device.type, shape, mesh_dim_names=names)
+    if tp > 1:
+        world_shape, world_names = mesh_plan(shape, names, tp)
+        world_mesh = init_device_mesh(env.device.type, world_shape, mesh_dim_names=world_names)
+        # Before checkpoint wrapping, which renames the submodules the TP plan names.
+        apply_tensor_parallel(model, world_mesh[TP_DIM])
+        mesh = world_mesh[names]
+    else:
+        mesh = init_device_mesh(env.device.type, shape, mesh_dim_names=names)
     blocks = decoder_blocks(model)
-    if config.activation_checkpointing == "full":
-        for i, block in enumerate(blocks):
-            blocks[i] = checkpoint_wrapper(block)
-    mp_policy = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if config.mixed_precision == "bf16"
-        else MixedPrecisionPolicy()
-    )
+    checkpoint_activations(blocks, config.activation_checkpointing, config.selective_ac)
+    if config.compile:
+        compile_blocks(blocks)
+    if config.activation_offload:
+        offload_activations(blocks, env.device)
+    policies = {
+        "mp_policy": mixed_precision_policy(config.mixed_precision),
+        "offload_policy": CPUOffloadPolicy(pin_memory=env.device.type == "cuda")
+        if config.cpu_offload
+        else OffloadPolicy(),
+    }
     for block in blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **policies)
     # The root's parameters (embeddings, final norm, head) are needed first in backward: keep them.
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, **policies)
     return mesh

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 import transformers
 from torch.optim.lr_scheduler import LambdaLR
 from transformers import AutoTokenizer
@@ -30,15 +29,24 @@ from trainer.data import (
     build_splits,
 )
 from trainer.export import export_hf
+from trainer.loss import LOSS_METHOD, add_loss_method
 from trainer.metrics import MetricsLog, flops_per_token, peak_flops, peak_memory_bytes
-from trainer.model import build_model
-from trainer.parallel import DistEnv, apply_parallelism, init_distributed
+from trainer.model import build_model, check_seq_len, materialize_weights
+from trainer.optim import build_grad_scaler, build_optimizer, optimizer_step
+from trainer.parallel import (
+    COMPUTE_DTYPES,
+    DistEnv,
+    apply_parallelism,
+    check_combinations,
+    init_distributed,
+)
+from trainer.tensor_parallel import SequenceParallelBatches, data_parallel_rank
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     started = time.time()
     config = parse_args(argv)
-    env = init_distributed()
+    env = init_distributed(config.cpu_offload)
     try:
         train(config, env, started)
     finally:
@@ -47,6 +55,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 def train(config: TrainConfig, env: DistEnv, started: float) -> dict[str, Any] | None:
     """The whole run; returns the summary on rank 0."""
+    check_combinations(config, env.world_size, env.device.type)
     output_dir = Path(config.output_dir)
     if env.rank == 0:
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -60,11 +69,17 @@ def train(config: TrainConfig, env: DistEnv, started: float) -> dict[str, Any] |
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
     pad_id = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
     splits = build_splits(config, tokenizer)
+    # The ranks of a tensor-parallel group work on the same batch: sample per data-parallel rank.
+    dp_rank, dp_size = data_parallel_rank(env.rank, env.world_size, config.tp_degree)
     sampler = DistributedSampler(
-        len(splits.train), config.micro_batch, env.rank, env.world_size, config.seed
+        len(splits.train), config.micro_batch, dp_rank, dp_size, config.seed
     )
-    batches = TrainBatches(splits.train, sampler, pad_id)
-    evals = EvalBatches(splits.eval, config.micro_batch, env.rank, env.world_size, pad_id)
+    pad_to = config.seq_len if config.packing else None  # packed rows: always seq_len long
+    batches = TrainBatches(splits.train, sampler, pad_id, pad_to)
+    evals = EvalBatches(splits.eval, config.micro_batch, dp_rank, dp_size, pad_id, pad_to)
+    if config.tp_degree > 1:
+        batches = SequenceParallelBatches(batches, config.tp_degree, pad_id)
+        evals = SequenceParallelBatches(evals, config.tp_degree, pad_id)
     max_steps = config.max_steps or math.ceil(
         config.epochs * sampler.batches_per_epoch / config.grad_accum
     )
@@ -76,17 +91,23 @@ def train(config: TrainConfig, env: DistEnv, started: float) -> dict[str, Any] |
             flush=True,
         )
 
-    model = build_model(config.model, config.seed, tokenizer)
+    model = build_model(config.model, tokenizer)
     model_config = model.config
+    check_seq_len(config.model, config.seq_len, model_config)
     token_flops = flops_per_token(model_config, config.seq_len)
     apply_parallelism(model, config, env)
+    # FSDP's CPU offload keeps the sharded parameters in CPU memory.
+    param_device = torch.device("cpu") if config.cpu_offload else env.device
+    materialize_weights(model, config.model, config.seed, param_device)
+    add_loss_method(model)
     optimizer = build_optimizer(model, config, env.device)
+    scaler = build_grad_scaler(config.mixed_precision, env.device)
     scheduler = LambdaLR(
         optimizer, warmup_cosine(config.warmup_steps, max_steps, config.min_lr_ratio)
     )
 
     checkpointer = Checkpointer(config.output_dir, config.keep_checkpoints, env.rank)
-    step, initial_eval_loss, resumed_from_step = 0, None, None
+    step, initial_eval_loss, resumed_from_step, skipped_steps = 0, None, None, 0
     latest = checkpointer.latest()
     if latest is not None:
         state = checkpointer.load(latest, model, optimizer)
@@ -94,10 +115,13 @@ def train(config: TrainConfig, env: DistEnv, started: float) -> dict[str, Any] |
         sampler.load_state_dict(state["sampler"])
         scheduler.load_state_dict(state["scheduler"])
         initial_eval_loss = state["initial_eval_loss"]
+        skipped_steps = state.get("skipped_steps", 0)
+        if scaler is not None and "grad_scaler" in state:
+            scaler.load_state_dict(state["grad_scaler"])
         if env.rank == 0:
             print(f"resumed from {latest}", flush=True)
 
-    compute_dtype = torch.bfloat16 if config.mixed_precision == "bf16" else torch.float32
+    compute_dtype = COMPUTE_DTYPES[config.mixed_precision]
     peak, peak_source = peak_flops(env.device, compute_dtype)
     log = MetricsLog(config.output_dir, env.rank, max_steps, config.log_interval, resumed_from_step)
     eval_loss, last_eval_step = None, None
@@ -110,15 +134,21 @@ def train(config: TrainConfig, env: DistEnv, started: float) -> dict[str, Any] |
     while step < max_steps:
         step_start = time.perf_counter()
         micro_batches = [next(batches) for _ in range(config.grad_accum)]
-        loss, tokens = train_step(model, micro_batches, env)
-        grad_norm = clip_grad_norm(model, config.max_grad_norm)
+        loss, tokens = train_step(model, micro_batches, env, scaler)
+        tokens //= config.tp_degree  # every rank of a TP group counted the same tokens
+        grad_norm, skipped = optimizer_step(model, optimizer, config.max_grad_norm, scaler)
+        skipped_steps += skipped
         lr = scheduler.get_last_lr()[0]
-        optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
+        if not skipped:  # as in Accelerate: a step the fp16 scaler skipped keeps its learning rate
+            scheduler.step()
         step += 1
         step_time = time.perf_counter() - step_start
         tflops = token_flops * tokens / step_time / env.world_size / 1e12
+        # fp16: the steps skipped so far on inf/NaN gradients, and the loss scale now.
+        scaling = (
+            {"skipped_steps": skipped_steps, "loss_scale": scaler.get_scale()} if scaler else {}
+        )
         log.log_train(
             step=step,
             loss=loss,
@@ -130,6 +160,7 @@ def train(config: TrainConfig, env: DistEnv, started: float) -> dict[str, Any] |
             mfu=tflops * 1e12 / peak,
             step_time_s=step_time,
             peak_memory_bytes=peak_memory_bytes(env.device),
+            **scaling,
         )
         if config.eval_interval and step % config.eval_interval == 0:
             eval_loss, last_eval_step = evaluate(model, evals, env.device), step
@@ -139,6 +170,8 @@ def train(config: TrainConfig, env: DistEnv, started: float) -> dict[str, Any] |
                 "sampler": sampler.state_dict(),
                 "scheduler": scheduler.state_dict(),
                 "initial_eval_loss": initial_eval_loss,
+                "skipped_steps": skipped_steps,
+                **({"grad_scaler": scaler.state_dict()} if scaler else {}),
             }
             checkpointer.save(step, model, optimizer, trainer_state)
 
@@ -161,6 +194,7 @@ def train(config: TrainConfig, env: DistEnv, started: float) -> dict[str, Any] |
         "world_size": env.world_size,
         "resumed_from_step": resumed_from_step,
         "skipped_rows": splits.skipped_rows,
+        "skipped_steps": skipped_steps,
         "train_rows": len(splits.train),
         "eval_rows": len(splits.eval),
         "flops_per_token": token_flops,
@@ -177,20 +211,6 @@ def train(config: TrainConfig, env: DistEnv, started: float) -> dict[str, Any] |
     return summary
 
 
-def build_optimizer(
-    model: torch.nn.Module, config: TrainConfig, device: torch.device
-) -> torch.optim.Optimizer:
-    """AdamW; norms (1-D weights) take no weight decay."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": config.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(
-        groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda"
-    )
-
-
 def warmup_cosine(warmup_steps: int, max_steps: int, min_lr_ratio: float) -> Callable[[int], float]:
     """LR multiplier for step i (0-based): linear warm-up, then cosine decay to min_lr_ratio."""
 
@@ -205,17 +225,15 @@ def warmup_cosine(warmup_steps: int, max_steps: int, min_lr_ratio: float) -> Cal
 
 def token_loss_sum(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """Summed cross entropy of every labelled next-token prediction in the batch."""
-    logits = model(input_ids=batch.input_ids, use_cache=False).logits
-    return F.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(),
-        batch.labels[:, 1:].flatten(),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
+    loss_sum = getattr(model, LOSS_METHOD)  # the chunked head + loss of trainer.loss
+    return loss_sum(batch.labels, IGNORE_INDEX, **batch.model_inputs())
 
 
 def train_step(
-    model: torch.nn.Module, micro_batches: list[Batch], env: DistEnv
+    model: torch.nn.Module,
+    micro_batches: list[Batch],
+    env: DistEnv,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> tuple[float, int]:
     """Forward and backward over the micro batches; returns (mean loss per token, global tokens).
 
@@ -236,16 +254,11 @@ def train_step(
     loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
     for batch in micro_batches:
         loss = token_loss_sum(model, batch.to(env.device))
-        (loss * env.world_size / labelled_tokens).backward()
+        scaled = loss * env.world_size / labelled_tokens
+        (scaler.scale(scaled) if scaler else scaled).backward()
         loss_sum += loss.detach()
     dist.all_reduce(loss_sum)
     return loss_sum.item() / labelled_tokens, int(tokens)
-
-
-def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    # Sharded gradients give a DTensor norm; the full value is the same on every rank.
-    return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
 
 
 @torch.no_grad()

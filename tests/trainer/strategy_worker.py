@@ -1,6 +1,6 @@
-"""Run under torchrun by test_training.py: train a few steps once per sharding set-up.
+"""Run under torchrun by test_training.py: train a few steps once per set-up of a group.
 
-torchrun --nproc-per-node 2 tests/trainer/strategy_worker.py DATASET OUTPUT_ROOT
+torchrun --nproc-per-node 2 tests/trainer/strategy_worker.py DATASET OUTPUT_ROOT [GROUP,...]
 """
 
 import sys
@@ -19,11 +19,27 @@ SETUPS = {
     "full_shard_checkpointed": {"strategy": "FULL_SHARD", "activation_checkpointing": "full"},
     "full_shard_bf16": {"strategy": "FULL_SHARD", "mixed_precision": "bf16"},
 }
+# Precision and activation-memory options on FULL_SHARD, each compared with fp32 full_shard.
+PRECISION_AND_MEMORY_SETUPS = {
+    "fp16": {"mixed_precision": "fp16"},
+    "selective_op": {"activation_checkpointing": "selective", "selective_ac": "op"},
+    "selective_every_2": {"activation_checkpointing": "selective", "selective_ac": "2"},
+    "offloaded": {"activation_offload": True, "cpu_offload": True},
+    "fp16_all_memory_options": {
+        "mixed_precision": "fp16",
+        "activation_checkpointing": "selective",
+        "selective_ac": "2",
+        "activation_offload": True,
+        "cpu_offload": True,
+    },
+}
+GROUPS = {"strategies": SETUPS, "precision_and_memory": PRECISION_AND_MEMORY_SETUPS}
 
 
-def main(dataset: str, output_root: str) -> None:
+def main(dataset: str, output_root: str, groups: str = "strategies") -> None:
     env = init_distributed()
-    for name, setup in SETUPS.items():
+    setups = {name: s for group in groups.split(",") for name, s in GROUPS[group].items()}
+    for name, setup in setups.items():
         overrides = {
             "dataset": dataset,
             "output_dir": str(Path(output_root) / name),

@@ -9,9 +9,10 @@ from trainer.config import load_config
 from trainer.data import PROMPT_TEMPLATE
 from trainer.demo import DEMO_TOKENIZER
 from trainer.export import export_hf
-from trainer.model import build_model
+from trainer.model import build_model, materialize_weights
+from trainer.optim import build_optimizer
 from trainer.parallel import apply_parallelism
-from trainer.train import build_optimizer, warmup_cosine
+from trainer.train import warmup_cosine
 
 
 @pytest.fixture(scope="module")
@@ -21,9 +22,10 @@ def tokenizer():
 
 def sharded_model(env, tokenizer, **overrides):
     config = load_config(None, overrides)
-    model = build_model(config.model, config.seed, tokenizer)
+    model = build_model(config.model, tokenizer)
     model_config = model.config
     apply_parallelism(model, config, env)
+    materialize_weights(model, config.model, config.seed, env.device)
     return model, model_config, build_optimizer(model, config, env.device)
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import demo_rows, read_metrics, torchrun, write_jsonl
-from strategy_worker import SETUPS
+from strategy_worker import GROUPS, SETUPS
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from trainer.checkpoint import Checkpointer
@@ -128,13 +128,43 @@ def test_the_exported_model_loads_with_transformers_and_matches_the_trained_weig
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture(scope="module")
+def setup_runs(dataset, tmp_path_factory):
+    """3 steps of every strategy_worker set-up, in one torchrun: start-up is most of the time."""
+    root = tmp_path_factory.mktemp("setups")
+    torchrun(["tests/trainer/strategy_worker.py", str(dataset), str(root), ",".join(GROUPS)])
+    return root
+
+
 def test_every_sharding_strategy_and_activation_checkpointing_trains_to_the_same_losses(
-    dataset, tmp_path
+    setup_runs,
 ):
-    torchrun(["tests/trainer/strategy_worker.py", str(dataset), str(tmp_path)])
-    reference = losses(tmp_path / "full_shard")
+    reference = losses(setup_runs / "full_shard")
     assert len(reference) == 3 and all(math.isfinite(v) for v in reference.values())
     for name in SETUPS:
         tolerance = 2e-2 if "bf16" in name else 1e-4
-        assert losses(tmp_path / name) == pytest.approx(reference, rel=tolerance), name
-        assert (tmp_path / name / "model" / "model.safetensors").is_file()
+        assert losses(setup_runs / name) == pytest.approx(reference, rel=tolerance), name
+        assert (setup_runs / name / "model" / "model.safetensors").is_file()
+
+
+def test_precision_and_activation_memory_options_train_to_the_fp32_losses(setup_runs):
+    reference = losses(setup_runs / "full_shard")
+    # Recomputed and offloaded activations are the same numbers: fp32 losses are equal.
+    for name in ("selective_op", "selective_every_2", "offloaded"):
+        assert losses(setup_runs / name) == pytest.approx(reference, rel=1e-6), name
+    # fp16 computes the first step's loss with the same weights, then trains on its own path: the
+    # scaler may skip early steps while its scale calibrates from 2**16.
+    fp16 = [r for r in read_metrics(setup_runs / "fp16") if r["type"] == "train"]
+    assert fp16[0]["loss"] == pytest.approx(reference[1], rel=1e-3)
+    scale, skipped = 2.0**16, 0
+    for record in fp16:
+        assert math.isfinite(record["loss"]) and record["loss_scale"] <= scale
+        skipped += record["loss_scale"] < scale  # a skipped step halves the scale
+        scale = record["loss_scale"]
+        assert record["skipped_steps"] == skipped
+    summary = json.loads((setup_runs / "fp16" / "summary.json").read_text())
+    assert summary["skipped_steps"] == skipped < len(fp16)
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+    # The memory options change nothing in fp16 either.
+    everything = losses(setup_runs / "fp16_all_memory_options")
+    assert everything == pytest.approx(losses(setup_runs / "fp16"), rel=1e-6)

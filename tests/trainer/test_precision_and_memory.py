@@ -1,0 +1,99 @@
+"""fp16 loss scaling and activation checkpointing, in this process (a world of one where needed)."""
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import LlamaForCausalLM
+
+from trainer.activations import checkpoint_activations
+from trainer.model import BUILTIN_CONFIGS, builtin_config
+from trainer.optim import build_grad_scaler, optimizer_step
+from trainer.parallel import mixed_precision_policy
+
+aten = torch.ops.aten
+SDPA = aten._scaled_dot_product_flash_attention_for_cpu.default  # what sdpa runs on a CPU
+LAYERS = BUILTIN_CONFIGS["tiny-llama"]["num_hidden_layers"]
+
+
+def test_an_fp16_step_with_an_inf_gradient_is_skipped_and_the_scale_backs_off(world_of_one):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    mesh = init_device_mesh("cpu", (1,))
+    fully_shard(model, mesh=mesh, mp_policy=mixed_precision_policy("fp16"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scaler = build_grad_scaler("fp16", world_of_one.device)
+
+    def weights() -> list[torch.Tensor]:
+        return [p.full_tensor().clone() for p in model.parameters()]
+
+    scaler.scale(model(torch.ones(2, 8)).mean()).backward()
+    model[0].weight.grad.fill_(float("inf"))  # an overflow in the backward
+    before = weights()
+    grad_norm, skipped = optimizer_step(model, optimizer, 1.0, scaler)
+    assert skipped and not math.isfinite(grad_norm)
+    assert all(torch.equal(a, b) for a, b in zip(before, weights()))
+    assert scaler.get_scale() == 2.0**15
+
+    optimizer.zero_grad()
+    scaler.scale(model(torch.ones(2, 8)).mean()).backward()
+    grad_norm, skipped = optimizer_step(model, optimizer, 1.0, scaler)
+    assert not skipped and math.isfinite(grad_norm)
+    assert not any(torch.equal(a, b) for a, b in zip(before, weights()))
+    assert scaler.get_scale() == 2.0**15
+
+
+def test_bf16_and_fp32_need_no_grad_scaler():
+    assert build_grad_scaler("bf16", torch.device("cpu")) is None
+    assert build_grad_scaler("fp32", torch.device("cpu")) is None
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def backward_ops_and_grads(mode: str, selective_ac: str = "op") -> tuple[Counter, list]:
+    """The aten ops run by the backward of tiny-llama checkpointed so, and its gradients."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(builtin_config("tiny-llama"))
+    checkpoint_activations(model.model.layers, mode, selective_ac)
+    input_ids = torch.arange(32).reshape(2, 16)
+    loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+    with OpCounter() as counter:
+        loss.backward()
+    return counter.counts, [p.grad for p in model.parameters()]
+
+
+@pytest.fixture(scope="module")
+def no_checkpointing():
+    return backward_ops_and_grads("none")
+
+
+@pytest.mark.parametrize(
+    ("mode", "selective_ac", "recomputed_attention"),
+    [("full", "op", LAYERS), ("selective", "2", LAYERS // 2), ("selective", "op", 0)],
+    ids=["full", "every_2nd_block", "per_op"],
+)
+def test_checkpointing_recomputes_the_chosen_blocks_and_ops_to_the_same_gradients(
+    no_checkpointing, mode, selective_ac, recomputed_attention
+):
+    plain_ops, plain_grads = no_checkpointing
+    ops, grads = backward_ops_and_grads(mode, selective_ac)
+    assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
+    assert plain_ops[SDPA] == 0 and ops[SDPA] == recomputed_attention
+    if mode == "selective" and selective_ac == "op":
+        # Per op: matmul outputs are saved (no more matmuls than plain backward), norms recomputed.
+        assert ops[aten.mm.default] == plain_ops[aten.mm.default]
+        assert ops[aten.rsqrt.default] > plain_ops[aten.rsqrt.default]
+    else:
+        assert ops[aten.mm.default] > plain_ops[aten.mm.default]

@@ -1,0 +1,153 @@
+"""Tensor (and sequence) parallelism: same losses as without it, checkpoints, export, checks."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import demo_rows, read_metrics, torchrun, write_jsonl
+from tensor_parallel_worker import CHECKPOINT_AT, STEPS
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+from trainer.checkpoint import Checkpointer
+from trainer.config import TrainConfig
+from trainer.data import IGNORE_INDEX, Batch
+from trainer.model import BUILTIN_CONFIGS, builtin_config, check_seq_len
+from trainer.tensor_parallel import check_tensor_parallel, mesh_plan, pad_to_multiple
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    # 80 rows: 4 held out, 76 to train on, more than the 4 steps of 8 rows take.
+    return write_jsonl(tmp_path_factory.mktemp("data") / "rows.jsonl", demo_rows(80))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(dataset, tmp_path_factory):
+    """FSDP over 2 ranks, then TP=2 (with a checkpoint at CHECKPOINT_AT), then its resumption."""
+    out = tmp_path_factory.mktemp("tp")
+    setups = ["fsdp_dp2", "tp2_dp1", "tp2_dp1_resumed"]
+    torchrun(["tests/trainer/tensor_parallel_worker.py", str(dataset), str(out), *setups])
+    return out
+
+
+def train_records(output_dir) -> dict[int, dict[str, float]]:
+    return {r["step"]: r for r in read_metrics(output_dir) if r["type"] == "train"}
+
+
+def assert_same_training(actual_dir, expected_dir, steps) -> None:
+    actual, expected = train_records(actual_dir), train_records(expected_dir)
+    assert sorted(actual) == list(steps)
+    for step in steps:
+        assert actual[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5), step
+        assert actual[step]["grad_norm"] == pytest.approx(expected[step]["grad_norm"], rel=1e-4)
+        assert actual[step]["tokens"] == expected[step]["tokens"], step  # counted once per group
+    assert all(math.isfinite(r["loss"]) for r in actual.values())
+
+
+def test_tp2_trains_to_the_same_losses_as_fsdp_without_tp(two_ranks):
+    assert_same_training(two_ranks / "tp2_dp1", two_ranks / "fsdp_dp2", range(1, STEPS + 1))
+
+
+def test_a_tp_run_resumed_from_its_checkpoint_reproduces_the_uninterrupted_losses(two_ranks):
+    steps = range(CHECKPOINT_AT + 1, STEPS + 1)
+    assert_same_training(two_ranks / "tp2_dp1_resumed", two_ranks / "tp2_dp1", steps)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP read by one process
+def test_the_model_exported_from_a_tp_run_matches_its_checkpoint_and_the_run_without_tp(
+    two_ranks,
+):
+    exported = AutoModelForCausalLM.from_pretrained(two_ranks / "tp2_dp1" / "model").eval()
+    tokenizer = AutoTokenizer.from_pretrained(two_ranks / "tp2_dp1" / "model")
+    # The weights after the last step, from the DCP shards of the 2-D (dp, tp) mesh.
+    trained = LlamaForCausalLM(builtin_config("tiny-llama", tokenizer)).eval()
+    state = {"model": trained.state_dict()}
+    dcp.load(state, checkpoint_id=Checkpointer(str(two_ranks / "tp2_dp1"), 2, 0).latest())
+    trained.load_state_dict(state["model"])
+    without_tp = AutoModelForCausalLM.from_pretrained(two_ranks / "fsdp_dp2" / "model").eval()
+
+    assert exported.lm_head.weight.data_ptr() == exported.model.embed_tokens.weight.data_ptr()
+    inputs = tokenizer("### Instruction:\nWhich day comes after Monday?", return_tensors="pt")
+    with torch.no_grad():
+        logits = exported(**inputs).logits
+        torch.testing.assert_close(logits, trained(**inputs).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logits, without_tp(**inputs).logits, rtol=1e-3, atol=1e-3)
+
+
+def test_dp2_x_tp2_trains_to_the_same_losses_as_fsdp_over_2_ranks(two_ranks, dataset, tmp_path):
+    torchrun(["tests/trainer/tensor_parallel_worker.py", str(dataset), str(tmp_path), "tp2_dp2"], 4)
+    assert_same_training(tmp_path / "tp2_dp2", two_ranks / "fsdp_dp2", range(1, STEPS + 1))
+
+
+def tp_config(**overrides) -> TrainConfig:
+    return TrainConfig(**{"tp_degree": 2, **overrides})
+
+
+def tiny_config(**overrides):
+    config = builtin_config("tiny-llama")
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    return config
+
+
+def test_tp_degree_not_dividing_the_world_size_names_both():
+    with pytest.raises(ValueError, match=r"tp_degree \(4\) must divide the world size \(6\)"):
+        check_tensor_parallel(tp_config(tp_degree=4), 6, tiny_config())
+
+
+def test_a_shard_group_size_not_dividing_the_data_parallel_size_names_it_and_tp_degree():
+    config = tp_config(strategy="HYBRID_SHARD", shard_group_size=4)
+    with pytest.raises(ValueError, match=r"shard_group_size \(4\).*size \(6 = .*tp_degree 2\)"):
+        check_tensor_parallel(config, 12, tiny_config())
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("num_attention_heads", 3), ("num_key_value_heads", 3), ("intermediate_size", 351)],
+)
+def test_tp_degree_not_dividing_the_heads_or_mlp_names_both(field, value):
+    with pytest.raises(ValueError, match=rf"tp_degree \(2\).*tiny-llama's {field} \({value}\)"):
+        check_tensor_parallel(tp_config(), 2, tiny_config(**{field: value}))
+
+
+def test_seq_len_not_divisible_by_tp_degree_names_both():
+    with pytest.raises(ValueError, match=r"seq_len \(127\).*tp_degree \(2\)"):
+        check_tensor_parallel(tp_config(seq_len=127), 2, tiny_config())
+
+
+def test_tp_with_cpu_offload_is_refused_naming_both():
+    with pytest.raises(ValueError, match=r"cpu_offload.*tp_degree 2"):
+        check_tensor_parallel(tp_config(cpu_offload=True), 2, tiny_config())
+
+
+def test_a_valid_tp_setup_and_tp_degree_1_pass_the_checks():
+    check_tensor_parallel(tp_config(seq_len=32768), 8, builtin_config("llama-8b"))
+    check_tensor_parallel(TrainConfig(seq_len=127, cpu_offload=True), 3, tiny_config())
+
+
+def test_the_tp_dim_is_innermost_so_a_tp_group_is_consecutive_ranks():
+    plan = ((2, 4, 2), ("replicate", "shard", "tp"))
+    assert mesh_plan((2, 4), ("replicate", "shard"), 2) == plan
+
+
+@pytest.mark.parametrize("name", ["llama-1b", "llama-3b", "llama-8b"])
+def test_the_builtin_configs_take_sequences_of_32k(name):
+    check_seq_len(name, 32768, builtin_config(name))
+
+
+def test_seq_len_beyond_the_models_positions_names_both():
+    positions = BUILTIN_CONFIGS["tiny-llama"]["max_position_embeddings"]
+    with pytest.raises(ValueError, match=rf"seq_len \(2048\).*tiny-llama.*\({positions}\)"):
+        check_seq_len("tiny-llama", 2048, builtin_config("tiny-llama"))
+
+
+def test_padding_for_sequence_parallelism_adds_pads_without_loss_at_the_end():
+    ids = torch.arange(1, 8).reshape(1, 7)
+    batch = Batch(ids, ids.clone(), 7, position_ids=torch.arange(7)[None])
+    padded = pad_to_multiple(batch, 4, pad_id=0)
+    assert padded.input_ids.tolist() == [[1, 2, 3, 4, 5, 6, 7, 0]]
+    assert padded.labels.tolist() == [[1, 2, 3, 4, 5, 6, 7, IGNORE_INDEX]]
+    assert padded.position_ids.tolist() == [[0, 1, 2, 3, 4, 5, 6, 0]]
+    assert padded.num_tokens == 7
+    assert pad_to_multiple(padded, 4, pad_id=0) is padded

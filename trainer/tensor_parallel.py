@@ -1,0 +1,197 @@
+"""Tensor parallelism with sequence parallelism (DTensor) for Llama-like Hugging Face models.
+
+The layout is Megatron's, as torchtitan applies it to Llama: inside a decoder block the attention
+heads and the MLP's hidden units are split over the "tp" ranks (q/k/v and gate/up column-wise,
+o_proj/down_proj row-wise), and between the matmuls (norms, residual adds) the activations are
+split along the sequence instead, so no rank holds a whole (batch, seq_len, hidden) activation.
+FSDP then shards the resulting DTensors over the data-parallel dims of the same mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from transformers import PretrainedConfig, PreTrainedModel
+
+from trainer.batch import IGNORE_INDEX, Batch
+from trainer.config import TrainConfig
+from trainer.model import decoder_blocks
+
+TP_DIM = "tp"
+
+
+def check_tensor_parallel(
+    config: TrainConfig, world_size: int, model_config: PretrainedConfig
+) -> None:
+    """Fail at start, naming both options, on a tp_degree this run cannot use."""
+    tp = config.tp_degree
+    if tp == 1:
+        return
+    if world_size % tp:
+        raise ValueError(
+            f"tp_degree ({tp}) must divide the world size ({world_size}): the data-parallel "
+            "size is world size / tp_degree"
+        )
+    group = config.shard_group_size
+    if config.strategy == "HYBRID_SHARD" and group and (world_size // tp) % group:
+        raise ValueError(
+            f"strategy HYBRID_SHARD needs shard_group_size ({group}) to divide the data-parallel "
+            f"size ({world_size // tp} = world size {world_size} / tp_degree {tp})"
+        )
+    heads = model_config.num_attention_heads
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    for name, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+        if count % tp:
+            raise ValueError(
+                f"tp_degree ({tp}) must divide model {config.model}'s {name} ({count}): each "
+                "tensor-parallel rank computes whole attention heads"
+            )
+    # FSDP cannot shard a dim that TP split unevenly, and gate/up split intermediate_size.
+    intermediate = model_config.intermediate_size
+    if intermediate % tp:
+        raise ValueError(
+            f"tp_degree ({tp}) must divide model {config.model}'s intermediate_size "
+            f"({intermediate}): the MLP's hidden units are split evenly over the TP ranks"
+        )
+    if config.seq_len % tp:
+        raise ValueError(
+            f"seq_len ({config.seq_len}) must be divisible by tp_degree ({tp}): sequence "
+            "parallelism splits every sequence into tp_degree equal parts"
+        )
+    if config.cpu_offload:
+        raise ValueError(
+            f"cpu_offload is not supported with tp_degree > 1 (got tp_degree {tp}): set "
+            "cpu_offload to false or tp_degree to 1"
+        )
+
+
+def data_parallel_rank(rank: int, world_size: int, tp_degree: int) -> tuple[int, int]:
+    """(this rank's index among the data-parallel replicas, their number).
+
+    The ranks of one TP group hold the consecutive global ranks (tp is the mesh's last dim), and
+    they must see the same batch.
+    """
+    return rank // tp_degree, world_size // tp_degree
+
+
+def mesh_plan(
+    fsdp_shape: tuple[int, ...], fsdp_names: tuple[str, ...], tp_degree: int
+) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The device mesh with "tp" as the innermost dim, so a TP group stays within a node."""
+    return (*fsdp_shape, tp_degree), (*fsdp_names, TP_DIM)
+
+
+def apply_tensor_parallel(model: PreTrainedModel, tp_mesh: DeviceMesh) -> None:
+    """Split every decoder block, the embedding and the LM head over `tp_mesh` (1-D)."""
+    for block in decoder_blocks(model):
+        parallelize_module(block, tp_mesh, _BLOCK_PLAN)
+    parallelize_module(model.model.norm, tp_mesh, SequenceParallel())
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head.weight is embedding.weight
+    if embedding.weight.shape[0] % tp_mesh.size() == 0:
+        # DTensor out (not local): HF derives positions and the causal mask from its shape.
+        embedding_style = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+        )
+        parallelize_module(embedding, tp_mesh, embedding_style)
+        # Whole logits on every rank: the loss code stays unaware of TP.
+        head_style = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+        parallelize_module(head, tp_mesh, head_style)
+    else:
+        # FSDP cannot shard a dim that TP split unevenly: keep the whole vocab on every TP rank.
+        distribute_module(embedding, tp_mesh, input_fn=_replicate_input, output_fn=_shard_sequence)
+        distribute_module(head, tp_mesh, input_fn=_replicate_input, output_fn=_to_local)
+    if tied:
+        # Both got the same placement (vocab-sharded or replicated): one DTensor serves both again.
+        head.weight = embedding.weight
+
+
+def _replicate_input(module: torch.nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> Any:
+    x = inputs[0]
+    if isinstance(x, DTensor):
+        return (x.redistribute(mesh, [Replicate()]), *inputs[1:])
+    return (DTensor.from_local(x, mesh, [Replicate()], run_check=False), *inputs[1:])
+
+
+def _shard_sequence(module: torch.nn.Module, output: DTensor, mesh: DeviceMesh) -> DTensor:
+    return output.redistribute(mesh, [Shard(1)])
+
+
+def _to_local(module: torch.nn.Module, output: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+    return output.to_local()
+
+
+_BLOCK_PLAN = {
+    "input_layernorm": SequenceParallel(),
+    # HF passes hidden_states to attention by keyword.
+    "self_attn": PrepareModuleInput(
+        input_kwarg_layouts={"hidden_states": Shard(1)},
+        desired_input_kwarg_layouts={"hidden_states": Replicate()},
+        use_local_output=True,
+    ),
+    "self_attn.q_proj": ColwiseParallel(),
+    "self_attn.k_proj": ColwiseParallel(),
+    "self_attn.v_proj": ColwiseParallel(),
+    "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+    "post_attention_layernorm": SequenceParallel(),
+    "mlp": PrepareModuleInput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+    ),
+    "mlp.gate_proj": ColwiseParallel(),
+    "mlp.up_proj": ColwiseParallel(),
+    "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+}
+
+
+def pad_to_multiple(batch: Batch, multiple: int, pad_id: int) -> Batch:
+    """Right-pad every (batch, length) tensor so that length divides into `multiple` parts.
+
+    Pads come last, so under causal attention no real token sees them; they carry no loss.
+    """
+    length = batch.input_ids.shape[1]
+    extra = -length % multiple
+    if extra == 0:
+        return batch
+    pad_values = {"input_ids": pad_id, "labels": IGNORE_INDEX}
+    padded: dict[str, Any] = {}
+    for field in dataclasses.fields(batch):
+        value = getattr(batch, field.name)
+        if isinstance(value, torch.Tensor) and value.shape[:2] == batch.input_ids.shape:
+            pad = torch.full(
+                (value.shape[0], extra, *value.shape[2:]),
+                pad_values.get(field.name, 0),
+                dtype=value.dtype,
+                device=value.device,
+            )
+            padded[field.name] = torch.cat([value, pad], dim=1)
+    return dataclasses.replace(batch, **padded)
+
+
+class SequenceParallelBatches:
+    """`batches` (an iterator or a re-iterable) with each batch padded for sequence parallelism."""
+
+    def __init__(self, batches: Iterable[Batch], tp_degree: int, pad_id: int):
+        self.batches, self.tp_degree, self.pad_id = batches, tp_degree, pad_id
+
+    def __iter__(self) -> Iterator[Batch]:
+        if isinstance(self.batches, Iterator):
+            return self
+        return (pad_to_multiple(b, self.tp_degree, self.pad_id) for b in self.batches)
+
+    def __next__(self) -> Batch:
+        return pad_to_multiple(next(self.batches), self.tp_degree, self.pad_id)  # type: ignore[call-overload]
+
+    def __len__(self) -> int:
+        return len(self.batches)  # type: ignore[arg-type]
