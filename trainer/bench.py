@@ -1,7 +1,11 @@
-"""Throughput on one device: this trainer against Hugging Face Trainer, same model, batch and data.
+"""Throughput: this trainer against Hugging Face Trainer, same model, batch and data.
 
 python -m trainer.bench --models 1b,3b --micro-batch 4 --compile
 python -m trainer.bench --models 8b --micro-batch 2 --compile --ac full --strategy FULL_SHARD
+torchrun --nproc-per-node 8 -m trainer.bench --models 8b --no-hf --strategy HYBRID_SHARD ...
+
+Under torchrun (several GPUs) only this trainer runs; tokens/s, TFLOPs and MFU are per GPU and
+rank 0 prints them, so the scaling efficiency is tokens/s at N GPUs over tokens/s at one.
 
 Each model is built from its config (random init) and trained on random tokens, first through the
 trainer's own path (meta init, apply_parallelism, chunked loss, fused AdamW; bf16 compute on fp32
@@ -50,6 +54,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--selective-ac", default="op", help="op, or k: every k-th block")
     # One GPU: resharding after forward saves memory (8B needs it) but gathers again in backward.
     parser.add_argument("--strategy", default="SHARD_GRAD_OP", help="FULL_SHARD for 8B")
+    parser.add_argument("--shard-group-size", type=int, default=0, help="HYBRID_SHARD group")
     parser.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--profile", action="store_true", help="print a profile of our steps")
     parser.add_argument("--seed", type=int, default=1234)
@@ -137,6 +142,7 @@ def run_trainer(
         lr=1e-5,
         seed=args.seed,
         strategy=args.strategy,
+        shard_group_size=args.shard_group_size,
         mixed_precision="bf16",
         activation_checkpointing=args.ac,
         selective_ac=args.selective_ac if args.ac == "selective" else "op",
@@ -171,6 +177,8 @@ def run_trainer(
         print_profile(lambda: step(batches[-1]), env.device)
     options = {
         "strategy": args.strategy,
+        "shard_group_size": args.shard_group_size or env.local_world_size,
+        "gpus": env.world_size,
         "mixed_precision": "bf16 (fp32 master, fp32 reduce)",
         "ac": args.ac if args.ac != "selective" else f"selective:{args.selective_ac}",
         "compile": args.compile,
@@ -278,8 +286,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         ours = guarded(functools.partial(run_trainer, name, args, env, peak), "trainer", name)
         dist.destroy_process_group()  # HF Trainer runs as a plain single process
         release_memory(env.device)
-        print(json.dumps(ours), flush=True)
-        if not args.hf:
+        if env.rank == 0:
+            print(json.dumps(ours), flush=True)
+        if not args.hf or env.world_size > 1:  # the baseline is the single-GPU comparison
             continue
         hf_run = functools.partial(run_hf_trainer, name, args, env.device, peak)
         theirs = guarded(hf_run, "hf_trainer", name)
