@@ -66,3 +66,17 @@ def test_the_benchmark_imports_neither_trainer_data_nor_datasets():
         [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True
     )
     assert result.stdout.split() == ["False", "False"]
+
+
+def test_the_benchmark_under_torchrun_prints_one_per_gpu_line_from_rank_0():
+    from conftest import torchrun
+
+    result = torchrun(["-m", "trainer.bench", "--models", "tiny", "--seq-len", "64",
+                       "--micro-batch", "2", "--steps", "2", "--warmup", "1", "--no-hf",
+                       "--strategy", "HYBRID_SHARD", "--shard-group-size", "1"])
+    lines = [json.loads(x) for x in result.stdout.splitlines() if x.startswith('{"')]
+    assert len(lines) == 1  # rank 0 only, and no Hugging Face baseline with several processes
+    check_run(lines[0], "trainer")
+    assert lines[0]["options"]["gpus"] == 2
+    assert lines[0]["options"]["strategy"] == "HYBRID_SHARD"
+    assert lines[0]["options"]["shard_group_size"] == 1
