@@ -13,6 +13,8 @@ export AIRFLOW__CORE__PLUGINS_FOLDER := $(CURDIR)/plugins
 export AIRFLOW__CORE__LOAD_EXAMPLES := False
 export PYTHONPATH := $(CURDIR)/plugins:$(CURDIR)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
+# `airflow standalone` starts its components as `airflow ...` from PATH.
+export PATH := $(BIN):$(PATH)
 
 .PHONY: demo test lint airflow venv etcd airflow-db clean
 
