@@ -31,6 +31,7 @@ from typing import Any
 from finetune import REPO_ROOT
 from finetune.config import RunConfig
 from finetune.image import context_files, image_tag
+from finetune.kube import create_or_replace
 
 log = logging.getLogger(__name__)
 
@@ -374,8 +375,10 @@ def build_with_buildkit(api: Any, ecr: Any, namespace: str, ref: str, tag: str,
     labels = {LABEL_APP: APP, LABEL_IMAGE_TAG: tag}
     secret = f"{name}-registry"
     registry, user, password = registry_credentials(ecr)
-    _apply_secret(core, registry_secret_manifest(
-        secret, namespace, dockerconfigjson(registry, user, password), labels))
+    secret_manifest = registry_secret_manifest(
+        secret, namespace, dockerconfigjson(registry, user, password), labels)
+    create_or_replace(core.create_namespaced_secret, core.replace_namespaced_secret,
+                      secret_manifest)
     try:
         _create_or_adopt_job(batch, buildkit_job_manifest(
             name, namespace, ref, context_url, secret, labels, deadline_s=int(timeout)))
@@ -460,18 +463,6 @@ def _failed_container(pod: dict[str, Any]) -> tuple[str, str]:
                 return cs.get("name", default), (f"{cs.get('name')} exited with code "
                                                  f"{term['exitCode']} ({term.get('reason', '')})")
     return BUILD_CONTAINER, f"phase {status.get('phase', 'Unknown')}"
-
-
-def _apply_secret(core: Any, manifest: dict[str, Any]) -> None:
-    import kubernetes
-
-    meta = manifest["metadata"]
-    try:
-        core.create_namespaced_secret(meta["namespace"], manifest)
-    except kubernetes.client.ApiException as exc:
-        if exc.status != 409:
-            raise
-        core.replace_namespaced_secret(meta["name"], meta["namespace"], manifest)
 
 
 def _create_or_adopt_job(batch: Any, manifest: dict[str, Any]) -> None:

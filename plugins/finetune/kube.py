@@ -138,3 +138,16 @@ async def async_kube_api_client(*, kubernetes_conn_id: str = "", aws_conn_id: st
         yield api
     finally:
         await api.close()
+
+
+def create_or_replace(create: Any, replace: Any, manifest: dict[str, Any]) -> None:
+    """Create a namespaced object, or replace it when it exists (a retry of the same run)."""
+    import kubernetes
+
+    meta = manifest["metadata"]
+    try:
+        create(meta["namespace"], manifest)
+    except kubernetes.client.ApiException as exc:
+        if exc.status != 409:
+            raise
+        replace(meta["name"], meta["namespace"], manifest)

@@ -31,7 +31,8 @@ RESOURCES = {
     "namespaced_custom_object": ("kubeflow.org", "pytorchjobs"),  # checked below: only these
 }
 CLUSTER_SCOPED = {("", "nodes")}
-KUBE_CALL = re.compile(r"\.(list|read|get|create|replace|patch|delete)_(namespaced_[a-z_]+|node)\(")
+# A call, or a bound method handed on (create_or_replace(core.create_namespaced_secret, ...)).
+KUBE_CALL = re.compile(r"\.(list|read|get|create|replace|patch|delete)_(namespaced_[a-z_]+|node)\b")
 # HTTP methods through the service proxy -> RBAC verbs on services/proxy.
 PROXY_VERBS = {"GET": "get", "DELETE": "delete", "PUT": "update", "POST": "create"}
 

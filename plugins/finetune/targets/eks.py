@@ -30,7 +30,7 @@ from finetune.config import RunConfig
 from finetune.etcd import EtcdError, KeysRequest, delete_rendezvous_keys
 from finetune.image_build import image_param_errors, provide_image
 from finetune.instance_types import INSTANCE_TYPES
-from finetune.kube import aws_session, kube_api_client
+from finetune.kube import aws_session, create_or_replace, kube_api_client
 from finetune.manifests import (
     CONTAINER_NAME,
     EFA_RESOURCE,
@@ -356,7 +356,9 @@ class EksTarget(Target):
 
         api = self._kube(cfg)
         started = time.time()
-        _apply_configmap(kubernetes.client.CoreV1Api(api), trainer_configmap_manifest(cfg))
+        core = kubernetes.client.CoreV1Api(api)
+        create_or_replace(core.create_namespaced_config_map, core.replace_namespaced_config_map,
+                          trainer_configmap_manifest(cfg))
         name, adopted = self._create_or_adopt_job(kubernetes.client.CustomObjectsApi(api), cfg,
                                                   image["image"])
         return {"job": name, "adopted": adopted, "started": started}
@@ -565,18 +567,6 @@ def pod_log(core: Any, pod: str, namespace: str, **options: Any) -> str:
     resp = core.read_namespaced_pod_log(pod, namespace, container=CONTAINER_NAME,
                                         _preload_content=False, **options)
     return resp.data.decode("utf-8", errors="replace")
-
-
-def _apply_configmap(core: Any, manifest: dict[str, Any]) -> None:
-    import kubernetes
-
-    meta = manifest["metadata"]
-    try:
-        core.create_namespaced_config_map(meta["namespace"], manifest)
-    except kubernetes.client.ApiException as exc:
-        if exc.status != 409:
-            raise
-        core.replace_namespaced_config_map(meta["name"], meta["namespace"], manifest)
 
 
 def proxy_keys_request(api: Any, namespace: str, service: str,
