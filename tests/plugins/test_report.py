@@ -17,6 +17,12 @@ CONFIG = {
     "note": "<script>alert(1)</script>",
 }
 
+# The report's metrics taken from summary.json (eval_loss_ratio is derived from two of them).
+SUMMARY_METRICS = (
+    "initial_eval_loss", "final_eval_loss", "tokens_per_s", "tflops_per_device", "mfu",
+    "peak_memory_bytes", "wall_time_s", "steps", "world_size",
+)
+
 SUMMARY = {
     "initial_eval_loss": 2.5,
     "final_eval_loss": 1.25,
@@ -104,17 +110,7 @@ def test_finished_run_report_takes_metrics_from_summary(tmp_path: Path) -> None:
     assert report["status"] == "success"
     assert report["config"] == CONFIG
     assert report["stages"] == {}
-    for key in (
-        "initial_eval_loss",
-        "final_eval_loss",
-        "tokens_per_s",
-        "tflops_per_device",
-        "mfu",
-        "peak_memory_bytes",
-        "wall_time_s",
-        "steps",
-        "world_size",
-    ):
+    for key in SUMMARY_METRICS:
         assert report["metrics"][key] == SUMMARY[key], key
     assert report["metrics"]["eval_loss_ratio"] == pytest.approx(0.5)
     assert report["artifacts"] == {
@@ -341,18 +337,7 @@ def test_unknown_status_is_rejected(tmp_path: Path) -> None:
 def test_summarize_without_anything_is_all_null() -> None:
     metrics = summarize([], [], None)
 
-    assert set(metrics) == {
-        "initial_eval_loss",
-        "final_eval_loss",
-        "tokens_per_s",
-        "tflops_per_device",
-        "mfu",
-        "peak_memory_bytes",
-        "wall_time_s",
-        "steps",
-        "world_size",
-        "eval_loss_ratio",
-    }
+    assert set(metrics) == {*SUMMARY_METRICS, "eval_loss_ratio"}
     assert all(value is None for value in metrics.values())
 
 
