@@ -16,7 +16,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # `airflow standalone` starts its components as `airflow ...` from PATH.
 export PATH := $(BIN):$(PATH)
 
-.PHONY: demo test lint airflow venv etcd airflow-db clean
+.PHONY: demo test lint airflow venv system-deps airflow-db clean
 
 venv: $(VENV)/.installed
 
@@ -25,28 +25,35 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt trainer/requirements.t
 	$(BIN)/pip install --quiet --requirement requirements-dev.txt
 	touch $@
 
-# etcd for torchrun's rendezvous; without it the local target uses torch's c10d store.
-etcd:
-	@command -v etcd >/dev/null || [ -x /usr/bin/etcd ] || { \
+# System programs from Debian: etcd (torchrun's rendezvous; without it the local target uses
+# torch's c10d store), and for the tests Prometheus (metrics queries) and Chromium (UI pages).
+SYSTEM_PACKAGES := etcd-server:etcd prometheus:prometheus chromium:chromium
+
+system-deps:
+	@missing=""; for entry in $(SYSTEM_PACKAGES); do \
+	  pkg=$${entry%%:*}; bin=$${entry##*:}; \
+	  command -v $$bin >/dev/null || [ -x /usr/bin/$$bin ] || missing="$$missing $$pkg"; done; \
+	[ -z "$$missing" ] || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server) \
-	      >/dev/null || echo "etcd-server could not be installed: runs use the c10d rendezvous"; \
-	  else echo "etcd not installed (apt-get install etcd-server): runs use the c10d rendezvous"; fi; }
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      --no-install-recommends $$missing) >/dev/null \
+	      || echo "could not install$$missing: runs use the c10d rendezvous, tests needing them skip"; \
+	  else echo "not installed:$$missing (apt-get install$$missing)"; fi; }
 
 airflow-db: venv
 	$(BIN)/airflow db migrate >/dev/null
 
-demo: venv etcd airflow-db
+demo: venv system-deps airflow-db
 	$(BIN)/python -m finetune.demo --conf '$(CONF)'
 
-test: venv etcd airflow-db
+test: venv system-deps airflow-db
 	$(BIN)/python -m pytest tests
 
 lint: venv
 	$(BIN)/ruff check .
 
 # The Airflow UI with this project's DAGs on http://localhost:8080 (credentials are printed).
-airflow: venv etcd airflow-db
+airflow: venv system-deps airflow-db
 	$(BIN)/airflow standalone
 
 clean:

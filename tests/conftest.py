@@ -19,16 +19,26 @@ os.environ.setdefault("AIRFLOW__CORE__PLUGINS_FOLDER", str(REPO_ROOT / "plugins"
 os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
 
 
+def system_binary_or_skip(name: str, package: str) -> str:
+    """A program from Debian the tests need (etcd, prometheus, chromium).
+
+    CI sets FINETUNE_REQUIRE_SYSTEM_DEPS=1 (`make test` installs them) so a missing one fails
+    there instead of silently skipping.
+    """
+    binary = shutil.which(name) or (f"/usr/bin/{name}" if os.access(f"/usr/bin/{name}", os.X_OK)
+                                    else None)
+    if binary is None:
+        if os.environ.get("FINETUNE_REQUIRE_SYSTEM_DEPS") == "1":
+            pytest.fail(f"{name} is required (FINETUNE_REQUIRE_SYSTEM_DEPS=1) but not installed")
+        pytest.skip(f"{name} is not installed (apt-get install {package})")
+    return binary
+
+
 def etcd_or_skip() -> str:
-    """The etcd binary; CI sets FINETUNE_REQUIRE_ETCD=1 so a missing etcd fails, not skips."""
+    """The etcd binary torchrun's etcd rendezvous and the reset tests use."""
     from finetune.etcd import etcd_binary
 
-    binary = etcd_binary()
-    if binary is None:
-        if os.environ.get("FINETUNE_REQUIRE_ETCD") == "1":
-            pytest.fail("etcd is required (FINETUNE_REQUIRE_ETCD=1) but not installed")
-        pytest.skip("etcd is not installed (apt-get install etcd-server)")
-    return binary
+    return etcd_binary() or system_binary_or_skip("etcd", "etcd-server")
 
 
 @pytest.fixture
