@@ -157,8 +157,18 @@ def write_report(
     status: str,
     config: dict,
     stages: dict | None = None,
+    gpu: dict | None = None,
+    host: dict | None = None,
+    node_hourly_price: float | None = None,
+    nodes: int | None = None,
 ) -> dict:
-    """Build the report for `run_dir`, write `report.json` and `report.html` there, return it."""
+    """Build the report for `run_dir`, write `report.json` and `report.html` there, return it.
+
+    gpu: the GPU section (finetune.gpu_metrics: DCGM from Prometheus, or NVML samples);
+    host: this machine's CPU and memory during training (local target). With
+    `node_hourly_price` (USD per node-hour) and `nodes` the report estimates the cost of the
+    training wall time.
+    """
     if status not in STATUSES:
         raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
     run_dir = Path(run_dir)
@@ -181,6 +191,13 @@ def write_report(
     if diverged:
         warnings.append(f"{diverged} train steps with a non-finite loss")
 
+    metrics = summarize(train, evals, summary)
+    cost = cost_estimate(node_hourly_price, nodes, _train_wall_time(stages, metrics))
+    metrics["cost_usd"] = cost["usd"] if cost else None
+    if gpu:
+        warnings.extend(gpu.get("warnings") or [])
+        if gpu.get("missing"):
+            warnings.append(gpu["missing"])
     report = {
         "schema_version": SCHEMA_VERSION,
         "run_id": run_id,
@@ -188,7 +205,10 @@ def write_report(
         "generated_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "config": config,
         "stages": stages or {},
-        "metrics": summarize(train, evals, summary),
+        "metrics": metrics,
+        "cost": cost,
+        "gpu": gpu,
+        "host": host,
         "series": series,
         "artifacts": {
             "model": MODEL_DIR if (run_dir / MODEL_DIR).is_dir() else None,
@@ -201,6 +221,23 @@ def write_report(
     _write_atomic(run_dir / REPORT_JSON, json.dumps(report, indent=2, default=str) + "\n")
     _write_atomic(run_dir / REPORT_HTML, render_html(report))
     return report
+
+
+def _train_wall_time(stages: dict | None, metrics: dict) -> float | None:
+    """The train stage's wall time (what the nodes were busy for), else the trainer's own."""
+    train = (stages or {}).get("train")
+    wall = _finite(train.get("wall_time_s")) if isinstance(train, dict) else None
+    return wall if wall is not None else _finite(metrics.get("wall_time_s"))
+
+
+def cost_estimate(node_hourly_price: float | None, nodes: int | None,
+                  wall_time_s: float | None) -> dict | None:
+    """nodes x price per node-hour x training wall time; None when any of them is unknown."""
+    if not node_hourly_price or not nodes or wall_time_s is None:
+        return None
+    hours = wall_time_s / 3600
+    return {"node_hourly_price_usd": node_hourly_price, "nodes": nodes,
+            "hours": hours, "usd": round(node_hourly_price * nodes * hours, 2)}
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -223,6 +260,9 @@ h1 .status { font-size: 0.6em; padding: 0.2em 0.6em; border-radius: 0.3em; color
 table { border-collapse: collapse; } td, th { border: 1px solid #ddd; padding: 0.2rem 0.6rem; }
 td { font-family: ui-monospace, monospace; vertical-align: top; white-space: pre-wrap; }
 .muted { color: #666; }
+.missing { background: #fff8e1; border-left: 4px solid #f9a825; padding: 0.5rem 1rem; }
+.xid { background: #ffebee; border-left: 6px solid #c62828; padding: 0.5rem 1rem;
+       color: #b71c1c; font-weight: bold; }
 """
 
 
@@ -265,7 +305,22 @@ def _headline_figures(metrics: dict) -> list[tuple[str, str]]:
         ("eval loss", loss),
         ("steps", _fmt(metrics.get("steps"), ",.0f")),
         ("world size", _fmt(metrics.get("world_size"), ".0f")),
+        ("cost estimate", _fmt(metrics.get("cost_usd"), ",.2f", " USD")),
     ]
+
+
+def _gpu_headlines(gpu: dict | None) -> list[tuple[str, str]]:
+    if not gpu or not gpu.get("available"):
+        return []
+    util = [n["metrics"].get("gpu_util_pct", {}) for n in gpu["nodes"]]
+    means = [u.get("mean") for u in util if _finite(u.get("mean")) is not None]
+    weights = [n["gpus"] for n, u in zip(gpu["nodes"], util, strict=True)
+               if _finite(u.get("mean")) is not None]
+    mean = sum(m * w for m, w in zip(means, weights, strict=True)) / sum(weights) \
+        if weights else None
+    return [("GPU util (mean)", _fmt(mean, ".1f", "%")),
+            ("GPUs", str(len(gpu["gpus"]))),
+            ("XID errors", str(len(gpu["xid_errors"])))]
 
 
 def _flatten(mapping: dict, prefix: str = "") -> list[tuple[str, str]]:
@@ -315,6 +370,7 @@ def render_html(report: dict) -> str:
         f'<div class="figure"><div class="label">{_esc(label)}</div>'
         f'<div class="value">{_esc(value)}</div></div>'
         for label, value in _headline_figures(report["metrics"])
+        + _gpu_headlines(report.get("gpu"))
     )
     warnings = report["warnings"]
     warning_list = (
@@ -336,6 +392,8 @@ def render_html(report: dict) -> str:
         "<h2>Config</h2>",
         _table(_flatten(report["config"]), "no config"),
     ]
+    parts += _gpu_html(report.get("gpu"), report.get("cost"))
+    parts += _host_html(report.get("host"))
     if report["stages"]:
         parts += ["<h2>Stages</h2>", _table(_flatten(report["stages"]), "no stages")]
     parts += [
@@ -348,11 +406,95 @@ def render_html(report: dict) -> str:
     return "\n".join(parts) + "\n"
 
 
+# GPU metrics: the table's columns and the plots, (key, label, unit).
+_GPU_COLUMNS = (("gpu_util_pct", "GPU util", "%"), ("mem_copy_util_pct", "mem copy util", "%"),
+                ("sm_clock_mhz", "SM clock", "MHz"), ("fb_used_mib", "FB used", "MiB"),
+                ("power_w", "power", "W"), ("temperature_c", "temperature", "°C"))
+_GPU_PLOTS = (("gpu_util_pct", "GPU utilisation", "%"), ("fb_used_mib", "GPU memory used", "MiB"),
+              ("power_w", "GPU power", "W"), ("temperature_c", "GPU temperature", "°C"))
+_MAX_PLOTTED_GPUS = 32
+
+
+def _gpu_table(rows: list[dict], key_cols: tuple[str, ...]) -> str:
+    head = "".join(f"<th>{_esc(c)}</th>" for c in key_cols) + "".join(
+        f"<th>{_esc(label)} mean / max ({_esc(unit)})</th>" for _, label, unit in _GPU_COLUMNS)
+    body = []
+    for row in rows:
+        cells = "".join(f"<td>{_esc(row.get(c))}</td>" for c in key_cols)
+        for key, _, _ in _GPU_COLUMNS:
+            stat = row["metrics"].get(key) or {}
+            cells += f"<td>{_fmt(stat.get('mean'), ',.1f')} / {_fmt(stat.get('max'), ',.1f')}</td>"
+        body.append(f"<tr>{cells}</tr>")
+    return f"<table><tr>{head}</tr>{''.join(body)}</table>"
+
+
+def _gpu_html(gpu: dict | None, cost: dict | None) -> list[str]:
+    parts = ["<h2>GPUs</h2>"]
+    if cost:
+        parts.append(
+            f'<p class="muted">cost estimate: {cost["nodes"]} node(s) x '
+            f'{cost["node_hourly_price_usd"]:g} USD/h x {cost["hours"]:.2f} h = '
+            f'{cost["usd"]:,.2f} USD</p>')
+    if not gpu:
+        return parts + ['<p class="missing">GPU metrics missing: none were collected</p>']
+    for entry in gpu.get("xid_errors") or []:
+        parts.append(f'<p class="xid">XID ERROR on {_esc(entry["node"])} GPU '
+                     f'{_esc(entry["gpu"])} (pods {_esc(", ".join(entry["pods"]) or "n/a")}): '
+                     f'XID {_esc(", ".join(str(c) for c in entry["codes"]))}</p>')
+    if not gpu.get("available"):
+        return parts + [f'<p class="missing">{_esc(gpu.get("missing") or "GPU metrics missing")}'
+                        "</p>"]
+    query = gpu.get("query") or {}
+    parts.append(f'<p class="muted">source: {_esc(gpu["source"])}'
+                 + (f' {_esc(query["url"])}, {_esc(query["selector"])}, '
+                    f'{_esc(query["start"])} to {_esc(query["end"])}' if "url" in query else "")
+                 + "</p>")
+    parts.append("<h3>Per node</h3>")
+    parts.append(_gpu_table(gpu["nodes"], ("node", "gpus")))
+    parts.append("<h3>Per GPU</h3>")
+    parts.append(_gpu_table(gpu["gpus"], ("node", "gpu", "model")))
+    t0 = min((p[0] for per_gpu in gpu["series"].values() for points in per_gpu.values()
+              for p in points[:1]), default=0)
+    charts = []
+    for key, title, unit in _GPU_PLOTS:
+        per_gpu = dict(list((gpu["series"].get(key) or {}).items())[:_MAX_PLOTTED_GPUS])
+        charts.append(svg_line_chart(
+            {name: [(t - t0, v) for t, v in points] for name, points in per_gpu.items()},
+            f"{title} per GPU", "seconds", unit))
+    parts.append(f'<section class="charts">{"".join(charts)}</section>')
+    if len(gpu["gpus"]) > _MAX_PLOTTED_GPUS:
+        parts.append(f'<p class="muted">plots show the first {_MAX_PLOTTED_GPUS} of '
+                     f'{len(gpu["gpus"])} GPUs; the tables show all</p>')
+    return parts
+
+
+def _host_html(host: dict | None) -> list[str]:
+    if not host:
+        return []
+    cpu, mem = host["metrics"]["cpu_percent"], host["metrics"]["memory_used_bytes"]
+    series = host["series"]
+    t0 = min((s[0][0] for s in series.values() if s), default=0)
+    return [
+        "<h2>Host</h2>",
+        f'<p class="muted">{host["samples"]} samples; CPU mean {_fmt(cpu["mean"], ".1f", "%")}'
+        f', max {_fmt(cpu["max"], ".1f", "%")}; memory used max {_fmt_bytes(mem["max"])} of '
+        f'{_fmt_bytes(host.get("memory_total_bytes"))}</p>',
+        '<section class="charts">'
+        + svg_line_chart({"CPU %": [(t - t0, v) for t, v in series["cpu_percent"]]},
+                         "Host CPU", "seconds", "%")
+        + svg_line_chart({"memory used (GiB)": [(t - t0, v / GIB)
+                                                for t, v in series["memory_used_bytes"]]},
+                         "Host memory", "seconds", "GiB")
+        + "</section>",
+    ]
+
+
 # --- SVG charts ------------------------------------------------------------------------------
 
 CHART_WIDTH, CHART_HEIGHT = 560, 300
 _MARGIN_LEFT, _MARGIN_RIGHT, _MARGIN_TOP, _MARGIN_BOTTOM = 64, 16, 30, 44
-_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e")
+_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2",
+           "#7f7f7f", "#bcbd22", "#17becf")
 _MAX_MARKED_POINTS = 40
 _LEGEND_CHAR_WIDTH = 6.5  # rough glyph width at font-size 11; SVG text cannot be measured
 
@@ -468,6 +610,8 @@ def svg_line_chart(
     for i, name in reversed(list(enumerate(clean))):
         color = _COLORS[i % len(_COLORS)]
         text_x = legend_x - _LEGEND_CHAR_WIDTH * len(name)
+        if text_x - 22 < left:  # many series (GPUs): the legend shows those that fit
+            break
         out.append(
             f'<line x1="{text_x - 22}" y1="14" x2="{text_x - 4}" y2="14" '
             f'stroke="{color}" stroke-width="2"/>'

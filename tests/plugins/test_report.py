@@ -390,3 +390,57 @@ def test_chart_of_tiny_learning_rates_labels_ticks_readably() -> None:
 
     assert "e-05" in svg
     assert "0.00002000" not in svg
+
+
+# --- GPU, host and cost sections ----------------------------------------------------------------
+
+
+GIB_ = 1024**3
+
+
+def nvml_samples(gpus: int, count: int) -> list[dict]:
+    """What the local target's sampler writes: host CPU/memory and per-GPU NVML readings."""
+    return [{"time": 1_700_000_000.0 + 2 * i, "cpu_percent": 40.0 + i,
+             "memory_used_bytes": (8 + i) * GIB_, "memory_total_bytes": 64 * GIB_,
+             "gpus": [{"gpu": g, "uuid": f"GPU-{g}", "model": "NVIDIA H200",
+                       "gpu_util_pct": 80 + g + i, "mem_copy_util_pct": 30, "sm_clock_mhz": 1980,
+                       "temperature_c": 55 + i, "power_w": 500.0 + 10 * g,
+                       "fb_used_mib": 70000 + 100 * i} for g in range(gpus)]}
+            for i in range(count)]
+
+
+
+def test_report_renders_gpu_host_plots_headlines_and_cost_from_a_fixture_run(tmp_path: Path):
+    from finetune.gpu_metrics import host_section, sampled_gpu_metrics
+
+    run_dir = make_run(tmp_path / "run", NORMAL_RECORDS, summary=SUMMARY)
+    samples = nvml_samples(gpus=2, count=5)
+    report = write_report(run_dir, run_id="r-1", status="success", config=CONFIG,
+                          stages={"train": {"wall_time_s": 1800.0}},
+                          gpu=sampled_gpu_metrics(samples, node="host-1"),
+                          host=host_section(samples), node_hourly_price=40.0, nodes=2)
+
+    assert report["cost"] == {"node_hourly_price_usd": 40.0, "nodes": 2, "hours": 0.5,
+                              "usd": 40.0}
+    assert report["metrics"]["cost_usd"] == 40.0
+    assert report["gpu"]["gpus"][1]["metrics"]["gpu_util_pct"] == {"mean": 83.0, "max": 85}
+    assert report["host"]["metrics"]["cpu_percent"] == {"mean": 42.0, "max": 44.0}
+    assert json.loads((run_dir / "report.json").read_text()) == report
+    page = (run_dir / "report.html").read_text(encoding="utf-8")
+    for title in ("GPU utilisation per GPU", "GPU memory used per GPU", "GPU power per GPU",
+                  "GPU temperature per GPU", "Host CPU", "Host memory"):
+        assert f'aria-label="{title}"' in page, title
+    # 3 training charts + 4 GPU charts + 2 host charts; one line per GPU on each GPU chart
+    assert page.count("<svg") == 9
+    assert len(polylines(page)) == 4 + 4 * 2 + 2
+    assert "host-1/gpu0" in page and "host-1/gpu1" in page
+    assert "40.00 USD" in page and "GPU util (mean)" in page and "82.5%" in page
+    assert "GPU metrics missing" not in page
+
+
+def test_report_without_gpu_metrics_says_they_are_missing_and_has_no_cost(tmp_path: Path):
+    run_dir = make_run(tmp_path / "run", NORMAL_RECORDS, summary=SUMMARY)
+    report = write_report(run_dir, run_id="r-1", status="success", config=CONFIG)
+    assert report["gpu"] is None and report["cost"] is None
+    assert report["metrics"]["cost_usd"] is None
+    assert "GPU metrics missing" in (run_dir / "report.html").read_text(encoding="utf-8")
