@@ -67,6 +67,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     output_dir: str = "output"
     log_interval: int = 10
+    metrics_port: int = 0  # rank 0 serves the per-step metrics to Prometheus here; 0: off
     max_grad_norm: float = 1.0
 
     def __post_init__(self) -> None:
@@ -99,6 +100,7 @@ _RANGES: dict[str, tuple[str, Callable[[float], bool]]] = {
     "checkpoint_interval": (">= 0", lambda v: v >= 0),
     "keep_checkpoints": (">= 1", lambda v: v >= 1),
     "log_interval": (">= 1", lambda v: v >= 1),
+    "metrics_port": ("between 0 and 65535", lambda v: 0 <= v <= 65535),
     "max_grad_norm": ("> 0", lambda v: v > 0),
 }
 _REQUIRED_STRINGS = ("model", "dataset", "output_dir", "prompt_field", "response_field")

@@ -19,6 +19,7 @@ from typing import Any
 from finetune import REPO_ROOT
 from finetune.instance_types import INSTANCE_TYPES
 from finetune.names import dns_label, run_dir_name
+from finetune.presets import NO_PRESET, PRESET_DISPLAY, PRESET_NAMES, apply_preset
 
 TARGETS = ("local", "eks")
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
@@ -72,6 +73,10 @@ class ParamSpec:
 
 _S = ParamSpec
 PARAM_SPECS: tuple[ParamSpec, ...] = (
+    _S("preset", NO_PRESET, "string", "Preset", "Preset",
+       "Settings known to fit a model on an instance type (plugins/finetune/presets.py). Its "
+       "values replace the defaults below; a field you change here overrides the preset.",
+       enum=PRESET_NAMES, values_display=PRESET_DISPLAY),
     _S("target", "local", "string", "Where to run", "Target",
        "`local`: this machine is the cluster (torchrun, local etcd). `eks`: Amazon EKS with "
        "the Kubeflow training operator.",
@@ -217,6 +222,17 @@ PARAM_SPECS: tuple[ParamSpec, ...] = (
     _S("active_deadline_s", 86400, "integer", "EKS", "Deadline (s)",
        "The PyTorchJob is stopped after this many seconds; 0: no deadline.", minimum=0,
        maximum=30 * 86400),
+    _S("metrics_port", 0, "integer", "Metrics", "Trainer metrics port",
+       "Port of the Prometheus endpoint the trainer's rank 0 serves its per-step metrics on "
+       "(loss, lr, grad norm, tokens/s, TFLOPs, MFU, memory); on eks the pods are annotated "
+       "for scraping. 0: no endpoint.", minimum=0, maximum=65535),
+    _S("prometheus_url", "", "string", "Metrics", "Prometheus URL",
+       "Target eks: base URL (http(s)://host:port) of the Prometheus that scrapes the DCGM "
+       "exporter; the report gets the job's GPU utilisation, memory, power, temperature and "
+       "XID errors from it. Empty: the report says GPU metrics are missing."),
+    _S("node_hourly_price", 0.0, "number", "Metrics", "Price per node-hour (USD)",
+       "For the report's cost estimate: nodes x price x training wall time. 0: no estimate.",
+       minimum=0, maximum=10_000),
 )
 SPECS_BY_NAME = {spec.name: spec for spec in PARAM_SPECS}
 
@@ -290,6 +306,11 @@ class RunConfig:
     rdzv_backend: str
     hf_token_secret: str
     active_deadline_s: int
+    metrics_port: int = 0
+    prometheus_url: str = ""
+    node_hourly_price: float = 0.0
+    preset: str = NO_PRESET
+    preset_version: int = 0  # the preset's version; 0 without a preset
 
     @property
     def world_size(self) -> int:
@@ -457,19 +478,28 @@ def _check_semantics(v: dict[str, Any]) -> list[tuple[str, str]]:
                        f"strategy is {v['strategy']}"))
     if v["rdzv_endpoint"] and not re.match(r"^[\w.-]+:\d{1,5}$", v["rdzv_endpoint"]):
         errors.append(("rdzv_endpoint", f"{v['rdzv_endpoint']!r} is not host:port"))
+    if v["prometheus_url"] and not re.match(r"^https?://[^/\s]+(/\S*)?$", v["prometheus_url"]):
+        errors.append(("prometheus_url", "is not an http(s)://host[:port][/path] URL"))
     if v["output_dir"].startswith("s3://") and v["target"] == "local":
         errors.append(("output_dir", "s3:// output needs target eks; give a local directory"))
     return errors
 
 
-def validate_params(params: Mapping[str, Any], *, run_id: str,
-                    dag_id: str = "llm_finetune") -> RunConfig:
+def validate_params(params: Mapping[str, Any], *, run_id: str, dag_id: str = "llm_finetune",
+                    given: Mapping[str, Any] | None = None) -> RunConfig:
     """Params (from the trigger form, REST conf or defaults) -> RunConfig, or ConfigError.
 
-    Checks the target's own constraints too (for example the local machine's CPUs), so that
-    nothing is started for a run that cannot work.
+    A `preset` in params supplies the values of the fields not set on purpose (`given`: the
+    conf the run was triggered with; see finetune.presets.apply_preset). Checks the target's
+    own constraints too (for example the local machine's CPUs), so that nothing is started for
+    a run that cannot work.
     """
     errors: list[tuple[str, str]] = []
+    preset_name = params.get("preset", NO_PRESET)
+    if not isinstance(preset_name, str) or preset_name not in PRESET_NAMES:
+        raise ConfigError([("preset", f"unknown preset {preset_name!r}; known: "
+                            + ", ".join(PRESET_NAMES))])
+    params, preset = apply_preset(params, default_params(), given)
     unknown = sorted(set(params) - set(SPECS_BY_NAME))
     if unknown:
         errors.append((unknown[0], "unknown parameter" + (
@@ -501,6 +531,7 @@ def validate_params(params: Mapping[str, Any], *, run_id: str,
         run_name=run_name,
         rdzv_id=dns_label(dag_id, run_id, max_len=48),
         run_dir=run_output_dir(values["output_dir"], run_name, values["target"]),
+        preset_version=preset.version if preset else 0,
         **values,
     )
 

@@ -1,0 +1,112 @@
+"""The fine-tuning task graph, shared by every DAG that runs it (llm_finetune and the scheduled
+retraining DAG): call `finetune_pipeline()` inside a `@dag` function.
+
+validate -> snapshot (setup) -> scale_up -> build_image + reset_etcd -> train ->
+collect_metrics, and teardown, which runs whenever the setup ran.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from airflow.sdk import Asset, Variable, get_current_context, task
+
+from finetune.operators import ScaleUpOperator, TrainOperator
+
+
+def _target(run_config: dict):
+    from finetune.targets import run_target
+
+    return run_target(run_config)
+
+
+def run_conf(context: Mapping[str, Any], base_conf: Mapping[str, Any] | None,
+             conf_variable: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(params, given) for validate_params.
+
+    Without a base conf or Variable: the DAG's params and the conf the run was triggered with.
+    With them: the DAG file's conf <- the Variable's (read when the run starts, a JSON object)
+    <- what a manual trigger set on purpose.
+    """
+    given = dict(context["dag_run"].conf or {})
+    if base_conf is None and conf_variable is None:
+        return dict(context["params"]), given
+    from finetune.config import default_params
+    from finetune.presets import explicit_fields
+
+    conf = dict(base_conf or {})
+    if conf_variable:
+        from_variable = Variable.get(conf_variable, default={}, deserialize_json=True)
+        if not isinstance(from_variable, dict):
+            raise ValueError(f"Airflow Variable {conf_variable!r} must hold a JSON object, got "
+                             f"{type(from_variable).__name__}")
+        conf.update(from_variable)
+    conf.update(explicit_fields(given, default_params()))
+    return conf, conf
+
+
+def finetune_pipeline(*, base_conf: Mapping[str, Any] | None = None,
+                      conf_variable: str | None = None, pool: str | None = None,
+                      model_asset: Asset | None = None) -> None:
+    """Add the stages to the DAG being defined.
+
+    base_conf, conf_variable: the run's conf from the DAG file and an Airflow Variable (see
+    `run_conf`); pool: the pool `train` runs in (one slot per concurrent training on the
+    cluster); model_asset: gets an event with the report summary when the run succeeds.
+    """
+
+    @task
+    def validate() -> dict:
+        """Params -> one typed, immutable run config; every bad value fails here."""
+        from finetune.config import validate_params
+
+        context = get_current_context()
+        params, given = run_conf(context, base_conf, conf_variable)
+        cfg = validate_params(params, run_id=context["run_id"],
+                              dag_id=context["dag_run"].dag_id, given=given)
+        return cfg.to_dict()
+
+    @task
+    def snapshot(run_config: dict) -> dict:
+        """Setup: record what teardown restores (the node group's scaling config on eks)."""
+        target, cfg = _target(run_config)
+        return target.snapshot(cfg)
+
+    @task
+    def build_image(run_config: dict) -> dict:
+        target, cfg = _target(run_config)
+        return target.build_image(cfg)
+
+    @task
+    def reset_etcd(run_config: dict) -> dict:
+        target, cfg = _target(run_config)
+        return target.reset_etcd(cfg)
+
+    @task(outlets=[model_asset] if model_asset is not None else [])
+    def collect_metrics(run_config: dict, trained: dict) -> dict:
+        target, cfg = _target(run_config)
+        summary = target.collect_metrics(cfg, trained)
+        if model_asset is not None:
+            from finetune.assets import model_event_extra
+
+            events = get_current_context()["outlet_events"]
+            events[model_asset].extra.update(model_event_extra(cfg, summary))
+        return summary
+
+    @task
+    def teardown(run_config: dict, snapshot_result: dict) -> dict:
+        target, cfg = _target(run_config)
+        return target.teardown(cfg, snapshot_result)
+
+    cfg = validate()
+    snap = snapshot(cfg)
+    # On eks both wait deferred (no worker slot held); elsewhere they run in the task.
+    up = ScaleUpOperator(task_id="scale_up", run_config=cfg)
+    snap >> up
+    image, rendezvous = build_image(cfg), reset_etcd(cfg)
+    up >> [image, rendezvous]
+    trained = TrainOperator(task_id="train", run_config=cfg, image=image,
+                            rendezvous=rendezvous, **({"pool": pool} if pool else {}))
+    metrics = collect_metrics(cfg, trained.output)
+    metrics >> teardown(cfg, snap).as_teardown(setups=snap)

@@ -1,0 +1,117 @@
+"""Named, versioned run presets: settings known to fit a model on an instance type.
+
+A run names one in its conf (`"preset": "llama2-7b-p4de"`) and may override any field. The
+params a run validates are: the built-in defaults, then the preset's values, then the fields the
+conf sets (`apply_preset`). Raise a preset's `version` whenever its values change: the run
+config records name and version, so a report says which settings a run used.
+
+Memory budgets (the reasoning behind each preset; estimates, not measurements on the cluster):
+full fine-tuning keeps fp32 weights, fp32 gradients and AdamW's two fp32 moments, 16 bytes per
+parameter, sharded over the shard group. Compute is bf16. With full activation checkpointing a
+sequence keeps one bf16 hidden state per layer (seq x hidden x 2 bytes x layers) plus one
+block's working set while it recomputes; the LM head's loss is computed in chunks. Measured
+anchor (README, one H200): an 8B model (hidden 4096, 32 layers) with full checkpointing at
+micro-batch 2 x 4096 tokens peaked at 123.6 GiB with 119.7 GiB of that weights and optimizer
+state, i.e. about 2 GiB of activations per 4096-token sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+NO_PRESET = "none"
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    name: str
+    version: int
+    title: str  # shown in the trigger form
+    values: Mapping[str, Any]
+
+
+def _preset(name: str, version: int, title: str, **values: Any) -> Preset:
+    return Preset(name, version, title, MappingProxyType(values))
+
+
+_GPU_COMMON = {"mixed_precision": "bf16", "activation_checkpointing": "full", "seq_len": 4096,
+               "lr": 2e-5, "warmup_steps": 50, "max_steps": 1000, "eval_interval": 100,
+               "checkpoint_interval": 200, "max_restarts": 3}
+
+PRESETS: dict[str, Preset] = {p.name: p for p in (
+    # This machine, 2 CPU processes (gloo), the built-in tiny model and the demo data: a full
+    # run in well under a minute; for trying the pipeline and for tests.
+    _preset("tiny-local", 1, "tiny-local: tiny model on this machine's CPUs, 40 steps",
+            target="local", model="tiny-llama", nodes=1, procs_per_node=2,
+            strategy="FULL_SHARD", mixed_precision="fp32", activation_checkpointing="none",
+            seq_len=96, micro_batch=8, grad_accum=1, lr=3e-3, warmup_steps=4, max_steps=40,
+            eval_interval=20, checkpoint_interval=20),
+    # Llama 2 7B (6.7e9 parameters, hidden 4096, 32 layers) on 1 x p4de.24xlarge (8 x A100
+    # 80 GB): 16 B x 6.7e9 / 8 GPUs = 12.6 GiB of state per GPU; micro-batch 4 x 4096 tokens
+    # with full checkpointing ~8 GiB; the gathered bf16 block (~0.4 GB, two in flight) and
+    # NCCL buffers a few GiB more: ~25 GiB of 80. All traffic stays on NVLink (one node).
+    _preset("llama2-7b-p4de", 1, "llama2-7b-p4de: Llama 2 7B, 1 x p4de.24xlarge (8 A100 80GB)",
+            target="eks", model="meta-llama/Llama-2-7b-hf", instance_type="p4de.24xlarge",
+            nodes=1, procs_per_node=8, strategy="FULL_SHARD", micro_batch=4, grad_accum=4,
+            **_GPU_COMMON),
+    # Llama 2 13B (13.0e9, hidden 5120, 40 layers) on 2 x p5.48xlarge (8 x H100 80 GB each),
+    # HYBRID_SHARD: sharded within a node, replicated across the two, so parameter gathers stay
+    # on NVLink and only the gradient all-reduce crosses EFA. State 16 B x 13e9 / 8 = 24.2 GiB
+    # per GPU; micro-batch 4 x 4096 with full checkpointing ~10 GiB (2.5x the 8B's per-token
+    # hidden state x layers); ~40 GiB of 80.
+    _preset("llama2-13b-p5", 1, "llama2-13b-p5: Llama 2 13B, 2 x p5.48xlarge (HSDP)",
+            target="eks", model="meta-llama/Llama-2-13b-hf", instance_type="p5.48xlarge",
+            nodes=2, procs_per_node=8, strategy="HYBRID_SHARD", shard_group_size=8,
+            micro_batch=4, grad_accum=4, **_GPU_COMMON),
+    # Llama 2 70B (69e9, hidden 8192, 80 layers) on 4 x p5.48xlarge: 16 B x 69e9 = 1.1 TB of
+    # state does not fit one node's 640 GB, so FULL_SHARD over all 32 GPUs: 32 GiB per GPU.
+    # One 4096-token sequence keeps 4096 x 8192 x 2 B x 80 layers = 5 GiB of checkpoints; a
+    # gathered bf16 block is 1.7 GB (two in flight); ~48 GiB of 80 at micro-batch 1.
+    _preset("llama2-70b-p5", 1, "llama2-70b-p5: Llama 2 70B, 4 x p5.48xlarge (FSDP)",
+            target="eks", model="meta-llama/Llama-2-70b-hf", instance_type="p5.48xlarge",
+            nodes=4, procs_per_node=8, strategy="FULL_SHARD", micro_batch=1, grad_accum=8,
+            max_nodes=16, **_GPU_COMMON),
+    # Llama 3 8B (8.0e9, hidden 4096, 32 layers, 128k vocabulary) on 1 x p5.48xlarge at 8192
+    # tokens: 16 B x 8e9 / 8 = 15 GiB of state per GPU; micro-batch 2 x 8192 tokens = 4 x the
+    # measured 2 GiB per 4096 tokens = 8 GiB; the 128k-vocabulary logits are chunked; ~28 GiB.
+    _preset("llama3-8b-p5", 1, "llama3-8b-p5: Llama 3 8B, 1 x p5.48xlarge, 8k context",
+            target="eks", model="meta-llama/Meta-Llama-3-8B", instance_type="p5.48xlarge",
+            nodes=1, procs_per_node=8, strategy="FULL_SHARD", micro_batch=2, grad_accum=8,
+            **{**_GPU_COMMON, "seq_len": 8192}),
+)}
+
+PRESET_NAMES = (NO_PRESET, *PRESETS)
+PRESET_DISPLAY = {NO_PRESET: "none: the fields below as they are",
+                  **{p.name: p.title for p in PRESETS.values()}}
+
+
+def explicit_fields(conf: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields a run's conf sets on purpose.
+
+    A REST or CLI conf names only what it sets. The trigger form sends every field: there a
+    field still at its built-in default counts as not set, so the preset's value stands.
+    """
+    if set(defaults) <= set(conf):
+        return {k: v for k, v in conf.items() if k not in defaults or v != defaults[k]}
+    return dict(conf)
+
+
+def apply_preset(params: Mapping[str, Any], defaults: Mapping[str, Any],
+                 given: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], Preset | None]:
+    """Built-in defaults <- the preset `params` names <- the fields set on purpose.
+
+    params: the run's params (the DAG's defaults filled in); given: the conf the run was
+    triggered with (None: take params as the conf). Raises KeyError for an unknown preset.
+    """
+    name = params.get("preset", NO_PRESET)
+    if name == NO_PRESET:
+        return dict(params), None
+    preset = PRESETS[name]
+    explicit = explicit_fields(params if given is None else given, defaults)
+    merged = {**defaults, **preset.values}
+    merged.update(explicit)
+    merged["preset"] = name
+    return merged, preset
