@@ -16,7 +16,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # `airflow standalone` starts its components as `airflow ...` from PATH.
 export PATH := $(BIN):$(PATH)
 
-.PHONY: demo test lint airflow venv system-deps airflow-db clean
+.PHONY: demo test lint airflow run venv system-deps airflow-db clean
 
 venv: $(VENV)/.installed
 
@@ -40,8 +40,11 @@ system-deps:
 	      || echo "could not install$$missing: runs use the c10d rendezvous, tests needing them skip"; \
 	  else echo "not installed:$$missing (apt-get install$$missing)"; fi; }
 
+# The pool llm_finetune_scheduled trains in: one training at a time on the cluster.
 airflow-db: venv
 	$(BIN)/airflow db migrate >/dev/null
+	$(BIN)/airflow pools set finetune_cluster 1 "GPU cluster: concurrent trainings" \
+	  --include-deferred >/dev/null
 
 demo: venv system-deps airflow-db
 	$(BIN)/python -m finetune.demo --conf '$(CONF)'
@@ -55,6 +58,13 @@ lint: venv
 # The Airflow UI with this project's DAGs on http://localhost:8080 (credentials are printed).
 airflow: venv system-deps airflow-db
 	$(BIN)/airflow standalone
+
+# Trigger llm_finetune through the REST API of a running Airflow (`make airflow`) and follow it:
+# make run PRESET=tiny-local ARGS='--set max_steps=60'. Exit code: the run's outcome.
+PRESET ?=
+ARGS ?=
+run: venv
+	$(BIN)/python -m finetune.cli run --unpause $(if $(PRESET),--preset $(PRESET)) $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(AIRFLOW_HOME) runs

@@ -105,13 +105,20 @@ class MetricsLog:
         max_steps: int,
         log_interval: int,
         resumed_from_step: int | None = None,
+        metrics_port: int = 0,
     ):
         self.path = Path(output_dir) / "metrics.jsonl"
         self.rank, self.max_steps, self.log_interval = rank, max_steps, log_interval
         self.step_times: list[float] = []
         self.train: list[dict[str, Any]] = []
+        self.endpoint = None
         if rank == 0:
             self._keep_history_until(resumed_from_step)
+            if metrics_port:
+                from trainer.metrics_endpoint import MetricsEndpoint
+
+                self.endpoint = MetricsEndpoint(metrics_port, max_steps)
+                print(f"metrics for Prometheus on port {self.endpoint.port}", flush=True)
 
     def _keep_history_until(self, step: int | None) -> None:
         """A fresh run starts an empty log; a resumed one drops what came after its checkpoint.
@@ -138,6 +145,8 @@ class MetricsLog:
         self.train.append(record)
         self.step_times.append(record["step_time_s"])
         self._write(record)
+        if self.endpoint is not None:
+            self.endpoint.update_train(record)
         step = record["step"]
         if self.rank == 0 and (step % self.log_interval == 0 or step == self.max_steps):
             recent = self.step_times[-self.log_interval :]
@@ -152,6 +161,8 @@ class MetricsLog:
 
     def log_eval(self, step: int, eval_loss: float) -> None:
         self._write({"type": "eval", "step": step, "eval_loss": eval_loss, "time": time.time()})
+        if self.endpoint is not None:
+            self.endpoint.update_eval(eval_loss)
         if self.rank == 0:
             print(f"step {step}/{self.max_steps} eval_loss {eval_loss:.4f}", flush=True)
 

@@ -123,7 +123,8 @@ def train(config: TrainConfig, env: DistEnv, started: float) -> dict[str, Any] |
 
     compute_dtype = COMPUTE_DTYPES[config.mixed_precision]
     peak, peak_source = peak_flops(env.device, compute_dtype)
-    log = MetricsLog(config.output_dir, env.rank, max_steps, config.log_interval, resumed_from_step)
+    log = MetricsLog(config.output_dir, env.rank, max_steps, config.log_interval, resumed_from_step,
+                     config.metrics_port)
     eval_loss, last_eval_step = None, None
     if initial_eval_loss is None:
         initial_eval_loss = eval_loss = evaluate(model, evals, env.device)
