@@ -9,7 +9,6 @@ import json
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,8 +28,16 @@ from trainer.data import (
     build_splits,
 )
 from trainer.export import export_hf
+from trainer.float8 import check_float8_device, precompute_float8_scales
+from trainer.lora import apply_lora
 from trainer.loss import LOSS_METHOD, add_loss_method
-from trainer.metrics import MetricsLog, flops_per_token, peak_flops, peak_memory_bytes
+from trainer.metrics import (
+    METRICS_FILE,
+    MetricsLog,
+    flops_per_token,
+    peak_flops,
+    peak_memory_bytes,
+)
 from trainer.model import build_model, check_seq_len, materialize_weights
 from trainer.optim import build_grad_scaler, build_optimizer, optimizer_step
 from trainer.parallel import (
@@ -40,6 +47,7 @@ from trainer.parallel import (
     check_combinations,
     init_distributed,
 )
+from trainer.storage import RunOutput
 from trainer.tensor_parallel import SequenceParallelBatches, data_parallel_rank
 
 
@@ -56,11 +64,16 @@ def main(argv: Sequence[str] | None = None) -> None:
 def train(config: TrainConfig, env: DistEnv, started: float) -> dict[str, Any] | None:
     """The whole run; returns the summary on rank 0."""
     check_combinations(config, env.world_size, env.device.type)
-    output_dir = Path(config.output_dir)
+    if config.float8:
+        check_float8_device(env.device)
+    # For an s3:// output_dir: a local staging dir with the same layout, uploaded from.
+    output = RunOutput(config.output_dir, env.rank)
+    output_dir = output.dir
     if env.rank == 0:
         output_dir.mkdir(parents=True, exist_ok=True)
         resolved = json.dumps(config.to_dict(), indent=2)
         (output_dir / "trainer_config.resolved.json").write_text(resolved + "\n")
+        output.sync("trainer_config.resolved.json")
         print(f"world size {env.world_size} on {env.device.type}; config:\n{resolved}", flush=True)
     else:
         transformers.logging.set_verbosity_error()
@@ -92,9 +105,11 @@ def train(config: TrainConfig, env: DistEnv, started: float) -> dict[str, Any] |
         )
 
     model = build_model(config.model, tokenizer)
+    # LoRA: adapters in the blocks before any wrapping; the base weights are frozen.
+    adapter_params = apply_lora(model, config) if config.lora_rank else None
     model_config = model.config
     check_seq_len(config.model, config.seq_len, model_config)
-    token_flops = flops_per_token(model_config, config.seq_len)
+    token_flops = flops_per_token(model_config, config.seq_len, adapter_params)
     apply_parallelism(model, config, env)
     # FSDP's CPU offload keeps the sharded parameters in CPU memory.
     param_device = torch.device("cpu") if config.cpu_offload else env.device
@@ -106,7 +121,13 @@ def train(config: TrainConfig, env: DistEnv, started: float) -> dict[str, Any] |
         optimizer, warmup_cosine(config.warmup_steps, max_steps, config.min_lr_ratio)
     )
 
-    checkpointer = Checkpointer(config.output_dir, config.keep_checkpoints, env.rank)
+    checkpointer = Checkpointer(
+        output,
+        config.keep_checkpoints,
+        env.rank,
+        local_rank=env.local_rank,
+        async_save=config.checkpoint_async,
+    )
     step, initial_eval_loss, resumed_from_step, skipped_steps = 0, None, None, 0
     latest = checkpointer.latest()
     if latest is not None:
@@ -118,12 +139,13 @@ def train(config: TrainConfig, env: DistEnv, started: float) -> dict[str, Any] |
         skipped_steps = state.get("skipped_steps", 0)
         if scaler is not None and "grad_scaler" in state:
             scaler.load_state_dict(state["grad_scaler"])
+        output.fetch(METRICS_FILE)  # the log up to the checkpoint, to continue
         if env.rank == 0:
             print(f"resumed from {latest}", flush=True)
 
     compute_dtype = COMPUTE_DTYPES[config.mixed_precision]
     peak, peak_source = peak_flops(env.device, compute_dtype)
-    log = MetricsLog(config.output_dir, env.rank, max_steps, config.log_interval, resumed_from_step,
+    log = MetricsLog(str(output_dir), env.rank, max_steps, config.log_interval, resumed_from_step,
                      config.metrics_port)
     eval_loss, last_eval_step = None, None
     if initial_eval_loss is None:
@@ -138,6 +160,8 @@ def train(config: TrainConfig, env: DistEnv, started: float) -> dict[str, Any] |
         loss, tokens = train_step(model, micro_batches, env, scaler)
         tokens //= config.tp_degree  # every rank of a TP group counted the same tokens
         grad_norm, skipped = optimizer_step(model, optimizer, config.max_grad_norm, scaler)
+        if config.float8:
+            precompute_float8_scales(model)
         skipped_steps += skipped
         lr = scheduler.get_last_lr()[0]
         optimizer.zero_grad(set_to_none=True)
@@ -166,6 +190,9 @@ def train(config: TrainConfig, env: DistEnv, started: float) -> dict[str, Any] |
         if config.eval_interval and step % config.eval_interval == 0:
             eval_loss, last_eval_step = evaluate(model, evals, env.device), step
             log.log_eval(step, eval_loss)
+            output.sync(METRICS_FILE)
+        elif step % config.log_interval == 0:
+            output.sync(METRICS_FILE)
         if config.checkpoint_interval and step % config.checkpoint_interval == 0:
             trainer_state = {
                 "sampler": sampler.state_dict(),
@@ -175,11 +202,15 @@ def train(config: TrainConfig, env: DistEnv, started: float) -> dict[str, Any] |
                 **({"grad_scaler": scaler.state_dict()} if scaler else {}),
             }
             checkpointer.save(step, model, optimizer, trainer_state)
+            output.sync(METRICS_FILE)
 
+    checkpointer.close()  # an async save still in flight completes (and is pruned) first
     if last_eval_step != step:
         eval_loss = evaluate(model, evals, env.device)
         log.log_eval(step, eval_loss)
+    output.sync(METRICS_FILE)
     export_hf(model, model_config, tokenizer, output_dir / "model", env.rank, compute_dtype)
+    output.sync_tree("model")
 
     memory = torch.tensor(peak_memory_bytes(env.device), device=env.device)
     dist.all_reduce(memory, op=dist.ReduceOp.MAX)
@@ -204,9 +235,10 @@ def train(config: TrainConfig, env: DistEnv, started: float) -> dict[str, Any] |
         "config": config.to_dict(),
     }
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    output.sync("summary.json")
     print(
         f"done: {step} steps, eval loss {initial_eval_loss:.4f} -> {eval_loss:.4f}, "
-        f"{summary['wall_time_s']:.1f}s; model in {output_dir / 'model'}",
+        f"{summary['wall_time_s']:.1f}s; model in {output.location.rstrip('/')}/model",
         flush=True,
     )
     return summary

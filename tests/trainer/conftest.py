@@ -1,12 +1,17 @@
-"""Shared fixtures for the trainer tests: repo root on sys.path, offline Hugging Face, torchrun."""
+"""Shared fixtures for the trainer tests: repo root on sys.path, offline Hugging Face, torchrun,
+a moto S3 server."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
+import uuid
 from pathlib import Path
 
 import pytest
@@ -63,3 +68,64 @@ def world_of_one():
     env = init_distributed()
     yield env
     dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def moto_endpoint():
+    """A real moto S3 server on a free loopback port."""
+    port = _free_port()
+    server = subprocess.Popen(
+        [str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/moto-api/", timeout=2).close()
+            break
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                pytest.fail(f"moto_server did not start on {url}")
+            time.sleep(0.2)
+    yield url
+    server.terminate()
+    server.wait(timeout=10)
+
+
+def moto_env(endpoint: str) -> dict[str, str]:
+    """Environment that points boto3 (here and in torchrun's workers) at moto."""
+    return {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+
+
+def new_bucket(monkeypatch, endpoint: str):
+    """(client, bucket): boto3 pointed at moto with fake credentials, and a fresh bucket."""
+    import boto3
+
+    for name, value in moto_env(endpoint).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    client = boto3.client("s3")
+    bucket = f"data-{uuid.uuid4().hex[:12]}"
+    client.create_bucket(Bucket=bucket)
+    return client, bucket
+
+
+@pytest.fixture
+def s3(moto_endpoint, monkeypatch):
+    """(client, bucket): boto3 pointed at moto with fake credentials, and a fresh bucket."""
+    return new_bucket(monkeypatch, moto_endpoint)

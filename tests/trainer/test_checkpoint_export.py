@@ -102,3 +102,39 @@ def test_learning_rate_warms_up_linearly_then_decays_by_cosine_to_the_floor():
     assert multiplier(14) == pytest.approx(0.1)
     values = [multiplier(i) for i in range(3, 15)]
     assert values == sorted(values, reverse=True)
+
+
+def test_an_async_save_holds_the_weights_of_when_it_was_called_and_completes_at_wait(
+    world_of_one, tokenizer, tmp_path
+):
+    model, _, optimizer = sharded_model(world_of_one, tokenizer)
+    device = world_of_one.device
+    checkpointer = Checkpointer(str(tmp_path), keep=2, rank=world_of_one.rank, async_save=True)
+    take_a_step(model, optimizer, tokenizer, device)
+    saved = {name: p.full_tensor().clone() for name, p in model.named_parameters()}
+    checkpointer.save(1, model, optimizer, {"sampler": {"epoch": 0, "index": 1}})
+    take_a_step(model, optimizer, tokenizer, device)  # while the save may still be writing
+    checkpointer.wait()
+    assert [p.name for p in checkpointer.complete()] == ["step_00000001"]
+
+    fresh, _, fresh_optimizer = sharded_model(world_of_one, tokenizer, seed=99)
+    state = checkpointer.load(checkpointer.latest(), fresh, fresh_optimizer)
+    assert state == {"step": 1, "sampler": {"epoch": 0, "index": 1}}
+    for name, param in fresh.named_parameters():
+        torch.testing.assert_close(param.full_tensor(), saved[name], rtol=0, atol=0)
+    checkpointer.close()
+
+
+def test_async_saves_finish_one_before_the_next_and_prune_to_the_newest(
+    world_of_one, tokenizer, tmp_path
+):
+    model, _, optimizer = sharded_model(world_of_one, tokenizer)
+    checkpointer = Checkpointer(str(tmp_path), keep=2, rank=world_of_one.rank, async_save=True)
+    for step in range(1, 5):
+        checkpointer.save(step, model, optimizer, {"sampler": {"epoch": 0, "index": step}})
+        # The previous save is complete (renamed, pruned) once the next one has started.
+        done = [p.name for p in checkpointer.complete()]
+        assert done == [f"step_{s:08d}" for s in range(max(1, step - 2), step)]
+    checkpointer.close()
+    assert [p.name for p in checkpointer.complete()] == ["step_00000003", "step_00000004"]
+    assert not list((tmp_path / "checkpoints").glob("*.tmp"))

@@ -1,15 +1,7 @@
 """Where data sets come from: files, directories, S3 (a real moto server) and the hub."""
 
 import json
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
-import uuid
-from pathlib import Path
 
-import boto3
 import datasets
 import pandas as pd
 import pytest
@@ -99,55 +91,6 @@ def test_a_directory_of_mixed_formats_needs_dataset_format(tmp_path, tokenizer):
         build_splits(load_config(None, {"dataset": str(tmp_path)}), tokenizer)
     config = load_config(None, {"dataset": str(tmp_path), "dataset_format": "csv"})
     assert usable_rows(config, tokenizer) == 30
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def moto_endpoint():
-    """A real moto S3 server on a free loopback port."""
-    port = _free_port()
-    server = subprocess.Popen(
-        [str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/moto-api/", timeout=2).close()
-            break
-        except OSError:
-            if server.poll() is not None or time.monotonic() > deadline:
-                server.kill()
-                pytest.fail(f"moto_server did not start on {url}")
-            time.sleep(0.2)
-    yield url
-    server.terminate()
-    server.wait(timeout=10)
-
-
-@pytest.fixture
-def s3(moto_endpoint, monkeypatch):
-    """(client, bucket): boto3 pointed at moto with fake credentials, and a fresh bucket."""
-    for name, value in {
-        "AWS_ENDPOINT_URL": moto_endpoint,
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_EC2_METADATA_DISABLED": "true",
-    }.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.delenv("AWS_PROFILE", raising=False)
-    client = boto3.client("s3")
-    bucket = f"data-{uuid.uuid4().hex[:12]}"
-    client.create_bucket(Bucket=bucket)
-    return client, bucket
 
 
 def test_an_s3_object_is_downloaded_under_output_dir_and_loaded(s3, tmp_path, tokenizer):

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import demo_rows, read_metrics, torchrun, write_jsonl
+from conftest import demo_rows, new_bucket, read_metrics, torchrun, write_jsonl
 from strategy_worker import GROUPS, SETUPS
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
@@ -126,6 +126,92 @@ def test_the_exported_model_loads_with_transformers_and_matches_the_trained_weig
         expected = trained(**input_ids).logits
         actual = exported(**input_ids).logits
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+S3_CHECKPOINT_EVERY = 2  # checkpoints at steps 2, 4, 6; the newest two are kept
+
+
+def local_files(root) -> set[str]:
+    return {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()}
+
+
+def s3_files(client, bucket, prefix) -> dict[str, bytes]:
+    """{path relative to the prefix: content} of every object under `prefix/`."""
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/")
+    keys = [obj["Key"] for page in pages for obj in page.get("Contents", [])]
+    return {
+        key[len(prefix) + 1 :]: client.get_object(Bucket=bucket, Key=key)["Body"].read()
+        for key in keys
+    }
+
+
+def s3_metrics(files) -> list[dict]:
+    return [json.loads(line) for line in files["metrics.jsonl"].decode().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def s3_run(dataset, moto_endpoint, tmp_path_factory):
+    """An uninterrupted run to s3:// with async checkpoints; (client, bucket, its objects)."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        client, bucket = new_bucket(monkeypatch, moto_endpoint)
+        staging = tmp_path_factory.mktemp("staging")
+        monkeypatch.setenv("FINETUNE_STAGING_DIR", str(staging))
+        args = train_args(dataset, f"s3://{bucket}/runs/first")
+        args += ["--checkpoint_interval", str(S3_CHECKPOINT_EVERY), "--checkpoint_async", "true"]
+        torchrun(args)
+        yield client, bucket, s3_files(client, bucket, "runs/first"), staging, monkeypatch
+
+
+def test_an_s3_output_gets_the_local_layout_and_async_checkpoints_train_the_same(s3_run, full_run):
+    _, _, files, staging, _ = s3_run
+    full_dir, _ = full_run
+    local = local_files(full_dir)
+    shards = {f.split("/", 2)[2] for f in local if f.startswith("checkpoints/step_00000003/")}
+    assert shards == {".metadata", "__0_0.distcp", "__1_0.distcp", "trainer_state.json"}
+    expected = {f for f in local if not f.startswith("checkpoints/")} | {
+        f"checkpoints/step_0000000{step}/{name}" for step in (4, 6) for name in shards
+    }
+    assert set(files) == expected  # step 2 pruned from S3, nothing of the staging dir
+    assert json.loads(files["checkpoints/step_00000006/trainer_state.json"])["step"] == 6
+    # Background writes and uploads change nothing in training.
+    train = {r["step"]: r["loss"] for r in s3_metrics(files) if r["type"] == "train"}
+    assert train == pytest.approx(losses(full_dir), rel=1e-6)
+    summary = json.loads(files["summary.json"])
+    assert summary["steps"] == STEPS and summary["config"]["output_dir"].startswith("s3://")
+    exported = (full_dir / "model" / "model.safetensors").read_bytes()
+    assert files["model/model.safetensors"] == exported
+    assert not list(staging.rglob("checkpoints/*"))  # uploaded shards are not kept locally
+
+
+def test_a_run_resumes_from_the_newest_complete_s3_checkpoint_not_an_interrupted_upload(
+    s3_run, full_run, dataset, tmp_path
+):
+    client, bucket, files, _, monkeypatch = s3_run
+    full_dir, _ = full_run
+    # What a run leaves when it dies while uploading step 6: every shard, no trainer_state.json.
+    for name, body in files.items():
+        if name != "checkpoints/step_00000006/trainer_state.json":
+            client.put_object(Bucket=bucket, Key=f"runs/second/{name}", Body=body)
+    monkeypatch.setenv("FINETUNE_STAGING_DIR", str(tmp_path))  # a new pod: nothing staged
+
+    args = train_args(dataset, f"s3://{bucket}/runs/second")
+    args += ["--checkpoint_interval", str(S3_CHECKPOINT_EVERY), "--checkpoint_async", "true"]
+    result = torchrun(args)
+
+    assert "resumed from" in result.stdout and "step_00000004" in result.stdout
+    after = s3_files(client, bucket, "runs/second")
+    summary = json.loads(after["summary.json"])
+    assert summary["resumed_from_step"] == 4
+    records = s3_metrics(after)
+    assert [r["step"] for r in records if r["type"] == "train"] == list(range(1, STEPS + 1))
+    resumed = {r["step"]: r["loss"] for r in records if r["type"] == "train"}
+    uninterrupted = losses(full_dir)
+    for step in (5, 6):
+        assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-5), step
+    assert json.loads(after["checkpoints/step_00000006/trainer_state.json"])["step"] == 6
+    assert {f.split("/")[1] for f in after if f.startswith("checkpoints/")} == {
+        "step_00000004", "step_00000006",
+    }  # fmt: skip
 
 
 @pytest.fixture(scope="module")
