@@ -436,7 +436,8 @@ def _gpu_html(gpu: dict | None, cost: dict | None) -> list[str]:
             f'{cost["node_hourly_price_usd"]:g} USD/h x {cost["hours"]:.2f} h = '
             f'{cost["usd"]:,.2f} USD</p>')
     if not gpu:
-        return parts + ['<p class="missing">GPU metrics missing: none were collected</p>']
+        return parts + ['<p class="missing">GPU metrics missing: none were collected (a CPU '
+                        "run has none)</p>"]
     for entry in gpu.get("xid_errors") or []:
         parts.append(f'<p class="xid">XID ERROR on {_esc(entry["node"])} GPU '
                      f'{_esc(entry["gpu"])} (pods {_esc(", ".join(entry["pods"]) or "n/a")}): '

@@ -233,3 +233,18 @@ def test_nvml_samples_summarise_per_gpu_like_prometheus_does():
     assert section["nodes"][0]["metrics"]["fb_used_mib"] == {"mean": 1500.0, "max": 3000}
     assert section["series"]["gpu_util_pct"]["laptop/gpu0"][0] == [100.0, 50]
     assert not sampled_gpu_metrics([{"time": 1.0, "cpu_percent": 5}], node="x")["available"]
+
+
+def test_the_resource_sampler_records_host_cpu_and_memory_while_it_runs(tmp_path):
+    from finetune.gpu_metrics import HOST_SAMPLES_FILE, ResourceSampler, host_section, load_samples
+
+    with ResourceSampler(tmp_path, interval=0.1):
+        deadline = time.monotonic() + 10
+        while len(load_samples(tmp_path / HOST_SAMPLES_FILE)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    samples = load_samples(tmp_path / HOST_SAMPLES_FILE)
+    assert len(samples) >= 3
+    host = host_section(samples)
+    assert 0 <= host["metrics"]["cpu_percent"]["max"] <= 100
+    assert 0 < host["metrics"]["memory_used_bytes"]["max"] <= host["memory_total_bytes"]
+    assert [t for t, _ in host["series"]["cpu_percent"]] == sorted(r["time"] for r in samples)

@@ -23,6 +23,13 @@ from typing import Any
 from finetune import REPO_ROOT
 from finetune.config import RunConfig, local_cpu_count
 from finetune.etcd import LocalEtcd, delete_rendezvous_keys, etcd_binary, free_port
+from finetune.gpu_metrics import (
+    HOST_SAMPLES_FILE,
+    ResourceSampler,
+    host_section,
+    load_samples,
+    sampled_gpu_metrics,
+)
 from finetune.image import image_tag, local_environment
 from finetune.report import write_report
 from finetune.targets import Target
@@ -211,7 +218,8 @@ class LocalTarget(Target):
                            for i, p in enumerate(procs)]
                 for r in readers:
                     r.start()
-                codes = _wait_all(procs)
+                with ResourceSampler(run_dir):
+                    codes = _wait_all(procs)
                 for r in readers:
                     r.join(timeout=10)
         finally:
@@ -255,8 +263,15 @@ class LocalTarget(Target):
                                 bufsize=1, errors="replace")
 
     def collect_metrics(self, cfg: RunConfig, trained: dict) -> dict:
-        report = write_report(Path(cfg.run_dir), run_id=cfg.run_id, status="success",
-                              config=cfg.to_dict(), stages={"train": trained})
+        run_dir = Path(cfg.run_dir)
+        # what the train stage sampled: host CPU and memory, and the GPUs where NVML is there
+        samples = load_samples(run_dir / HOST_SAMPLES_FILE)
+        report = write_report(run_dir, run_id=cfg.run_id, status="success",
+                              config=cfg.to_dict(), stages={"train": trained},
+                              gpu=sampled_gpu_metrics(samples, node=os.uname().nodename)
+                              if trained.get("resources", {}).get("device") == "cuda" else None,
+                              host=host_section(samples),
+                              node_hourly_price=cfg.node_hourly_price, nodes=1)
         return _summary(cfg, report)
 
     def teardown(self, cfg: RunConfig, snapshot: dict) -> dict:
