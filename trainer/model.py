@@ -22,6 +22,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from trainer.lora import init_adapter_weights, is_adapter_param
+
 _LLAMA3_ROPE = {"rope_type": "default", "rope_theta": 500000.0}
 
 # LlamaConfig kwargs. tiny-llama is sized for the CPU demo; the others are Llama 3.x shapes.
@@ -141,12 +143,33 @@ def materialize_weights(
         init_random_weights(model, seed)
     else:
         load_pretrained_weights(model, pretrained_dir(source))
+    init_adapters(model, seed)
+    init_buffers(model)
+
+
+@torch.no_grad()
+def init_buffers(model: PreTrainedModel) -> None:
+    """Non-persistent buffers (the rotary frequencies) are in no checkpoint: recompute them."""
     for module in model.modules():
-        # Non-persistent buffers (the rotary frequencies) are in no checkpoint: recompute them.
         if next(module.buffers(recurse=False), None) is not None:
             if next(module.parameters(recurse=False), None) is not None:
                 raise ValueError(f"{type(module).__name__} has buffers and parameters: no init")
             model._init_weights(module)
+
+
+@torch.no_grad()
+def init_adapters(model: torch.nn.Module, seed: int) -> None:
+    """LoRA adapters (trainer.lora), drawn whole from their own stream and cut to the shard, so
+    the base weights are the same numbers with or without adapters."""
+    generator: torch.Generator | None = None
+    for fqn, param in model.named_parameters():
+        if not is_adapter_param(fqn):
+            continue
+        if generator is None:
+            generator = torch.Generator(param.device).manual_seed(seed + 1)
+        full = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+        init_adapter_weights(fqn, full, generator)
+        _local(param).copy_(_shard_of(full, param))
 
 
 @torch.no_grad()
@@ -161,10 +184,10 @@ def init_random_weights(model: torch.nn.Module, seed: int) -> None:
     std = model.config.initializer_range  # type: ignore[union-attr]
     generator: torch.Generator | None = None
     seen: set[int] = set()
-    for module in model.modules():
+    for module_name, module in model.named_modules():
         for name, param in module.named_parameters(recurse=False):
-            if id(param) in seen:
-                continue  # a tied weight, drawn once
+            if id(param) in seen or is_adapter_param(f"{module_name}.{name}"):
+                continue  # a tied weight, drawn once; adapters: init_adapters
             seen.add(id(param))
             if generator is None:
                 generator = torch.Generator(param.device).manual_seed(seed)
@@ -200,7 +223,10 @@ def load_pretrained_weights(model: torch.nn.Module, path: Path) -> None:
     with ExitStack() as stack:
         files: dict[str, Any] = {}
         for fqn, param in model.named_parameters():
+            if is_adapter_param(fqn):
+                continue  # not in the base model: init_adapters
             key = fqn.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+            key = key.replace(".base_layer.", ".")  # a Linear that LoRA wrapped
             if key not in weight_map:
                 raise ValueError(f"{path}: the checkpoint has no tensor {key}")
             file = weight_map[key]

@@ -1,0 +1,74 @@
+"""float8 matmuls in the decoder blocks with torchao (tensorwise dynamic scaling).
+
+Each nn.Linear of a block becomes torchao's Float8Linear before FSDP wraps it: inputs, weights and
+output gradients are cast to float8 with a per-tensor scale and multiplied on the float8 tensor
+cores (CUDA capability >= 8.9: Ada, Hopper and later). With sharded weights FSDP all-gathers them
+in float8 (half the bytes of bf16); their scales are computed for all weights at once after each
+optimizer step. The embeddings and the head stay in bf16. float8 runs are judged by tokens/s:
+MFU's peak is the bf16 one.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# torch._scaled_mm's float8 kernels need sm_89 (Ada) or sm_90 (Hopper) and later.
+MIN_CAPABILITY = (8, 9)
+# Tests only: run torchao's emulation (float8 casts, matmuls in high precision) on any device.
+EMULATE_ENV = "TRAINER_FLOAT8_EMULATE"
+
+
+def emulated() -> bool:
+    return os.environ.get(EMULATE_ENV, "") == "1"
+
+
+def check_float8_device(device: torch.device) -> None:
+    """Fail at start when float8 cannot run here, naming the option."""
+    if emulated():
+        return
+    if device.type != "cuda":
+        raise ValueError(
+            f"float8 needs a CUDA GPU with compute capability >= {_version(MIN_CAPABILITY)} "
+            f"(H100, H200, L40S, ...); this process runs on {device.type}: set float8 to false"
+        )
+    capability = torch.cuda.get_device_capability(device)
+    if capability < MIN_CAPABILITY:
+        raise ValueError(
+            f"float8 needs compute capability >= {_version(MIN_CAPABILITY)}; "
+            f"{torch.cuda.get_device_name(device)} has {_version(capability)} (no float8 tensor "
+            "cores): set float8 to false"
+        )
+
+
+def _version(capability: tuple[int, int]) -> str:
+    return ".".join(map(str, capability))
+
+
+def _fits_float8(module: torch.nn.Module, _fqn: str) -> bool:
+    """float8 matmuls need both dims of the weight divisible by 16."""
+    return module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+def convert_to_float8(blocks: torch.nn.ModuleList, sharded: bool) -> int:
+    """Swap the blocks' nn.Linear layers for Float8Linear; returns how many were swapped.
+
+    sharded: the weights are sharded by FSDP, so all-gather them in float8.
+    """
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=sharded, emulate=emulated())
+    for block in blocks:
+        convert_to_float8_training(block, module_filter_fn=_fits_float8, config=config)
+    converted = sum(type(m).__name__ == "Float8Linear" for m in blocks.modules())
+    if not converted:
+        raise ValueError("float8: no Linear layer of the decoder blocks has dims divisible by 16")
+    return converted
+
+
+def precompute_float8_scales(model: torch.nn.Module) -> None:
+    """After each optimizer step: the float8 scales of all sharded weights in one all-reduce."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)
