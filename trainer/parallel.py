@@ -18,6 +18,7 @@ from torch.distributed.fsdp import (
 
 from trainer.activations import checkpoint_activations, checkpoint_every, offload_activations
 from trainer.config import TrainConfig
+from trainer.float8 import convert_to_float8
 from trainer.model import decoder_blocks
 from trainer.tensor_parallel import (
     TP_DIM,
@@ -121,6 +122,7 @@ def check_combinations(config: TrainConfig, world_size: int, device_type: str) -
                     f"{name} saves no memory on device cpu: everything already is in CPU memory",
                     stacklevel=2,
                 )
+    _check_float8_and_lora(config)
 
 
 def compile_blocks(blocks: torch.nn.ModuleList) -> None:
@@ -131,6 +133,37 @@ def compile_blocks(blocks: torch.nn.ModuleList) -> None:
     minutes of C++ code generation).
     """
     backend = os.environ.get("TRAINER_COMPILE_BACKEND", "inductor")
+def _check_float8_and_lora(config: TrainConfig) -> None:
+    """float8 and LoRA against the options they cannot run with; each message names both."""
+    if config.float8:
+        if config.mixed_precision != "bf16":
+            raise ValueError(
+                f"float8 needs mixed_precision bf16 (got {config.mixed_precision}): its matmuls "
+                "take bf16 inputs and give bf16 outputs; set mixed_precision to bf16"
+            )
+        # (option, set to a conflicting value, the value that works, why)
+        conflicts = (
+            ("cpu_offload", config.cpu_offload, "false",
+             "float8 casts run on the GPU, CPU-offloaded weights are not there"),
+            ("tp_degree", config.tp_degree > 1, "1",
+             "the tensor-parallel plan shards nn.Linear, not torchao's Float8Linear"),
+            ("lora_rank", config.lora_rank > 0, "0",
+             "LoRA wraps the Linear layers that float8 would swap"),
+        )  # fmt: skip
+        for name, conflicting, working, reason in conflicts:
+            if conflicting:
+                raise ValueError(
+                    f"float8 cannot be combined with {name} {getattr(config, name)}: {reason}; "
+                    f"set float8 to false or {name} to {working}"
+                )
+    if config.lora_rank and config.tp_degree > 1:
+        raise ValueError(
+            f"lora_rank ({config.lora_rank}) is not supported with tp_degree > 1 (got "
+            f"{config.tp_degree}): the tensor-parallel plan does not know peft's LoRA layers; "
+            "set tp_degree to 1 or lora_rank to 0"
+        )
+
+
     for i, block in enumerate(blocks):
         blocks[i] = torch.compile(block, backend=backend, fullgraph=True)
 
@@ -163,6 +196,8 @@ def apply_parallelism(model: torch.nn.Module, config: TrainConfig, env: DistEnv)
     policies = {
         "mp_policy": mixed_precision_policy(config.mixed_precision),
         "offload_policy": CPUOffloadPolicy(pin_memory=env.device.type == "cuda")
+    if config.float8:  # before checkpoint wrapping and compile, as torchtitan converts
+        convert_to_float8(blocks, sharded=mesh["shard"].size() > 1)
         if config.cpu_offload
         else OffloadPolicy(),
     }
