@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from trainer.demo import DEMO_DATASET, DEMO_TOKENIZER
+from trainer.lora import target_module_names
 from trainer.model import BUILTIN_CONFIGS
 from trainer.storage import is_s3, split_s3
 
@@ -26,6 +27,8 @@ ActivationCheckpointing = Literal["none", "full", "selective"]
 PromptTemplate = Literal["instruction", "chat"]
 DatasetSource = Literal["s3", "local", "hub"]
 FORMAT_BY_EXTENSION = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+# Every Linear of a Llama block: attention and MLP projections.
+LORA_TARGET_MODULES = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # org/name or name, as the hub allows
 
 
@@ -62,6 +65,11 @@ class TrainConfig:
     cpu_offload: bool = False  # parameters, gradients and optimizer step on CPU (FSDP2 policy)
     compile: bool = False  # torch.compile each decoder block
     tp_degree: int = 1  # tensor (and sequence) parallel degree: a 2-D mesh with FSDP
+    float8: bool = False  # torchao float8 matmuls in the decoder blocks (CUDA capability >= 8.9)
+    lora_rank: int = 0  # LoRA adapters of this rank (peft); 0: full fine-tune
+    lora_alpha: float = 16.0  # adapter output scaled by lora_alpha / lora_rank
+    lora_dropout: float = 0.0
+    lora_target_modules: str = LORA_TARGET_MODULES  # comma-separated Linear names in the blocks
     eval_interval: int = 50
     eval_fraction: float = 0.05
     checkpoint_interval: int = 0
@@ -97,6 +105,9 @@ _RANGES: dict[str, tuple[str, Callable[[float], bool]]] = {
     "seed": (">= 0", lambda v: v >= 0),
     "shard_group_size": (">= 0", lambda v: v >= 0),
     "tp_degree": (">= 1", lambda v: v >= 1),
+    "lora_rank": (">= 0", lambda v: v >= 0),
+    "lora_alpha": ("> 0", lambda v: v > 0),
+    "lora_dropout": (">= 0 and < 1", lambda v: 0 <= v < 1),
     "eval_interval": (">= 0", lambda v: v >= 0),
     "eval_fraction": ("> 0 and < 1", lambda v: 0 < v < 1),
     "checkpoint_interval": (">= 0", lambda v: v >= 0),
@@ -116,6 +127,8 @@ def _check_ranges(config: TrainConfig) -> None:
     for name in _REQUIRED_STRINGS:
         if not getattr(config, name).strip():
             raise ValueError(f"{name} must not be empty")
+    if config.lora_rank and not target_module_names(config.lora_target_modules):
+        raise ValueError("lora_target_modules must name at least one module when lora_rank > 0")
 
 
 def _coerce(name: str, hint: Any, value: Any) -> Any:

@@ -37,15 +37,21 @@ def parameter_count(config: PretrainedConfig) -> dict[str, int]:
     }
 
 
-def flops_per_token(config: PretrainedConfig, seq_len: int) -> float:
+def flops_per_token(
+    config: PretrainedConfig, seq_len: int, adapter_params: int | None = None
+) -> float:
     """Training FLOPs per token: 6 x (params - input embedding) + 12 x layers x hidden x seq_len.
 
     The input embedding is a lookup, not a matmul; a tied embedding still does the head's matmul,
-    so it is counted once, as the head.
+    so it is counted once, as the head. With LoRA (`adapter_params` trainable, the rest frozen)
+    frozen weights cost 2 (forward) + 2 (input gradients) FLOPs per parameter, not 6 (no weight
+    gradient), and the adapters 6: counting 6 for all would overstate MFU by up to 1.5x.
     """
     counts = parameter_count(config)
     matmul_params = counts["blocks"] + config.vocab_size * config.hidden_size
     attention = 12 * config.num_hidden_layers * config.hidden_size * seq_len
+    if adapter_params is not None:
+        return 4 * matmul_params + 6 * adapter_params + attention
     return 6 * matmul_params + attention
 
 

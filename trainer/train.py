@@ -28,6 +28,8 @@ from trainer.data import (
     build_splits,
 )
 from trainer.export import export_hf
+from trainer.float8 import check_float8_device, precompute_float8_scales
+from trainer.lora import apply_lora
 from trainer.loss import LOSS_METHOD, add_loss_method
 from trainer.metrics import (
     METRICS_FILE,
@@ -62,6 +64,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 def train(config: TrainConfig, env: DistEnv, started: float) -> dict[str, Any] | None:
     """The whole run; returns the summary on rank 0."""
     check_combinations(config, env.world_size, env.device.type)
+    if config.float8:
+        check_float8_device(env.device)
     # For an s3:// output_dir: a local staging dir with the same layout, uploaded from.
     output = RunOutput(config.output_dir, env.rank)
     output_dir = output.dir
@@ -101,9 +105,11 @@ def train(config: TrainConfig, env: DistEnv, started: float) -> dict[str, Any] |
         )
 
     model = build_model(config.model, tokenizer)
+    # LoRA: adapters in the blocks before any wrapping; the base weights are frozen.
+    adapter_params = apply_lora(model, config) if config.lora_rank else None
     model_config = model.config
     check_seq_len(config.model, config.seq_len, model_config)
-    token_flops = flops_per_token(model_config, config.seq_len)
+    token_flops = flops_per_token(model_config, config.seq_len, adapter_params)
     apply_parallelism(model, config, env)
     # FSDP's CPU offload keeps the sharded parameters in CPU memory.
     param_device = torch.device("cpu") if config.cpu_offload else env.device
@@ -154,6 +160,8 @@ def train(config: TrainConfig, env: DistEnv, started: float) -> dict[str, Any] |
         loss, tokens = train_step(model, micro_batches, env, scaler)
         tokens //= config.tp_degree  # every rank of a TP group counted the same tokens
         grad_norm, skipped = optimizer_step(model, optimizer, config.max_grad_norm, scaler)
+        if config.float8:
+            precompute_float8_scales(model)
         skipped_steps += skipped
         lr = scheduler.get_last_lr()[0]
         optimizer.zero_grad(set_to_none=True)
