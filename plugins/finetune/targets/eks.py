@@ -140,6 +140,10 @@ class EksTarget(Target):
         if values["procs_per_node"] > itype.gpus:
             errors.append(("procs_per_node", f"{values['procs_per_node']} processes per node, "
                            f"but {itype.name} has {itype.gpus} GPUs; allowed: 1..{itype.gpus}"))
+        if values["float8"] and not itype.float8:
+            errors.append(("float8", f"{itype.name}'s GPUs have no float8 tensor cores (compute "
+                           "capability < 8.9); choose a p5, p5e, p5en or g6 instance_type or set "
+                           "float8 to false"))
         for field in ("namespace", "etcd_service"):
             if not _DNS_LABEL.match(values[field]):
                 errors.append((field, f"{values[field]!r} is not a DNS label (lowercase "
@@ -505,6 +509,14 @@ class EksTarget(Target):
             done["deleted"] = self._delete_run_objects(cfg)
         except Exception as exc:  # the node group must be restored even so
             problems.append(f"deleting the run's Kubernetes objects failed: {exc}")
+        if cfg.rdzv_backend != "c10d":
+            try:  # the id is unique per run; still, leave no keys behind
+                done["rendezvous_keys"] = len(delete_rendezvous_keys(
+                    proxy_keys_request(self._kube(cfg), cfg.namespace, cfg.etcd_service),
+                    cfg.rdzv_id))
+            except Exception as exc:  # no etcd service: nothing was kept there
+                log.warning("could not delete rendezvous %s's keys on etcd service %s/%s: %s",
+                            cfg.rdzv_id, cfg.namespace, cfg.etcd_service, exc)
         try:
             done["scaling_config"] = self._restore_scaling(cfg, snapshot)
         except Exception as exc:
