@@ -48,6 +48,7 @@ from finetune.manifests import (
     run_selector,
     trainer_configmap_manifest,
 )
+from finetune.outputs import build_report, has_outputs, report_exists
 from finetune.pytorchjob import job_state, pod_failure, split_log
 from finetune.reservations import (
     RESERVATION_TTL_S,
@@ -494,12 +495,25 @@ class EksTarget(Target):
                     "    " + line for line in tail.splitlines()[-LOG_TAIL_LINES:]))
         return "\n".join(parts)
 
+    def _s3(self, cfg: RunConfig) -> Any:
+        return aws_session(cfg.aws_conn_id).client("s3")
+
     def collect_metrics(self, cfg: RunConfig, trained: dict) -> dict:
-        # Reading the trainer's metrics from the output location is a later step.
-        log.warning("eks: metrics are in %s (collecting them into a report is not implemented "
-                    "yet)", cfg.run_dir)
-        return {"status": "success", "run_dir": cfg.run_dir, "job": trained.get("job"),
-                "metrics": None}
+        """The report from the trainer's metrics.jsonl and summary.json in the run directory (S3,
+        or a shared file system this worker mounts), stored beside the model."""
+        result = build_report(cfg.run_dir, lambda: self._s3(cfg), run_id=cfg.run_id,
+                              status="success", config=cfg.to_dict(),
+                              stages={"train": trained})
+        log.info("report of %s: %s", cfg.run_dir, result["report_html"])
+        return result
+
+    def _failed_report(self, cfg: RunConfig) -> dict | None:
+        """After a failed run: a failed report of what the trainer left, unless none is needed."""
+        s3 = lambda: self._s3(cfg)  # noqa: E731
+        if report_exists(cfg.run_dir, s3) or not has_outputs(cfg.run_dir, s3):
+            return None
+        return build_report(cfg.run_dir, s3, run_id=cfg.run_id, status="failed",
+                            config=cfg.to_dict())
 
     def teardown(self, cfg: RunConfig, snapshot: dict) -> dict:
         """Delete the run's job and ConfigMap, restore the node group; every step is tried."""
@@ -521,6 +535,12 @@ class EksTarget(Target):
             done["scaling_config"] = self._restore_scaling(cfg, snapshot)
         except Exception as exc:
             problems.append(f"restoring node group {cfg.nodegroup} failed: {exc}")
+        try:  # after the nodes are given back: the report is not worth an idle GPU
+            report = self._failed_report(cfg)
+            if report is not None:
+                done["report"] = report
+        except Exception as exc:
+            log.warning("no failed-run report for %s: %s", cfg.run_dir, exc)
         log.info("teardown: %s", done)
         if problems:
             raise RuntimeError("teardown incomplete: " + "; ".join(problems))

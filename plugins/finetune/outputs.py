@@ -1,0 +1,105 @@
+"""A run's report where the trainer's outputs are not on this machine: an s3:// run directory, or
+a shared file system the Airflow worker may or may not mount.
+
+The trainer writes the same layout either way (trainer/storage.py): metrics.jsonl, summary.json,
+model/, checkpoints/. The report is built from downloaded copies of the first two and its
+report.json and report.html go back beside the model.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from finetune.report import (
+    METRICS_FILE,
+    MODEL_DIR,
+    REPORT_HTML,
+    REPORT_JSON,
+    SUMMARY_FILE,
+    write_report,
+)
+
+
+class ReportUnavailable(RuntimeError):
+    """The trainer's outputs cannot be read from here, so no report can be built."""
+
+
+def split_s3(uri: str) -> tuple[str, str]:
+    """(bucket, key prefix without slashes at either end) of `s3://bucket/prefix`."""
+    bucket, _, prefix = uri.removeprefix("s3://").partition("/")
+    return bucket, prefix.strip("/")
+
+
+def _not_found(error: Exception) -> bool:
+    code = getattr(error, "response", {}).get("Error", {}).get("Code")
+    return code in ("404", "NoSuchKey", "NotFound")
+
+
+def has_outputs(run_dir: str, s3_client: Callable[[], Any]) -> bool:
+    """Whether the trainer left anything in the run directory (an S3 prefix or a path)."""
+    if not run_dir.startswith("s3://"):
+        path = Path(run_dir)
+        return path.is_dir() and any(path.iterdir())
+    bucket, prefix = split_s3(run_dir)
+    found = s3_client().list_objects_v2(Bucket=bucket, Prefix=prefix + "/", MaxKeys=1)
+    return found.get("KeyCount", 0) > 0
+
+
+def report_exists(run_dir: str, s3_client: Callable[[], Any]) -> bool:
+    if not run_dir.startswith("s3://"):
+        return (Path(run_dir) / REPORT_JSON).is_file()
+    bucket, prefix = split_s3(run_dir)
+    try:
+        s3_client().head_object(Bucket=bucket, Key=f"{prefix}/{REPORT_JSON}")
+        return True
+    except Exception as error:
+        if _not_found(error):
+            return False
+        raise
+
+
+def build_report(run_dir: str, s3_client: Callable[[], Any], **report_args: Any) -> dict:
+    """Write report.json and report.html for the run in `run_dir`; return the local target's
+    small summary (targets/local.py) with the run's own locations. `report_args` go to
+    finetune.report.write_report. Raises ReportUnavailable when the outputs are out of reach."""
+    if not run_dir.startswith("s3://"):
+        path = Path(run_dir)
+        if not path.is_dir():
+            raise ReportUnavailable(
+                f"the report cannot be built: output directory {run_dir} is not visible on this "
+                "Airflow worker; mount the shared file system here or use an s3:// output_dir")
+        report = write_report(path, **report_args)
+        return summary(run_dir, report, (path / MODEL_DIR).is_dir())
+
+    client = s3_client()
+    bucket, prefix = split_s3(run_dir)
+    with tempfile.TemporaryDirectory(prefix="finetune-report-") as tmp:
+        work = Path(tmp)
+        for name in (METRICS_FILE, SUMMARY_FILE):
+            try:
+                client.download_file(bucket, f"{prefix}/{name}", str(work / name))
+            except Exception as error:
+                if not _not_found(error):
+                    raise  # no access, no bucket: not something the report may hide
+        listed = client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/{MODEL_DIR}/", MaxKeys=1)
+        model = listed.get("KeyCount", 0) > 0
+        if model:
+            (work / MODEL_DIR).mkdir()  # write_report lists model/ when the directory is there
+        report = write_report(work, **report_args)
+        for name, content_type in ((REPORT_JSON, "application/json"),
+                                   (REPORT_HTML, "text/html; charset=utf-8")):
+            client.upload_file(str(work / name), bucket, f"{prefix}/{name}",
+                               ExtraArgs={"ContentType": content_type})
+    return summary(run_dir, report, model)
+
+
+def summary(run_dir: str, report: dict, model: bool) -> dict:
+    """What collect_metrics returns (to XCom): the same keys as the local target's."""
+    base = run_dir.rstrip("/")
+    return {"status": report["status"], "run_dir": run_dir,
+            "model_dir": f"{base}/{MODEL_DIR}" if model else None,
+            "report_json": f"{base}/{REPORT_JSON}", "report_html": f"{base}/{REPORT_HTML}",
+            "metrics": report["metrics"]}
