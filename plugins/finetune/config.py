@@ -168,6 +168,9 @@ PARAM_SPECS: tuple[ParamSpec, ...] = (
     _S("checkpoint_interval", 50, "integer", "Checkpoints", "Checkpoint interval",
        "Optimizer steps between sharded checkpoints; 0: no checkpoints. A restarted run "
        "resumes from the newest.", minimum=0, maximum=10_000_000),
+    _S("checkpoint_async", False, "boolean", "Checkpoints", "Async checkpoints",
+       "Write checkpoints in the background from a copy in CPU memory while training goes on; "
+       "each is made complete (uploaded, for S3) when written, before the next one starts."),
     _S("max_restarts", 0, "integer", "Checkpoints", "Max restarts",
        "How often torchrun restarts failed workers before the run fails.", minimum=0,
        maximum=100),
@@ -286,6 +289,7 @@ class RunConfig:
     seed: int
     eval_interval: int
     checkpoint_interval: int
+    checkpoint_async: bool
     max_restarts: int
     output_dir: str
     rdzv_endpoint: str

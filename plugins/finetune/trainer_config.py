@@ -54,6 +54,7 @@ def trainer_config(cfg: RunConfig, *, local_paths: bool = True) -> dict[str, Any
         "eval_interval": cfg.eval_interval,
         "eval_fraction": EVAL_FRACTION,
         "checkpoint_interval": cfg.checkpoint_interval,
+        "checkpoint_async": cfg.checkpoint_async,
         "metrics_port": cfg.metrics_port,
         "output_dir": cfg.run_dir,
     }

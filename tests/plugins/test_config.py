@@ -195,6 +195,15 @@ def test_trainer_config_uses_only_fields_the_trainer_knows():
     assert set(trainer_config(cfg)) <= known
 
 
+def test_checkpoint_async_reaches_the_trainer_and_must_be_a_boolean():
+    from trainer.config import TrainConfig
+
+    cfg = validate_params({"procs_per_node": 1, "checkpoint_async": True}, run_id="r")
+    assert TrainConfig(**trainer_config(cfg)).checkpoint_async is True
+    with pytest.raises(ConfigError, match="checkpoint_async: must be true or false"):
+        validate_params({"checkpoint_async": "yes"}, run_id="r")
+
+
 def test_builtin_model_names_match_the_trainer():
     from trainer.model import BUILTIN_CONFIGS
 
