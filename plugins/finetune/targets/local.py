@@ -15,7 +15,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -199,44 +198,87 @@ class LocalTarget(Target):
     def train(self, cfg: RunConfig, image: dict, rendezvous: dict) -> dict:
         run_dir = Path(cfg.run_dir)
         config_path = run_dir / "trainer_config.json"
-        config_path.write_text(json.dumps(trainer_config(cfg), indent=2))
         res = local_resources(cfg.nodes, cfg.procs_per_node)
-        log_path = run_dir / "train.log"
-        tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
-        lock = threading.Lock()
-        procs: list[subprocess.Popen] = []
-        started = time.time()
+        state = _read_state(cfg, "train")
+        agents: list[Agent]
+        if state and any(_alive(pid) for pid in state["agents"]):
+            # An earlier try's task process died (worker lost) while its training ran on.
+            log.info("reattaching to the training an earlier try started: torchrun agents %s",
+                     state["agents"])
+            agents = [Agent(node, pid=pid) for node, pid in enumerate(state["agents"])]
+            started, reattached = state["started"], True
+        else:
+            config_path.write_text(json.dumps(trainer_config(cfg), indent=2))
+            started, reattached = time.time(), False
+            agents = [Agent(node, self._start_agent(cfg, node, res, rendezvous, config_path))
+                      for node in range(cfg.nodes)]
+        _write_state(cfg, "train", {"agents": [a.pid for a in agents], "started": started,
+                                    "config": str(config_path)})
+        follower = _LogFollower(cfg, agents)
         try:
-            with log_path.open("a") as log_file:
-                for node in range(cfg.nodes):
-                    procs.append(self._start_agent(cfg, node, res, rendezvous, config_path))
-                _write_state(cfg, "train", {"agents": [p.pid for p in procs],
-                                            "config": str(config_path)})
-                readers = [threading.Thread(target=_stream, daemon=True,
-                                            args=(p, f"[node {i}] " if cfg.nodes > 1 else "",
-                                                  log_file, tail, lock))
-                           for i, p in enumerate(procs)]
-                for r in readers:
-                    r.start()
-                with ResourceSampler(run_dir):
-                    codes = _wait_all(procs)
-                for r in readers:
-                    r.join(timeout=10)
+            with ResourceSampler(Path(cfg.run_dir)):
+                failed = self._wait(cfg, agents, follower, res, rendezvous, config_path, started)
         finally:
+            follower.copy_new_lines()
             # On failure or when this task is killed, no torchrun agent or worker outlives it.
-            stop_processes([p.pid for p in procs if p.poll() is None])
+            stop_processes([a.pid for a in agents if a.alive()])
             stop_processes(_trainer_processes(str(config_path)))
-        failed = [(i, c) for i, c in enumerate(codes) if c != 0]
         if failed:
-            node, code = failed[0]
-            last = "\n".join(tail)
-            raise RuntimeError(f"training failed: node {node} exited with code {code}; last "
-                               f"{len(tail)} lines of {log_path}:\n{last}")
-        model_dir = run_dir / "model"
-        return {"model_dir": str(model_dir), "train_log": str(log_path),
+            node, reason = failed
+            raise RuntimeError(f"training failed: node {node} {reason}; last "
+                               f"{len(follower.tail)} lines of {follower.log_path}:\n"
+                               + "\n".join(follower.tail))
+        return {"model_dir": str(run_dir / "model"), "train_log": str(follower.log_path),
                 "wall_time_s": round(time.time() - started, 1), "image_tag": image["image_tag"],
                 "rendezvous": {k: rendezvous[k] for k in ("backend", "rdzv_id")},
-                "resources": res}
+                "resources": res, "reattached": reattached,
+                "node_restarts": max(a.restarts for a in agents)}
+
+    def _wait(self, cfg: RunConfig, agents: list[Agent], follower: _LogFollower, res: dict,
+              rendezvous: dict, config_path: Path, started: float) -> tuple[int, str] | None:
+        """Follow the agents to the end: (node, reason) of a failure, or None.
+
+        When a node's agent is killed (a lost node), the job is started again, up to
+        max_restarts times, as the training operator restarts a job's pods: every agent
+        stopped, the rendezvous cleared, all nodes started, the trainer resumes from the newest
+        checkpoint. (A lone new agent does not get the survivors of a round that lost a node
+        to rendezvous again.)
+        """
+        restarts = 0
+        while True:
+            follower.copy_new_lines()
+            lost = [a for a in agents if (a.exit_code() or 0) < 0]
+            if lost and restarts < cfg.max_restarts:
+                restarts += 1
+                log.warning("torchrun agent of node %d was killed (signal %d): restarting all "
+                            "%d node(s) (restart %d of %d)", lost[0].node, -lost[0].exit_code(),
+                            len(agents), restarts, cfg.max_restarts)
+                stop_processes([a.pid for a in agents if a.alive()])
+                stop_processes(_trainer_processes(str(config_path)))
+                follower.copy_new_lines()
+                if rendezvous["backend"] == "etcd-v2":
+                    delete_rendezvous_keys(rendezvous["endpoint"], rendezvous["rdzv_id"])
+                for agent in agents:
+                    agent.proc = self._start_agent(cfg, agent.node, res, rendezvous,
+                                                   config_path)
+                    agent.pid, agent.restarts = agent.proc.pid, agent.restarts + 1
+                _write_state(cfg, "train", {"agents": [a.pid for a in agents],
+                                            "started": started, "config": str(config_path)})
+            codes = [a.exit_code() for a in agents]
+            if any(a.proc is None for a in agents):  # reattached: no exit codes to read
+                if any(a.alive() for a in agents):
+                    time.sleep(0.5)
+                    continue
+                summary = Path(cfg.run_dir) / "summary.json"
+                if summary.is_file() and summary.stat().st_mtime >= started:
+                    return None
+                return 0, "ended without writing summary.json (its exit code is unknown)"
+            if all(c == 0 for c in codes):
+                return None
+            for agent, code in zip(agents, codes, strict=True):
+                if code not in (None, 0) and not (code < 0 and restarts < cfg.max_restarts):
+                    return agent.node, f"exited with code {code}"
+            time.sleep(0.5)
 
     def _start_agent(self, cfg: RunConfig, node: int, res: dict, rendezvous: dict,
                      config_path: Path) -> subprocess.Popen:
@@ -258,9 +300,12 @@ class LocalTarget(Target):
                 str(i) for i in range(first, first + cfg.procs_per_node))
             env.setdefault("NCCL_NVLS_ENABLE", "0")
         log.info("starting torchrun agent %d: %s", node, " ".join(cmd))
-        return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
-                                bufsize=1, errors="replace")
+        # Output to a file and a session of its own: the training outlives this task's process
+        # (a lost Airflow worker), and the retry reattaches to it.
+        with _agent_log(cfg, node).open("ab") as out:
+            return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=out,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
 
     def collect_metrics(self, cfg: RunConfig, trained: dict) -> dict:
         run_dir = Path(cfg.run_dir)
@@ -286,7 +331,14 @@ class LocalTarget(Target):
         if etcd_state:
             server = LocalEtcd(**etcd_state)
             stopped["etcd"] = server.is_running()
-            server.stop()
+            server.stop()  # its data dir, and so every key, goes with it
+        elif cfg.rdzv_endpoint:
+            try:  # an etcd the run did not start: leave no keys of this run on it
+                stopped["rendezvous_keys"] = len(delete_rendezvous_keys(cfg.rdzv_endpoint,
+                                                                        cfg.rdzv_id))
+            except Exception as exc:  # the keys are cleared again before the id is reused
+                log.warning("could not delete rendezvous %s's keys on etcd %s: %s",
+                            cfg.rdzv_id, cfg.rdzv_endpoint, exc)
         if run_dir.is_dir() and not (run_dir / "report.json").exists():
             # The run failed before collect_metrics: still leave a report of what it did.
             report = write_report(run_dir, run_id=cfg.run_id, status="failed",
@@ -305,25 +357,58 @@ def _summary(cfg: RunConfig, report: dict) -> dict:
             "report_html": str(run_dir / "report.html"), "metrics": report["metrics"]}
 
 
-def _stream(proc: subprocess.Popen, prefix: str, log_file: Any, tail: collections.deque,
-            lock: threading.Lock) -> None:
-    """Copy a torchrun agent's output into the task log and the run's train.log, line by line."""
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        line = prefix + line.rstrip("\n")
-        with lock:
-            log.info("%s", line)
-            log_file.write(line + "\n")
-            log_file.flush()
-            tail.append(line)
+def _agent_log(cfg: RunConfig, node: int) -> Path:
+    path = Path(cfg.run_dir) / "logs" / f"torchrun-node-{node}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
 
 
-def _wait_all(procs: list[subprocess.Popen]) -> list[int]:
-    """Wait for every agent; when one fails, stop the others instead of letting them hang."""
-    while True:
-        codes = [p.poll() for p in procs]
-        if all(c is not None for c in codes):
-            return [int(c) for c in codes]
-        if any(c not in (None, 0) for c in codes):
-            stop_processes([p.pid for p in procs if p.poll() is None])
-        time.sleep(0.5)
+class Agent:
+    """One node's torchrun agent: started by this task (proc) or by an earlier try (pid only)."""
+
+    def __init__(self, node: int, proc: subprocess.Popen | None = None, pid: int = 0):
+        self.node, self.proc, self.restarts = node, proc, 0
+        self.pid = proc.pid if proc is not None else pid
+
+    def exit_code(self) -> int | None:
+        return self.proc.poll() if self.proc is not None else None
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None if self.proc is not None else _alive(self.pid)
+
+
+class _LogFollower:
+    """Copies the agents' new output lines into the task log and train.log, once each.
+
+    How far each node's log was copied is kept in the run's state, so a retry that reattaches
+    continues where the lost try stopped.
+    """
+
+    def __init__(self, cfg: RunConfig, agents: list[Agent]):
+        self.cfg, self.agents = cfg, agents
+        self.log_path = Path(cfg.run_dir) / "train.log"
+        self.tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
+        self.offsets = {int(k): v for k, v in
+                        (_read_state(cfg, "train_log") or {}).get("offsets", {}).items()}
+
+    def copy_new_lines(self) -> None:
+        copied = False
+        with self.log_path.open("a") as train_log:
+            for agent in self.agents:
+                path = _agent_log(self.cfg, agent.node)
+                with path.open("rb") as f:
+                    f.seek(self.offsets.get(agent.node, 0))
+                    data = f.read()
+                end = data.rfind(b"\n") + 1  # whole lines only; the rest comes next time
+                if not end:
+                    continue
+                self.offsets[agent.node] = self.offsets.get(agent.node, 0) + end
+                prefix = f"[node {agent.node}] " if len(self.agents) > 1 else ""
+                for raw in data[:end].decode("utf-8", errors="replace").splitlines():
+                    line = prefix + raw
+                    log.info("%s", line)
+                    train_log.write(line + "\n")
+                    self.tail.append(line)
+                copied = True
+        if copied:
+            _write_state(self.cfg, "train_log", {"offsets": self.offsets})

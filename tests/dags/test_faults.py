@@ -1,0 +1,240 @@
+"""Faults injected into local runs: a killed rank, a killed node, a lost Airflow worker.
+
+The local target's train stage is run as the train task runs it (LocalTarget.train after
+reset_etcd), with torchrun, etcd and the tiny model for real; the test kills processes mid-run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from finetune.config import validate_params
+from finetune.targets.local import LocalTarget, _alive, _trainer_processes
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# 12 short steps, a checkpoint every 4: a kill after step 5 resumes from step 4.
+RUN = {"max_steps": 12, "seq_len": 64, "micro_batch": 4, "eval_interval": 0,
+       "checkpoint_interval": 4, "warmup_steps": 2, "max_restarts": 2}
+IMAGE = {"image_tag": "test"}
+
+
+def start(tmp_path: Path, run_id: str, **conf) -> tuple[LocalTarget, object, dict]:
+    """A validated run config, its etcd reset: what train gets from the earlier stages."""
+    cfg = validate_params({**RUN, "output_dir": str(tmp_path), **conf}, run_id=run_id)
+    target = LocalTarget()
+    target.snapshot(cfg)
+    return target, cfg, target.reset_etcd(cfg)
+
+
+def train_records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue  # a line being written
+    return [r for r in records if r.get("type") == "train"]
+
+
+def last_losses(run_dir: Path) -> dict[int, float]:
+    """Loss per step; after a resume the record written last for a step is the one kept."""
+    return {r["step"]: r["loss"] for r in train_records(run_dir)}
+
+
+def wait_for_step(run_dir: Path, step: int, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(r["step"] >= step for r in train_records(run_dir)):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no step {step} in {run_dir}/metrics.jsonl")
+        time.sleep(0.05)
+
+
+def workers(cfg) -> dict[int, int]:
+    """Global rank -> pid of the run's trainer processes (not the torchrun agents)."""
+    found = {}
+    for pid in _trainer_processes(str(Path(cfg.run_dir) / "trainer_config.json")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"torch.distributed.run" in cmdline:
+            continue
+        for item in environ:
+            if item.startswith(b"RANK="):
+                found[int(item[5:])] = pid
+    return found
+
+
+def children(pid: int) -> list[int]:
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(stat[1]) == pid:
+                kids.append(int(entry.name))
+    return kids
+
+
+def in_background(fn) -> threading.Thread:
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # surfaced by the test through .errors
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.errors = errors  # type: ignore[attr-defined]
+    thread.start()
+    return thread
+
+
+def assert_nothing_left(target: LocalTarget, cfg) -> None:
+    target.teardown(cfg, {})
+    assert _trainer_processes(str(Path(cfg.run_dir) / "trainer_config.json")) == []
+
+
+def assert_resumed_to_the_uninterrupted_losses(run_dir: Path, uninterrupted: dict) -> None:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 4
+    assert "resumed from" in (run_dir / "train.log").read_text()
+    losses = last_losses(run_dir)
+    assert sorted(losses) == list(range(1, RUN["max_steps"] + 1))
+    for step in range(5, RUN["max_steps"] + 1):
+        assert losses[step] == pytest.approx(uninterrupted[step], rel=1e-3), step
+    assert summary["final_eval_loss"] == pytest.approx(uninterrupted["final_eval_loss"], rel=1e-3)
+
+
+def test_a_killed_rank_is_restarted_by_torchrun_and_resumes_to_the_uninterrupted_losses(
+        tmp_path, uninterrupted):
+    target, cfg, rdzv = start(tmp_path, "killed-rank")
+    run_dir = Path(cfg.run_dir)
+
+    def kill_rank_1() -> None:
+        wait_for_step(run_dir, 5)
+        os.kill(workers(cfg)[1], signal.SIGKILL)
+
+    killer = in_background(kill_rank_1)
+    try:
+        result = target.train(cfg, IMAGE, rdzv)
+    finally:
+        killer.join(5)
+        assert_nothing_left(target, cfg)
+    assert not killer.errors, killer.errors
+    assert result["node_restarts"] == 0  # torchrun restarted the workers, not the node
+    assert "failed (exitcode: -9) local_rank: 1" in (run_dir / "train.log").read_text()
+    assert_resumed_to_the_uninterrupted_losses(run_dir, uninterrupted)
+
+
+def test_a_killed_node_is_started_again_and_both_nodes_resume_to_the_uninterrupted_losses(
+        tmp_path, uninterrupted):
+    target, cfg, rdzv = start(tmp_path, "killed-node", nodes=2, procs_per_node=1)
+    run_dir = Path(cfg.run_dir)
+
+    def kill_node_1() -> None:
+        wait_for_step(run_dir, 5)
+        agent = json.loads((run_dir / "state" / "train.json").read_text())["agents"][1]
+        for pid in [*children(agent), agent]:  # all of the node: its worker and its agent
+            os.kill(pid, signal.SIGKILL)
+
+    killer = in_background(kill_node_1)
+    try:
+        result = target.train(cfg, IMAGE, rdzv)
+    finally:
+        killer.join(5)
+        assert_nothing_left(target, cfg)
+    assert not killer.errors, killer.errors
+    assert result["node_restarts"] == 1
+    assert_resumed_to_the_uninterrupted_losses(run_dir, uninterrupted)
+
+
+TRAIN_TASK = """
+import json, sys
+from finetune.config import RunConfig
+from finetune.targets.local import LocalTarget
+cfg, rdzv = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+LocalTarget().train(RunConfig.from_dict(cfg), {"image_tag": "test"}, rdzv)
+"""
+
+
+@pytest.fixture(scope="module")
+def lost_worker_run(tmp_path_factory) -> tuple[dict, Path, list[int]]:
+    """A run whose first train try's process was killed (a lost Airflow worker) at step 2, and
+    whose retry reattached: (the retry's result, the run dir, the first try's agents).
+
+    Its training ran without a fault, so it is also the uninterrupted run the others compare to.
+    """
+    target, cfg, rdzv = start(tmp_path_factory.mktemp("lost-worker"), "lost-worker")
+    run_dir = Path(cfg.run_dir)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "plugins"),
+                                                        str(REPO_ROOT)])}
+    # The first try's task process, killed as a lost Airflow worker is: no cleanup runs.
+    first_try = subprocess.Popen([sys.executable, "-c", TRAIN_TASK, json.dumps(cfg.to_dict()),
+                                  json.dumps(rdzv)], env=env, cwd=REPO_ROOT)
+    try:
+        wait_for_step(run_dir, 2)
+        agents = json.loads((run_dir / "state" / "train.json").read_text())["agents"]
+        first_try.send_signal(signal.SIGKILL)
+        first_try.wait(10)
+        assert all(_alive(pid) for pid in agents)  # the training runs on without its task
+
+        result = target.train(cfg, IMAGE, rdzv)  # the retry
+    finally:
+        first_try.kill()
+        assert_nothing_left(target, cfg)
+    return result, run_dir, agents
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(lost_worker_run) -> dict:
+    _, run_dir, _ = lost_worker_run
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {**last_losses(run_dir), "final_eval_loss": summary["final_eval_loss"]}
+
+
+def test_a_retry_after_the_worker_died_reattaches_to_the_running_training(lost_worker_run):
+    result, run_dir, agents = lost_worker_run
+    assert result["reattached"] is True
+    # No second training was started: the same agents, every step once, no resume.
+    assert json.loads((run_dir / "state" / "train.json").read_text())["agents"] == agents
+    assert [r["step"] for r in train_records(run_dir)] == list(range(1, RUN["max_steps"] + 1))
+    assert json.loads((run_dir / "summary.json").read_text())["resumed_from_step"] is None
+    train_log = (run_dir / "train.log").read_text()
+    for step in (1, RUN["max_steps"]):  # each line once: the retry goes on where the try stopped
+        assert train_log.count(f"step {step}/{RUN['max_steps']} loss") == 1, train_log
+
+
+def test_a_reattached_retry_fails_when_the_training_it_follows_fails(tmp_path):
+    target, cfg, rdzv = start(tmp_path, "lost-worker-then-failure", max_restarts=0)
+    run_dir = Path(cfg.run_dir)
+    (run_dir / "trainer_config.json").write_text("{}")
+    agent = subprocess.Popen(["sleep", "1"])  # an agent of the lost try, about to end
+    (run_dir / "state" / "train.json").write_text(json.dumps(
+        {"agents": [agent.pid], "started": time.time(),
+         "config": str(run_dir / "trainer_config.json")}))
+    (run_dir / "logs").mkdir(exist_ok=True)
+    (run_dir / "logs" / "torchrun-node-0.log").write_text("worker 1 exited with -9\n")
+    try:
+        with pytest.raises(RuntimeError, match="ended without writing summary.json") as err:
+            target.train(cfg, IMAGE, rdzv)
+    finally:
+        agent.wait(5)
+        assert_nothing_left(target, cfg)
+    assert "worker 1 exited with -9" in str(err.value)

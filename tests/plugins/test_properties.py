@@ -1,0 +1,156 @@
+"""Properties over any input (hypothesis): validation fails only with its own error and lets
+through nothing a later stage rejects; any DAG run id gives valid, distinct Kubernetes names."""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+from pathlib import Path
+
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from finetune.config import PARAM_SPECS, ConfigError, validate_params
+from finetune.manifests import (
+    configmap_name,
+    job_name,
+    pytorchjob_manifest,
+    run_labels,
+    trainer_configmap_manifest,
+)
+from finetune.names import dns_label, run_dir_name
+from finetune.trainer_config import trainer_config
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+for path in (REPO_ROOT / "tests" / "eks", REPO_ROOT):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+# Values the string fields take in real use, besides arbitrary text.
+PLAUSIBLE = {
+    "model": ["tiny-llama", "llama-8b", "meta-llama/Llama-3.1-8B", "/models/llama", "no/such"],
+    "tokenizer": ["", "trainer/demo/tokenizer", "/nope"],
+    "dataset": ["trainer/demo/instructions.jsonl", "trainer/demo", "s3://bucket/data/",
+                "org/data", "missing.jsonl", ""],
+    "selective_ac": ["op", "2", "0", "x"],
+    "rdzv_endpoint": ["", "127.0.0.1:2379", "etcd:99999", "nohost"],
+    "output_dir": ["runs", "/tmp/finetune-runs", "s3://bucket/runs"],
+    "cluster_name": ["", "train"], "nodegroup": ["", "gpu-p4de"],
+    "image": ["", "1234.dkr.ecr.us-east-1.amazonaws.com/ft:abc", "not an image!"],
+    "build_bucket": ["", "bucket", "Bad_Bucket"], "hf_token_secret": ["", "hf", "hf:token", ":"],
+    "namespace": ["default", "ml", "Not_A_Label"], "codebuild_role": ["", "arn:aws:iam::1:role/x"],
+}
+JUNK = st.one_of(st.none(), st.text(max_size=20), st.integers(-10**12, 10**12),
+                 st.floats(allow_nan=True, allow_infinity=True), st.booleans(),
+                 st.lists(st.integers(), max_size=2), st.dictionaries(st.text(max_size=3),
+                                                                      st.integers(), max_size=2))
+
+
+def valid_values(spec) -> st.SearchStrategy:
+    if spec.enum is not None:
+        return st.sampled_from(spec.enum)
+    if spec.type == "boolean":
+        return st.booleans()
+    if spec.type == "integer":
+        low = int(spec.minimum) if spec.minimum is not None else 0
+        high = int(spec.maximum) if spec.maximum is not None else 10**6
+        return st.integers(low, high) | st.integers(low, min(high, low + 16))
+    if spec.type == "number":
+        low = spec.exclusive_minimum if spec.exclusive_minimum is not None else spec.minimum
+        return st.floats(low or 0.0, spec.maximum or 1e6, exclude_min=spec.exclusive_minimum
+                         is not None)
+    return st.sampled_from(PLAUSIBLE.get(spec.name, [spec.default])) | st.text(max_size=30)
+
+
+@st.composite
+def params(draw) -> dict:
+    chosen = draw(st.lists(st.sampled_from(PARAM_SPECS), max_size=8, unique_by=lambda s: s.name))
+    out = {s.name: draw(st.one_of(*[valid_values(s)] * 6, JUNK))
+           for s in chosen}
+    if draw(st.booleans()):  # an eks run, so the eks checks and manifests are reached
+        out = {"target": "eks", "cluster_name": "train", "nodegroup": "gpu-p4de",
+               "image": "1234.dkr.ecr.us-east-1.amazonaws.com/ft:abc", "procs_per_node": 8,
+               "micro_batch": 1, "output_dir": "s3://bucket/runs", **out}
+    if draw(st.integers(0, 9)) == 0:
+        out[draw(st.text(min_size=1, max_size=10))] = draw(JUNK)  # an unknown parameter
+    return out
+
+
+def later_stages(cfg) -> None:
+    """What the stages after validate do with a config: the trainer's TrainConfig and its
+    start-time checks, and on eks the manifests (valid against the CRD and Kubernetes)."""
+    from test_manifests import K8S_VERSION, assert_valid_pytorchjob
+
+    from trainer.config import TrainConfig, resolve
+    from trainer.model import BUILTIN_CONFIGS, builtin_config, check_seq_len
+    from trainer.parallel import check_combinations
+
+    local = cfg.target == "local"
+    train = resolve(TrainConfig(**trainer_config(cfg, local_paths=local)))
+    device = "cpu" if local else "cuda"
+    check_combinations(train, cfg.world_size, device)
+    if cfg.model in BUILTIN_CONFIGS:
+        check_seq_len(cfg.model, cfg.seq_len, builtin_config(cfg.model))
+    if not local:
+        import kubernetes_validate
+
+        assert_valid_pytorchjob(pytorchjob_manifest(cfg, cfg.image or "img:1"))
+        kubernetes_validate.validate(trainer_configmap_manifest(cfg), K8S_VERSION, strict=True)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(params())
+def test_validate_raises_only_config_errors_and_accepts_only_what_later_stages_accept(conf):
+    try:
+        cfg = validate_params(conf, run_id="manual__2026-11-29T10:00:00+00:00")
+    except ConfigError as exc:
+        assert exc.errors and all(field and message for field, message in exc.errors)
+        event("rejected")
+        return
+    event(f"accepted ({cfg.target})")
+    later_stages(cfg)
+
+
+RUN_IDS = st.text(st.characters(codec="utf-8"), min_size=1, max_size=300) | st.from_regex(
+    r"(manual|scheduled|asset_triggered)__20[0-9]{2}-[01][0-9]-[0-3][0-9]T[0-2][0-9]:[0-5][0-9]"
+    r":[0-5][0-9](\.[0-9]{6})?\+00:00", fullmatch=True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(RUN_IDS, RUN_IDS)
+def test_any_run_id_maps_to_valid_distinct_kubernetes_names_and_labels(run_id, other):
+    from eks_support import eks_config
+
+    cfg = eks_config(run_id=run_id)
+    name = job_name(cfg)
+    assert DNS_1035.match(name) and len(f"{name}-worker-127") <= 63
+    assert DNS_LABEL.match(cfg.rdzv_id) and len(cfg.rdzv_id) <= 48
+    assert len(configmap_name(cfg)) <= 253
+    for key, value in run_labels(cfg).items():
+        assert LABEL_VALUE.match(value) and len(value) <= 63, (key, value)
+    directory = run_dir_name(run_id)
+    assert re.fullmatch(r"[A-Za-z0-9._-]+", directory) and directory not in (".", "..")
+    assert len(directory) <= 90
+    if run_id != other:  # distinct runs never share a name, a label or a directory
+        assert dns_label("llm_finetune", run_id) != dns_label("llm_finetune", other)
+        assert job_name(cfg) != job_name(eks_config(run_id=other))
+        assert directory != run_dir_name(other)
+
+
+def test_the_property_tests_see_accepted_and_rejected_configs():
+    """A guard on the generator: both outcomes occur (else the first property proves little)."""
+    accepted = rejected = 0
+    for conf in ({"max_steps": 5}, {"nodes": "two"}, {"lr": math.nan},
+                 {"target": "eks", "cluster_name": "train", "nodegroup": "gpu-p4de",
+                  "image": "1234.dkr.ecr.us-east-1.amazonaws.com/ft:abc", "procs_per_node": 8,
+                  "micro_batch": 1, "output_dir": "s3://bucket/runs"}):
+        try:
+            later_stages(validate_params(conf, run_id="r"))
+            accepted += 1
+        except ConfigError:
+            rejected += 1
+    assert accepted == 2 and rejected == 2
