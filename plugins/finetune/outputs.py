@@ -44,7 +44,8 @@ def has_outputs(run_dir: str, s3_client: Callable[[], Any]) -> bool:
         path = Path(run_dir)
         return path.is_dir() and any(path.iterdir())
     bucket, prefix = split_s3(run_dir)
-    found = s3_client().list_objects_v2(Bucket=bucket, Prefix=prefix + "/", MaxKeys=1)
+    s3 = s3_client()
+    found = s3.list_objects_v2(Bucket=bucket, Prefix=prefix + "/", MaxKeys=1)
     return found.get("KeyCount", 0) > 0
 
 
@@ -52,8 +53,9 @@ def report_exists(run_dir: str, s3_client: Callable[[], Any]) -> bool:
     if not run_dir.startswith("s3://"):
         return (Path(run_dir) / REPORT_JSON).is_file()
     bucket, prefix = split_s3(run_dir)
+    s3 = s3_client()
     try:
-        s3_client().head_object(Bucket=bucket, Key=f"{prefix}/{REPORT_JSON}")
+        s3.head_object(Bucket=bucket, Key=f"{prefix}/{REPORT_JSON}")
         return True
     except Exception as error:
         if _not_found(error):
@@ -74,25 +76,26 @@ def build_report(run_dir: str, s3_client: Callable[[], Any], **report_args: Any)
         report = write_report(path, **report_args)
         return summary(run_dir, report, (path / MODEL_DIR).is_dir())
 
-    client = s3_client()
+    s3 = s3_client()
     bucket, prefix = split_s3(run_dir)
     with tempfile.TemporaryDirectory(prefix="finetune-report-") as tmp:
         work = Path(tmp)
         for name in (METRICS_FILE, SUMMARY_FILE):
             try:
-                client.download_file(bucket, f"{prefix}/{name}", str(work / name))
+                body = s3.get_object(Bucket=bucket, Key=f"{prefix}/{name}")["Body"].read()
+                (work / name).write_bytes(body)
             except Exception as error:
                 if not _not_found(error):
                     raise  # no access, no bucket: not something the report may hide
-        listed = client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/{MODEL_DIR}/", MaxKeys=1)
+        listed = s3.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/{MODEL_DIR}/", MaxKeys=1)
         model = listed.get("KeyCount", 0) > 0
         if model:
             (work / MODEL_DIR).mkdir()  # write_report lists model/ when the directory is there
         report = write_report(work, **report_args)
         for name, content_type in ((REPORT_JSON, "application/json"),
                                    (REPORT_HTML, "text/html; charset=utf-8")):
-            client.upload_file(str(work / name), bucket, f"{prefix}/{name}",
-                               ExtraArgs={"ContentType": content_type})
+            s3.put_object(Bucket=bucket, Key=f"{prefix}/{name}", Body=(work / name).read_bytes(),
+                          ContentType=content_type)
     return summary(run_dir, report, model)
 
 

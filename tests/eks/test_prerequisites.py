@@ -38,13 +38,15 @@ PROXY_VERBS = {"GET": "get", "DELETE": "delete", "PUT": "update", "POST": "creat
 
 # boto3 clients are named after their service (eks = session.client("eks")).
 AWS_VARS = ("eks", "ecr", "s3", "codebuild", "sts")
-AWS_CALL = re.compile(r"\b(" + "|".join(AWS_VARS) + r")\.([a-z_]+)\(")
+AWS_CALL = re.compile(r"\b(" + "|".join(AWS_VARS) + r")\.([a-z_][a-z0-9_]*)\(")
 AWS_INLINE_CALL = re.compile(r"client\(\"([a-z0-9-]+)\"\)\.([a-z_]+)\(")
 NOT_API = {"get_waiter", "generate_presigned_url", "get_paginator"}
 SPECIAL_ACTIONS = {  # calls whose IAM action is not the method's name
     ('eks.get_waiter("nodegroup_active"'): "eks:DescribeNodegroup",
     ('s3.generate_presigned_url("get_object"'): "s3:GetObject",
 }
+# Calls whose IAM action has another name (HeadObject is allowed by GetObject).
+ACTION_OF_CALL = {"s3:ListObjectsV2": "s3:ListBucket", "s3:HeadObject": "s3:GetObject"}
 # Needed without a boto3 call: the EKS token is a presigned GetCallerIdentity; CodeBuild's
 # project names a service role.
 IMPLIED_ACTIONS = {"sts:GetCallerIdentity", "iam:PassRole"}
@@ -100,7 +102,8 @@ def aws_actions() -> set[str]:
                 assert special, f"{service}.{method}: add its IAM action to SPECIAL_ACTIONS"
                 used.add(special[0])
                 continue
-            used.add(f"{service}:" + "".join(w.capitalize() for w in method.split("_")))
+            action = f"{service}:" + "".join(w.capitalize() for w in method.split("_"))
+            used.add(ACTION_OF_CALL.get(action, action))
     return used
 
 
