@@ -5,6 +5,7 @@ equal what the exporter served."""
 from __future__ import annotations
 
 import http.server
+import importlib.util
 import json
 import subprocess
 import threading
@@ -13,7 +14,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import system_binary_or_skip
 
 from finetune.etcd import free_port
 from finetune.gpu_metrics import (
@@ -25,6 +25,13 @@ from finetune.gpu_metrics import (
     sampled_gpu_metrics,
 )
 from finetune.report import write_report
+
+# tests/conftest.py by path: another folder's conftest may hold the name `conftest`
+_spec = importlib.util.spec_from_file_location(
+    "root_conftest", Path(__file__).resolve().parents[1] / "conftest.py")
+_root_conftest = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_root_conftest)
+system_binary_or_skip = _root_conftest.system_binary_or_skip
 
 NAMESPACE = "ml"
 JOB = "llm-finetune-run1"
@@ -248,3 +255,21 @@ def test_the_resource_sampler_records_host_cpu_and_memory_while_it_runs(tmp_path
     assert 0 <= host["metrics"]["cpu_percent"]["max"] <= 100
     assert 0 < host["metrics"]["memory_used_bytes"]["max"] <= host["memory_total_bytes"]
     assert [t for t, _ in host["series"]["cpu_percent"]] == sorted(r["time"] for r in samples)
+
+
+def test_eks_collect_metrics_queries_the_jobs_pods_over_the_train_window(scraped):
+    import dataclasses
+
+    from finetune.config import validate_params
+    from finetune.targets.eks import EksTarget
+
+    url, exporter, start, end = scraped
+    cfg = dataclasses.replace(validate_params({}, run_id="r"), namespace=NAMESPACE,
+                              prometheus_url=url)
+    section = EksTarget().gpu_metrics(cfg, {"job": JOB, "started": start, "finished": end,
+                                            "wall_time_s": end - start})
+    assert [g["metrics"]["power_w"]["max"] for g in section["gpus"]] == [
+        max(exporter.served[("DCGM_FI_DEV_POWER_USAGE", n, g)]) for _, _, n, g in JOB_GPUS]
+    assert section["xid_errors"][0]["codes"] == [XID_CODE]
+    no_url = EksTarget().gpu_metrics(dataclasses.replace(cfg, prometheus_url=""), {"job": JOB})
+    assert not no_url["available"] and "no prometheus_url" in no_url["missing"]

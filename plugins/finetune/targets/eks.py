@@ -28,6 +28,7 @@ from typing import Any
 
 from finetune.config import RunConfig
 from finetune.etcd import EtcdError, KeysRequest, delete_rendezvous_keys
+from finetune.gpu_metrics import job_pod_regex, missing_section, prometheus_gpu_metrics
 from finetune.image_build import image_param_errors, provide_image
 from finetune.instance_types import INSTANCE_TYPES
 from finetune.kube import aws_session, create_or_replace, kube_api_client
@@ -369,8 +370,10 @@ class EksTarget(Target):
         return {"job": name, "adopted": adopted, "started": started}
 
     def train_result(self, cfg: RunConfig, job: dict, image: dict, rendezvous: dict) -> dict:
+        finished = time.time()
         return {"job": job["job"], "namespace": cfg.namespace, "adopted": job["adopted"],
-                "wall_time_s": round(time.time() - job["started"], 1), "image": image["image"],
+                "started": job["started"], "finished": finished,  # the GPU metrics' window
+                "wall_time_s": round(finished - job["started"], 1), "image": image["image"],
                 "image_tag": image.get("image_tag"),
                 "rendezvous": {k: rendezvous[k] for k in ("backend", "rdzv_id")}}
 
@@ -503,9 +506,21 @@ class EksTarget(Target):
         or a shared file system this worker mounts), stored beside the model."""
         result = build_report(cfg.run_dir, lambda: self._s3(cfg), run_id=cfg.run_id,
                               status="success", config=cfg.to_dict(),
-                              stages={"train": trained})
+                              stages={"train": trained}, gpu=self.gpu_metrics(cfg, trained),
+                              node_hourly_price=cfg.node_hourly_price, nodes=cfg.nodes)
         log.info("report of %s: %s", cfg.run_dir, result["report_html"])
         return result
+
+    def gpu_metrics(self, cfg: RunConfig, trained: dict) -> dict:
+        """The job's DCGM GPU metrics from Prometheus over the train stage's time window."""
+        if not cfg.prometheus_url:
+            return missing_section("prometheus", "GPU metrics missing: no prometheus_url was "
+                                   "given for this run", {})
+        end = trained.get("finished") or time.time()
+        start = trained.get("started") or end - trained["wall_time_s"]
+        return prometheus_gpu_metrics(cfg.prometheus_url, namespace=cfg.namespace,
+                                      pod_regex=job_pod_regex(trained["job"]), start=start,
+                                      end=end)
 
     def _failed_report(self, cfg: RunConfig) -> dict | None:
         """After a failed run: a failed report of what the trainer left, unless none is needed."""
