@@ -35,7 +35,7 @@ from trainer.config import TrainConfig
 from trainer.loss import LOSS_METHOD, add_loss_method
 from trainer.metrics import flops_per_token, peak_flops
 from trainer.model import BUILTIN_CONFIGS, build_model, builtin_config, materialize_weights
-from trainer.optim import build_optimizer, clip_grad_norm
+from trainer.optim import build_optimizer, optimizer_step
 from trainer.parallel import DistEnv, apply_parallelism, init_distributed
 
 SHORT_NAMES = {"1b": "llama-1b", "3b": "llama-3b", "8b": "llama-8b", "tiny": "tiny-llama"}
@@ -161,8 +161,7 @@ def run_trainer(
     def step(input_ids: torch.Tensor) -> float:
         loss = loss_sum(input_ids, input_ids=input_ids) / labelled
         loss.backward()
-        clip_grad_norm(model, config.max_grad_norm)
-        optimizer.step()
+        optimizer_step(model, optimizer, config.max_grad_norm)
         optimizer.zero_grad(set_to_none=True)
         return loss.item()
 
@@ -179,7 +178,9 @@ def run_trainer(
         "strategy": args.strategy,
         "shard_group_size": args.shard_group_size or env.local_world_size,
         "gpus": env.world_size,
-        "mixed_precision": "bf16 (fp32 master, fp32 reduce)",
+        # One rank sums nothing: its bf16 gradient reduce is exact (trainer/parallel.py).
+        "mixed_precision": "bf16 (fp32 master, "
+        + ("fp32 reduce)" if env.world_size > 1 else "no reduce)"),
         "ac": args.ac if args.ac != "selective" else f"selective:{args.selective_ac}",
         "compile": args.compile,
         "loss": "chunked",

@@ -91,12 +91,20 @@ def fsdp_plan(
     )
 
 
-def mixed_precision_policy(mixed_precision: str) -> MixedPrecisionPolicy:
-    """bf16/fp16: blocks compute on low-precision copies of fp32 weights; grads reduce in fp32."""
+def mixed_precision_policy(
+    mixed_precision: str, data_parallel_size: int | None = None
+) -> MixedPrecisionPolicy:
+    """bf16/fp16: blocks compute on low-precision copies of fp32 weights; grads reduce in fp32.
+
+    With one data-parallel rank nothing is summed: a gradient reduced in bf16 and then cast to
+    fp32 is the same number as one cast first, so it reduces in the compute dtype and FSDP's
+    gradient copies move half the bytes.
+    """
     if mixed_precision == "fp32":
         return MixedPrecisionPolicy()
+    dtype = COMPUTE_DTYPES[mixed_precision]
     return MixedPrecisionPolicy(
-        param_dtype=COMPUTE_DTYPES[mixed_precision], reduce_dtype=torch.float32
+        param_dtype=dtype, reduce_dtype=dtype if data_parallel_size == 1 else torch.float32
     )
 
 
@@ -114,6 +122,7 @@ def check_combinations(config: TrainConfig, world_size: int, device_type: str) -
             f"selective, but activation_checkpointing is {config.activation_checkpointing!r}: "
             "set activation_checkpointing to selective or leave selective_ac at op"
         )
+    _check_float8_and_lora(config)
     if device_type == "cpu":
         for name in ("activation_offload", "cpu_offload"):
             if getattr(config, name):
@@ -122,17 +131,8 @@ def check_combinations(config: TrainConfig, world_size: int, device_type: str) -
                     f"{name} saves no memory on device cpu: everything already is in CPU memory",
                     stacklevel=2,
                 )
-    _check_float8_and_lora(config)
 
 
-def compile_blocks(blocks: torch.nn.ModuleList) -> None:
-    """torch.compile each block in place: after checkpoint wrapping, before fully_shard (whose
-    hooks then run outside the graph), as torchtitan does. Blocks of one shape share the code.
-
-    TRAINER_COMPILE_BACKEND picks another backend (tests on CPU use aot_eager: same graphs, no
-    minutes of C++ code generation).
-    """
-    backend = os.environ.get("TRAINER_COMPILE_BACKEND", "inductor")
 def _check_float8_and_lora(config: TrainConfig) -> None:
     """float8 and LoRA against the options they cannot run with; each message names both."""
     if config.float8:
@@ -164,6 +164,14 @@ def _check_float8_and_lora(config: TrainConfig) -> None:
         )
 
 
+def compile_blocks(blocks: torch.nn.ModuleList) -> None:
+    """torch.compile each block in place: after checkpoint wrapping, before fully_shard (whose
+    hooks then run outside the graph), as torchtitan does. Blocks of one shape share the code.
+
+    TRAINER_COMPILE_BACKEND picks another backend (tests on CPU use aot_eager: same graphs, no
+    minutes of C++ code generation).
+    """
+    backend = os.environ.get("TRAINER_COMPILE_BACKEND", "inductor")
     for i, block in enumerate(blocks):
         blocks[i] = torch.compile(block, backend=backend, fullgraph=True)
 
@@ -188,16 +196,16 @@ def apply_parallelism(model: torch.nn.Module, config: TrainConfig, env: DistEnv)
     else:
         mesh = init_device_mesh(env.device.type, shape, mesh_dim_names=names)
     blocks = decoder_blocks(model)
+    if config.float8:  # before checkpoint wrapping and compile, as torchtitan converts
+        convert_to_float8(blocks, sharded=mesh["shard"].size() > 1)
     checkpoint_activations(blocks, config.activation_checkpointing, config.selective_ac)
     if config.compile:
         compile_blocks(blocks)
     if config.activation_offload:
         offload_activations(blocks, env.device)
     policies = {
-        "mp_policy": mixed_precision_policy(config.mixed_precision),
+        "mp_policy": mixed_precision_policy(config.mixed_precision, mesh.size()),
         "offload_policy": CPUOffloadPolicy(pin_memory=env.device.type == "cuda")
-    if config.float8:  # before checkpoint wrapping and compile, as torchtitan converts
-        convert_to_float8(blocks, sharded=mesh["shard"].size() > 1)
         if config.cpu_offload
         else OffloadPolicy(),
     }
