@@ -21,6 +21,7 @@ PYTORCHJOB_API_VERSION = f"{PYTORCHJOB_GROUP}/{PYTORCHJOB_VERSION}"
 
 # Labels tying the cluster's objects to the DAG run (values are DNS-safe, at most 63 chars).
 LABEL_RUN = "finetune.airflow.apache.org/run"
+METRICS_PORT_NAME = "metrics"  # the trainer's Prometheus port, when metrics_port is set
 LABEL_APP = "app.kubernetes.io/managed-by"
 APP = "llm-finetune-airflow"
 # Labels the training operator puts on a job's pods.
@@ -140,6 +141,13 @@ def pytorchjob_manifest(cfg: RunConfig, image: str, *,
             {"name": "dshm", "mountPath": "/dev/shm"},
         ],
     }
+    template_metadata: dict[str, Any] = {"labels": run_labels(cfg)}
+    if cfg.metrics_port:
+        # rank 0's Prometheus endpoint; containers/observability/prometheus-scrape.yaml finds
+        # it by the port's name
+        container["ports"] = [{"name": METRICS_PORT_NAME, "containerPort": cfg.metrics_port}]
+        template_metadata["annotations"] = {"prometheus.io/scrape": "true",
+                                            "prometheus.io/port": str(cfg.metrics_port)}
     tolerations = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
     if efa:
         tolerations.append({"key": EFA_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
@@ -174,7 +182,7 @@ def pytorchjob_manifest(cfg: RunConfig, image: str, *,
                     "replicas": cfg.nodes,
                     "restartPolicy": "OnFailure",
                     "template": {
-                        "metadata": {"labels": run_labels(cfg)},
+                        "metadata": template_metadata,
                         "spec": {
                             "containers": [container],
                             "nodeSelector": {NODEGROUP_LABEL: cfg.nodegroup,
