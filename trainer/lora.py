@@ -23,7 +23,7 @@ ADAPTER_NAME = "default"  # peft's name of the one adapter
 ADAPTER_DIR = "adapter"  # beside the merged weights: model/adapter/
 _BASE = ".base_layer"
 _A, _B = f".lora_A.{ADAPTER_NAME}.weight", f".lora_B.{ADAPTER_NAME}.weight"
-# How PeftModel.save_pretrained names an adapter tensor: its path under a PeftModel, no adapter name.
+# PeftModel.save_pretrained's tensor names: the path under a PeftModel, without the adapter name.
 _PEFT_PREFIX = "base_model.model."
 
 

@@ -35,6 +35,8 @@ IMAGE_BUILDERS = ("buildkit", "codebuild", "prebuilt")
 # Model configs the trainer builds from scratch (trainer/model.py BUILTIN_CONFIGS; a test keeps
 # the two lists equal, since Airflow workers do not have the trainer package installed).
 BUILTIN_MODELS = ("tiny-llama", "llama-1b", "llama-3b", "llama-8b")
+# The Linear layers of a Llama block; the trainer's default too (trainer/config.py).
+LORA_TARGET_MODULES = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 # Share of the data set the trainer holds out for the eval loss.
 EVAL_FRACTION = 0.05
 
@@ -144,6 +146,20 @@ PARAM_SPECS: tuple[ParamSpec, ...] = (
        "Parameters, gradients and the optimizer step on the CPU (FSDP2 CPU offload)."),
     _S("compile", False, "boolean", "Memory and speed", "torch.compile",
        "Compile each decoder block with torch.compile."),
+    _S("float8", False, "boolean", "Memory and speed", "float8 matmuls",
+       "The decoder blocks' Linear layers compute in float8 (torchao; weights all-gathered in "
+       "float8). Needs GPUs with compute capability >= 8.9 (H100, H200, L4) and mixed "
+       "precision bf16; reported by tokens/s (MFU assumes the bf16 peak)."),
+    _S("lora_rank", 0, "integer", "LoRA", "LoRA rank",
+       "Train LoRA adapters of this rank instead of all weights (peft); 0: full fine-tune. The "
+       "exported model has the adapters merged in; model/adapter/ holds them alone.",
+       minimum=0, maximum=4096),
+    _S("lora_alpha", 16.0, "number", "LoRA", "LoRA alpha",
+       "The adapters' output is scaled by alpha / rank.", exclusive_minimum=0, maximum=65536),
+    _S("lora_dropout", 0.0, "number", "LoRA", "LoRA dropout",
+       "Dropout on the adapters' input.", minimum=0, maximum=0.99),
+    _S("lora_target_modules", LORA_TARGET_MODULES, "string", "LoRA", "LoRA target modules",
+       "Comma-separated names of the decoder blocks' Linear layers that get adapters."),
     _S("seq_len", 128, "integer", "Training", "Sequence length",
        "Tokens per sequence; longer examples are truncated.", minimum=8, maximum=131072),
     _S("micro_batch", 8, "integer", "Training", "Micro-batch",
@@ -277,6 +293,11 @@ class RunConfig:
     activation_offload: bool
     cpu_offload: bool
     compile: bool
+    float8: bool
+    lora_rank: int
+    lora_alpha: float
+    lora_dropout: float
+    lora_target_modules: str
     prompt_template: str
     packing: bool
     seq_len: int
@@ -441,6 +462,30 @@ def _check_dataset(v: dict[str, Any], in_pod: bool) -> list[tuple[str, str]]:
     return []
 
 
+def _check_float8_and_lora(v: dict[str, Any]) -> list[tuple[str, str]]:
+    """The option pairs the trainer refuses (trainer/parallel.py), caught before any cloud call."""
+    errors: list[tuple[str, str]] = []
+    if v["float8"]:
+        if v["mixed_precision"] != "bf16":
+            errors.append(("float8", "needs mixed_precision bf16, mixed_precision is "
+                           f"{v['mixed_precision']}"))
+        for name, conflicting in (("cpu_offload", v["cpu_offload"]),
+                                  ("tp_degree", v["tp_degree"] > 1),
+                                  ("lora_rank", v["lora_rank"] > 0)):
+            if conflicting:
+                errors.append(("float8", f"cannot be combined with {name} = {v[name]}; turn "
+                               f"one of them off"))
+    if v["lora_rank"]:
+        if v["tp_degree"] > 1:
+            errors.append(("lora_rank", f"{v['lora_rank']} with tp_degree = {v['tp_degree']}: "
+                           "LoRA runs with tp_degree 1 only"))
+        names = [n.strip() for n in v["lora_target_modules"].split(",") if n.strip()]
+        if not names or any(not re.match(r"^[A-Za-z_]\w*$", n) for n in names):
+            errors.append(("lora_target_modules", f"{v['lora_target_modules']!r}: give "
+                           "comma-separated module names such as " + LORA_TARGET_MODULES))
+    return errors
+
+
 def _check_semantics(v: dict[str, Any]) -> list[tuple[str, str]]:
     """Checks across fields and against the file system; `v` has well-typed values."""
     errors: list[tuple[str, str]] = []
@@ -468,6 +513,7 @@ def _check_semantics(v: dict[str, Any]) -> list[tuple[str, str]]:
     elif v["seq_len"] % v["tp_degree"]:
         errors.append(("tp_degree", f"{v['tp_degree']} does not divide seq_len = "
                        f"{v['seq_len']} (sequence parallelism splits the sequence)"))
+    errors.extend(_check_float8_and_lora(v))
     if v["activation_checkpointing"] == "selective" and v["selective_ac"] != "op" and not (
             v["selective_ac"].isdigit() and int(v["selective_ac"]) > 0):
         errors.append(("selective_ac", f"{v['selective_ac']!r}: allowed: op, or a positive "

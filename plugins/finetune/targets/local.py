@@ -143,10 +143,14 @@ class LocalTarget(Target):
 
     def check(self, values: dict[str, Any]) -> list[tuple[str, str]]:
         res = local_resources(values["nodes"], values["procs_per_node"])
+        errors = []
+        if values["float8"] and res["device"] != "cuda":
+            errors.append(("float8", "needs GPUs with compute capability >= 8.9; this machine "
+                           "has none (the trainer would run on the CPU)"))
         if res["fits"]:
-            return []
+            return errors
         unit = "GPUs" if res["device"] == "cuda" else "CPU cores"
-        return [("procs_per_node", (
+        return errors + [("procs_per_node", (
             f"nodes x procs_per_node = {res['processes']} processes do not fit this machine: "
             f"it has {res['capacity']} {unit}; allowed: at most {res['capacity']} in total"))]
 

@@ -1,0 +1,74 @@
+"""The float8 and LoRA params: refused combinations name the field, good ones reach the trainer."""
+
+from __future__ import annotations
+
+import pytest
+
+from finetune.config import ConfigError, validate_params
+from finetune.trainer_config import trainer_config
+
+EKS = {"target": "eks", "cluster_name": "c", "nodegroup": "g", "image": "r/trainer:1",
+       "image_builder": "prebuilt", "procs_per_node": 8, "instance_type": "p5.48xlarge",
+       "output_dir": "s3://bucket/runs"}
+
+
+def refusal(params: dict) -> dict[str, str]:
+    """The messages of a refused run, joined per field."""
+    with pytest.raises(ConfigError) as error:
+        validate_params({"procs_per_node": 1, **params}, run_id="r")
+    messages: dict[str, str] = {}
+    for field, message in error.value.errors:
+        messages[field] = f"{messages.get(field, '')} {message}".strip()
+    return messages
+
+
+@pytest.mark.parametrize(("params", "field", "words"), [
+    ({**EKS, "float8": True, "mixed_precision": "fp32"}, "float8", "mixed_precision bf16"),
+    ({"float8": True, "mixed_precision": "fp16"}, "float8", "mixed_precision is fp16"),
+    ({**EKS, "float8": True, "mixed_precision": "bf16", "cpu_offload": True}, "float8",
+     "cpu_offload"),
+    ({**EKS, "float8": True, "mixed_precision": "bf16", "tp_degree": 2}, "float8", "tp_degree"),
+    ({**EKS, "float8": True, "mixed_precision": "bf16", "lora_rank": 8}, "float8", "lora_rank"),
+    ({**EKS, "lora_rank": 8, "tp_degree": 2}, "lora_rank", "tp_degree"),
+    ({"lora_rank": 8, "lora_target_modules": "q_proj; rm -rf /"}, "lora_target_modules",
+     "comma-separated"),
+    ({"lora_rank": 8, "lora_target_modules": " , "}, "lora_target_modules", "q_proj"),
+    ({"lora_rank": -1}, "lora_rank", ">= 0"),
+    ({"lora_alpha": 0}, "lora_alpha", "> 0"),
+    ({"lora_dropout": 1.0}, "lora_dropout", "<= 0.99"),
+    # p4de's A100s (compute capability 8.0) have no float8 tensor cores.
+    ({**EKS, "instance_type": "p4de.24xlarge", "float8": True, "mixed_precision": "bf16"},
+     "float8", "p4de.24xlarge"),
+])  # fmt: skip
+def test_impossible_float8_and_lora_settings_are_refused_naming_the_field(params, field, words):
+    errors = refusal(params)
+    assert field in errors and words in errors[field], errors
+
+
+def test_float8_on_the_local_target_without_gpus_is_refused():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has GPUs")
+    assert "compute capability" in refusal({"float8": True, "mixed_precision": "bf16"})["float8"]
+
+
+def test_float8_on_hopper_nodes_and_lora_options_reach_the_trainer_config():
+    cfg = validate_params({**EKS, "float8": True,
+                           "mixed_precision": "bf16"}, run_id="r")
+    assert trainer_config(cfg, local_paths=False)["float8"] is True
+    cfg = validate_params({"procs_per_node": 1, "lora_rank": 16, "lora_alpha": 32,
+                           "lora_dropout": 0.05, "lora_target_modules": "q_proj,v_proj"},
+                          run_id="r")
+    from trainer.config import load_config
+
+    trainer = load_config(None, trainer_config(cfg))
+    assert (trainer.lora_rank, trainer.lora_alpha, trainer.lora_dropout) == (16, 32.0, 0.05)
+    assert trainer.lora_target_modules == "q_proj,v_proj" and trainer.float8 is False
+
+
+def test_the_default_lora_target_modules_are_the_trainers():
+    from finetune.config import SPECS_BY_NAME
+    from trainer.config import TrainConfig
+
+    assert SPECS_BY_NAME["lora_target_modules"].default == TrainConfig().lora_target_modules
