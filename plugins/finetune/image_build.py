@@ -10,7 +10,8 @@
   - `codebuild`: the same files as a zip in S3, built by an AWS CodeBuild project;
   - `prebuilt`: the user's image, verified in ECR when it is an ECR image.
 
-Service calls and pure builders only: when to wait (or defer) is the caller's decision.
+Service calls and pure builders only: `start_image` starts a build, `finish_image` cleans up
+and verifies; the wait between them is the caller's (a loop here, a trigger in the DAG).
 """
 
 from __future__ import annotations
@@ -301,42 +302,80 @@ def upload_context(s3: Any, bucket: str, key: str, data: bytes) -> None:
 def provide_image(cfg: RunConfig, session: Any, kube_api: Callable[[], Any], *,
                   poll_interval: float = 15.0, timeout: float = BUILD_TIMEOUT_S,
                   root: Path = REPO_ROOT) -> dict[str, Any]:
-    """The trainer image for the run: prebuilt, already in ECR, or built now and verified."""
+    """The trainer image for the run: prebuilt, already in ECR, or built now and verified.
+
+    Waits in this process; the DAG's BuildImageOperator runs the same two halves around a
+    deferred wait instead (`start_image`, a trigger, `finish_image`).
+    """
+    started = start_image(cfg, session, kube_api, timeout=timeout, root=root)
+    pending = started["pending"]
+    if pending is None:
+        return finish_image(cfg, session, kube_api, started, "Complete", "")
+    if pending["builder"] == "buildkit":
+        batch = _batch_api(kube_api())
+        state, message = wait_for_job(batch, pending["namespace"], pending["job"],
+                                      poll_interval, timeout)
+    else:
+        state, message = wait_for_codebuild(session.client("codebuild"), pending["build_id"],
+                                            poll_interval, timeout)
+    return finish_image(cfg, session, kube_api, started, state, message)
+
+
+def start_image(cfg: RunConfig, session: Any, kube_api: Callable[[], Any], *,
+                timeout: float = BUILD_TIMEOUT_S, root: Path = REPO_ROOT) -> dict[str, Any]:
+    """The first half: the image when no build is needed (`pending` None: prebuilt, or the tag
+    is in ECR), else the build started and `pending` saying what to wait for (JSON-able)."""
     builder = effective_builder(cfg.image, cfg.image_builder)
     ecr = session.client("ecr")
     if builder == "prebuilt":
-        return use_prebuilt(session, cfg.image)
+        return {**use_prebuilt(session, cfg.image), "pending": None}
     tag = image_tag(root)
     ref = f"{ensure_repository(ecr, cfg.image_repository)}:{tag}"
     result = {"image": ref, "image_tag": tag, "builder": builder, "built": False}
     digest = image_digest(ecr, cfg.image_repository, tag)
     if digest:
         log.info("image %s is already in ECR (%s): build skipped", ref, digest)
-        return {**result, "digest": digest}
+        return {**result, "digest": digest, "pending": None}
     fmt = "tar.gz" if builder == "buildkit" else "zip"  # CodeBuild's S3 source must be a zip
     key = context_key(tag, fmt)
     s3 = session.client("s3")
     upload_context(s3, cfg.build_bucket, key, pack_context(root, fmt))
     log.info("building %s with %s", ref, builder)
+    if builder == "buildkit":
+        url = s3.generate_presigned_url("get_object", ExpiresIn=CONTEXT_URL_TTL_S,
+                                        Params={"Bucket": cfg.build_bucket, "Key": key})
+        pending = start_buildkit(kube_api(), ecr, cfg.namespace, ref, tag, url, timeout=timeout)
+    else:
+        pending = start_codebuild(session, cfg, ref, key, timeout=timeout)
+    # Wall-clock: a deferred wait outlives a triggerer restart.
+    return {**result, "pending": {**pending, "deadline": time.time() + timeout}}
+
+
+def finish_image(cfg: RunConfig, session: Any, kube_api: Callable[[], Any],
+                 started: dict[str, Any], state: str, message: str) -> dict[str, Any]:
+    """The second half, once the wait ended in `state` ("Complete", "Failed", or "Running" when
+    it timed out): clean up, report a failure with the build log's tail, verify the tag in ECR."""
+    pending = started["pending"]
+    result = {k: v for k, v in started.items() if k != "pending"}
+    if pending is None:
+        return result
+    ecr, ref = session.client("ecr"), started["image"]
     try:
-        if builder == "buildkit":
-            url = s3.generate_presigned_url("get_object", ExpiresIn=CONTEXT_URL_TTL_S,
-                                            Params={"Bucket": cfg.build_bucket, "Key": key})
-            build_with_buildkit(kube_api(), ecr, cfg.namespace, ref, tag, url,
-                                poll_interval=poll_interval, timeout=timeout)
+        if pending["builder"] == "buildkit":
+            finish_buildkit(kube_api(), pending, state, message)
         else:
-            build_with_codebuild(session, cfg, ref, key, poll_interval=poll_interval,
-                                 timeout=timeout)
+            finish_codebuild(session, pending, state)
     except ImageBuildError:
         # Immutable tags: a concurrent run may have pushed the same content first.
-        digest = image_digest(ecr, cfg.image_repository, tag)
+        digest = image_digest(ecr, cfg.image_repository, started["image_tag"])
         if not digest:
             raise
         log.info("this build failed, but %s was pushed meanwhile (another run): using it", ref)
         return {**result, "digest": digest}
-    digest = image_digest(ecr, cfg.image_repository, tag)
+    digest = image_digest(ecr, cfg.image_repository, started["image_tag"])
     if not digest:
-        raise ImageBuildError(f"the {builder} build reported success, but {ref} is not in ECR")
+        raise ImageBuildError(f"the {pending['builder']} build reported success, but {ref} is "
+                              "not in ECR")
     log.info("built and pushed %s (%s)", ref, digest)
     return {**result, "built": True, "digest": digest}
 
@@ -364,10 +403,15 @@ def use_prebuilt(session: Any, image: str) -> dict[str, Any]:
     return {**result, "digest": details[0]["imageDigest"]}
 
 
-def build_with_buildkit(api: Any, ecr: Any, namespace: str, ref: str, tag: str,
-                        context_url: str, *, poll_interval: float = 15.0,
-                        timeout: float = BUILD_TIMEOUT_S) -> None:
-    """Run the BuildKit Job to its end; the registry Secret is deleted whatever happens."""
+def _batch_api(api: Any) -> Any:
+    import kubernetes
+
+    return kubernetes.client.BatchV1Api(api)
+
+
+def start_buildkit(api: Any, ecr: Any, namespace: str, ref: str, tag: str, context_url: str, *,
+                   timeout: float = BUILD_TIMEOUT_S) -> dict[str, Any]:
+    """Hand over ECR's push credentials as a Secret and create (or adopt) the BuildKit Job."""
     import kubernetes
 
     core, batch = kubernetes.client.CoreV1Api(api), kubernetes.client.BatchV1Api(api)
@@ -382,20 +426,41 @@ def build_with_buildkit(api: Any, ecr: Any, namespace: str, ref: str, tag: str,
     try:
         _create_or_adopt_job(batch, buildkit_job_manifest(
             name, namespace, ref, context_url, secret, labels, deadline_s=int(timeout)))
-        state, message = wait_for_job(batch, namespace, name, poll_interval, timeout)
+    except BaseException:
+        delete_registry_secret(core, namespace, secret)
+        raise
+    return {"builder": "buildkit", "namespace": namespace, "job": name, "secret": secret,
+            "timeout": timeout}
+
+
+def finish_buildkit(api: Any, pending: dict[str, Any], state: str, message: str) -> None:
+    """Fail with the pods' reasons and log tail unless the Job completed; the registry Secret is
+    deleted whatever the outcome, and a Job still running at the timeout is deleted too."""
+    import kubernetes
+
+    core, batch = kubernetes.client.CoreV1Api(api), kubernetes.client.BatchV1Api(api)
+    namespace, name = pending["namespace"], pending["job"]
+    try:
         if state == "Failed":
             raise ImageBuildError(job_failure_report(core, namespace, name, message))
         if state != "Complete":
             _delete_job(batch, namespace, name)
             raise ImageBuildError(job_failure_report(
-                core, namespace, name, f"no result after {timeout:.0f}s: the Job was deleted"))
+                core, namespace, name,
+                f"no result after {pending['timeout']:.0f}s: the Job was deleted"))
     finally:
-        try:
-            core.delete_namespaced_secret(secret, namespace)
-            log.info("deleted registry Secret %s/%s", namespace, secret)
-        except kubernetes.client.ApiException as exc:
-            if exc.status != 404:
-                raise
+        delete_registry_secret(core, namespace, pending["secret"])
+
+
+def delete_registry_secret(core: Any, namespace: str, name: str) -> None:
+    import kubernetes
+
+    try:
+        core.delete_namespaced_secret(name, namespace)
+        log.info("deleted registry Secret %s/%s", namespace, name)
+    except kubernetes.client.ApiException as exc:
+        if exc.status != 404:
+            raise
 
 
 def job_state(job: dict[str, Any]) -> tuple[str, str]:
@@ -500,9 +565,9 @@ def _delete_job(batch: Any, namespace: str, name: str) -> None:
             raise
 
 
-def build_with_codebuild(session: Any, cfg: RunConfig, ref: str, key: str, *,
-                         poll_interval: float = 15.0, timeout: float = BUILD_TIMEOUT_S) -> None:
-    """Create or update the CodeBuild project, start a build of the S3 context, wait for it."""
+def start_codebuild(session: Any, cfg: RunConfig, ref: str, key: str, *,
+                    timeout: float = BUILD_TIMEOUT_S) -> dict[str, Any]:
+    """Create or update the CodeBuild project and start a build of the S3 context."""
     codebuild = session.client("codebuild")
     name = codebuild_project_name(cfg.image_repository)
     project = {
@@ -531,15 +596,37 @@ def build_with_codebuild(session: Any, cfg: RunConfig, ref: str, key: str, *,
             {"name": "REGISTRY", "value": registry, "type": "PLAINTEXT"},
             {"name": "DOCKER_BUILDKIT", "value": "1", "type": "PLAINTEXT"}])["build"]
     log.info("started CodeBuild build %s", build["id"])
+    return {"builder": "codebuild", "build_id": build["id"], "timeout": timeout}
+
+
+def codebuild_state(codebuild: Any, build_id: str) -> tuple[str, str]:
+    """(Complete | Failed | Running, CodeBuild's status) of a build."""
+    status = codebuild.batch_get_builds(ids=[build_id])["builds"][0]["buildStatus"]
+    if status == "IN_PROGRESS":
+        return "Running", status
+    return ("Complete" if status == "SUCCEEDED" else "Failed"), status
+
+
+def wait_for_codebuild(codebuild: Any, build_id: str, poll_interval: float,
+                       timeout: float) -> tuple[str, str]:
+    """Poll the build until it ends or `timeout` passes (then "Running")."""
     deadline = time.monotonic() + timeout
-    while build["buildStatus"] == "IN_PROGRESS":
-        if time.monotonic() > deadline:
-            codebuild.stop_build(id=build["id"])
-            raise ImageBuildError(f"CodeBuild build {build['id']} did not finish in "
-                                  f"{timeout:.0f}s: stopped")
+    while True:
+        state, status = codebuild_state(codebuild, build_id)
+        if state != "Running" or time.monotonic() > deadline:
+            return state, status
         time.sleep(poll_interval)
-        build = codebuild.batch_get_builds(ids=[build["id"]])["builds"][0]
-    if build["buildStatus"] != "SUCCEEDED":
+
+
+def finish_codebuild(session: Any, pending: dict[str, Any], state: str) -> None:
+    """Stop a build still running at the timeout; fail with the phases and the log's tail."""
+    codebuild = session.client("codebuild")
+    if state == "Running":
+        codebuild.stop_build(id=pending["build_id"])
+        raise ImageBuildError(f"CodeBuild build {pending['build_id']} did not finish in "
+                              f"{pending['timeout']:.0f}s: stopped")
+    if state != "Complete":
+        build = codebuild.batch_get_builds(ids=[pending["build_id"]])["builds"][0]
         raise ImageBuildError(codebuild_failure_report(session, build))
 
 

@@ -1,4 +1,4 @@
-"""The DAG's two long waits as operators: on the eks target they start the work and defer to a
+"""The DAG's long waits as operators: on the eks target they start the work and defer to a
 trigger (no worker slot held while nodes come up or the job trains); on any other target they
 run the target's stage in the task, as the other stages do.
 """
@@ -76,6 +76,42 @@ class ScaleUpOperator(BaseOperator):
         log.info("%d node(s) Ready: %s", len(event["nodes"]), event["nodes"])
         return {"nodegroup": cfg.nodegroup, "scaling_config": scaling_config,
                 "nodes": event["nodes"]}
+
+
+class BuildImageOperator(BaseOperator):
+    """Provide the trainer image: on eks, start the build (BuildKit Job or CodeBuild) unless the
+    image is prebuilt or its tag is already in ECR, and wait deferred for it to end; then clean
+    up (the registry Secret), report a failure with the build log's tail, verify the tag."""
+
+    template_fields = ("run_config",)
+
+    def __init__(self, *, run_config: Any, poll_interval: float = 15.0,
+                 refresh_interval: float = TOKEN_REFRESH_S, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.run_config, self.poll_interval = run_config, poll_interval
+        self.refresh_interval = refresh_interval
+
+    def execute(self, context: Any) -> dict:
+        from finetune.targets.eks import kube_credentials
+        from finetune.triggers import ImageBuildTrigger
+
+        target, cfg, defers = _deferrable_target(self.run_config, self.poll_interval)
+        if not defers:
+            return target.build_image(cfg)
+        started = target.start_build(cfg)
+        pending = started["pending"]
+        if pending is None:
+            return target.finish_build(cfg, started, "Complete", "")
+        log.info("waiting deferred for the %s build of %s", pending["builder"], started["image"])
+        credentials = kube_credentials(cfg) if pending["builder"] == "buildkit" else None
+        self.defer(trigger=ImageBuildTrigger(
+            pending=pending, credentials=credentials, aws_conn_id=cfg.aws_conn_id,
+            poll_interval=self.poll_interval, refresh_interval=self.refresh_interval),
+            method_name="execute_complete", kwargs={"started": started})
+
+    def execute_complete(self, context: Any, event: dict, started: dict) -> dict:
+        target, cfg, _ = _deferrable_target(self.run_config, self.poll_interval)
+        return target.finish_build(cfg, started, event["state"], event["message"])
 
 
 class TrainOperator(BaseOperator):

@@ -4,7 +4,8 @@ serialise to plain kwargs.
 - `NodegroupActiveTrigger`: the EKS node group is ACTIVE again after a scaling update;
 - `NodesReadyTrigger`: N nodes of the node group are Ready with the GPUs (and EFA) a worker asks;
 - `PyTorchJobTrigger`: the PyTorchJob reached Succeeded or Failed, or `wake_after` passed (the
-  task then streams the leader's new log lines and defers again).
+  task then streams the leader's new log lines and defers again);
+- `ImageBuildTrigger`: the trainer image's build (BuildKit Job or CodeBuild) ended.
 
 Kubernetes calls use kubernetes_asyncio; the client is re-opened every `refresh_interval`
 seconds so waits of hours outlive an EKS token (valid about 14 minutes).
@@ -186,3 +187,53 @@ class PyTorchJobTrigger(BaseTrigger):
             except ApiException as exc:
                 if exc.status != 404:
                     raise
+
+
+class ImageBuildTrigger(BaseTrigger):
+    """The image build started by `image_build.start_image` ended, or `timeout` passed.
+
+    `pending` is what start_image returned: a BuildKit Job (read with kubernetes_asyncio, the
+    token re-minted as for the other waits) or a CodeBuild build (boto3, off the event loop).
+    The event's state is Complete, Failed, or Running when the wait passed the build's deadline
+    (wall-clock, so a triggerer restart does not extend it).
+    """
+
+    def __init__(self, *, pending: dict[str, Any], credentials: dict[str, str] | None = None,
+                 aws_conn_id: str = "", poll_interval: float = 15.0,
+                 refresh_interval: float = TOKEN_REFRESH_S):
+        super().__init__()
+        self.pending, self.credentials, self.aws_conn_id = pending, credentials, aws_conn_id
+        self.poll_interval, self.refresh_interval = poll_interval, refresh_interval
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return f"{__name__}.ImageBuildTrigger", {
+            "pending": self.pending, "credentials": self.credentials,
+            "aws_conn_id": self.aws_conn_id, "poll_interval": self.poll_interval,
+            "refresh_interval": self.refresh_interval}
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        from finetune.image_build import codebuild_state, job_state
+
+        kube = KubeClient(self.credentials or {}, self.refresh_interval)
+        codebuild = None
+        try:
+            while True:
+                if self.pending["builder"] == "buildkit":
+                    from kubernetes_asyncio import client
+
+                    api = await kube.get()
+                    job = await client.BatchV1Api(api).read_namespaced_job(
+                        self.pending["job"], self.pending["namespace"])
+                    state, message = job_state(api.sanitize_for_serialization(job))
+                else:
+                    if codebuild is None:
+                        codebuild = await asyncio.to_thread(
+                            lambda: aws_session(self.aws_conn_id).client("codebuild"))
+                    state, message = await asyncio.to_thread(
+                        codebuild_state, codebuild, self.pending["build_id"])
+                if state != "Running" or time.time() > self.pending["deadline"]:
+                    yield TriggerEvent({"state": state, "message": message})
+                    return
+                await asyncio.sleep(self.poll_interval)
+        finally:
+            await kube.close()

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
+import importlib
+import json
 import re
 import threading
 import time
@@ -12,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import kubernetes
+from airflow.sdk.exceptions import TaskDeferred
 
 from finetune.config import RunConfig, validate_params
 from finetune.manifests import (
@@ -318,3 +322,33 @@ def jobs_of_run(cluster: Cluster, cfg: RunConfig) -> list[dict]:
 
 IMAGE = {"image": "1234.dkr.ecr/ft:abc", "image_tag": "abc"}
 RDZV = {"backend": "etcd-v2", "rdzv_id": "x"}
+
+
+# -- driving deferrable operators as Airflow does ------------------------------------------
+
+
+def reloaded(trigger: Any) -> Any:
+    """The trigger as the triggerer gets it: serialised to JSON and built again."""
+    classpath, kwargs = trigger.serialize()
+    module, _, name = classpath.rpartition(".")
+    return getattr(importlib.import_module(module), name)(**json.loads(json.dumps(kwargs)))
+
+
+async def first_event(trigger: Any) -> dict:
+    async for event in trigger.run():
+        return event.payload
+    raise AssertionError("the trigger ended without an event")
+
+
+def run_deferred(operator: Any, max_defers: int = 200) -> tuple[Any, list[dict]]:
+    """Run an operator to the end, each deferral's trigger inline: (result, events)."""
+    call, events = functools.partial(operator.execute, {}), []
+    for _ in range(max_defers):
+        try:
+            return call(), events
+        except TaskDeferred as deferred:
+            event = asyncio.run(first_event(reloaded(deferred.trigger)))
+            events.append(event)
+            call = functools.partial(getattr(operator, deferred.method_name), {}, event=event,
+                                     **(deferred.kwargs or {}))
+    raise AssertionError(f"still deferring after {max_defers} deferrals")

@@ -4,6 +4,7 @@ prove the API calls, the manifests and the outcomes, up to what a container engi
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import dataclasses
 import io
@@ -20,7 +21,7 @@ import kmock
 import kubernetes
 import kubernetes_validate
 import pytest
-from eks_support import EKS_PARAMS, Cluster, eks_config
+from eks_support import EKS_PARAMS, Cluster, eks_config, first_event, reloaded, run_deferred
 
 from finetune.config import ConfigError, RunConfig, validate_params
 from finetune.image import context_files, image_tag
@@ -37,7 +38,9 @@ from finetune.image_build import (
     pack_context,
     provide_image,
 )
-from finetune.targets.eks import EksTarget
+from finetune.operators import BuildImageOperator
+from finetune.targets.eks import EksTarget, kube_credentials
+from finetune.triggers import ImageBuildTrigger
 
 NS = "ml"
 REPO_NAME = "finetune-trainer"
@@ -311,3 +314,76 @@ def test_bad_image_params_are_refused_at_validate_naming_the_field(conf, field, 
 def test_empty_image_with_a_bucket_validates_for_a_build():
     cfg = validate_params({**EKS_PARAMS, "image": "", "build_bucket": BUCKET}, run_id="r")
     assert cfg.image_builder == "buildkit" and cfg.image_repository == REPO_NAME
+
+
+# -- the DAG's build_image task: the build waited on deferred --------------------------------
+
+
+def build_operator(cfg: RunConfig) -> BuildImageOperator:
+    return BuildImageOperator(task_id="build_image", run_config=cfg.to_dict(), poll_interval=0.05)
+
+
+def test_build_image_task_defers_until_the_buildkit_job_completes_then_verifies(session, kube):
+    controller = JobController(kube, session)
+    controller.start()
+    result, events = run_deferred(build_operator(build_config()))
+    controller.join(5)
+    assert events == [{"state": "Complete", "message": ""}]
+    assert result["built"] is True and result["digest"].startswith("sha256:")
+    assert "pending" not in result
+    assert controller.secret is not None and secret_names(kube) == []
+
+
+def test_build_image_task_fails_with_the_log_tail_after_a_deferred_wait(session, kube):
+    controller = JobController(kube, session, outcome="failed", log_lines=60)
+    controller.start()
+    with pytest.raises(ImageBuildError, match="#59 build step 59"):
+        run_deferred(build_operator(build_config()))
+    controller.join(5)
+    assert secret_names(kube) == []
+
+
+def test_build_image_task_does_not_defer_when_the_tag_is_in_ecr(session):
+    ensure_repository(session.client("ecr"), REPO_NAME)
+    push(session, image_tag())
+    result, events = run_deferred(build_operator(build_config()))
+    assert events == [] and result["built"] is False and result["digest"]
+
+
+def test_a_build_past_its_deadline_is_stopped_and_its_secret_deleted(session, kube):
+    """Nothing plays the Job controller: the Job never ends; the wait stops at the deadline."""
+    target = EksTarget(poll_interval=0.05)
+    cfg = build_config()
+    started = target.start_build(cfg)
+    pending = started["pending"]
+    assert pending["builder"] == "buildkit" and secret_names(kube) == [pending["secret"]]
+    pending["deadline"] = time.time() + 0.3
+    event = asyncio.run(first_event(reloaded(ImageBuildTrigger(
+        pending=pending, credentials=kube_credentials(cfg), poll_interval=0.05))))
+    assert event["state"] == "Running"
+    with pytest.raises(ImageBuildError, match="no result after"):
+        target.finish_build(cfg, started, event["state"], event["message"])
+    batch = kubernetes.client.BatchV1Api(kube.api())
+    assert batch.list_namespaced_job(NS).items == [] and secret_names(kube) == []
+
+
+def test_codebuild_failure_is_reported_from_its_phases(session, monkeypatch):
+    """moto reports every build SUCCEEDED: the failed status is the test's, the report ours."""
+    from finetune import image_build
+
+    cfg = build_config(image_builder="codebuild", codebuild_role=ROLE)
+    target = EksTarget(poll_interval=0.05)
+    started = target.start_build(cfg)
+    assert started["pending"]["builder"] == "codebuild"
+    event = asyncio.run(first_event(reloaded(ImageBuildTrigger(
+        pending=started["pending"], aws_conn_id=cfg.aws_conn_id, poll_interval=0.05))))
+    assert event == {"state": "Complete", "message": "SUCCEEDED"}
+
+    real = image_build.codebuild_failure_report
+    failed_build = {"id": started["pending"]["build_id"], "buildStatus": "FAILED", "phases": [
+        {"phaseType": "BUILD", "phaseStatus": "FAILED",
+         "contexts": [{"message": "COMMAND_EXECUTION_ERROR: docker build exited 1"}]}]}
+    monkeypatch.setattr(image_build, "codebuild_failure_report",
+                        lambda s, build: real(s, failed_build))
+    with pytest.raises(ImageBuildError, match="phase BUILD: FAILED COMMAND_EXECUTION_ERROR"):
+        target.finish_build(cfg, started, "Failed", "FAILED")

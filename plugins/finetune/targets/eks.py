@@ -29,7 +29,7 @@ from typing import Any
 from finetune.config import RunConfig
 from finetune.etcd import EtcdError, KeysRequest, delete_rendezvous_keys
 from finetune.gpu_metrics import job_pod_regex, missing_section, prometheus_gpu_metrics
-from finetune.image_build import image_param_errors, provide_image
+from finetune.image_build import finish_image, image_param_errors, provide_image, start_image
 from finetune.instance_types import INSTANCE_TYPES
 from finetune.kube import aws_session, create_or_replace, kube_api_client
 from finetune.manifests import (
@@ -288,6 +288,15 @@ class EksTarget(Target):
         # The cluster client only when a BuildKit build needs it.
         return provide_image(cfg, aws_session(cfg.aws_conn_id), lambda: self._kube(cfg),
                              poll_interval=self.poll_interval)
+
+    def start_build(self, cfg: RunConfig) -> dict:
+        """build_image's first half: the image, or the started build under `pending`."""
+        return start_image(cfg, aws_session(cfg.aws_conn_id), lambda: self._kube(cfg))
+
+    def finish_build(self, cfg: RunConfig, started: dict, state: str, message: str) -> dict:
+        """build_image's second half, after a deferred wait ended in `state`."""
+        return finish_image(cfg, aws_session(cfg.aws_conn_id), lambda: self._kube(cfg),
+                            started, state, message)
 
     def reset_etcd(self, cfg: RunConfig) -> dict:
         host, port = rendezvous_host(cfg)
