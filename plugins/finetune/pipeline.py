@@ -12,7 +12,7 @@ from typing import Any
 
 from airflow.sdk import Asset, Variable, get_current_context, task
 
-from finetune.operators import ScaleUpOperator, TrainOperator
+from finetune.operators import BuildImageOperator, ScaleUpOperator, TrainOperator
 
 
 def _target(run_config: dict):
@@ -74,11 +74,6 @@ def finetune_pipeline(*, base_conf: Mapping[str, Any] | None = None,
         return target.snapshot(cfg)
 
     @task
-    def build_image(run_config: dict) -> dict:
-        target, cfg = _target(run_config)
-        return target.build_image(cfg)
-
-    @task
     def reset_etcd(run_config: dict) -> dict:
         target, cfg = _target(run_config)
         return target.reset_etcd(cfg)
@@ -101,12 +96,13 @@ def finetune_pipeline(*, base_conf: Mapping[str, Any] | None = None,
 
     cfg = validate()
     snap = snapshot(cfg)
-    # On eks both wait deferred (no worker slot held); elsewhere they run in the task.
+    # On eks these wait deferred (no worker slot held); elsewhere they run in the task.
     up = ScaleUpOperator(task_id="scale_up", run_config=cfg)
     snap >> up
-    image, rendezvous = build_image(cfg), reset_etcd(cfg)
+    image = BuildImageOperator(task_id="build_image", run_config=cfg)
+    rendezvous = reset_etcd(cfg)
     up >> [image, rendezvous]
-    trained = TrainOperator(task_id="train", run_config=cfg, image=image,
+    trained = TrainOperator(task_id="train", run_config=cfg, image=image.output,
                             rendezvous=rendezvous, **({"pool": pool} if pool else {}))
     metrics = collect_metrics(cfg, trained.output)
     metrics >> teardown(cfg, snap).as_teardown(setups=snap)
