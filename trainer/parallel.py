@@ -41,14 +41,15 @@ class DistEnv:
     device: torch.device
 
 
-def init_distributed(cpu_offload: bool = False) -> DistEnv:
+def init_distributed() -> DistEnv:
     """Join the torchrun process group (NCCL on GPUs, gloo on CPU), or make a world of one."""
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        # CPU-offloaded gradients are reduced on the CPU (grad norm, fp16 inf check): gloo's job.
-        backend = "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
+        # gloo for CPU tensors: CPU-offloaded gradients (grad norm, fp16 inf check) and the
+        # collectives of asynchronous checkpoint saves; CUDA tensors go through NCCL either way.
+        backend = "cuda:nccl,cpu:gloo"
     else:
         device, backend = torch.device("cpu"), "gloo"
     if "RANK" in os.environ:

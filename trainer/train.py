@@ -54,7 +54,7 @@ from trainer.tensor_parallel import SequenceParallelBatches, data_parallel_rank
 def main(argv: Sequence[str] | None = None) -> None:
     started = time.time()
     config = parse_args(argv)
-    env = init_distributed(config.cpu_offload)
+    env = init_distributed()
     try:
         train(config, env, started)
     finally:
