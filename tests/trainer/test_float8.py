@@ -1,0 +1,77 @@
+"""float8 (torchao): refused where it cannot run; trains a tiny model (emulated on CPU, real on a
+GPU with compute capability >= 8.9)."""
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from trainer.config import TrainConfig, load_config
+from trainer.data import PROMPT_TEMPLATE
+from trainer.demo import DEMO_TOKENIZER
+from trainer.float8 import EMULATE_ENV, MIN_CAPABILITY, check_float8_device
+from trainer.model import build_model, materialize_weights
+from trainer.optim import build_optimizer, optimizer_step
+from trainer.parallel import apply_parallelism, check_combinations
+
+HAS_FLOAT8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= MIN_CAPABILITY
+
+
+def test_float8_on_a_cpu_fails_at_start_naming_the_option(monkeypatch):
+    monkeypatch.delenv(EMULATE_ENV, raising=False)
+    with pytest.raises(ValueError, match="float8 needs a CUDA GPU .* runs on cpu: set float8 to"):
+        check_float8_device(torch.device("cpu"))
+
+
+@pytest.mark.parametrize(("options", "words"), [
+    ({"mixed_precision": "fp32"}, "float8 needs mixed_precision bf16 \\(got fp32\\)"),
+    ({"mixed_precision": "fp16"}, "float8 needs mixed_precision bf16 \\(got fp16\\)"),
+    ({"mixed_precision": "bf16", "cpu_offload": True},
+     "float8 cannot be combined with cpu_offload True"),
+    ({"mixed_precision": "bf16", "tp_degree": 2}, "float8 cannot be combined with tp_degree 2"),
+    ({"mixed_precision": "bf16", "lora_rank": 8}, "float8 cannot be combined with lora_rank 8"),
+])  # fmt: skip
+def test_float8_with_an_option_it_cannot_run_with_names_both(options, words):
+    with pytest.raises(ValueError, match=words):
+        check_combinations(TrainConfig(float8=True, **options), 2, "cuda")
+
+
+def test_float8_with_bf16_and_the_memory_options_passes_the_combination_checks():
+    config = TrainConfig(float8=True, mixed_precision="bf16", activation_checkpointing="full",
+                         compile=True, strategy="HYBRID_SHARD")  # fmt: skip
+    check_combinations(config, 8, "cuda")
+
+
+@pytest.mark.parametrize("mode", [
+    "emulated",
+    pytest.param("cuda", marks=pytest.mark.skipif(
+        not HAS_FLOAT8_GPU, reason="needs a GPU with compute capability >= 8.9")),
+])  # fmt: skip
+def test_a_tiny_model_trains_with_float8_linear_layers_in_its_blocks(
+    mode, world_of_one, monkeypatch
+):
+    if mode == "emulated":
+        if world_of_one.device.type == "cuda":
+            pytest.skip("emulation is the CPU stand-in")
+        monkeypatch.setenv(EMULATE_ENV, "1")  # torchao's float8 casts, matmuls in bf16
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_TOKENIZER)
+    config = load_config(None, {"float8": True, "mixed_precision": "bf16", "lr": 3e-3})
+    check_combinations(config, world_of_one.world_size, world_of_one.device.type)
+    check_float8_device(world_of_one.device)
+    model = build_model(config.model, tokenizer)
+    apply_parallelism(model, config, world_of_one)
+    materialize_weights(model, config.model, config.seed, world_of_one.device)
+    kinds = {name.rsplit(".", 1)[-1]: type(m).__name__ for name, m in model.named_modules()}
+    assert kinds["q_proj"] == kinds["down_proj"] == "Float8Linear"
+    assert kinds["lm_head"] == "Linear"  # the head and embeddings stay bf16
+    optimizer = build_optimizer(model, config, world_of_one.device)
+    text = PROMPT_TEMPLATE.format(prompt="Repeat owl 3 times.") + " owl owl owl"
+    input_ids = tokenizer(text, return_tensors="pt")["input_ids"].to(world_of_one.device)
+    losses = []
+    for _ in range(8):
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        optimizer_step(model, optimizer, config.max_grad_norm)
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0] - 0.5, losses
