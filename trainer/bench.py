@@ -2,6 +2,7 @@
 
 python -m trainer.bench --models 1b,3b --micro-batch 4 --compile
 python -m trainer.bench --models 8b --micro-batch 2 --compile --ac full --strategy FULL_SHARD
+python -m trainer.bench --models 3b --micro-batch 4 --compile --float8 --no-hf   # H100/H200
 torchrun --nproc-per-node 8 -m trainer.bench --models 8b --no-hf --strategy HYBRID_SHARD ...
 
 Under torchrun (several GPUs) only this trainer runs; tokens/s, TFLOPs and MFU are per GPU and
@@ -32,6 +33,7 @@ import torch.distributed as dist
 from transformers import LlamaForCausalLM, PretrainedConfig
 
 from trainer.config import TrainConfig
+from trainer.float8 import check_float8_device, precompute_float8_scales
 from trainer.loss import LOSS_METHOD, add_loss_method
 from trainer.metrics import flops_per_token, peak_flops
 from trainer.model import BUILTIN_CONFIGS, build_model, builtin_config, materialize_weights
@@ -50,6 +52,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False)
+    # float8 runs print tokens/s; TFLOPs and MFU are left out (their peak is the bf16 one).
+    parser.add_argument("--float8", action="store_true", help="torchao float8 in the blocks")
     parser.add_argument("--ac", choices=["none", "full", "selective"], default="none")
     parser.add_argument("--selective-ac", default="op", help="op, or k: every k-th block")
     # One GPU: resharding after forward saves memory (8B needs it) but gathers again in backward.
@@ -106,6 +110,7 @@ def result(
     median = statistics.median(timed)
     tokens_per_s = args.micro_batch * args.seq_len / median
     tflops = flops_per_token(model_config, args.seq_len) * tokens_per_s / 1e12
+    float8 = bool(options.get("float8"))
     return {
         "run": run,
         "model": model,
@@ -116,8 +121,8 @@ def result(
         "step_time_s": _rounded(median),
         "step_time_mean_s": _rounded(statistics.fmean(timed)),
         "tokens_per_s": _rounded(tokens_per_s),
-        "tflops_per_gpu": _rounded(tflops),
-        "mfu": _rounded(tflops * 1e12 / peak),
+        "tflops_per_gpu": None if float8 else _rounded(tflops),
+        "mfu": None if float8 else _rounded(tflops * 1e12 / peak),
         "peak_memory_gib": _rounded(peak_memory_gib(device)),
         "loss_first": _rounded(losses[0]),
         "loss_last": _rounded(losses[-1]),
@@ -147,7 +152,10 @@ def run_trainer(
         activation_checkpointing=args.ac,
         selective_ac=args.selective_ac if args.ac == "selective" else "op",
         compile=args.compile,
+        float8=args.float8,
     )
+    if args.float8:
+        check_float8_device(env.device)
     model = build_model(name)
     model_config = model.config
     apply_parallelism(model, config, env)
@@ -162,6 +170,8 @@ def run_trainer(
         loss = loss_sum(input_ids, input_ids=input_ids) / labelled
         loss.backward()
         optimizer_step(model, optimizer, config.max_grad_norm)
+        if args.float8:
+            precompute_float8_scales(model)
         optimizer.zero_grad(set_to_none=True)
         return loss.item()
 
@@ -183,6 +193,7 @@ def run_trainer(
         + ("fp32 reduce)" if env.world_size > 1 else "no reduce)"),
         "ac": args.ac if args.ac != "selective" else f"selective:{args.selective_ac}",
         "compile": args.compile,
+        "float8": args.float8,
         "loss": "chunked",
         "optimizer": "AdamW fused" if env.device.type == "cuda" else "AdamW",
     }

@@ -80,3 +80,11 @@ def test_the_benchmark_under_torchrun_prints_one_per_gpu_line_from_rank_0():
     assert lines[0]["options"]["gpus"] == 2
     assert lines[0]["options"]["strategy"] == "HYBRID_SHARD"
     assert lines[0]["options"]["shard_group_size"] == 1
+
+
+def test_a_float8_run_reports_tokens_per_second_and_no_mfu(monkeypatch):
+    # torchao's emulation stands in for the float8 tensor cores a CPU does not have.
+    monkeypatch.setenv("TRAINER_FLOAT8_EMULATE", "1")
+    (record,) = bench("--float8", "--no-hf")
+    assert record["options"]["float8"] is True and record["tokens_per_s"] > 0
+    assert record["mfu"] is None and record["tflops_per_gpu"] is None
