@@ -37,7 +37,7 @@ KUBE_CALL = re.compile(r"\.(list|read|get|create|replace|patch|delete)_(namespac
 PROXY_VERBS = {"GET": "get", "DELETE": "delete", "PUT": "update", "POST": "create"}
 
 # boto3 clients are named after their service (eks = session.client("eks")).
-AWS_VARS = ("eks", "ecr", "s3", "codebuild", "sts")
+AWS_VARS = ("eks", "ecr", "s3", "codebuild", "sts", "autoscaling")
 AWS_CALL = re.compile(r"\b(" + "|".join(AWS_VARS) + r")\.([a-z_][a-z0-9_]*)\(")
 AWS_INLINE_CALL = re.compile(r"client\(\"([a-z0-9-]+)\"\)\.([a-z_]+)\(")
 NOT_API = {"get_waiter", "generate_presigned_url", "get_paginator"}

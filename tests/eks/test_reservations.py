@@ -9,10 +9,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import boto3
 import kubernetes
 import pytest
 from eks_support import NS, SCALING, add_nodes, eks_config, scaling, target
 
+from finetune.manifests import run_labels
 from finetune.reservations import (
     ReservationStore,
     empty_state,
@@ -21,6 +23,7 @@ from finetune.reservations import (
     reserve,
     wanted_scaling,
 )
+from finetune.targets.eks import busy_node_names, instance_id
 
 BASELINE = {"minSize": 0, "maxSize": 2, "desiredSize": 1}
 
@@ -133,3 +136,75 @@ def test_a_conflicting_change_is_retried_and_neither_change_is_lost(cluster):
     state, _ = mine.read()
     assert sorted(state["reservations"]) == ["mine", "other"]
     assert wanted_scaling(state, time.time())["desiredSize"] == 4
+
+
+def the_nodegroups_asg(nodegroup: Any, instances: int) -> tuple[Any, str, list[str]]:
+    """moto names the node group's Auto Scaling group but does not create it: create it."""
+    asg_name = nodegroup.describe_nodegroup(clusterName="train", nodegroupName="gpu-p4de")[
+        "nodegroup"]["resources"]["autoScalingGroups"][0]["name"]
+    ec2, autoscaling = boto3.client("ec2"), boto3.client("autoscaling")
+    vpc = ec2.create_vpc(CidrBlock="10.0.0.0/16")["Vpc"]["VpcId"]
+    subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.0.0.0/24")["Subnet"]["SubnetId"]
+    template = ec2.create_launch_template(LaunchTemplateName="gpu", LaunchTemplateData={
+        "ImageId": "ami-12c6146b", "InstanceType": "p4de.24xlarge"})["LaunchTemplate"]
+    autoscaling.create_auto_scaling_group(
+        AutoScalingGroupName=asg_name, MinSize=0, MaxSize=8, DesiredCapacity=instances,
+        LaunchTemplate={"LaunchTemplateId": template["LaunchTemplateId"]},
+        VPCZoneIdentifier=subnet)
+    ids = [i["InstanceId"] for i in autoscaling.describe_auto_scaling_groups(
+        AutoScalingGroupNames=[asg_name])["AutoScalingGroups"][0]["Instances"]]
+    return autoscaling, asg_name, sorted(ids)
+
+
+def protected(autoscaling: Any, asg_name: str) -> set[str]:
+    group = autoscaling.describe_auto_scaling_groups(AutoScalingGroupNames=[asg_name])
+    return {i["InstanceId"] for i in group["AutoScalingGroups"][0]["Instances"]
+            if i["ProtectedFromScaleIn"]}
+
+
+def run_pod(cluster: Any, cfg: Any, node: str, phase: str = "Running") -> None:
+    kubernetes.client.CoreV1Api(cluster.api()).create_namespaced_pod(NS, {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": f"{cfg.rdzv_id}-worker-0", "namespace": NS,
+                     "labels": run_labels(cfg)},
+        "spec": {"nodeName": node, "containers": [{"name": "pytorch", "image": "t"}]},
+        "status": {"phase": phase}})
+
+
+def test_a_run_shrinking_the_node_group_protects_the_nodes_other_runs_train_on(
+    nodegroup, cluster
+):
+    t = target()
+    a, b = eks_config(run_id="run-a", nodes=1), eks_config(run_id="run-b", nodes=1)
+    snaps = {cfg.rdzv_id: t.snapshot(cfg) for cfg in (a, b)}
+    autoscaling, asg_name, instances = the_nodegroups_asg(nodegroup, 2)
+    add_nodes(cluster, 2)
+    core = kubernetes.client.CoreV1Api(cluster.api())
+    for i, instance in enumerate(instances):  # node ip-10-0-0-i is EC2 instance i
+        core.patch_node(f"ip-10-0-0-{i}", {"spec": {
+            "providerID": f"aws:///us-east-1a/{instance}"}})
+    t.scale_up(a)
+    t.scale_up(b)
+    run_pod(cluster, a, "ip-10-0-0-0")
+    run_pod(cluster, b, "ip-10-0-0-1")
+
+    t.teardown(a, snaps[a.rdzv_id])  # desiredSize 2 -> 1: b's node must be the one kept
+    assert scaling(nodegroup)["desiredSize"] == 1
+    assert protected(autoscaling, asg_name) == {instances[1]}
+
+    t.teardown(b, snaps[b.rdzv_id])  # the last run lifts what the pipeline set
+    assert scaling(nodegroup) == SCALING
+    assert protected(autoscaling, asg_name) == set()
+
+
+def test_busy_nodes_are_those_of_other_live_runs_pending_or_running_pods():
+    def pod(run: str, node: str, phase: str) -> dict:
+        return {"metadata": {"labels": {"finetune.airflow.apache.org/run": run}},
+                "spec": {"nodeName": node}, "status": {"phase": phase}}
+
+    pods = [pod("me", "n1", "Running"), pod("other", "n2", "Running"),
+            pod("other", "n3", "Pending"), pod("other", "n4", "Succeeded"),
+            pod("dead", "n5", "Running")]
+    assert busy_node_names(pods, "me", live_runs={"me", "other"}) == {"n2", "n3"}
+    assert instance_id({"spec": {"providerID": "aws:///us-east-1a/i-0abc"}}) == "i-0abc"
+    assert instance_id({"spec": {"providerID": "kind://docker/x"}}) is None

@@ -33,13 +33,16 @@ from finetune.image_build import finish_image, image_param_errors, provide_image
 from finetune.instance_types import INSTANCE_TYPES
 from finetune.kube import aws_session, create_or_replace, kube_api_client
 from finetune.manifests import (
+    APP,
     CONTAINER_NAME,
     EFA_RESOURCE,
     ETCD_PORT,
     GPU_RESOURCE,
+    LABEL_APP,
     LABEL_JOB_NAME,
     LABEL_REPLICA_INDEX,
     LABEL_REPLICA_TYPE,
+    LABEL_RUN,
     NODEGROUP_LABEL,
     PYTORCHJOB_GROUP,
     PYTORCHJOB_PLURAL,
@@ -592,6 +595,50 @@ class EksTarget(Target):
                     raise
         return deleted
 
+    def _protect_busy_instances(self, eks: Any, cfg: RunConfig, state: dict) -> dict:
+        """Protect from scale-in the instances running other live runs' pods, and lift the
+        protection this pipeline set on the others (`state["protected"]`), so that lowering
+        desiredSize terminates idle nodes. Best effort: without it scale-in picks as before.
+
+        The protection is the Auto Scaling group's, which EKS managed node groups are made of:
+        an ASG whose desired capacity drops terminates unprotected instances only.
+        """
+        import kubernetes
+
+        try:
+            groups = self._describe_nodegroup(eks, cfg).get("resources", {}).get(
+                "autoScalingGroups") or []
+            if not groups:
+                return state
+            api = self._kube(cfg)
+            core = kubernetes.client.CoreV1Api(api)
+            pods = api.sanitize_for_serialization(core.list_namespaced_pod(
+                cfg.namespace, label_selector=f"{LABEL_APP}={APP}"))["items"]
+            nodes = api.sanitize_for_serialization(core.list_node(
+                label_selector=f"{NODEGROUP_LABEL}={cfg.nodegroup}"))["items"]
+            busy_nodes = busy_node_names(pods, cfg.rdzv_id,
+                                         set(live_reservations(state, time.time())))
+            autoscaling = aws_session(cfg.aws_conn_id).client("autoscaling")
+            asg = groups[0]["name"]
+            members = {i["InstanceId"]: i.get("ProtectedFromScaleIn", False) for i in
+                       autoscaling.describe_auto_scaling_groups(
+                           AutoScalingGroupNames=[asg])["AutoScalingGroups"][0]["Instances"]}
+            busy = {iid for node in nodes if node["metadata"]["name"] in busy_nodes
+                    and (iid := instance_id(node)) in members}
+            ours = set(state.get("protected") or []) & set(members)
+            protect = sorted(i for i in busy if not members[i])
+            unprotect = sorted(ours - busy)
+            for ids, on in ((protect, True), (unprotect, False)):
+                if ids:
+                    autoscaling.set_instance_protection(
+                        InstanceIds=ids, AutoScalingGroupName=asg, ProtectedFromScaleIn=on)
+                    log.info("%s scale-in protection of %s in %s", "set" if on else "lifted",
+                             ", ".join(ids), asg)
+            return {**state, "protected": sorted((ours | set(protect)) - set(unprotect))}
+        except Exception as exc:
+            log.warning("could not set the node group's scale-in protection: %s", exc)
+            return state
+
     def _restore_scaling(self, cfg: RunConfig, snapshot: dict) -> dict[str, int]:
         """Remove the run's reservation; give back only what no other live run needs."""
         eks = self._eks(cfg)
@@ -607,6 +654,8 @@ class EksTarget(Target):
 
         def release_own(state: dict) -> dict:
             released = release(state, cfg.rdzv_id, time.time())
+            # Before the node group shrinks: the ASG must pick idle nodes, not another run's.
+            released = self._protect_busy_instances(eks, cfg, released)
             if not live_reservations(released, time.time()):
                 # The last run gives the nodes back before the record says none are held, so
                 # a new run's snapshot never takes the raised size for the baseline.
@@ -615,6 +664,25 @@ class EksTarget(Target):
 
         store.update(release_own)
         return self._reconcile_scaling(eks, cfg, store)
+
+
+def instance_id(node: dict[str, Any]) -> str | None:
+    """The EC2 instance of a node: the last part of its providerID (aws:///zone/i-...)."""
+    provider = (node.get("spec") or {}).get("providerID") or ""
+    last = provider.rsplit("/", 1)[-1]
+    return last if provider.startswith("aws://") and last.startswith("i-") else None
+
+
+def busy_node_names(pods: list[dict[str, Any]], own_run: str,
+                    live_runs: set[str]) -> set[str]:
+    """Nodes running a Pending or Running pod of another live run of this pipeline."""
+    return {
+        pod["spec"]["nodeName"] for pod in pods
+        if (pod.get("spec") or {}).get("nodeName")
+        and (pod.get("status") or {}).get("phase") in ("Pending", "Running")
+        and (run := ((pod.get("metadata") or {}).get("labels") or {}).get(LABEL_RUN))
+        and run != own_run and run in live_runs
+    }
 
 
 def pod_log(core: Any, pod: str, namespace: str, **options: Any) -> str:
