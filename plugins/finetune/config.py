@@ -60,7 +60,10 @@ class ParamSpec:
 
     def schema(self) -> dict[str, Any]:
         """JSON schema keywords for Airflow's `Param` (and so the trigger form)."""
-        out: dict[str, Any] = {"type": self.type, "title": self.title,
+        # An optional text field (default "") may be left empty: the form sends null for it,
+        # and marks a plain "string" field required.
+        json_type: Any = [self.type, "null"] if self.default == "" else self.type
+        out: dict[str, Any] = {"type": json_type, "title": self.title,
                                "description": self.description, "section": self.section}
         if self.enum is not None:
             out["enum"] = list(self.enum)
@@ -469,6 +472,9 @@ def _check_float8_and_lora(v: dict[str, Any]) -> list[tuple[str, str]]:
         if v["mixed_precision"] != "bf16":
             errors.append(("float8", "needs mixed_precision bf16, mixed_precision is "
                            f"{v['mixed_precision']}"))
+        if v["seq_len"] % 16:
+            errors.append(("float8", f"needs seq_len divisible by 16 (float8 matmuls), seq_len "
+                           f"is {v['seq_len']}"))
         for name, conflicting in (("cpu_offload", v["cpu_offload"]),
                                   ("tp_degree", v["tp_degree"] > 1),
                                   ("lora_rank", v["lora_rank"] > 0)):
@@ -562,6 +568,8 @@ def validate_params(params: Mapping[str, Any], *, run_id: str, dag_id: str = "ll
             value = float(value)
         if spec.type == "string" and isinstance(value, str):
             value = value.strip()
+        if value is None and spec.default == "":
+            value = ""  # an optional text field left empty in the form
         problem = _check_type(spec, value) or _check_bounds(spec, value)
         if problem:
             errors.append((spec.name, problem))

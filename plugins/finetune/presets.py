@@ -95,7 +95,8 @@ def explicit_fields(conf: Mapping[str, Any], defaults: Mapping[str, Any]) -> dic
     field still at its built-in default counts as not set, so the preset's value stands.
     """
     if set(defaults) <= set(conf):
-        return {k: v for k, v in conf.items() if k not in defaults or v != defaults[k]}
+        return {k: v for k, v in conf.items() if k not in defaults
+                or (v != defaults[k] and not (v is None and defaults[k] == ""))}
     return dict(conf)
 
 
