@@ -1,0 +1,71 @@
+"""Presets: each one validates, a run's own fields override it, unknown names are refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from finetune.config import ConfigError, default_params, validate_params
+from finetune.instance_types import INSTANCE_TYPES
+from finetune.presets import PRESETS, apply_preset
+
+# What a deployment adds to an eks preset (its cluster, node group, output and image).
+EKS_SITE = {"cluster_name": "gpu", "nodegroup": "p5", "output_dir": "s3://bucket/runs",
+            "image": "111122223333.dkr.ecr.us-east-1.amazonaws.com/finetune-trainer:abc"}
+# Parameters of the hub models the GPU presets name, for the memory budget check.
+MODEL_PARAMS = {"meta-llama/Llama-2-7b-hf": 6.74e9, "meta-llama/Llama-2-13b-hf": 13.0e9,
+                "meta-llama/Llama-2-70b-hf": 69.0e9, "meta-llama/Meta-Llama-3-8B": 8.03e9}
+GPU_GIB = {"p4de.24xlarge": 80, "p5.48xlarge": 80}
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_every_preset_validates_with_its_values(name):
+    preset = PRESETS[name]
+    site = EKS_SITE if preset.values["target"] == "eks" else {}
+    cfg = validate_params({"preset": name, **site}, run_id="r")
+    assert cfg.preset == name and cfg.preset_version == preset.version >= 1
+    for key, value in preset.values.items():
+        assert getattr(cfg, key) == value, key
+
+
+@pytest.mark.parametrize("name", [n for n, p in PRESETS.items() if p.values["target"] == "eks"])
+def test_gpu_presets_use_every_gpu_and_keep_sharded_state_well_inside_gpu_memory(name):
+    v = PRESETS[name].values
+    assert v["procs_per_node"] == INSTANCE_TYPES[v["instance_type"]].gpus
+    shard = v["procs_per_node"] if v["strategy"] == "HYBRID_SHARD" else \
+        v["nodes"] * v["procs_per_node"]
+    state_gib = 16 * MODEL_PARAMS[v["model"]] / shard / 2**30  # fp32 weights, grads, AdamW
+    assert state_gib < 0.5 * GPU_GIB[v["instance_type"]], state_gib
+    assert v["mixed_precision"] == "bf16"
+
+
+def test_a_rest_conf_overrides_the_preset_even_with_a_default_value():
+    cfg = validate_params({"preset": "llama2-13b-p5", **EKS_SITE, "nodes": 1,
+                           "strategy": "FULL_SHARD", "shard_group_size": 0}, run_id="r")
+    assert cfg.nodes == 1 == default_params()["nodes"]  # the preset says 2
+    assert cfg.seq_len == 4096  # not given: the preset's
+
+
+def test_a_full_form_conf_keeps_preset_values_where_fields_are_at_their_defaults():
+    form = {**default_params(), "preset": "tiny-local", "max_steps": 12, "tokenizer": None}
+    merged, preset = apply_preset(form, default_params(), given=form)
+    assert preset is PRESETS["tiny-local"]
+    assert merged["seq_len"] == 96 and merged["eval_interval"] == 20  # the preset's
+    assert merged["max_steps"] == 12  # changed in the form
+    assert merged["tokenizer"] == ""  # an empty optional field is not an override
+
+
+def test_without_a_preset_params_are_taken_as_they_are():
+    cfg = validate_params({"max_steps": 7, "procs_per_node": 1}, run_id="r")
+    assert cfg.preset == "none" and cfg.preset_version == 0 and cfg.max_steps == 7
+
+
+def test_an_unknown_preset_is_refused_naming_the_known_ones():
+    with pytest.raises(ConfigError) as err:
+        validate_params({"preset": "llama9-1t"}, run_id="r")
+    assert err.value.errors[0][0] == "preset"
+    assert "llama9-1t" in str(err.value) and "tiny-local" in str(err.value)
+
+
+def test_an_override_outside_the_bounds_is_refused_naming_the_field():
+    with pytest.raises(ConfigError, match="- micro_batch: must be >= 1"):
+        validate_params({"preset": "tiny-local", "micro_batch": 0}, run_id="r")
