@@ -142,6 +142,11 @@ def _check_float8_and_lora(config: TrainConfig) -> None:
                 f"float8 needs mixed_precision bf16 (got {config.mixed_precision}): its matmuls "
                 "take bf16 inputs and give bf16 outputs; set mixed_precision to bf16"
             )
+        if config.seq_len % 16:
+            raise ValueError(
+                f"float8 needs seq_len divisible by 16 (got {config.seq_len}): float8 matmuls "
+                "take dimensions in multiples of 16; set seq_len to a multiple of 16"
+            )
         # (option, set to a conflicting value, the value that works, why)
         conflicts = (
             ("cpu_offload", config.cpu_offload, "false",

@@ -87,7 +87,9 @@ def train(config: TrainConfig, env: DistEnv, started: float) -> dict[str, Any] |
     sampler = DistributedSampler(
         len(splits.train), config.micro_batch, dp_rank, dp_size, config.seed
     )
-    pad_to = config.seq_len if config.packing else None  # packed rows: always seq_len long
+    # Packed rows are seq_len long anyway. float8 matmuls need token counts in multiples of 16,
+    # which compiled blocks cannot prove of dynamic lengths: rows of a fixed length then.
+    pad_to = config.seq_len if config.packing or config.float8 else None
     batches = TrainBatches(splits.train, sampler, pad_id, pad_to)
     evals = EvalBatches(splits.eval, config.micro_batch, dp_rank, dp_size, pad_id, pad_to)
     if config.tp_degree > 1:

@@ -29,6 +29,8 @@ def refusal(params: dict) -> dict[str, str]:
      "cpu_offload"),
     ({**EKS, "float8": True, "mixed_precision": "bf16", "tp_degree": 2}, "float8", "tp_degree"),
     ({**EKS, "float8": True, "mixed_precision": "bf16", "lora_rank": 8}, "float8", "lora_rank"),
+    ({**EKS, "float8": True, "mixed_precision": "bf16", "seq_len": 1000}, "float8",
+     "seq_len divisible by 16"),
     ({**EKS, "lora_rank": 8, "tp_degree": 2}, "lora_rank", "tp_degree"),
     ({"lora_rank": 8, "lora_target_modules": "q_proj; rm -rf /"}, "lora_target_modules",
      "comma-separated"),

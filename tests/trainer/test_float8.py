@@ -29,6 +29,7 @@ def test_float8_on_a_cpu_fails_at_start_naming_the_option(monkeypatch):
      "float8 cannot be combined with cpu_offload True"),
     ({"mixed_precision": "bf16", "tp_degree": 2}, "float8 cannot be combined with tp_degree 2"),
     ({"mixed_precision": "bf16", "lora_rank": 8}, "float8 cannot be combined with lora_rank 8"),
+    ({"mixed_precision": "bf16", "seq_len": 100}, "float8 needs seq_len divisible by 16"),
 ])  # fmt: skip
 def test_float8_with_an_option_it_cannot_run_with_names_both(options, words):
     with pytest.raises(ValueError, match=words):
