@@ -25,6 +25,7 @@ Strategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
 MixedPrecision = Literal["bf16", "fp16", "fp32"]
 ActivationCheckpointing = Literal["none", "full", "selective"]
 PromptTemplate = Literal["instruction", "chat"]
+BadRows = Literal["skip", "error"]
 DatasetSource = Literal["s3", "local", "hub"]
 FORMAT_BY_EXTENSION = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 # Every Linear of a Llama block: attention and MLP projections.
@@ -46,6 +47,9 @@ class TrainConfig:
     response_field: str = "response"
     prompt_template: PromptTemplate = "instruction"  # chat: the tokenizer's chat template
     packing: bool = False  # pack examples to seq_len; no attention across documents
+    # Rows that are malformed, miss a field, are empty or exceed seq_len: skipped and counted,
+    # or the first one fails the run at start (file and line in the error).
+    bad_rows: BadRows = "skip"
     seq_len: int = 128
     micro_batch: int = 8
     grad_accum: int = 1

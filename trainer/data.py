@@ -2,10 +2,16 @@
 
 Sources: a jsonl/json/parquet/csv file, a directory of them, an s3:// object or prefix (downloaded
 first), or a Hugging Face hub data set name.
+
+Bad rows (a jsonl line that is not a JSON object, a missing or non-string field, an empty example,
+one longer than seq_len) are skipped and counted by reason, or with bad_rows=error the first one
+fails the run at start, named by file and line (jsonl) or row.
 """
 
 from __future__ import annotations
 
+import bisect
+import json
 import math
 import os
 import tempfile
@@ -28,11 +34,41 @@ PROMPT_TEMPLATE = "### Instruction:\n{prompt}\n\n### Response:\n"
 S3_CACHE_DIR = "dataset_cache"  # under output_dir: where s3:// data sets are downloaded
 
 
+# Why a row is skipped; the keys of Splits.skipped (and of summary.json's skipped_rows_by_reason).
+MALFORMED, MISSING, NOT_STRING, EMPTY, TOO_LONG = (
+    "malformed", "missing_field", "not_string", "empty", "too_long")
+ROW_PROBLEMS = (MALFORMED, MISSING, NOT_STRING, EMPTY, TOO_LONG)
+# Columns the loader adds to the rows it reads itself (jsonl): the problem and where the row is.
+_PROBLEM, _DETAIL, _FILE, _LINE = "_problem", "_detail", "_file", "_line"
+
+
 @dataclass
 class Splits:
     train: datasets.Dataset
     eval: datasets.Dataset
-    skipped_rows: int
+    skipped: dict[str, int]  # rows skipped, by reason (ROW_PROBLEMS)
+
+    @property
+    def skipped_rows(self) -> int:
+        return sum(self.skipped.values())
+
+
+@dataclass
+class RawRows:
+    """A data set's rows and where each came from, to name a bad one."""
+
+    rows: datasets.Dataset
+    files: list[str]  # the data files read, in order; empty for a hub data set
+    starts: list[int]  # index of each file's first row (files not read line by line)
+    name: str = ""  # the hub data set and split
+
+    def where(self, index: int, row: dict[str, Any]) -> str:
+        if row.get(_LINE) is not None:
+            return f"{self.files[row[_FILE]]} line {row[_LINE]}"
+        if not self.files:
+            return f"{self.name} row {index + 1}"
+        file = bisect.bisect_right(self.starts, index) - 1
+        return f"{self.files[file]} row {index - self.starts[file] + 1}"
 
 
 def builder_name(path: str, dataset_format: str) -> str:
@@ -149,19 +185,109 @@ def local_dataset(config: TrainConfig) -> Path | None:
     return Path(config.dataset)
 
 
-def load_rows(config: TrainConfig, local_path: Path | None) -> datasets.Dataset:
+def row_columns(config: TrainConfig) -> dict[str, str]:
+    """The option that names each column the rows need -> the column."""
+    if config.text_field:
+        return {"text_field": config.text_field}
+    return {"prompt_field": config.prompt_field, "response_field": config.response_field}
+
+
+def field_problem(columns: dict[str, str], row: dict[str, Any]) -> tuple[str, str] | None:
+    """(reason, what is wrong) for a row whose fields cannot be trained on, else None."""
+    for option, column in columns.items():
+        value = row.get(column)
+        if value is None:
+            return MISSING, f"{option}={column!r} is missing or null"
+        if not isinstance(value, str):
+            return NOT_STRING, f"{option}={column!r} is a {type(value).__name__}, not a string"
+        if not value.strip():
+            return EMPTY, f"{option}={column!r} is empty"
+    return None
+
+
+def is_jsonl(path: str, dataset_format: str) -> bool:
+    return dataset_format == "jsonl" or (
+        dataset_format == "auto" and Path(path).suffix.lower() == ".jsonl")
+
+
+def _jsonl_rows(files: list[str], columns: dict[str, str],
+                stamps: list[tuple[int, int]]) -> Iterator[dict[str, Any]]:
+    """Every non-blank line of the files as a row of the needed columns, its problem, its place.
+
+    Read here rather than by `datasets`, whose json loader fails on a whole file for one bad
+    line. stamps (size, mtime) make a changed file a new cache entry.
+    """
+    del stamps
+    for file_index, path in enumerate(files):
+        with open(path, "rb") as f:
+            for line_number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                row: dict[str, Any] = {}
+                try:
+                    parsed = json.loads(line)
+                except ValueError as error:  # JSONDecodeError, UnicodeDecodeError
+                    problem: tuple[str, str] | None = (MALFORMED, f"not JSON ({error})")
+                else:
+                    if isinstance(parsed, dict):
+                        row, problem = parsed, field_problem(columns, parsed)
+                    else:
+                        problem = (MALFORMED, f"a JSON {type(parsed).__name__}, not an object")
+                yield {
+                    **{c: v if isinstance(v := row.get(c), str) else None
+                       for c in columns.values()},
+                    _PROBLEM: problem[0] if problem else None,
+                    _DETAIL: problem[1] if problem else None,
+                    _FILE: file_index,
+                    _LINE: line_number,
+                }
+
+
+def read_jsonl(files: list[str], columns: dict[str, str]) -> datasets.Dataset:
+    """The jsonl files' rows (see _jsonl_rows), written to the `datasets` cache."""
+    features = datasets.Features({
+        **{c: datasets.Value("string") for c in columns.values()},
+        _PROBLEM: datasets.Value("string"),
+        _DETAIL: datasets.Value("string"),
+        _FILE: datasets.Value("int32"),
+        _LINE: datasets.Value("int64"),
+    })
+    stamps = [(os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
+    return datasets.Dataset.from_generator(
+        _jsonl_rows, features=features,
+        gen_kwargs={"files": files, "columns": columns, "stamps": stamps})
+
+
+def load_rows(config: TrainConfig, local_path: Path | None) -> RawRows:
     """The raw rows of the local file or directory, or (for None) of the hub data set."""
     if local_path is None:
         try:
-            return datasets.load_dataset(config.dataset, split=config.dataset_split)
+            rows = datasets.load_dataset(config.dataset, split=config.dataset_split)
         except OSError as error:  # not found (DatasetNotFoundError) or hub unreachable
             raise ValueError(
                 f"dataset {config.dataset!r} is no local file or directory, so it was looked up "
                 f"as a Hugging Face hub data set: {error}"
             ) from error
+        return RawRows(rows, [], [], name=f"{config.dataset} split {config.dataset_split}")
     files = data_files(local_path, config.dataset_format)
+    if is_jsonl(files[0], config.dataset_format):
+        return RawRows(read_jsonl(files, row_columns(config)), files, [])
     builder = builder_name(files[0], config.dataset_format)
-    return datasets.load_dataset(builder, data_files=files, split="train")
+    parts, starts = [], []
+    for file in files:  # one at a time, to tell which file a bad row is in
+        starts.append(sum(len(part) for part in parts))
+        try:
+            parts.append(datasets.load_dataset(builder, data_files=[file], split="train"))
+        except Exception as error:  # the builders raise their own types (arrow, pandas)
+            raise ValueError(f"dataset file {file} cannot be read as {builder}: {error}") \
+                from error
+    try:
+        rows = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+    except ValueError as error:
+        raise ValueError(
+            f"the files of dataset {config.dataset} do not share one set of columns and types: "
+            f"{error}") from error
+    return RawRows(rows, files, starts)
 
 
 def chat_texts(tokenizer: PreTrainedTokenizerBase, prompt: str, response: str) -> tuple[str, str]:
@@ -182,7 +308,7 @@ def chat_texts(tokenizer: PreTrainedTokenizerBase, prompt: str, response: str) -
 
 def encode_example(
     tokenizer: PreTrainedTokenizerBase,
-    seq_len: int,
+    seq_len: int | None,
     prompt: str | None,
     response: str,
     template: PromptTemplate = "instruction",
@@ -191,6 +317,7 @@ def encode_example(
 
     Prompt and response are tokenized separately so the boundary is exact, as at inference time.
     A chat template ends the assistant's turn itself (with its own end token): no EOS is added.
+    Truncated to seq_len (None: not truncated).
     """
     eos = [tokenizer.eos_token_id]
     if prompt is None:
@@ -210,18 +337,14 @@ def encode_example(
     return input_ids[:seq_len], labels[:seq_len]
 
 
-def _present(value: Any) -> bool:
-    return isinstance(value, str) and value.strip() != ""
+def tokenize(raw: RawRows, tokenizer: PreTrainedTokenizerBase,
+             config: TrainConfig) -> tuple[datasets.Dataset, dict[str, int]]:
+    """(tokenized usable rows, skipped rows by reason); bad_rows=error raises at the first bad row.
 
-
-def tokenize(
-    rows: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, config: TrainConfig
-) -> datasets.Dataset:
-    """Tokenized rows; rows with an empty or missing field, or nothing to learn, are dropped."""
-    if config.text_field:
-        columns = {"text_field": config.text_field}
-    else:
-        columns = {"prompt_field": config.prompt_field, "response_field": config.response_field}
+    A row longer than seq_len is bad rather than truncated: truncation would cut the response
+    (and its EOS, so the model would not learn to stop) without anyone noticing.
+    """
+    rows, columns = raw.rows, row_columns(config)
     for option, column in columns.items():
         if column not in rows.column_names:
             raise ValueError(
@@ -230,23 +353,45 @@ def tokenize(
             )
     fields = list(columns.values())
 
-    def encode_batch(batch: dict[str, list[Any]]) -> dict[str, list[list[int]]]:
-        out: dict[str, list[list[int]]] = {"input_ids": [], "labels": []}
-        for values in zip(*(batch[field] for field in fields)):
-            if not all(_present(v) for v in values):
-                continue
-            prompt, response = (None, values[0]) if config.text_field else values
-            input_ids, labels = encode_example(
-                tokenizer, config.seq_len, prompt, response, config.prompt_template
-            )
-            # The first label is never predicted (nothing precedes it), so it alone teaches nothing.
-            if all(label == IGNORE_INDEX for label in labels[1:]):
-                continue
+    def encode_batch(batch: dict[str, list[Any]], indices: list[int]) -> dict[str, list[Any]]:
+        out: dict[str, list[Any]] = {"input_ids": [], "labels": [], _PROBLEM: []}
+        for i, index in enumerate(indices):
+            row = {key: values[i] for key, values in batch.items()}
+            problem = (row[_PROBLEM], row[_DETAIL]) if row.get(_PROBLEM) else \
+                field_problem(columns, row)
+            input_ids: list[int] = []
+            labels: list[int] = []
+            if problem is None:
+                prompt, response = (None, row[fields[0]]) if config.text_field else \
+                    (row[fields[0]], row[fields[1]])
+                input_ids, labels = encode_example(
+                    tokenizer, None, prompt, response, config.prompt_template)
+                if len(input_ids) > config.seq_len:
+                    problem = (TOO_LONG, f"{len(input_ids)} tokens, more than seq_len "
+                               f"{config.seq_len}")
+                # The first label is never predicted (nothing precedes it): it teaches nothing.
+                elif all(label == IGNORE_INDEX for label in labels[1:]):
+                    problem = (EMPTY, "no token to learn (the response is empty once tokenized)")
+            if problem is not None:
+                if config.bad_rows == "error":
+                    raise ValueError(
+                        f"bad row in dataset {config.dataset}: {raw.where(index, row)}: "
+                        f"{problem[1]} (bad_rows=error; bad_rows=skip skips and counts such "
+                        "rows)")
+                input_ids, labels = [], []
             out["input_ids"].append(input_ids)
             out["labels"].append(labels)
+            out[_PROBLEM].append(problem[0] if problem else None)
         return out
 
-    return rows.map(encode_batch, batched=True, remove_columns=rows.column_names)
+    encoded = rows.map(encode_batch, batched=True, with_indices=True,
+                       remove_columns=rows.column_names)
+    problems = encoded.data.column(_PROBLEM)
+    skipped = {str(v["values"]): int(v["counts"])
+               for v in problems.value_counts().to_pylist() if v["values"] is not None}
+    if skipped:
+        encoded = encoded.filter(lambda problem: problem is None, input_columns=_PROBLEM)
+    return encoded.remove_columns(_PROBLEM), skipped
 
 
 @contextmanager
@@ -290,14 +435,17 @@ def build_splits(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> Spl
     with _rank_zero_first(per_node=True):
         local_path = local_dataset(config)
     with _rank_zero_first():
-        rows = load_rows(config, local_path)
-        tokenized = tokenize(rows, tokenizer, config)
+        raw = load_rows(config, local_path)
+        tokenized, skipped = tokenize(raw, tokenizer, config)
     n = len(tokenized)
     n_eval = max(math.ceil(config.eval_fraction * n), config.micro_batch)
     if n_eval >= n:
+        reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(skipped.items()))
         raise ValueError(
             f"dataset {config.dataset} has {n} usable rows: too few for an eval split of {n_eval} "
             "(eval_fraction, at least micro_batch rows) plus training rows"
+            + (f"; skipped rows: {reasons}" if skipped else "")
+            + (f" ({_first_problem(raw, config)})" if skipped else "")
         )
     split = tokenized.train_test_split(test_size=n_eval, shuffle=True, seed=config.seed)
     train, held_out = split["train"], split["test"]
@@ -305,7 +453,18 @@ def build_splits(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> Spl
         # Split before packing: the eval split holds the same examples with packing on or off.
         with _rank_zero_first():
             train, held_out = pack(train, config.seq_len), pack(held_out, config.seq_len)
-    return Splits(train=train, eval=held_out, skipped_rows=len(rows) - n)
+    return Splits(train=train, eval=held_out, skipped=skipped)
+
+
+def _first_problem(raw: RawRows, config: TrainConfig) -> str:
+    """The first bad row and what is wrong with it (checks fields only: no tokenizing)."""
+    columns = row_columns(config)
+    for index, row in enumerate(raw.rows):
+        problem = (row[_PROBLEM], row[_DETAIL]) if row.get(_PROBLEM) else \
+            field_problem(columns, row)
+        if problem is not None:
+            return f"first: {raw.where(index, row)}: {problem[1]}"
+    return f"every row is longer than seq_len {config.seq_len} or has no token to learn"
 
 
 def pack(ds: datasets.Dataset, seq_len: int) -> datasets.Dataset:

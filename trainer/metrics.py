@@ -166,6 +166,16 @@ class MetricsLog:
                 flush=True,
             )
 
+    def log_data(self, train_rows: int, eval_rows: int, skipped: dict[str, int],
+                 resumed: bool) -> None:
+        """The data set's usable rows and its skipped ones by reason (a resumed run has them)."""
+        if not resumed:
+            self._write({"type": "data", "step": 0, "train_rows": train_rows,
+                         "eval_rows": eval_rows, "skipped_rows": sum(skipped.values()),
+                         "skipped_rows_by_reason": skipped, "time": time.time()})
+        if self.endpoint is not None:
+            self.endpoint.update_data(train_rows, eval_rows, skipped)
+
     def log_eval(self, step: int, eval_loss: float) -> None:
         self._write({"type": "eval", "step": step, "eval_loss": eval_loss, "time": time.time()})
         if self.endpoint is not None:

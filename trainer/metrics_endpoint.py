@@ -19,6 +19,8 @@ TRAIN_GAUGES: dict[str, tuple[str, str]] = {
 }
 EVAL_GAUGE = ("finetune_eval_loss", "Eval loss at the last evaluation")
 MAX_STEPS_GAUGE = ("finetune_max_steps", "Optimizer steps the run will take")
+ROWS_GAUGE = ("finetune_dataset_rows", "Usable data set rows, by split", ["split"])
+SKIPPED_GAUGE = ("finetune_skipped_rows", "Bad data set rows skipped, by reason", ["reason"])
 
 
 class MetricsEndpoint:
@@ -32,6 +34,8 @@ class MetricsEndpoint:
                       for key, (name, text) in TRAIN_GAUGES.items()}
         self.eval = Gauge(*EVAL_GAUGE, registry=self.registry)
         Gauge(*MAX_STEPS_GAUGE, registry=self.registry).set(max_steps)
+        self.rows = Gauge(*ROWS_GAUGE, registry=self.registry)
+        self.skipped = Gauge(*SKIPPED_GAUGE, registry=self.registry)
         self.server, self._thread = start_http_server(port, addr=addr, registry=self.registry)
         self.port = self.server.server_address[1]
 
@@ -41,6 +45,12 @@ class MetricsEndpoint:
             # a non-finite loss still shows: Prometheus has NaN and Inf
             if isinstance(value, int | float) and not isinstance(value, bool):
                 gauge.set(value)
+
+    def update_data(self, train_rows: int, eval_rows: int, skipped: dict[str, int]) -> None:
+        self.rows.labels(split="train").set(train_rows)
+        self.rows.labels(split="eval").set(eval_rows)
+        for reason, count in skipped.items():
+            self.skipped.labels(reason=reason).set(count)
 
     def update_eval(self, eval_loss: float) -> None:
         self.eval.set(eval_loss)

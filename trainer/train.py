@@ -99,10 +99,11 @@ def train(config: TrainConfig, env: DistEnv, started: float) -> dict[str, Any] |
         config.epochs * sampler.batches_per_epoch / config.grad_accum
     )
     if env.rank == 0:
+        reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(splits.skipped.items()))
         print(
             f"data: {len(splits.train)} train rows, {len(splits.eval)} eval rows, skipped "
-            f"{splits.skipped_rows} rows (empty or missing fields, or no response within "
-            f"seq_len); {max_steps} steps",
+            f"{splits.skipped_rows} bad rows{f' ({reasons})' if reasons else ''}; "
+            f"{max_steps} steps",
             flush=True,
         )
 
@@ -149,6 +150,8 @@ def train(config: TrainConfig, env: DistEnv, started: float) -> dict[str, Any] |
     peak, peak_source = peak_flops(env.device, compute_dtype)
     log = MetricsLog(str(output_dir), env.rank, max_steps, config.log_interval, resumed_from_step,
                      config.metrics_port)
+    log.log_data(len(splits.train), len(splits.eval), splits.skipped,
+                 resumed=resumed_from_step is not None)
     eval_loss, last_eval_step = None, None
     if initial_eval_loss is None:
         initial_eval_loss = eval_loss = evaluate(model, evals, env.device)
@@ -228,6 +231,7 @@ def train(config: TrainConfig, env: DistEnv, started: float) -> dict[str, Any] |
         "world_size": env.world_size,
         "resumed_from_step": resumed_from_step,
         "skipped_rows": splits.skipped_rows,
+        "skipped_rows_by_reason": splits.skipped,
         "skipped_steps": skipped_steps,
         "train_rows": len(splits.train),
         "eval_rows": len(splits.eval),

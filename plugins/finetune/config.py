@@ -27,6 +27,7 @@ MIXED_PRECISION = ("bf16", "fp16", "fp32")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 PROMPT_TEMPLATES = ("instruction", "chat")
 DATASET_FORMATS = ("auto", "jsonl", "json", "parquet", "csv")
+BAD_ROWS = ("skip", "error")
 # torchrun rendezvous backends the training operator passes on (elasticPolicy.rdzvBackend).
 RDZV_BACKENDS = ("etcd-v2", "etcd", "c10d")
 ETCD_RESETS = ("keys", "restart")
@@ -110,6 +111,10 @@ PARAM_SPECS: tuple[ParamSpec, ...] = (
        "(user = prompt, assistant = response).", enum=PROMPT_TEMPLATES),
     _S("packing", False, "boolean", "Data", "Packing",
        "Pack examples into full sequences; no token attends to another example."),
+    _S("bad_rows", "skip", "string", "Data", "Bad rows",
+       "Rows that are not JSON, miss a field, hold a non-string or empty one, or are longer than "
+       "seq_len tokens: `skip` skips them and counts them by reason in the report; `error` fails "
+       "the run at the first one, naming its file and line.", enum=BAD_ROWS),
     _S("nodes", 1, "integer", "Resources", "Nodes",
        "Nodes (local: torchrun agents on this machine).", minimum=1, maximum=128),
     _S("procs_per_node", 2, "integer", "Resources", "Processes per node",
@@ -339,6 +344,7 @@ class RunConfig:
     node_hourly_price: float = 0.0
     preset: str = NO_PRESET
     preset_version: int = 0  # the preset's version; 0 without a preset
+    bad_rows: str = "skip"
 
     @property
     def world_size(self) -> int:

@@ -143,7 +143,11 @@ def _summary_notes(summary: dict | None) -> list[str]:
     if _finite(summary.get("resumed_from_step")):
         notes.append(f"run resumed from step {summary['resumed_from_step']}")
     if _finite(summary.get("skipped_rows")):
-        notes.append(f"{summary['skipped_rows']} dataset rows skipped")
+        reasons = summary.get("skipped_rows_by_reason")
+        detail = ", ".join(f"{n} {reason.replace('_', ' ')}" for reason, n in sorted(
+            reasons.items())) if isinstance(reasons, dict) else ""
+        notes.append(f"{summary['skipped_rows']} dataset rows skipped"
+                     + (f" ({detail})" if detail else ""))
     return notes
 
 

@@ -56,6 +56,7 @@ def trainer_config(cfg: RunConfig, *, local_paths: bool = True) -> dict[str, Any
         "lora_target_modules": cfg.lora_target_modules,
         "prompt_template": cfg.prompt_template,
         "packing": cfg.packing,
+        "bad_rows": cfg.bad_rows,
         "eval_interval": cfg.eval_interval,
         "eval_fraction": EVAL_FRACTION,
         "checkpoint_interval": cfg.checkpoint_interval,

@@ -320,6 +320,18 @@ def test_summary_notes_resume_and_skipped_rows(tmp_path: Path) -> None:
     assert report["warnings"] == ["run resumed from step 2", "7 dataset rows skipped"]
 
 
+def test_skipped_rows_are_shown_by_reason(tmp_path: Path) -> None:
+    summary = SUMMARY | {"skipped_rows": 5, "skipped_rows_by_reason": {
+        "too_long": 3, "malformed": 1, "missing_field": 1}}
+    run_dir = make_run(tmp_path / "run", NORMAL_RECORDS, summary=summary)
+
+    report = write_report(run_dir, run_id="r", status="success", config={})
+
+    note = "5 dataset rows skipped (1 malformed, 1 missing field, 3 too long)"
+    assert report["warnings"] == [note]
+    assert note in (run_dir / "report.html").read_text()
+
+
 def test_summary_nulls_fall_back_to_series(tmp_path: Path) -> None:
     summary = SUMMARY | {"mfu": None}
     run_dir = make_run(tmp_path / "run", NORMAL_RECORDS, summary=summary)

@@ -65,3 +65,20 @@ def test_other_ranks_and_port_0_serve_nothing(tmp_path):
 def test_metrics_port_out_of_range_is_refused_naming_the_field():
     with pytest.raises(ValueError, match="metrics_port must be between 0 and 65535"):
         TrainConfig(metrics_port=70000)
+
+
+def test_a_scrape_sees_the_usable_rows_and_the_skipped_rows_by_reason(tmp_path):
+    port = free_port()
+    log = MetricsLog(str(tmp_path), rank=0, max_steps=10, log_interval=100, metrics_port=port)
+    try:
+        log.log_data(57, 3, {"too_long": 2, "malformed": 1}, resumed=False)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            text = response.read().decode()
+        samples = {(s.name, tuple(s.labels.items())): s.value
+                   for family in text_string_to_metric_families(text) for s in family.samples}
+        assert samples[("finetune_dataset_rows", (("split", "train"),))] == 57
+        assert samples[("finetune_dataset_rows", (("split", "eval"),))] == 3
+        assert samples[("finetune_skipped_rows", (("reason", "too_long"),))] == 2
+        assert samples[("finetune_skipped_rows", (("reason", "malformed"),))] == 1
+    finally:
+        log.endpoint.close()

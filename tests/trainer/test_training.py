@@ -24,7 +24,7 @@ TRAIN_KEYS = {
 SUMMARY_KEYS = {
     "initial_eval_loss", "final_eval_loss", "steps", "tokens_per_s", "tflops_per_device", "mfu",
     "peak_memory_bytes", "wall_time_s", "world_size", "resumed_from_step", "skipped_rows",
-    "peak_flops", "peak_flops_source", "config",
+    "skipped_rows_by_reason", "peak_flops", "peak_flops_source", "config",
 }  # fmt: skip
 
 
@@ -100,7 +100,10 @@ def test_rank_zero_logs_every_step_and_eval_and_writes_a_summary(full_run):
     summary = json.loads((output_dir / "summary.json").read_text())
     assert SUMMARY_KEYS <= set(summary)
     assert summary["world_size"] == 2 and summary["steps"] == STEPS
-    assert summary["skipped_rows"] == 1
+    assert summary["skipped_rows"] == 1 and summary["skipped_rows_by_reason"] == {"empty": 1}
+    data = [r for r in records if r["type"] == "data"]
+    assert [(r["train_rows"], r["eval_rows"], r["skipped_rows_by_reason"]) for r in data] == [
+        (summary["train_rows"], summary["eval_rows"], {"empty": 1})]
     assert summary["resumed_from_step"] is None
     assert summary["peak_flops_source"] == "measured:cpu-float32-matmul"
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
