@@ -59,6 +59,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     # One GPU: resharding after forward saves memory (8B needs it) but gathers again in backward.
     parser.add_argument("--strategy", default="SHARD_GRAD_OP", help="FULL_SHARD for 8B")
     parser.add_argument("--shard-group-size", type=int, default=0, help="HYBRID_SHARD group")
+    parser.add_argument("--tp-degree", type=int, default=1,
+                        help="tensor (and sequence) parallel degree, under torchrun")
     parser.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--profile", action="store_true", help="print a profile of our steps")
     parser.add_argument("--seed", type=int, default=1234)
@@ -108,7 +110,8 @@ def result(
     """The JSON line of a run: throughput from the median timed step."""
     timed = step_times[args.warmup :]
     median = statistics.median(timed)
-    tokens_per_s = args.micro_batch * args.seq_len / median
+    # The ranks of a tensor-parallel group work on the same tokens: per GPU, a tp-th of them.
+    tokens_per_s = args.micro_batch * args.seq_len / median / options.get("tp_degree", 1)
     tflops = flops_per_token(model_config, args.seq_len) * tokens_per_s / 1e12
     float8 = bool(options.get("float8"))
     return {
@@ -153,6 +156,7 @@ def run_trainer(
         selective_ac=args.selective_ac if args.ac == "selective" else "op",
         compile=args.compile,
         float8=args.float8,
+        tp_degree=args.tp_degree,
     )
     if args.float8:
         check_float8_device(env.device)
@@ -188,9 +192,10 @@ def run_trainer(
         "strategy": args.strategy,
         "shard_group_size": args.shard_group_size or env.local_world_size,
         "gpus": env.world_size,
+        "tp_degree": args.tp_degree,
         # One rank sums nothing: its bf16 gradient reduce is exact (trainer/parallel.py).
         "mixed_precision": "bf16 (fp32 master, "
-        + ("fp32 reduce)" if env.world_size > 1 else "no reduce)"),
+        + ("fp32 reduce)" if env.world_size > args.tp_degree else "no reduce)"),
         "ac": args.ac if args.ac != "selective" else f"selective:{args.selective_ac}",
         "compile": args.compile,
         "float8": args.float8,

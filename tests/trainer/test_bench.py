@@ -30,12 +30,13 @@ def bench(*args: str) -> list[dict]:
     return [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"')]
 
 
-def check_run(record: dict, run: str) -> None:
+def check_run(record: dict, run: str, tp: int = 1) -> None:
     assert set(record) == RUN_KEYS
     assert record["run"] == run and record["model"] == "tiny-llama"
     assert record["steps_timed"] == 2 and record["seq_len"] == 64 and record["micro_batch"] == 2
     assert record["tokens_per_s"] > 0 and record["tflops_per_gpu"] > 0 and 0 < record["mfu"]
-    assert record["step_time_s"] == pytest.approx(128 / record["tokens_per_s"], rel=1e-3)
+    # 2 x 64 tokens a step; the ranks of a tensor-parallel group share them.
+    assert record["step_time_s"] == pytest.approx(128 / tp / record["tokens_per_s"], rel=1e-3)
 
 
 def test_the_benchmark_prints_the_trainers_throughput_as_one_json_line():
@@ -80,6 +81,17 @@ def test_the_benchmark_under_torchrun_prints_one_per_gpu_line_from_rank_0():
     assert lines[0]["options"]["gpus"] == 2
     assert lines[0]["options"]["strategy"] == "HYBRID_SHARD"
     assert lines[0]["options"]["shard_group_size"] == 1
+
+
+def test_with_tensor_parallelism_each_gpu_is_credited_a_tp_th_of_the_tokens():
+    from conftest import torchrun
+
+    result = torchrun(["-m", "trainer.bench", "--models", "tiny", "--seq-len", "64",
+                       "--micro-batch", "2", "--steps", "2", "--warmup", "1", "--no-hf",
+                       "--strategy", "FULL_SHARD", "--tp-degree", "2"])
+    (line,) = [json.loads(x) for x in result.stdout.splitlines() if x.startswith('{"')]
+    check_run(line, "trainer", tp=2)
+    assert line["options"]["tp_degree"] == 2
 
 
 def test_a_float8_run_reports_tokens_per_second_and_no_mfu(monkeypatch):
