@@ -65,6 +65,7 @@ from finetune.reservations import (
     reserve,
     wanted_scaling,
 )
+from finetune.s3_dataset import check_s3_dataset
 from finetune.targets import Target
 
 log = logging.getLogger(__name__)
@@ -214,7 +215,12 @@ class EksTarget(Target):
         return {"nodegroup": cfg.nodegroup, "scaling_config": wanted, "nodes": nodes}
 
     def request_nodes(self, cfg: RunConfig) -> dict[str, int]:
-        """Reserve the run's nodes and size the node group for every live reservation."""
+        """Reserve the run's nodes and size the node group for every live reservation.
+
+        An s3:// data set that is missing or empty fails here first, before any node is asked.
+        """
+        if cfg.dataset.startswith("s3://"):
+            check_s3_dataset(cfg.dataset, cfg.dataset_format, self._s3(cfg))
         eks, store = self._eks(cfg), self._reservations(cfg)
         store.update(lambda state: reserve(
             record_baseline(state, self._current_scaling(eks, cfg)), cfg.rdzv_id, cfg.nodes,

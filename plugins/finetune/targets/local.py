@@ -31,6 +31,7 @@ from finetune.gpu_metrics import (
 )
 from finetune.image import image_tag, local_environment
 from finetune.report import write_report
+from finetune.s3_dataset import check_s3_dataset
 from finetune.targets import Target
 from finetune.trainer_config import trainer_config
 
@@ -159,6 +160,10 @@ class LocalTarget(Target):
         return {"target": self.name, "run_dir": cfg.run_dir}
 
     def scale_up(self, cfg: RunConfig) -> dict:
+        if cfg.dataset.startswith("s3://"):  # read with boto3's own credentials, as the trainer
+            import boto3
+
+            check_s3_dataset(cfg.dataset, cfg.dataset_format, boto3.client("s3"))
         res = local_resources(cfg.nodes, cfg.procs_per_node)
         if not res["fits"]:
             raise RuntimeError(f"{res['processes']} processes no longer fit this machine "
