@@ -246,9 +246,10 @@ PARAM_SPECS: tuple[ParamSpec, ...] = (
     _S("hf_token_secret", "", "string", "EKS", "Hugging Face token secret",
        "Kubernetes Secret with a Hugging Face token, as name or name:key (key default: token); "
        "the trainer gets it as HF_TOKEN. Empty: no token."),
-    _S("active_deadline_s", 86400, "integer", "EKS", "Deadline (s)",
-       "The PyTorchJob is stopped after this many seconds; 0: no deadline.", minimum=0,
-       maximum=30 * 86400),
+    _S("active_deadline_s", 86400, "integer", "Resources", "Training deadline (s)",
+       "The training is stopped after this many seconds and the run fails (teardown gives the "
+       "nodes back): eks, the PyTorchJob's activeDeadlineSeconds; local, the torchrun agents. "
+       "0: no deadline.", minimum=0, maximum=30 * 86400),
     _S("metrics_port", 0, "integer", "Metrics", "Trainer metrics port",
        "Port of the Prometheus endpoint the trainer's rank 0 serves its per-step metrics on "
        "(loss, lr, grad norm, tokens/s, TFLOPs, MFU, memory); on eks the pods are annotated "

@@ -146,3 +146,17 @@ def test_teardown_stops_etcd_and_trainers_when_train_fails(tmp_path):
     assert _trainer_processes(str(run_dir / "trainer_config.json")) == []
     report = json.loads((run_dir / "report.json").read_text())
     assert report["status"] == "failed"
+
+
+def test_a_training_past_its_deadline_is_stopped_and_the_run_gives_everything_back(tmp_path):
+    out = tmp_path / "runs"
+    dag_run = run_dag({**FAST, "max_steps": 100000, "active_deadline_s": 2,
+                       "output_dir": str(out), "procs_per_node": 1})
+    states = task_results(dag_run)
+    assert str(dag_run.state) == "failed"
+    assert states["train"] == "failed" and states["teardown"] == "success"
+    run_dir = run_dir_of(dag_run, out)
+    assert _trainer_processes(str(run_dir / "trainer_config.json")) == []
+    assert json.loads((run_dir / "report.json").read_text())["status"] == "failed"
+    if etcd_binary() is not None:
+        assert_etcd_stopped(run_dir)

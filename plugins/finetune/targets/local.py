@@ -256,6 +256,10 @@ class LocalTarget(Target):
         restarts = 0
         while True:
             follower.copy_new_lines()
+            if cfg.active_deadline_s and time.time() - started > cfg.active_deadline_s:
+                # The cost guard the eks job's activeDeadlineSeconds is; the caller stops all.
+                return 0, (f"was stopped: the training ran past active_deadline_s "
+                           f"({cfg.active_deadline_s} s)")
             lost = [a for a in agents if (a.exit_code() or 0) < 0]
             if lost and restarts < cfg.max_restarts:
                 restarts += 1
