@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -18,9 +19,27 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DAG_FILE = REPO_ROOT / "dags" / "llm_finetune.py"
 STAGES = ["validate", "snapshot", "scale_up", "build_image", "reset_etcd", "train",
           "collect_metrics", "teardown"]
+# Fake credentials in the environment of the full run, which must appear nowhere it writes.
+SECRETS = {
+    "HF_TOKEN": "hf_FakeLocalTokenThatMustNeverLeak0123456",
+    "AWS_ACCESS_KEY_ID": "AKIAFAKELOCALRUN0KEY",
+    "AWS_SECRET_ACCESS_KEY": "fAkE/LocalRunSecretKey0123456789abcdefXYZ",
+    "AWS_SESSION_TOKEN": "FwoGZXIvYXdzEFAKELOCALSESSIONTOKEN0123456789",
+}
 # A short run: enough steps to see learning, few enough for the test suite.
 FAST = {"max_steps": 24, "seq_len": 96, "eval_interval": 12, "checkpoint_interval": 12,
         "warmup_steps": 4}
+
+
+class TaskLog(logging.Handler):
+    """Every log record of the process (the stages' task logs) as text."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
 
 
 def run_dir_of(dag_run, output_dir: Path) -> Path:
@@ -63,9 +82,41 @@ def test_dag_wires_the_stages_with_a_guaranteed_teardown():
     assert dag.get_task("teardown").is_teardown
 
 
-def test_full_local_run_trains_a_model_transformers_loads_and_writes_the_report(tmp_path):
-    conf = {**FAST, "output_dir": str(tmp_path), "procs_per_node": 2}
-    dag_run = run_dag(conf)
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory, request):
+    """One full local run of the DAG, with a Hugging Face token and AWS credentials in the
+    environment (the trainer processes inherit it): (dag run, output dir, task log lines).
+
+    The task log: what the stages log, and what the run printed (dag.test prints task logs).
+    """
+    output_dir = tmp_path_factory.mktemp("full-run")
+    task_log = TaskLog()
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    if capture is not None and capture.is_globally_capturing():
+        capture.read_global_capture()  # start from this run's output
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in SECRETS.items():
+            env.setenv(name, value)
+        # The stages log through the finetune loggers (the trainer's output too, line by line).
+        logger = logging.getLogger("finetune")
+        old_level = logger.level
+        logger.setLevel(logging.INFO)
+        logger.addHandler(task_log)
+        try:
+            dag_run = run_dag({**FAST, "output_dir": str(output_dir), "procs_per_node": 2})
+        finally:
+            logger.removeHandler(task_log)
+            logger.setLevel(old_level)
+    if capture is not None and capture.is_globally_capturing():
+        out, err = capture.read_global_capture()
+        task_log.lines += (out + err).splitlines()
+        sys.stdout.write(out)  # still shown with the test's output
+        sys.stderr.write(err)
+    return dag_run, output_dir, task_log.lines
+
+
+def test_full_local_run_trains_a_model_transformers_loads_and_writes_the_report(full_run):
+    dag_run, tmp_path, _ = full_run
     states = task_results(dag_run)
     assert str(dag_run.state) == "success", states
     assert set(states.values()) == {"success"}
@@ -95,6 +146,51 @@ def test_full_local_run_trains_a_model_transformers_loads_and_writes_the_report(
     assert _trainer_processes(str(run_dir / "trainer_config.json")) == []
     train_log = (run_dir / "train.log").read_text()
     assert "step" in train_log
+
+
+def metadata_rows_of_run(run_id: str) -> dict[str, list[str]]:
+    """Every row of every metadata DB table (XCom, rendered fields, triggers, logs...) as text;
+    rows of other runs are left out where a table has a run_id."""
+    from airflow.models.base import Base
+    from airflow.utils.session import create_session
+
+    rows: dict[str, list[str]] = {}
+    with create_session() as session:
+        for table in Base.metadata.sorted_tables:
+            query = table.select()
+            if "run_id" in table.c:
+                query = query.where(table.c.run_id == run_id)
+            rows[table.name] = [repr(tuple(row)) for row in session.execute(query)]
+    return rows
+
+
+def test_no_secret_in_task_logs_xcom_rendered_fields_or_run_dir_of_a_full_run(full_run,
+                                                                             request):
+    from airflow.configuration import conf
+
+    dag_run, output_dir, task_log = full_run
+    assert str(dag_run.state) == "success"
+    db = metadata_rows_of_run(dag_run.run_id)
+    run_dir = run_dir_of(dag_run, output_dir)
+    # the scan sees what the run wrote: the run config in XCom and in the rendered fields,
+    # the trainer's log lines in the task log, the trainer's config and report in the run dir
+    assert any(str(run_dir) in row for row in db["xcom"])
+    assert any("run_config" in row and str(run_dir) in row
+               for row in db["rendered_task_instance_fields"])
+    assert any("eval_loss" in line for line in task_log)
+    if request.config.pluginmanager.getplugin("capturemanager").is_globally_capturing():
+        assert any("starting task_id=train" in line for line in task_log)  # Airflow's own lines
+    files = [p for p in run_dir.rglob("*") if p.is_file()]
+    log_dir = Path(conf.get("logging", "base_log_folder"))
+    files += [p for p in log_dir.rglob("*") if p.is_file()]  # task log files, where written
+    assert {"trainer_config.json", "report.html", "train.log"} <= {p.name for p in files}
+    texts = {f"db:{table}": "\n".join(rows) for table, rows in db.items()}
+    texts["task log"] = "\n".join(task_log)
+    for path in files:
+        texts[str(path)] = path.read_bytes().decode("utf-8", errors="replace")
+    for name, secret in SECRETS.items():
+        leaks = [where for where, text in texts.items() if secret in text]
+        assert leaks == [], f"{name} appears in {leaks}"
 
 
 SEMANTIC_BAD_CONFS = [
