@@ -208,3 +208,12 @@ def test_builtin_model_names_match_the_trainer():
     from trainer.model import BUILTIN_CONFIGS
 
     assert set(BUILTIN_MODELS) == set(BUILTIN_CONFIGS)
+
+
+def test_bad_rows_reaches_the_trainer_and_only_skip_or_error_is_accepted():
+    assert trainer_config(validate_params({}, run_id="r"))["bad_rows"] == "skip"
+    cfg = validate_params({"bad_rows": "error"}, run_id="r")
+    assert trainer_config(cfg)["bad_rows"] == trainer_config(cfg, local_paths=False)["bad_rows"] \
+        == "error"
+    with pytest.raises(ConfigError, match="- bad_rows: unknown value 'drop'; allowed: skip, error"):
+        validate_params({"bad_rows": "drop"}, run_id="r")
