@@ -243,6 +243,11 @@ def _jsonl_rows(files: list[str], columns: dict[str, str],
                 }
 
 
+def _has_a_line(path: str) -> bool:
+    with open(path, "rb") as f:
+        return any(line.strip() for line in f)  # stops at the first
+
+
 def read_jsonl(files: list[str], columns: dict[str, str]) -> datasets.Dataset:
     """The jsonl files' rows (see _jsonl_rows), written to the `datasets` cache."""
     features = datasets.Features({
@@ -271,6 +276,9 @@ def load_rows(config: TrainConfig, local_path: Path | None) -> RawRows:
         return RawRows(rows, [], [], name=f"{config.dataset} split {config.dataset_split}")
     files = data_files(local_path, config.dataset_format)
     if is_jsonl(files[0], config.dataset_format):
+        if not any(_has_a_line(file) for file in files):
+            raise ValueError(f"dataset {config.dataset} has no rows: its jsonl files are empty "
+                             "or blank")
         return RawRows(read_jsonl(files, row_columns(config)), files, [])
     builder = builder_name(files[0], config.dataset_format)
     parts, starts = [], []

@@ -111,6 +111,13 @@ def test_a_data_set_of_only_bad_rows_fails_with_the_counts_and_the_first_bad_row
         build_splits(config_for(path), tokenizer)
 
 
+def test_an_empty_or_blank_jsonl_data_set_is_an_error_naming_it(tmp_path, tokenizer):
+    (tmp_path / "a.jsonl").write_text("")
+    (tmp_path / "b.jsonl").write_text("\n  \n")
+    with pytest.raises(ValueError, match=f"dataset {re.escape(str(tmp_path))} has no rows"):
+        build_splits(config_for(tmp_path), tokenizer)
+
+
 def test_an_edited_jsonl_file_is_read_again_not_taken_from_the_cache(tmp_path, tokenizer):
     path = tmp_path / "rows.jsonl"
     path.write_text("\n".join(good_lines(30)) + "\n")
