@@ -28,6 +28,7 @@ from finetune.config import SPECS_BY_NAME
 from finetune.presets import PRESETS
 
 DEFAULT_URL = "http://localhost:8080"
+GET_ATTEMPTS = 3
 FINISHED = {"success", "failed"}
 
 
@@ -119,13 +120,25 @@ class AirflowClient:
             headers["Authorization"] = f"Bearer {self._token}"
         request = urllib.request.Request(self.url + path, data=data, method=method,
                                          headers=headers)
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                return response.status, _json(response.read())
-        except urllib.error.HTTPError as exc:
-            return exc.code, _json(exc.read())
-        except urllib.error.URLError as exc:
-            raise CliError(f"cannot reach Airflow at {self.url}: {exc.reason}") from None
+        # A busy api-server (its database locked by the scheduler) may not answer in time:
+        # a read is asked again, a write is not (it may have been done).
+        attempts = GET_ATTEMPTS if method == "GET" else 1
+        for attempt in range(1, attempts + 1):
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                    return response.status, _json(response.read())
+            except urllib.error.HTTPError as exc:
+                return exc.code, _json(exc.read())
+            except urllib.error.URLError as exc:
+                if not isinstance(exc.reason, TimeoutError) or attempt == attempts:
+                    raise CliError(f"cannot reach Airflow at {self.url}: {exc.reason}") from None
+            except TimeoutError:
+                if attempt == attempts:
+                    raise CliError(f"Airflow at {self.url} did not answer {method} {path} "
+                                   f"within {self.timeout:g} s ({attempts} tries)") from None
+            print(f"no answer to {method} {path} within {self.timeout:g} s: asking again",
+                  file=sys.stderr, flush=True)
+        raise AssertionError("unreachable")
 
 
 def _json(raw: bytes) -> Any:

@@ -64,7 +64,8 @@ class Api:
             headers={"Authorization": f"Bearer {self.token}",
                      "Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(req, timeout=30) as r:
+            # Generous: the api-server waits up to 60 s for SQLite locks the scheduler holds.
+            with urllib.request.urlopen(req, timeout=120) as r:
                 return r.status, json.loads(r.read() or b"{}")
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read() or b"{}")
