@@ -1,5 +1,6 @@
-"""The "Fine-tuning runs" page: every run directory under the output dirs, with its status and
-headline figures from report.json, and a link to its report.html.
+"""The "Fine-tuning runs" page: every run directory under the output dirs (local directories or
+s3:// prefixes, as eks runs write them), with its status and headline figures from report.json,
+and a link to its report.html.
 
 Pure functions (list_runs, render_runs_page) plus the FastAPI app the Airflow plugin mounts
 (plugins/finetune_runs_plugin.py); standard library and FastAPI only.
@@ -17,25 +18,41 @@ from urllib.parse import quote
 from finetune.report import REPORT_HTML, REPORT_JSON, _fmt, _fmt_duration
 
 URL_PREFIX = "/finetune-runs"
-# Comma-separated directories that hold run directories; default: the default output_dir.
+# Comma-separated directories or s3:// prefixes that hold run directories; default: the
+# default output_dir. S3 is read with the AWS connection [finetune] aws_conn_id.
 RUNS_DIRS_ENV = "AIRFLOW__FINETUNE__RUNS_DIRS"
+AWS_CONN_ENV = "AIRFLOW__FINETUNE__AWS_CONN_ID"
+METRICS_JSONL = "metrics.jsonl"
+
+RunsDir = Path | str  # a local directory, or an s3:// prefix
 
 
-def runs_dirs() -> list[Path]:
-    """Where to look for runs: [finetune] runs_dirs in Airflow's config, else `runs/`."""
-    from finetune.config import SPECS_BY_NAME, resolve_path
-
-    configured = os.environ.get(RUNS_DIRS_ENV, "")
-    if not configured:
+def _setting(env: str, key: str) -> str:
+    value = os.environ.get(env, "")
+    if not value:
         try:
             from airflow.configuration import conf
 
-            configured = conf.get("finetune", "runs_dirs", fallback="") or ""
+            value = conf.get("finetune", key, fallback="") or ""
         except ImportError:
-            configured = ""
-    names = [d.strip() for d in configured.split(",") if d.strip()] or [
+            value = ""
+    return value
+
+
+def runs_dirs() -> list[RunsDir]:
+    """Where to look for runs: [finetune] runs_dirs in Airflow's config, else `runs/`."""
+    from finetune.config import SPECS_BY_NAME, resolve_path
+
+    names = [d.strip() for d in _setting(RUNS_DIRS_ENV, "runs_dirs").split(",") if d.strip()] or [
         SPECS_BY_NAME["output_dir"].default]
-    return [resolve_path(name) for name in names]
+    return [name.rstrip("/") if name.startswith("s3://") else resolve_path(name)
+            for name in names]
+
+
+def s3_client() -> Any:
+    from finetune.kube import aws_session
+
+    return aws_session(_setting(AWS_CONN_ENV, "aws_conn_id") or "aws_default").client("s3")
 
 
 def _read_report(path: Path) -> dict | None:
@@ -46,13 +63,65 @@ def _read_report(path: Path) -> dict | None:
     return report if isinstance(report, dict) else None
 
 
-def list_runs(dirs: list[Path]) -> list[dict[str, Any]]:
+def _row(name: str, run_dir: str, report: dict | None, has_report: bool, mtime: float,
+         status: str = "running") -> dict[str, Any]:
+    if report is None:
+        return {"name": name, "run_id": name, "dir": run_dir, "status": status,
+                "generated_at": None, "metrics": {}, "config": {}, "gpu": None,
+                "has_report": False, "mtime": mtime}
+    return {"name": name, "run_id": report.get("run_id", name), "dir": run_dir,
+            "status": report.get("status", "unknown"),
+            "generated_at": report.get("generated_at"),
+            "metrics": report.get("metrics") or {}, "config": report.get("config") or {},
+            "gpu": report.get("gpu"), "has_report": has_report, "mtime": mtime}
+
+
+def _s3_runs(uri: str, s3: Any) -> list[dict[str, Any]]:
+    """The run prefixes under `uri`: with a report.json, or in progress (metrics.jsonl only)."""
+    from finetune.outputs import _not_found, split_s3
+
+    bucket, prefix = split_s3(uri)
+    base = f"{prefix}/" if prefix else ""
+    rows = []
+    pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=base,
+                                                          Delimiter="/")
+    for page in pages:
+        for common in page.get("CommonPrefixes") or []:
+            key = common["Prefix"].rstrip("/")
+            name, run_dir = key.rsplit("/", 1)[-1], f"s3://{bucket}/{key}"
+            keys = {obj["Key"].rsplit("/", 1)[-1]: obj for obj in s3.list_objects_v2(
+                Bucket=bucket, Prefix=key + "/", Delimiter="/").get("Contents") or []}
+            if REPORT_JSON in keys:
+                try:
+                    body = s3.get_object(Bucket=bucket, Key=f"{key}/{REPORT_JSON}")["Body"]
+                    report = json.loads(body.read())
+                except Exception as error:
+                    if not (_not_found(error) or isinstance(error, ValueError)):
+                        raise
+                    report = None
+                mtime = keys[REPORT_JSON]["LastModified"].timestamp()
+                if isinstance(report, dict):
+                    rows.append(_row(name, run_dir, report, REPORT_HTML in keys, mtime))
+                else:
+                    rows.append(_row(name, run_dir, None, False, mtime, status="unreadable"))
+            elif METRICS_JSONL in keys:
+                rows.append(_row(name, run_dir, None, False,
+                                 keys[METRICS_JSONL]["LastModified"].timestamp()))
+    return rows
+
+
+def list_runs(dirs: list[RunsDir], s3: Any = None) -> list[dict[str, Any]]:
     """One row per run directory (newest first): status and headline figures.
 
-    A directory with a state/ but no report yet is a run in progress.
+    A directory with a state/ (local) or a metrics.jsonl (S3) but no report yet is a run in
+    progress. `s3`: the client for s3:// entries (default: [finetune] aws_conn_id's).
     """
     rows = []
     for base in dirs:
+        if isinstance(base, str) and base.startswith("s3://"):
+            rows += _s3_runs(base, s3 if s3 is not None else s3_client())
+            continue
+        base = Path(base)
         if not base.is_dir():
             continue
         for run_dir in base.iterdir():
@@ -61,30 +130,39 @@ def list_runs(dirs: list[Path]) -> list[dict[str, Any]]:
                 continue
             report = _read_report(report_path) if report_path.is_file() else None
             if report is None:
-                rows.append({"name": run_dir.name, "run_id": run_dir.name, "dir": str(run_dir),
-                             "status": "running" if not report_path.exists() else "unreadable",
-                             "generated_at": None, "metrics": {}, "config": {}, "gpu": None,
-                             "has_report": False, "mtime": run_dir.stat().st_mtime})
+                rows.append(_row(run_dir.name, str(run_dir), None, False,
+                                 run_dir.stat().st_mtime,
+                                 "running" if not report_path.exists() else "unreadable"))
                 continue
-            rows.append({
-                "name": run_dir.name, "run_id": report.get("run_id", run_dir.name),
-                "dir": str(run_dir), "status": report.get("status", "unknown"),
-                "generated_at": report.get("generated_at"),
-                "metrics": report.get("metrics") or {}, "config": report.get("config") or {},
-                "gpu": report.get("gpu"),
-                "has_report": (run_dir / REPORT_HTML).is_file(),
-                "mtime": report_path.stat().st_mtime,
-            })
+            rows.append(_row(run_dir.name, str(run_dir), report,
+                             (run_dir / REPORT_HTML).is_file(), report_path.stat().st_mtime))
     rows.sort(key=lambda r: r["mtime"], reverse=True)
     return rows
 
 
-def find_run(dirs: list[Path], name: str) -> Path | None:
+def find_run(dirs: list[RunsDir], name: str, s3: Any = None) -> str | None:
     """The run directory called `name`, only if it is a listed run (no path from the URL)."""
-    for row in list_runs(dirs):
+    for row in list_runs(dirs, s3):
         if row["name"] == name:
-            return Path(row["dir"])
+            return row["dir"]
     return None
+
+
+def report_html(run_dir: str, s3: Any = None) -> bytes | None:
+    """The run's report.html, from its directory or its S3 prefix; None when there is none."""
+    if not run_dir.startswith("s3://"):
+        path = Path(run_dir) / REPORT_HTML
+        return path.read_bytes() if path.is_file() else None
+    from finetune.outputs import _not_found, split_s3
+
+    bucket, prefix = split_s3(run_dir)
+    try:
+        client = s3 if s3 is not None else s3_client()
+        return client.get_object(Bucket=bucket, Key=f"{prefix}/{REPORT_HTML}")["Body"].read()
+    except Exception as error:
+        if _not_found(error):
+            return None
+        raise
 
 
 def _gpu_util(gpu: dict | None) -> float | None:
@@ -106,7 +184,7 @@ th { background: #f5f5f5; text-align: left; } td.num { text-align: right; }
 """
 
 
-def render_runs_page(rows: list[dict[str, Any]], dirs: list[Path]) -> str:
+def render_runs_page(rows: list[dict[str, Any]], dirs: list[RunsDir]) -> str:
     """The runs table as one HTML page; links are relative (the page sits under a prefix)."""
     esc = html.escape
     body = []
@@ -160,7 +238,7 @@ def create_app() -> Any:
     from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity
     from airflow.api_fastapi.core_api.security import requires_access_dag
     from fastapi import Depends, FastAPI, HTTPException
-    from fastapi.responses import FileResponse, HTMLResponse
+    from fastapi.responses import HTMLResponse
 
     app = FastAPI(title="Fine-tuning runs",
                   dependencies=[Depends(requires_access_dag("GET", DagAccessEntity.RUN))])
@@ -176,10 +254,11 @@ def create_app() -> Any:
                 | {"gpu_util_pct": _gpu_util(row["gpu"])} for row in list_runs(runs_dirs())]
 
     @app.get("/runs/{name}/report.html")
-    def report_page(name: str) -> FileResponse:
+    def report_page(name: str) -> HTMLResponse:
         run_dir = find_run(runs_dirs(), name)
-        if run_dir is None or not (run_dir / REPORT_HTML).is_file():
+        page = report_html(run_dir) if run_dir is not None else None
+        if page is None:
             raise HTTPException(status_code=404, detail=f"no report for run {name!r}")
-        return FileResponse(run_dir / REPORT_HTML, media_type="text/html")
+        return HTMLResponse(page)
 
     return app
