@@ -23,11 +23,13 @@ from eks_support import (
     TrainingOperator,
     add_nodes,
     eks_config,
+    first_event,
     jobs_of_run,
+    reloaded,
     scaling,
     target,
 )
-from test_deferrable import create_job, first_event, reloaded, set_condition, train_operator
+from test_deferrable import create_job, set_condition, train_operator
 
 from finetune.manifests import pytorchjob_manifest, run_selector, trainer_configmap_manifest
 from finetune.reservations import live_reservations
