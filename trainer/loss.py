@@ -12,9 +12,10 @@ import functools
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import register_fsdp_forward_method
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 # Logits per chunk: 2**29 elements is 4k tokens of a 128k vocabulary, 1 GB in bf16.
 LOGITS_PER_CHUNK = 1 << 29
@@ -123,17 +124,58 @@ def causal_lm_loss_sum(
 ) -> torch.Tensor:
     """Summed cross entropy of every labelled next-token prediction of a Hugging Face causal LM.
 
-    `inputs` go to the decoder (`model.model`); the head is applied here, chunked. A tensor
-    parallel head (a DTensor weight) keeps its own module, which gathers whole logits.
+    `inputs` go to the decoder (`model.model`); the head is applied here, chunked. With tensor
+    and sequence parallelism each rank runs the chunked loss on its part of the sequence
+    (`_sequence_parallel_loss_sum`); another DTensor head keeps its own module, which gathers
+    whole logits.
     """
     hidden = model.model(**inputs, use_cache=False).last_hidden_state
     head = model.get_output_embeddings()
+    weight = head.weight
+    if (isinstance(weight, DTensor) and isinstance(hidden, DTensor)
+            and weight.placements in ((Shard(0),), (Replicate(),))
+            and hidden.placements == (Shard(1),) and getattr(head, "bias", None) is None):
+        return _sequence_parallel_loss_sum(hidden, weight, labels, ignore_index, chunk_tokens)
     labels = labels[:, 1:].flatten()
-    if isinstance(head.weight, DTensor) or getattr(head, "bias", None) is not None:
+    if isinstance(weight, DTensor) or getattr(head, "bias", None) is not None:
         logits = head(hidden)[:, :-1].flatten(0, 1).float()
         return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
     hidden = hidden[:, :-1].flatten(0, 1)
     return linear_cross_entropy_sum(hidden, head.weight, labels, ignore_index, chunk_tokens)
+
+
+def _sequence_parallel_loss_sum(
+    hidden: DTensor,
+    weight: DTensor,
+    labels: torch.Tensor,
+    ignore_index: int,
+    chunk_tokens: int | None,
+) -> torch.Tensor:
+    """The loss of a tensor-parallel model without whole logits on any rank.
+
+    hidden: sharded over the sequence (sequence parallelism); weight: sharded over the vocabulary
+    or replicated. Each rank takes the whole weight, its gradient marked partial (the backward
+    sums the ranks' gradients: a reduce-scatter, or an all-reduce), and runs the chunked loss on
+    its own positions, whose targets are the next tokens of the whole sequence. The value is
+    the TP group's total; the gradient is this rank's part, which with the other ranks' parts
+    makes the total's.
+    """
+    mesh = weight.device_mesh
+    group, rank = mesh.get_group(), mesh.get_local_rank()
+    local = hidden.to_local()  # (batch, seq / tp, hidden)
+    length = local.shape[1]
+    # The target of every position of the sequence; the last one has none.
+    targets = F.pad(labels[:, 1:], (0, 1), value=ignore_index)
+    local_targets = targets[:, rank * length : (rank + 1) * length].flatten()
+    full_weight = weight.redistribute(placements=[Replicate()]).to_local(
+        grad_placements=[Partial()]
+    )
+    part = linear_cross_entropy_sum(
+        local.flatten(0, 1), full_weight, local_targets, ignore_index, chunk_tokens
+    )
+    total = part.detach().clone()
+    dist.all_reduce(total, group=group)
+    return part + (total - part.detach())
 
 
 def add_loss_method(model: torch.nn.Module) -> None:

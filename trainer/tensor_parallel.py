@@ -106,7 +106,8 @@ def apply_tensor_parallel(model: PreTrainedModel, tp_mesh: DeviceMesh) -> None:
             input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
         )
         parallelize_module(embedding, tp_mesh, embedding_style)
-        # Whole logits on every rank: the loss code stays unaware of TP.
+        # model(...) gets whole logits on every rank; the training loss (trainer/loss.py) uses
+        # the vocabulary-sharded weight directly, on each rank's part of the sequence.
         head_style = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
         parallelize_module(head, tp_mesh, head_style)
     else:

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import demo_rows, read_metrics, torchrun, write_jsonl
-from tensor_parallel_worker import CHECKPOINT_AT, STEPS
+from tensor_parallel_worker import CHECKPOINT_AT, EVEN_VOCAB_MODEL_ENV, STEPS
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from trainer.checkpoint import Checkpointer
@@ -47,6 +47,36 @@ def assert_same_training(actual_dir, expected_dir, steps) -> None:
 
 def test_tp2_trains_to_the_same_losses_as_fsdp_without_tp(two_ranks):
     assert_same_training(two_ranks / "tp2_dp1", two_ranks / "fsdp_dp2", range(1, STEPS + 1))
+
+
+def test_a_vocabulary_split_over_tp_ranks_trains_to_the_same_losses_as_fsdp(
+    dataset, tmp_path, monkeypatch
+):
+    """The head's weight sharded over the vocabulary (an even vocab): the sequence-parallel loss
+    gathers it and its backward reduce-scatters the gradient."""
+    model_dir = tmp_path / "even-vocab"
+    config = builtin_config("tiny-llama")
+    config.vocab_size += 1  # 726: divisible by tp_degree 2
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(model_dir)
+    AutoTokenizer.from_pretrained("trainer/demo/tokenizer").save_pretrained(model_dir)
+    monkeypatch.setenv(EVEN_VOCAB_MODEL_ENV, str(model_dir))
+    out = tmp_path / "runs"
+    torchrun(["tests/trainer/tensor_parallel_worker.py", str(dataset), str(out),
+              "fsdp_dp2_even_vocab", "tp2_dp1_even_vocab"])
+    assert_same_training(out / "tp2_dp1_even_vocab", out / "fsdp_dp2_even_vocab",
+                         range(1, STEPS + 1))
+    assert int((out / "tp2_dp1_even_vocab" / "sequence_parallel_loss_calls").read_text()) > 0
+
+
+def test_the_tp_loss_runs_on_each_ranks_part_of_the_sequence_never_whole_logits(two_ranks):
+    """TP runs take the sequence-parallel loss (every step's forward and the evals), FSDP runs
+    the plain chunked one; the equal losses above show its value and gradients are right."""
+    def calls(setup: str) -> int:
+        return int((two_ranks / setup / "sequence_parallel_loss_calls").read_text())
+
+    assert calls("tp2_dp1") >= STEPS * 2  # 2 micro batches a step
+    assert calls("fsdp_dp2") == 0
 
 
 def test_a_tp_run_resumed_from_its_checkpoint_reproduces_the_uninterrupted_losses(two_ranks):
