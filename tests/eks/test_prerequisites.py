@@ -44,6 +44,7 @@ NOT_API = {"get_waiter", "generate_presigned_url", "get_paginator"}
 SPECIAL_ACTIONS = {  # calls whose IAM action is not the method's name
     ('eks.get_waiter("nodegroup_active"'): "eks:DescribeNodegroup",
     ('s3.generate_presigned_url("get_object"'): "s3:GetObject",
+    ('s3.get_paginator("list_objects_v2"'): "s3:ListBucket",
 }
 # Calls whose IAM action has another name (HeadObject is allowed by GetObject).
 ACTION_OF_CALL = {"s3:ListObjectsV2": "s3:ListBucket", "s3:HeadObject": "s3:GetObject"}
