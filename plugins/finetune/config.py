@@ -30,6 +30,11 @@ DATASET_FORMATS = ("auto", "jsonl", "json", "parquet", "csv")
 BAD_ROWS = ("skip", "error")
 # torchrun rendezvous backends the training operator passes on (elasticPolicy.rdzvBackend).
 RDZV_BACKENDS = ("etcd-v2", "etcd", "c10d")
+# torchrun's environment on every target. The etcd-v2 and c10d rendezvous otherwise hand every
+# restart round's workers the same TCPStore (the agent's, since torch 2.5), where the restarted
+# workers read the previous round's keys: their peers' dead gloo/NCCL addresses (pytorch#135712).
+# With it each round's rank-0 worker hosts a new store on a new port (as before torch 2.5).
+TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 ETCD_RESETS = ("keys", "restart")
 # How the eks target provides the trainer image (plugins/finetune/image_build.py).
 IMAGE_BUILDERS = ("buildkit", "codebuild", "prebuilt")

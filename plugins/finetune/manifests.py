@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from finetune.config import RunConfig
+from finetune.config import TORCHRUN_ENV, RunConfig
 from finetune.instance_types import INSTANCE_TYPES
 from finetune.names import dns_label
 from finetune.trainer_config import trainer_config
@@ -103,8 +103,8 @@ def trainer_configmap_manifest(cfg: RunConfig) -> dict[str, Any]:
 
 
 def _env(cfg: RunConfig, efa: bool) -> list[dict[str, Any]]:
-    plain = {"PYTHONUNBUFFERED": "1", "FINETUNE_RUN_ID": cfg.run_id, **NCCL_ENV,
-             **(EFA_ENV if efa else {})}
+    plain = {"PYTHONUNBUFFERED": "1", "FINETUNE_RUN_ID": cfg.run_id, **TORCHRUN_ENV,
+             **NCCL_ENV, **(EFA_ENV if efa else {})}
     env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in plain.items()]
     if cfg.hf_token_secret:
         name, key = hf_token_ref(cfg.hf_token_secret)

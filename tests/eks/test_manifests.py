@@ -98,6 +98,8 @@ def test_pytorchjob_carries_rendezvous_resources_and_placement_for_p4de():
     assert env["FI_PROVIDER"]["value"] == "efa"
     assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"]["value"] != "0"
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"]["value"] == "1"
+    # torchrun's in-place worker restarts get a new c10d store each round
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"]["value"] == "1"
     assert env["HF_TOKEN"] == {"name": "HF_TOKEN", "valueFrom": {
         "secretKeyRef": {"name": "hf", "key": "token"}}}
     assert manifest["metadata"]["labels"][LABEL_RUN] == cfg.rdzv_id

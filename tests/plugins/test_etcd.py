@@ -1,17 +1,23 @@
-"""A real etcd: torchrun's closed rendezvous blocks a rerun with the same id until the reset."""
+"""A real etcd: torchrun's closed rendezvous blocks a rerun with the same id until the reset;
+torchrun, as the targets start it, restarts a failed worker in place."""
 
 from __future__ import annotations
 
 import base64
 import os
+import signal
 import subprocess
 import sys
 import urllib.request
 from pathlib import Path
 
+import pytest
+
+from finetune.config import TORCHRUN_ENV
 from finetune.etcd import (
     LocalEtcd,
     delete_rendezvous_keys,
+    free_port,
     is_healthy,
     rendezvous_keys,
 )
@@ -19,12 +25,24 @@ from finetune.etcd import (
 WORKER = Path(__file__).with_name("rdzv_worker.py")
 
 
-def torchrun(endpoint: str, rdzv_id: str, nproc: int = 2) -> subprocess.CompletedProcess:
+def torchrun(endpoint: str, rdzv_id: str, nproc: int = 2, backend: str = "etcd-v2",
+             max_restarts: int = 0, **env: str) -> subprocess.CompletedProcess:
+    """torchrun as the targets start it (TORCHRUN_ENV) on rdzv_worker.py."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-           "--nproc-per-node", str(nproc), "--rdzv-backend", "etcd-v2",
-           "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id, str(WORKER)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+           "--nproc-per-node", str(nproc), "--rdzv-backend", backend,
+           "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id,
+           "--max-restarts", str(max_restarts), str(WORKER)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **TORCHRUN_ENV, **env}
+    # A session of its own: a hung run is killed with its workers, not only the agent.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def put(endpoint: str, key: str, value: str = "x") -> None:
@@ -56,6 +74,21 @@ def test_second_run_with_the_same_rendezvous_id_needs_the_reset(etcd_server):
     assert "/torch/elastic/rendezvous/job-a" in deleted
     after_reset = torchrun(etcd_server.endpoint, "job-a")
     assert after_reset.returncode == 0, after_reset.stderr[-3000:]
+
+
+@pytest.mark.parametrize("backend", ["etcd-v2", "c10d"])
+def test_torchrun_restarts_a_failed_worker_in_place_and_the_new_round_forms_its_group(
+        etcd_server, backend):
+    # Rank 1 fails after the first round's all-reduce; in the restarted round it joins late, so
+    # rank 0 looks up rank 1's address first: a store kept from the first round gives it the dead
+    # worker's, and the round fails or hangs.
+    endpoint = etcd_server.endpoint if backend == "etcd-v2" else f"127.0.0.1:{free_port()}"
+    run = torchrun(endpoint, f"restart-{backend}", backend=backend, max_restarts=1,
+                   RDZV_WORKER_FAIL_RANK="1")
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output[-3000:]
+    assert "rank 1 fails in the first round" in output
+    assert output.count("sum 1") == 4  # both ranks, in both rounds
 
 
 def test_reset_deletes_only_this_runs_keys(etcd_server):

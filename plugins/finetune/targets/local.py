@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune import REPO_ROOT
-from finetune.config import RunConfig, local_cpu_count
+from finetune.config import TORCHRUN_ENV, RunConfig, local_cpu_count
 from finetune.etcd import LocalEtcd, delete_rendezvous_keys, etcd_binary, free_port
 from finetune.gpu_metrics import (
     HOST_SAMPLES_FILE,
@@ -307,6 +307,7 @@ class LocalTarget(Target):
             [str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         env["OMP_NUM_THREADS"] = str(res["threads_per_process"])
         env["PYTHONUNBUFFERED"] = "1"
+        env.update(TORCHRUN_ENV)  # in-place worker restarts get a clean store
         if res["device"] == "cuda":
             first = node * cfg.procs_per_node
             env["CUDA_VISIBLE_DEVICES"] = ",".join(
