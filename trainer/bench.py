@@ -10,8 +10,10 @@ rank 0 prints them, so the scaling efficiency is tokens/s at N GPUs over tokens/
 
 Each model is built from its config (random init) and trained on random tokens, first through the
 trainer's own path (meta init, apply_parallelism, chunked loss, fused AdamW; bf16 compute on fp32
-master weights, fp32 gradient reduction), then by Hugging Face Trainer (bf16=True autocast on fp32
-weights, adamw_torch_fused, sdpa). One JSON line per run, and one with the ratio of tokens/s.
+master weights, fp32 gradient reduction; one GPU with SHARD_GRAD_OP runs without FSDP on bf16
+copies of the masters, trainer/master_weights.py), then by Hugging Face Trainer (bf16=True
+autocast on fp32 weights, adamw_torch_fused, sdpa). One JSON line per run, and one with the ratio
+of tokens/s.
 Steps are timed between device synchronisations; the first `--warmup` steps (compilation,
 allocator growth) are not timed. Imports neither trainer.data nor `datasets`.
 """
@@ -35,10 +37,16 @@ from transformers import LlamaForCausalLM, PretrainedConfig
 from trainer.config import TrainConfig
 from trainer.float8 import check_float8_device, precompute_float8_scales
 from trainer.loss import LOSS_METHOD, add_loss_method
+from trainer.master_weights import compute_weights
 from trainer.metrics import flops_per_token, peak_flops
 from trainer.model import BUILTIN_CONFIGS, build_model, builtin_config, materialize_weights
 from trainer.optim import build_optimizer, optimizer_step
-from trainer.parallel import DistEnv, apply_parallelism, init_distributed
+from trainer.parallel import (
+    DistEnv,
+    apply_parallelism,
+    init_distributed,
+    unsharded_single_device,
+)
 
 SHORT_NAMES = {"1b": "llama-1b", "3b": "llama-3b", "8b": "llama-8b", "tiny": "tiny-llama"}
 GIB = 1024**3
@@ -162,7 +170,8 @@ def run_trainer(
         check_float8_device(env.device)
     model = build_model(name)
     model_config = model.config
-    apply_parallelism(model, config, env)
+    mesh = apply_parallelism(model, config, env)
+    fsdp = not unsharded_single_device(config, mesh)
     materialize_weights(model, name, config.seed, env.device)
     add_loss_method(model)
     optimizer = build_optimizer(model, config, env.device)
@@ -171,8 +180,9 @@ def run_trainer(
     labelled = args.micro_batch * (args.seq_len - 1)
 
     def step(input_ids: torch.Tensor) -> float:
-        loss = loss_sum(input_ids, input_ids=input_ids) / labelled
-        loss.backward()
+        with compute_weights(model):
+            loss = loss_sum(input_ids, input_ids=input_ids) / labelled
+            loss.backward()
         optimizer_step(model, optimizer, config.max_grad_norm)
         if args.float8:
             precompute_float8_scales(model)
@@ -190,6 +200,8 @@ def run_trainer(
         print_profile(lambda: step(batches[-1]), env.device)
     options = {
         "strategy": args.strategy,
+        # One unsharded rank trains without FSDP (trainer/master_weights.py).
+        "fsdp": fsdp,
         "shard_group_size": args.shard_group_size or env.local_world_size,
         "gpus": env.world_size,
         "tp_degree": args.tp_degree,

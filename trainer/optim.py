@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from trainer.config import TrainConfig
+from trainer.master_weights import follow_optimizer
 
 
 def build_optimizer(
@@ -16,9 +17,11 @@ def build_optimizer(
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": config.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(
+    optimizer = torch.optim.AdamW(
         groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda"
     )
+    follow_optimizer(model, optimizer)  # one rank without FSDP: its compute copies
+    return optimizer
 
 
 def grad_norm(model: torch.nn.Module) -> torch.Tensor:

@@ -19,6 +19,7 @@ from torch.distributed.fsdp import (
 from trainer.activations import checkpoint_activations, checkpoint_every, offload_activations
 from trainer.config import TrainConfig
 from trainer.float8 import convert_to_float8
+from trainer.master_weights import use_master_weights
 from trainer.model import decoder_blocks
 from trainer.tensor_parallel import (
     TP_DIM,
@@ -182,8 +183,21 @@ def compile_blocks(blocks: torch.nn.ModuleList) -> None:
         blocks[i] = torch.compile(block, backend=backend, fullgraph=True)
 
 
+def unsharded_single_device(config: TrainConfig, mesh: DeviceMesh) -> bool:
+    """One rank that keeps its weights between forward and backward (SHARD_GRAD_OP, NO_SHARD) and
+    on the device: FSDP has nothing to do. FULL_SHARD and HYBRID_SHARD keep FSDP at one rank,
+    whose freeing of each block's weights after forward lowers the peak memory."""
+    return (
+        mesh.size() == 1
+        and config.tp_degree == 1
+        and config.strategy in ("SHARD_GRAD_OP", "NO_SHARD")
+        and not config.cpu_offload
+    )
+
+
 def apply_parallelism(model: torch.nn.Module, config: TrainConfig, env: DistEnv) -> DeviceMesh:
-    """Checkpoint activations per block if asked, then fully_shard every block and the root."""
+    """Checkpoint activations per block if asked, then fully_shard every block and the root (or,
+    with one unsharded rank, fp32 master weights with compute copies instead of FSDP)."""
     tp = config.tp_degree
     check_tensor_parallel(config, env.world_size, model.config)
     # With TP, FSDP's dims cover world_size / tp ranks; a node holds local_world_size / tp of them.
@@ -209,6 +223,11 @@ def apply_parallelism(model: torch.nn.Module, config: TrainConfig, env: DistEnv)
         compile_blocks(blocks)
     if config.activation_offload:
         offload_activations(blocks, env.device)
+    if unsharded_single_device(config, mesh):
+        # Nothing to shard, gather or reduce: FSDP would only copy (trainer/master_weights.py).
+        if config.mixed_precision != "fp32":
+            use_master_weights(model, COMPUTE_DTYPES[config.mixed_precision])
+        return mesh
     policies = {
         "mp_policy": mixed_precision_policy(config.mixed_precision, mesh.size()),
         "offload_policy": CPUOffloadPolicy(pin_memory=env.device.type == "cuda")

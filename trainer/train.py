@@ -31,6 +31,7 @@ from trainer.export import export_hf
 from trainer.float8 import check_float8_device, precompute_float8_scales
 from trainer.lora import apply_lora
 from trainer.loss import LOSS_METHOD, add_loss_method
+from trainer.master_weights import compute_weights
 from trainer.metrics import (
     METRICS_FILE,
     MetricsLog,
@@ -292,9 +293,10 @@ def train_step(
     labelled_tokens, tokens = counts.tolist()
     loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
     for batch in micro_batches:
-        loss = token_loss_sum(model, batch.to(env.device))
-        scaled = loss * env.world_size / labelled_tokens
-        (scaler.scale(scaled) if scaler else scaled).backward()
+        with compute_weights(model):
+            loss = token_loss_sum(model, batch.to(env.device))
+            scaled = loss * env.world_size / labelled_tokens
+            (scaler.scale(scaled) if scaler else scaled).backward()
         loss_sum += loss.detach()
     dist.all_reduce(loss_sum)
     return loss_sum.item() / labelled_tokens, int(tokens)
@@ -305,10 +307,11 @@ def evaluate(model: torch.nn.Module, batches: Iterable[Batch], device: torch.dev
     """Mean loss per labelled token over the whole eval split, all ranks together."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)
-    for batch in batches:
-        batch = batch.to(device)
-        totals[0] += token_loss_sum(model, batch)
-        totals[1] += (batch.labels[:, 1:] != IGNORE_INDEX).sum()
+    with compute_weights(model):
+        for batch in batches:
+            batch = batch.to(device)
+            totals[0] += token_loss_sum(model, batch)
+            totals[1] += (batch.labels[:, 1:] != IGNORE_INDEX).sum()
     dist.all_reduce(totals)
     model.train()
     return (totals[0] / totals[1]).item()

@@ -1,0 +1,131 @@
+"""One unsharded rank trains without FSDP (trainer/master_weights.py), to FSDP's numbers."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+from trainer.batch import Batch
+from trainer.config import TrainConfig
+from trainer.loss import add_loss_method
+from trainer.master_weights import compute_weights
+from trainer.model import build_model, materialize_weights
+from trainer.optim import build_optimizer, optimizer_step
+from trainer.parallel import apply_parallelism
+from trainer.train import evaluate, train_step
+
+MODEL, SEQ, STEPS = "tiny-llama", 32, 4
+
+
+def batches(vocab: int, count: int) -> list[Batch]:
+    generator = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(0, vocab, (2, SEQ), generator=generator)
+        labels = ids.clone()
+        labels[0, : SEQ // 2] = -100  # a prompt: no loss on its tokens
+        out.append(Batch(ids, labels, ids.numel()))
+    return out
+
+
+def build(env, **options):
+    config = TrainConfig(model=MODEL, seq_len=SEQ, lr=1e-2, warmup_steps=0, **options)
+    model = build_model(MODEL)
+    apply_parallelism(model, config, env)
+    materialize_weights(model, MODEL, config.seed, env.device)
+    add_loss_method(model)
+    return model, build_optimizer(model, config, env.device), config
+
+
+def train(env, steps: int = STEPS, **options):
+    """(losses, grad norms, eval loss, model) of `steps` steps of 2 micro batches each."""
+    model, optimizer, config = build(env, **options)
+    data = batches(model.config.vocab_size, 2 * steps + 2)
+    losses, norms = [], []
+    for step in range(steps):
+        loss, _ = train_step(model, data[2 * step : 2 * step + 2], env)
+        norm, _ = optimizer_step(model, optimizer, config.max_grad_norm)
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss)
+        norms.append(norm)
+    return losses, norms, evaluate(model, data[-2:], env.device), model
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_one_unsharded_rank_trains_without_fsdp_to_the_losses_and_grad_norms_of_fsdp(
+    world_of_one, precision
+):
+    plain = train(world_of_one, strategy="SHARD_GRAD_OP", mixed_precision=precision)
+    fsdp = train(world_of_one, strategy="FULL_SHARD", mixed_precision=precision)
+    assert not isinstance(plain[3], FSDPModule) and isinstance(fsdp[3], FSDPModule)
+    # Same numerics: compute copies in `precision`, gradients accumulated and stepped in fp32.
+    assert plain[0] == pytest.approx(fsdp[0], rel=1e-6)
+    assert plain[1] == pytest.approx(fsdp[1], rel=1e-5)
+    assert plain[2] == pytest.approx(fsdp[2], rel=1e-6)
+    # Between steps the parameters are the fp32 masters, as the optimizer and checkpoints see.
+    assert {p.dtype for p in plain[3].parameters()} == {torch.float32}
+
+
+def test_the_compute_copies_follow_every_optimizer_step(world_of_one):
+    """Losses drift from FSDP's at once if a step's new masters never reach the copies."""
+    model, optimizer, config = build(world_of_one, strategy="NO_SHARD", mixed_precision="bf16")
+    head = model.get_output_embeddings().weight
+    data = batches(model.config.vocab_size, 2)
+    train_step(model, data, world_of_one)
+    optimizer_step(model, optimizer, config.max_grad_norm)
+    with compute_weights(model):
+        assert head.dtype == torch.bfloat16
+        copy = head.detach().clone()
+    assert head.dtype == torch.float32
+    torch.testing.assert_close(copy, head.detach().to(torch.bfloat16), rtol=0, atol=0)
+    with torch.no_grad():  # as a checkpoint load writes the masters
+        head.mul_(2)
+    with compute_weights(model):
+        torch.testing.assert_close(head.detach(), copy * 2, rtol=0, atol=0)
+
+
+def test_gradients_of_several_micro_batches_accumulate_in_fp32(world_of_one):
+    model, _, _ = build(world_of_one, strategy="SHARD_GRAD_OP", mixed_precision="bf16")
+    data = batches(model.config.vocab_size, 2)
+    params = [p for p in model.parameters() if p.requires_grad]
+    parts = []
+    for batch in data:
+        train_step(model, [batch], world_of_one)
+        parts.append([p.grad.clone() for p in params])
+        model.zero_grad(set_to_none=True)
+    train_step(model, data, world_of_one)  # both micro batches, one global-batch normalisation
+    for p, a, b in zip(params, *parts):
+        assert p.grad.dtype == torch.float32
+        # Each part was normalised by its own labelled tokens; both batches label the same count.
+        torch.testing.assert_close(p.grad, (a + b) / 2, rtol=1e-6, atol=1e-9)
+
+
+def test_backward_outside_compute_weights_is_an_error_not_a_silent_bf16_gradient(world_of_one):
+    model, _, _ = build(world_of_one, strategy="SHARD_GRAD_OP", mixed_precision="bf16")
+    batch = batches(model.config.vocab_size, 1)[0].to(world_of_one.device)
+    with compute_weights(model):
+        loss = model.causal_lm_loss_sum(batch.labels, input_ids=batch.input_ids)
+    with pytest.raises(RuntimeError):
+        loss.backward()
+
+
+def test_full_shard_cpu_offload_and_fp32_at_one_rank_keep_their_own_paths(world_of_one):
+    assert isinstance(build(world_of_one, strategy="FULL_SHARD")[0], FSDPModule)
+    assert isinstance(build(world_of_one, strategy="NO_SHARD", cpu_offload=True)[0], FSDPModule)
+    model = build(world_of_one, strategy="SHARD_GRAD_OP", mixed_precision="fp32")[0]
+    assert not isinstance(model, FSDPModule)
+    with compute_weights(model):  # no copies: fp32 computes on the masters
+        assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+def test_a_model_with_master_weights_is_freed_when_dropped(world_of_one):
+    """The gradient hooks live in autograd's C++ metadata: a strong reference from them to the
+    model would keep it, its copies and its optimizer state alive for good (the benchmark's
+    Hugging Face run after ours then ran out of GPU memory)."""
+    *_, model = train(world_of_one, steps=1, strategy="SHARD_GRAD_OP", mixed_precision="bf16")
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None
