@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from transformers import LlamaForCausalLM, PretrainedConfig
 
 from trainer.config import TrainConfig
@@ -41,12 +42,7 @@ from trainer.master_weights import compute_weights
 from trainer.metrics import flops_per_token, peak_flops
 from trainer.model import BUILTIN_CONFIGS, build_model, builtin_config, materialize_weights
 from trainer.optim import build_optimizer, optimizer_step
-from trainer.parallel import (
-    DistEnv,
-    apply_parallelism,
-    init_distributed,
-    unsharded_single_device,
-)
+from trainer.parallel import DistEnv, apply_parallelism, init_distributed
 
 SHORT_NAMES = {"1b": "llama-1b", "3b": "llama-3b", "8b": "llama-8b", "tiny": "tiny-llama"}
 GIB = 1024**3
@@ -170,8 +166,7 @@ def run_trainer(
         check_float8_device(env.device)
     model = build_model(name)
     model_config = model.config
-    mesh = apply_parallelism(model, config, env)
-    fsdp = not unsharded_single_device(config, mesh)
+    apply_parallelism(model, config, env)
     materialize_weights(model, name, config.seed, env.device)
     add_loss_method(model)
     optimizer = build_optimizer(model, config, env.device)
@@ -201,7 +196,7 @@ def run_trainer(
     options = {
         "strategy": args.strategy,
         # One unsharded rank trains without FSDP (trainer/master_weights.py).
-        "fsdp": fsdp,
+        "fsdp": isinstance(model, FSDPModule),
         "shard_group_size": args.shard_group_size or env.local_world_size,
         "gpus": env.world_size,
         "tp_degree": args.tp_degree,

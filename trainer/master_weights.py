@@ -8,8 +8,9 @@ the gradients into a reduce buffer, again into the output, then casts them to fp
 - the model's parameters hold the fp32 masters, which the optimizer, clipping, checkpoints and
   export see, as they see FSDP's sharded fp32 parameters;
 - inside `compute_weights(model)` the parameters hold bf16 (or fp16) copies, made again only for
-  masters that changed since: after an optimizer step (CUDA's fused AdamW leaves the version
-  counters alone), or a write that moved a version counter (a checkpoint load);
+  masters that changed since: after an optimizer step (a step hook: on the H200 the fused AdamW
+  step left the version counters where they were), or a write that moved a version counter (a
+  checkpoint load);
 - each gradient is cast to fp32 as soon as backward has it, freeing the low-precision one, and
   added to the master's gradient: gradient accumulation is in fp32, as FSDP's.
 

@@ -183,7 +183,7 @@ def compile_blocks(blocks: torch.nn.ModuleList) -> None:
         blocks[i] = torch.compile(block, backend=backend, fullgraph=True)
 
 
-def unsharded_single_device(config: TrainConfig, mesh: DeviceMesh) -> bool:
+def _unsharded_single_device(config: TrainConfig, mesh: DeviceMesh) -> bool:
     """One rank that keeps its weights between forward and backward (SHARD_GRAD_OP, NO_SHARD) and
     on the device: FSDP has nothing to do. FULL_SHARD and HYBRID_SHARD keep FSDP at one rank,
     whose freeing of each block's weights after forward lowers the peak memory."""
@@ -223,7 +223,7 @@ def apply_parallelism(model: torch.nn.Module, config: TrainConfig, env: DistEnv)
         compile_blocks(blocks)
     if config.activation_offload:
         offload_activations(blocks, env.device)
-    if unsharded_single_device(config, mesh):
+    if _unsharded_single_device(config, mesh):
         # Nothing to shard, gather or reduce: FSDP would only copy (trainer/master_weights.py).
         if config.mixed_precision != "fp32":
             use_master_weights(model, COMPUTE_DTYPES[config.mixed_precision])

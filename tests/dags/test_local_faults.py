@@ -91,19 +91,26 @@ def children(pid: int) -> list[int]:
     return kids
 
 
-def in_background(fn) -> threading.Thread:
+def train_during(target: LocalTarget, cfg, rdzv: dict, fault) -> dict:
+    """target.train with `fault()` running beside it; nothing of the run is left afterwards, and
+    the fault itself raised nothing."""
     errors: list[BaseException] = []
 
     def run() -> None:
         try:
-            fn()
-        except BaseException as exc:  # surfaced by the test through .errors
+            fault()
+        except BaseException as exc:  # surfaced below
             errors.append(exc)
 
     thread = threading.Thread(target=run, daemon=True)
-    thread.errors = errors  # type: ignore[attr-defined]
     thread.start()
-    return thread
+    try:
+        result = target.train(cfg, IMAGE, rdzv)
+    finally:
+        thread.join(5)
+        assert_nothing_left(target, cfg)
+    assert not errors, errors
+    return result
 
 
 def assert_nothing_left(target: LocalTarget, cfg) -> None:
@@ -132,13 +139,7 @@ def test_a_killed_rank_is_restarted_by_torchrun_and_resumes_to_the_uninterrupted
         wait_for_step(run_dir, 5)
         os.kill(workers(cfg)[1], signal.SIGKILL)
 
-    killer = in_background(kill_rank_1)
-    try:
-        result = target.train(cfg, IMAGE, rdzv)
-    finally:
-        killer.join(5)
-        assert_nothing_left(target, cfg)
-    assert not killer.errors, killer.errors
+    result = train_during(target, cfg, rdzv, kill_rank_1)
     assert result["node_restarts"] == 0  # torchrun restarted the workers, not the node
     train_log = (run_dir / "train.log").read_text()
     assert "failed (exitcode: -9) local_rank: 1" in train_log
@@ -157,13 +158,7 @@ def test_a_killed_node_is_started_again_and_both_nodes_resume_to_the_uninterrupt
         for pid in [*children(agent), agent]:  # all of the node: its worker and its agent
             os.kill(pid, signal.SIGKILL)
 
-    killer = in_background(kill_node_1)
-    try:
-        result = target.train(cfg, IMAGE, rdzv)
-    finally:
-        killer.join(5)
-        assert_nothing_left(target, cfg)
-    assert not killer.errors, killer.errors
+    result = train_during(target, cfg, rdzv, kill_node_1)
     assert result["node_restarts"] == 1
     assert_resumed_to_the_uninterrupted_losses(run_dir, uninterrupted)
 

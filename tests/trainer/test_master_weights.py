@@ -107,7 +107,7 @@ def test_backward_outside_compute_weights_is_an_error_not_a_silent_bf16_gradient
     batch = batches(model.config.vocab_size, 1)[0].to(world_of_one.device)
     with compute_weights(model):
         loss = model.causal_lm_loss_sum(batch.labels, input_ids=batch.input_ids)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="outside compute_weights"):
         loss.backward()
 
 
