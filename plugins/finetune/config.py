@@ -38,9 +38,10 @@ TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 ETCD_RESETS = ("keys", "restart")
 # How the eks target provides the trainer image (plugins/finetune/image_build.py).
 IMAGE_BUILDERS = ("buildkit", "codebuild", "prebuilt")
-# Model configs the trainer builds from scratch (trainer/model.py BUILTIN_CONFIGS; a test keeps
-# the two lists equal, since Airflow workers do not have the trainer package installed).
-BUILTIN_MODELS = ("tiny-llama", "llama-1b", "llama-3b", "llama-8b")
+# Model configs the trainer builds from scratch, with their max_position_embeddings
+# (trainer/model.py BUILTIN_CONFIGS; a test keeps the two equal, since Airflow workers do not
+# have the trainer package installed).
+BUILTIN_MODELS = {"tiny-llama": 1024, "llama-1b": 131072, "llama-3b": 131072, "llama-8b": 131072}
 # The Linear layers of a Llama block; the trainer's default too (trainer/config.py).
 LORA_TARGET_MODULES = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 # Share of the data set the trainer holds out for the eval loss.
@@ -504,20 +505,35 @@ def _check_float8_and_lora(v: dict[str, Any]) -> list[tuple[str, str]]:
     return errors
 
 
+def _max_positions(config_json: Path) -> int | None:
+    """A model directory's max_position_embeddings, as the trainer checks seq_len against it."""
+    try:
+        positions = json.loads(config_json.read_text()).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None  # the trainer's loading names what is wrong with the file
+    return positions if isinstance(positions, int) else None
+
+
 def _check_semantics(v: dict[str, Any]) -> list[tuple[str, str]]:
     """Checks across fields and against the file system; `v` has well-typed values."""
     errors: list[tuple[str, str]] = []
     # On eks, absolute paths are read in the trainer's pod, not on this machine.
     in_pod = v["target"] == "eks"
+    positions = BUILTIN_MODELS.get(v["model"])
     if v["model"] not in BUILTIN_MODELS and not (in_pod and v["model"].startswith("/")):
         model_path = resolve_path(v["model"])
         if model_path.is_dir():
             if not (model_path / "config.json").is_file():
                 errors.append(("model", f"directory {v['model']!r} has no config.json"))
+            else:
+                positions = _max_positions(model_path / "config.json")
         elif not _HUB_ID.match(v["model"]) or v["model"].startswith((".", "/", "~")):
             errors.append(("model", f"{v['model']!r} is not a built-in config ("
                            + ", ".join(BUILTIN_MODELS) + "), an existing model directory or "
                            "a hub id (org/name)"))
+    if positions is not None and v["seq_len"] > positions:
+        errors.append(("seq_len", f"{v['seq_len']} exceeds model {v['model']}'s "
+                       f"max_position_embeddings ({positions})"))
     if v["tokenizer"] and not (in_pod and v["tokenizer"].startswith("/")) \
             and not resolve_path(v["tokenizer"]).is_dir():
         errors.append(("tokenizer", f"directory {v['tokenizer']!r} does not exist"))
@@ -536,6 +552,10 @@ def _check_semantics(v: dict[str, Any]) -> list[tuple[str, str]]:
             v["selective_ac"].isdigit() and int(v["selective_ac"]) > 0):
         errors.append(("selective_ac", f"{v['selective_ac']!r}: allowed: op, or a positive "
                        "integer k (every k-th block)"))
+    elif v["activation_checkpointing"] != "selective" and v["selective_ac"] != "op":
+        errors.append(("selective_ac", f"{v['selective_ac']!r} applies only to "
+                       "activation_checkpointing selective (it is "
+                       f"{v['activation_checkpointing']!r}): leave it at op"))
     if v["strategy"] == "HYBRID_SHARD":
         group = v["shard_group_size"] or v["procs_per_node"]
         if world % group:

@@ -66,6 +66,8 @@ BAD_CONFS = [
     ({"tp_degree": 2, "seq_len": 99}, "tp_degree", "does not divide seq_len"),
     ({"activation_checkpointing": "selective", "selective_ac": "every"}, "selective_ac",
      "positive integer"),
+    ({"selective_ac": "2"}, "selective_ac", "applies only to activation_checkpointing selective"),
+    ({"seq_len": 1025}, "seq_len", "max_position_embeddings (1024)"),
     ({"compile": "yes"}, "compile", "true or false"),
     ({"packing": 1}, "packing", "true or false"),
     ({"prompt_template": "alpaca"}, "prompt_template", "instruction, chat"),
@@ -204,10 +206,12 @@ def test_checkpoint_async_reaches_the_trainer_and_must_be_a_boolean():
         validate_params({"checkpoint_async": "yes"}, run_id="r")
 
 
-def test_builtin_model_names_match_the_trainer():
+def test_builtin_model_names_and_positions_match_the_trainer():
     from trainer.model import BUILTIN_CONFIGS
 
-    assert set(BUILTIN_MODELS) == set(BUILTIN_CONFIGS)
+    assert BUILTIN_MODELS == {
+        name: config["max_position_embeddings"] for name, config in BUILTIN_CONFIGS.items()
+    }
 
 
 def test_bad_rows_reaches_the_trainer_and_only_skip_or_error_is_accepted():
@@ -217,3 +221,12 @@ def test_bad_rows_reaches_the_trainer_and_only_skip_or_error_is_accepted():
         == "error"
     with pytest.raises(ConfigError, match="- bad_rows: unknown value 'drop'; allowed: skip, error"):
         validate_params({"bad_rows": "drop"}, run_id="r")
+
+
+def test_seq_len_beyond_a_model_directorys_positions_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 64}')
+    with pytest.raises(ConfigError) as err:
+        validate_params({"model": str(tmp_path), "seq_len": 128}, run_id="manual__bad")
+    assert ("seq_len", "128 exceeds model " + str(tmp_path)
+            + "'s max_position_embeddings (64)") in err.value.errors
+    validate_params({"model": str(tmp_path), "seq_len": 64}, run_id="manual__ok")
