@@ -242,26 +242,21 @@ def test_context_archive_is_reproducible_and_holds_exactly_the_context_files(rep
 def test_codebuild_project_builds_the_s3_context_and_the_tag_is_verified(session):
     """moto implements create_project, start_build and batch_get_builds (which reports every
     build SUCCEEDED); it ignores start_build's overrides, does not implement update_project,
-    and runs nothing: the test plays the push."""
+    and runs nothing: the test plays the push, as the build starts (a real build reports
+    success only after its push)."""
     codebuild = session.client("codebuild")
     name = codebuild_project_name(REPO_NAME)
 
-    def play_push() -> None:
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                if codebuild.list_builds_for_project(projectName=name)["ids"]:
-                    push(session, image_tag())
-                    return
-            except codebuild.exceptions.ResourceNotFoundException:
-                pass
-            time.sleep(0.02)
+    def play_push(**_: object) -> None:
+        push(session, image_tag())
 
-    pusher = threading.Thread(target=play_push, daemon=True)
-    pusher.start()
-    result = provide_image(build_config(image_builder="codebuild", codebuild_role=ROLE),
-                           session, no_cluster, poll_interval=0.2)
-    pusher.join(5)
+    # Clients copy the session's event hooks when made: provide_image's CodeBuild client pushes.
+    session.events.register("after-call.codebuild.StartBuild", play_push)
+    try:
+        result = provide_image(build_config(image_builder="codebuild", codebuild_role=ROLE),
+                               session, no_cluster, poll_interval=0.2)
+    finally:
+        session.events.unregister("after-call.codebuild.StartBuild", play_push)
     assert result["built"] is True and result["builder"] == "codebuild"
     project = codebuild.batch_get_projects(names=[name])["projects"][0]
     key = f"finetune-build-context/{image_tag()}.zip"
