@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -30,11 +29,6 @@ DATASET_FORMATS = ("auto", "jsonl", "json", "parquet", "csv")
 BAD_ROWS = ("skip", "error")
 # torchrun rendezvous backends the training operator passes on (elasticPolicy.rdzvBackend).
 RDZV_BACKENDS = ("etcd-v2", "etcd", "c10d")
-# torchrun's environment on every target. The etcd-v2 and c10d rendezvous otherwise hand every
-# restart round's workers the same TCPStore (the agent's, since torch 2.5), where the restarted
-# workers read the previous round's keys: their peers' dead gloo/NCCL addresses (pytorch#135712).
-# With it each round's rank-0 worker hosts a new store on a new port (as before torch 2.5).
-TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 ETCD_RESETS = ("keys", "restart")
 # How the eks target provides the trainer image (plugins/finetune/image_build.py).
 IMAGE_BUILDERS = ("buildkit", "codebuild", "prebuilt")
@@ -636,9 +630,3 @@ def run_output_dir(output_dir: str, run_name: str, target: str) -> str:
 def default_params() -> dict[str, Any]:
     return {spec.name: spec.default for spec in PARAM_SPECS}
 
-
-def local_cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1

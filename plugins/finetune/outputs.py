@@ -64,9 +64,9 @@ def report_exists(run_dir: str, s3_client: Callable[[], Any]) -> bool:
 
 
 def build_report(run_dir: str, s3_client: Callable[[], Any], **report_args: Any) -> dict:
-    """Write report.json and report.html for the run in `run_dir`; return the local target's
-    small summary (targets/local.py) with the run's own locations. `report_args` go to
-    finetune.report.write_report. Raises ReportUnavailable when the outputs are out of reach."""
+    """Write report.json and report.html for the run in `run_dir`; return its `summary`.
+    `report_args` go to finetune.report.write_report. Raises ReportUnavailable when the outputs
+    are out of reach."""
     if not run_dir.startswith("s3://"):
         path = Path(run_dir)
         if not path.is_dir():
@@ -100,7 +100,7 @@ def build_report(run_dir: str, s3_client: Callable[[], Any], **report_args: Any)
 
 
 def summary(run_dir: str, report: dict, model: bool) -> dict:
-    """What collect_metrics returns (to XCom): the same keys as the local target's."""
+    """What collect_metrics returns (to XCom) on every target."""
     base = run_dir.rstrip("/")
     return {"status": report["status"], "run_dir": run_dir,
             "model_dir": f"{base}/{MODEL_DIR}" if model else None,

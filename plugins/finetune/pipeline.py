@@ -12,7 +12,7 @@ from typing import Any
 
 from airflow.sdk import Asset, Variable, get_current_context, task
 
-from finetune.operators import BuildImageOperator, ScaleUpOperator, TrainOperator
+from finetune.operators import StageOperator
 
 
 def _target(run_config: dict):
@@ -96,13 +96,14 @@ def finetune_pipeline(*, base_conf: Mapping[str, Any] | None = None,
 
     cfg = validate()
     snap = snapshot(cfg)
-    # On eks these wait deferred (no worker slot held); elsewhere they run in the task.
-    up = ScaleUpOperator(task_id="scale_up", run_config=cfg)
+    # The long stages: a target that waits (eks) defers them, no worker slot held.
+    up = StageOperator(task_id="scale_up", stage="scale_up", run_config=cfg)
     snap >> up
-    image = BuildImageOperator(task_id="build_image", run_config=cfg)
+    image = StageOperator(task_id="build_image", stage="build_image", run_config=cfg)
     rendezvous = reset_etcd(cfg)
     up >> [image, rendezvous]
-    trained = TrainOperator(task_id="train", run_config=cfg, image=image.output,
-                            rendezvous=rendezvous, **({"pool": pool} if pool else {}))
+    trained = StageOperator(task_id="train", stage="train", run_config=cfg,
+                            inputs={"image": image.output, "rendezvous": rendezvous},
+                            **({"pool": pool} if pool else {}))
     metrics = collect_metrics(cfg, trained.output)
     metrics >> teardown(cfg, snap).as_teardown(setups=snap)

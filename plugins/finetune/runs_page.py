@@ -50,7 +50,7 @@ def runs_dirs() -> list[RunsDir]:
 
 
 def s3_client() -> Any:
-    from finetune.kube import aws_session
+    from finetune.targets.eks.clients import aws_session
 
     return aws_session(_setting(AWS_CONN_ENV, "aws_conn_id") or "aws_default").client("s3")
 

@@ -18,7 +18,8 @@ import kubernetes
 from airflow.sdk.exceptions import TaskDeferred
 
 from finetune.config import RunConfig, validate_params
-from finetune.manifests import (
+from finetune.operators import StageOperator
+from finetune.targets.eks.manifests import (
     LABEL_JOB_NAME,
     LABEL_REPLICA_INDEX,
     LABEL_REPLICA_TYPE,
@@ -27,7 +28,7 @@ from finetune.manifests import (
     PYTORCHJOB_VERSION,
     run_selector,
 )
-from finetune.targets.eks import EksTarget
+from finetune.targets.eks.target import EksTarget
 
 EKS_PARAMS = {
     "target": "eks", "cluster_name": "train", "nodegroup": "gpu-p4de",
@@ -233,8 +234,13 @@ def scaling(eks: Any) -> dict[str, int]:
                                   nodegroupName="gpu-p4de")["nodegroup"]["scalingConfig"]
 
 
+# The eks target's pace in tests: fast polls, short limits.
+FAST = {"poll_interval": 0.05, "nodes_timeout": 3.0, "etcd_timeout": 3.0, "update_retries": 3,
+        "wake_after": 0.2}
+
+
 def target() -> EksTarget:
-    return EksTarget(poll_interval=0.05, nodes_timeout=3.0, etcd_timeout=3.0, update_retries=3)
+    return EksTarget(**FAST)
 
 
 def add_nodes(cluster: Cluster, count: int, ready: bool = True, gpus: int = 8) -> None:
@@ -341,7 +347,8 @@ async def first_event(trigger: Any) -> dict:
 
 
 def run_deferred(operator: Any, max_defers: int = 200) -> tuple[Any, list[dict]]:
-    """Run an operator to the end, each deferral's trigger inline: (result, events)."""
+    """Run an operator to the end, each deferral's trigger inline: (result, events). The
+    trigger and the resume kwargs go through JSON, as they go through the metadata DB."""
     call, events = functools.partial(operator.execute, {}), []
     for _ in range(max_defers):
         try:
@@ -349,6 +356,19 @@ def run_deferred(operator: Any, max_defers: int = 200) -> tuple[Any, list[dict]]
         except TaskDeferred as deferred:
             event = asyncio.run(first_event(reloaded(deferred.trigger)))
             events.append(event)
+            kwargs = json.loads(json.dumps(deferred.kwargs or {}))
             call = functools.partial(getattr(operator, deferred.method_name), {}, event=event,
-                                     **(deferred.kwargs or {}))
+                                     **kwargs)
     raise AssertionError(f"still deferring after {max_defers} deferrals")
+
+
+def stage_operator(stage: str, cfg: RunConfig, options: dict[str, Any] | None = None,
+                   **inputs: Any) -> StageOperator:
+    """The DAG's task for a long stage of the eks target, at the tests' pace."""
+    return StageOperator(task_id=stage, stage=stage, run_config=cfg.to_dict(), inputs=inputs,
+                         target_options={**FAST, **(options or {})})
+
+
+def run_stage(stage: str, cfg: RunConfig, **inputs: Any) -> dict:
+    """A long stage run as the DAG runs it: its task to the end, every trigger inline."""
+    return run_deferred(stage_operator(stage, cfg, **inputs))[0]

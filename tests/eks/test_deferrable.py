@@ -5,6 +5,7 @@ the method it names), with the test playing the training operator."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import kubernetes
@@ -23,26 +24,24 @@ from eks_support import (
     reloaded,
     run_deferred,
     scaling,
+    stage_operator,
     target,
 )
 
-from finetune.manifests import (
+from finetune.operators import StageOperator
+from finetune.targets.eks.clients import kube_credentials
+from finetune.targets.eks.manifests import (
     PYTORCHJOB_GROUP,
     PYTORCHJOB_PLURAL,
     PYTORCHJOB_VERSION,
     job_name,
     pytorchjob_manifest,
 )
-from finetune.operators import ScaleUpOperator, TrainOperator
-from finetune.targets.eks import kube_credentials
-from finetune.triggers import PyTorchJobTrigger
-
-FAST = {"poll_interval": 0.05}
+from finetune.targets.eks.triggers import PyTorchJobTrigger
 
 
-def train_operator(cfg: Any, **options: Any) -> TrainOperator:
-    return TrainOperator(task_id="train", run_config=cfg.to_dict(), image=IMAGE,
-                         rendezvous=RDZV, **{**FAST, "wake_after": 0.2, **options})
+def train_operator(cfg: Any) -> StageOperator:
+    return stage_operator("train", cfg, image=IMAGE, rendezvous=RDZV)
 
 
 def set_condition(cluster: Any, name: str, condition: str) -> None:
@@ -63,7 +62,7 @@ def test_pytorchjob_trigger_wakes_while_restarting_and_fires_when_succeeded(clus
     cfg = eks_config()
     name = create_job(cluster, cfg)
     trigger = PyTorchJobTrigger(credentials=kube_credentials(cfg), namespace=NS, name=name,
-                                poll_interval=0.05, wake_after=0.3)
+                                poll_interval=0.05, wake_at=time.time() + 0.3)
     set_condition(cluster, name, "Restarting")
     assert asyncio.run(first_event(trigger)) == {
         "status": "running", "state": "Restarting", "message": f"PyTorchJob {name} is Restarting"}
@@ -119,14 +118,13 @@ def test_a_retry_of_train_adopts_the_job_of_the_first_try(cluster):
         train_operator(cfg).execute({})
     with pytest.raises(TaskDeferred) as retry:  # the first try's worker died
         train_operator(cfg).execute({})
-    assert first.value.kwargs["job"]["adopted"] is False
-    assert retry.value.kwargs["job"]["adopted"] is True
+    assert first.value.kwargs["state"]["job"]["adopted"] is False
+    assert retry.value.kwargs["state"]["job"]["adopted"] is True
     assert [j["metadata"]["name"] for j in jobs_of_run(cluster, cfg)] == [job_name(cfg)]
 
 
-def scale_up_operator(cfg: Any, **options: Any) -> ScaleUpOperator:
-    return ScaleUpOperator(task_id="scale_up", run_config=cfg.to_dict(),
-                           **{**FAST, "nodes_timeout": 1.0, **options})
+def scale_up_operator(cfg: Any) -> StageOperator:
+    return stage_operator("scale_up", cfg, options={"nodes_timeout": 1.0})
 
 
 def test_scale_up_defers_until_the_nodegroup_is_active_and_the_nodes_ready(nodegroup, cluster):
@@ -151,7 +149,7 @@ def test_scale_up_times_out_naming_each_nodes_condition(nodegroup, cluster):
 
 
 def test_a_long_wait_re_mints_the_eks_token(nodegroup, cluster, monkeypatch):
-    import finetune.kube as kube
+    import finetune.targets.eks.clients as kube
 
     # EKS credentials (no kubeconfig): the endpoint is the emulator, tokens are counted.
     monkeypatch.delenv("FINETUNE_KUBECONFIG")
@@ -167,7 +165,8 @@ def test_a_long_wait_re_mints_the_eks_token(nodegroup, cluster, monkeypatch):
     name = create_job(cluster, cfg)
     set_condition(cluster, name, "Running")
     trigger = PyTorchJobTrigger(credentials=kube_credentials(cfg), namespace=NS, name=name,
-                                poll_interval=0.05, wake_after=1.0, refresh_interval=0.2)
+                                poll_interval=0.05, wake_at=time.time() + 1.0,
+                                refresh_interval=0.2)
     assert asyncio.run(first_event(trigger))["status"] == "running"
     used = [t for t in cluster.emulator.tokens if t.startswith("k8s-aws-v1.token-")]
     assert len(set(used)) >= 3  # a fresh token every refresh_interval, each one used

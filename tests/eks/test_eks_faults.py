@@ -26,15 +26,20 @@ from eks_support import (
     first_event,
     jobs_of_run,
     reloaded,
+    run_stage,
     scaling,
     target,
 )
 from test_deferrable import create_job, set_condition, train_operator
 
-from finetune.manifests import pytorchjob_manifest, run_selector, trainer_configmap_manifest
-from finetune.reservations import live_reservations
-from finetune.targets.eks import kube_credentials
-from finetune.triggers import NodesReadyTrigger, PyTorchJobTrigger
+from finetune.targets.eks.clients import kube_credentials
+from finetune.targets.eks.manifests import (
+    pytorchjob_manifest,
+    run_selector,
+    trainer_configmap_manifest,
+)
+from finetune.targets.eks.reservations import live_reservations
+from finetune.targets.eks.triggers import NodesReadyTrigger, PyTorchJobTrigger
 
 
 async def restarted(trigger: Any, change_after_restart: Any, waiting_for: float = 0.4) -> dict:
@@ -57,7 +62,7 @@ def test_a_restarted_triggerer_resumes_waiting_for_the_job_with_the_same_outcome
     name = create_job(cluster, cfg)
     set_condition(cluster, name, "Running")
     trigger = PyTorchJobTrigger(credentials=kube_credentials(cfg), namespace=NS, name=name,
-                                poll_interval=0.05, wake_after=30)
+                                poll_interval=0.05, wake_at=time.time() + 30)
     event = asyncio.run(restarted(trigger, lambda: set_condition(cluster, name, "Failed")))
     assert event == {"status": "failed", "state": "Failed",
                      "message": f"PyTorchJob {name} is Failed"}
@@ -68,7 +73,7 @@ def test_a_restarted_triggerer_resumes_waiting_for_the_job_with_the_same_outcome
 def test_a_restarted_triggerer_resumes_waiting_for_the_nodes(cluster):
     cfg = eks_config(nodes=2)
     trigger = NodesReadyTrigger(credentials=kube_credentials(cfg), nodegroup=cfg.nodegroup,
-                                nodes=2, gpus=8, poll_interval=0.05, timeout=30)
+                                nodes=2, gpus=8, poll_interval=0.05, deadline=time.time() + 30)
     event = asyncio.run(restarted(trigger, lambda: add_nodes(cluster, 2)))
     assert event == {"status": "success", "nodes": ["ip-10-0-0-0", "ip-10-0-0-1"]}
 
@@ -100,15 +105,15 @@ def fail_at(stage: str, cluster: Any, cfg: Any) -> None:
     if stage == "scale_up":
         add_nodes(cluster, cfg.nodes, ready=False)  # nodes that never become Ready
         with pytest.raises(TimeoutError):
-            t.scale_up(cfg)
+            run_stage("scale_up", cfg)
         return
     add_nodes(cluster, cfg.nodes)
-    t.scale_up(cfg)
+    run_stage("scale_up", cfg)
     if stage == "build_image":  # a prebuilt ECR image that is not in ECR
         missing = dataclasses.replace(
             cfg, image="123456789012.dkr.ecr.us-east-1.amazonaws.com/finetune-trainer:gone")
         with pytest.raises(Exception, match="not in ECR"):
-            t.build_image(missing)
+            run_stage("build_image", missing)
         return
     if stage == "reset_etcd":  # etcd_reset=restart, and no etcd service to restart
         with pytest.raises(kubernetes.client.ApiException):
@@ -119,7 +124,7 @@ def fail_at(stage: str, cluster: Any, cfg: Any) -> None:
     operator = TrainingOperator(cluster, cfg, outcome="Failed", oom_worker=0)
     operator.start()
     with pytest.raises(RuntimeError, match="OOMKilled"):
-        t.train(cfg, IMAGE, RDZV)
+        run_stage("train", cfg, image=IMAGE, rendezvous=RDZV)
     operator.join(5)
 
 
@@ -159,7 +164,7 @@ def test_aws_credentials_and_the_hf_token_appear_nowhere_the_eks_run_writes(
     written.append(cfg.to_dict())
     snap = t.snapshot(cfg)
     add_nodes(cluster, 1)
-    written += [snap, t.scale_up(cfg)]
+    written += [snap, run_stage("scale_up", cfg)]
     written += [pytorchjob_manifest(cfg, IMAGE["image"]), trainer_configmap_manifest(cfg)]
     with pytest.raises(TaskDeferred) as deferred:  # what the triggers table stores
         train_operator(cfg).execute({})
@@ -172,7 +177,7 @@ def test_aws_credentials_and_the_hf_token_appear_nowhere_the_eks_run_writes(
     operator = TrainingOperator(cluster, cfg, outcome="Failed", oom_worker=0)
     operator.start()
     with pytest.raises(RuntimeError) as failed:
-        t.train(cfg, IMAGE, RDZV)
+        run_stage("train", cfg, image=IMAGE, rendezvous=RDZV)
     operator.join(5)
     written.append(str(failed.value))
     written.append(t.teardown(cfg, snap))

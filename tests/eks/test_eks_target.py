@@ -19,19 +19,20 @@ from eks_support import (
     add_nodes,
     eks_config,
     jobs_of_run,
+    run_stage,
     scaling,
     target,
 )
 
-from finetune.kube import eks_api_client, eks_token
-from finetune.manifests import (
+from finetune.targets import get_target
+from finetune.targets.eks.clients import eks_api_client, eks_token
+from finetune.targets.eks.manifests import (
     PYTORCHJOB_GROUP,
     PYTORCHJOB_PLURAL,
     PYTORCHJOB_VERSION,
     job_name,
 )
-from finetune.targets import get_target
-from finetune.targets.eks import EksTarget
+from finetune.targets.eks.target import EksTarget
 
 
 def test_get_target_eks_is_the_eks_target():
@@ -44,13 +45,13 @@ def test_successful_run_scales_up_trains_streams_the_log_and_teardown_restores(
     snap = t.snapshot(cfg)
     assert snap["scaling_config"] == SCALING
     add_nodes(cluster, 2)
-    up = t.scale_up(cfg)
+    up = run_stage("scale_up", cfg)
     assert scaling(nodegroup) == {"minSize": 0, "maxSize": 2, "desiredSize": 2}
     assert len(up["nodes"]) == 2
 
     operator = TrainingOperator(cluster, cfg)
     operator.start()
-    trained = t.train(cfg, IMAGE, RDZV)
+    trained = run_stage("train", cfg, image=IMAGE, rendezvous=RDZV)
     operator.join(5)
     assert trained["job"] == job_name(cfg) and trained["adopted"] is False
     logged = "\n".join(task_log)
@@ -70,11 +71,11 @@ def test_failed_job_names_the_oomkilled_pod_and_teardown_restores_the_nodegroup(
     cfg, t = eks_config(nodes=2), target()
     snap = t.snapshot(cfg)
     add_nodes(cluster, 2)
-    t.scale_up(cfg)
+    run_stage("scale_up", cfg)
     operator = TrainingOperator(cluster, cfg, outcome="Failed", oom_worker=1)
     operator.start()
     with pytest.raises(RuntimeError) as err:
-        t.train(cfg, IMAGE, RDZV)
+        run_stage("train", cfg, image=IMAGE, rendezvous=RDZV)
     operator.join(5)
     message = str(err.value)
     assert f"{job_name(cfg)}-worker-1: container pytorch OOMKilled (exit code 137)" in message
@@ -87,9 +88,9 @@ def test_failed_job_names_the_oomkilled_pod_and_teardown_restores_the_nodegroup(
 
 
 def test_retry_adopts_the_running_job_instead_of_creating_a_second(nodegroup, cluster):
-    cfg, t = eks_config(nodes=1), target()
+    cfg = eks_config(nodes=1)
     custom = kubernetes.client.CustomObjectsApi(cluster.api())
-    from finetune.manifests import pytorchjob_manifest
+    from finetune.targets.eks.manifests import pytorchjob_manifest
 
     # The first try created the job, then its worker died (the job keeps running).
     first = pytorchjob_manifest(cfg, IMAGE["image"])
@@ -97,7 +98,7 @@ def test_retry_adopts_the_running_job_instead_of_creating_a_second(nodegroup, cl
                                            PYTORCHJOB_PLURAL, first)
     operator = TrainingOperator(cluster, cfg)
     operator.start()
-    trained = t.train(cfg, IMAGE, RDZV)
+    trained = run_stage("train", cfg, image=IMAGE, rendezvous=RDZV)
     operator.join(5)
     assert trained["adopted"] is True
     jobs = jobs_of_run(cluster, cfg)
@@ -110,7 +111,7 @@ def test_scale_up_times_out_with_node_conditions_and_teardown_still_restores(
     snap = t.snapshot(cfg)
     add_nodes(cluster, 2, ready=False)
     with pytest.raises(TimeoutError) as err:
-        t.scale_up(cfg)
+        run_stage("scale_up", cfg)
     assert "only 0 of 2 node(s)" in str(err.value)
     assert "Ready=False (KubeletNotReady: container runtime not ready)" in str(err.value)
     assert scaling(nodegroup)["desiredSize"] == 2
@@ -119,12 +120,11 @@ def test_scale_up_times_out_with_node_conditions_and_teardown_still_restores(
 
 
 def test_scale_up_raises_max_size_up_to_the_cap_and_never_beyond(nodegroup, cluster):
-    t = target()
     add_nodes(cluster, 4)
-    t.scale_up(eks_config(nodes=4, max_nodes=4))
+    run_stage("scale_up", eks_config(nodes=4, max_nodes=4))
     assert scaling(nodegroup) == {"minSize": 0, "maxSize": 4, "desiredSize": 4}
     with pytest.raises(RuntimeError, match="above max_nodes = 4"):
-        t.scale_up(eks_config(nodes=5, max_nodes=4))
+        run_stage("scale_up", eks_config(nodes=5, max_nodes=4))
     assert scaling(nodegroup)["maxSize"] == 4
 
 
@@ -160,7 +160,7 @@ def test_eks_token_is_a_presigned_get_caller_identity_naming_the_cluster(aws):
 
 
 def test_eks_client_uses_the_cluster_endpoint_and_re_mints_the_token(nodegroup, monkeypatch):
-    import finetune.kube as kube
+    import finetune.targets.eks.clients as kube
 
     api = eks_api_client(boto3.session.Session(), "train")
     conf = api.configuration

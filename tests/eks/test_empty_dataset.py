@@ -7,10 +7,9 @@ import re
 
 import boto3
 import pytest
-from eks_support import SCALING, add_nodes, eks_config, scaling, target
+from eks_support import SCALING, add_nodes, eks_config, run_stage, scaling, target
 
 from finetune.config import ConfigError
-from finetune.operators import ScaleUpOperator
 from finetune.s3_dataset import s3_dataset_problem
 from finetune.targets.local import LocalTarget
 
@@ -49,11 +48,9 @@ def test_an_empty_or_missing_s3_data_set_fails_scale_up_before_the_node_group_ch
     cfg = eks_config(dataset=uri)
     t = target()
     snap = t.snapshot(cfg)
+    # the task the DAG runs fails before it defers
     with pytest.raises(ConfigError, match="- dataset: .*" + re.escape(message)):
-        t.scale_up(cfg)
-    # the deferrable operator the DAG runs fails the same way, before it defers
-    with pytest.raises(ConfigError, match="- dataset: "):
-        ScaleUpOperator(task_id="scale_up", run_config=cfg.to_dict()).execute({})
+        run_stage("scale_up", cfg)
     assert scaling(nodegroup) == SCALING  # no node asked for
     assert t._reservations(cfg).read()[0]["reservations"] == {}  # none made
     t.teardown(cfg, snap)
@@ -63,7 +60,7 @@ def test_an_empty_or_missing_s3_data_set_fails_scale_up_before_the_node_group_ch
 def test_a_data_set_with_rows_scales_up(nodegroup, cluster, bucket):
     put(bucket, {"data/_SUCCESS": b"", "data/a.jsonl": b"", "data/b.jsonl": ROWS})
     add_nodes(cluster, 1)
-    result = target().scale_up(eks_config(dataset="s3://data/data/", nodes=1))
+    result = run_stage("scale_up", eks_config(dataset="s3://data/data/", nodes=1))
     assert scaling(nodegroup)["desiredSize"] == 1 and len(result["nodes"]) == 1
 
 

@@ -21,11 +21,21 @@ import kmock
 import kubernetes
 import kubernetes_validate
 import pytest
-from eks_support import EKS_PARAMS, Cluster, eks_config, first_event, reloaded, run_deferred
+from eks_support import (
+    EKS_PARAMS,
+    FAST,
+    Cluster,
+    eks_config,
+    first_event,
+    reloaded,
+    run_deferred,
+    run_stage,
+    stage_operator,
+)
 
 from finetune.config import ConfigError, RunConfig, validate_params
 from finetune.image import context_files, image_tag
-from finetune.image_build import (
+from finetune.targets.eks.image_build import (
     BUILD_CONTAINER,
     BUILDKIT_IMAGE,
     FETCH_CONTAINER,
@@ -36,11 +46,8 @@ from finetune.image_build import (
     codebuild_project_name,
     ensure_repository,
     pack_context,
-    provide_image,
 )
-from finetune.operators import BuildImageOperator
-from finetune.targets.eks import EksTarget, kube_credentials
-from finetune.triggers import ImageBuildTrigger
+from finetune.targets.eks.target import EksTarget
 
 NS = "ml"
 REPO_NAME = "finetune-trainer"
@@ -59,9 +66,13 @@ def build_config(**changes: Any) -> RunConfig:
 
 
 @pytest.fixture
-def session(aws: str) -> boto3.Session:
+def session(aws: str, monkeypatch: pytest.MonkeyPatch) -> boto3.Session:
+    """The AWS session the eks target builds with (the test hooks events onto it)."""
+    from finetune.targets.eks import target
+
     s = boto3.Session(region_name="us-east-1")
     s.client("s3").create_bucket(Bucket=BUCKET)
+    monkeypatch.setattr(target, "aws_session", lambda aws_conn_id: s)
     return s
 
 
@@ -76,10 +87,6 @@ def kube(cluster: Cluster) -> Cluster:
 def push(session: boto3.Session, tag: str, repo: str = REPO_NAME) -> None:
     """What BuildKit's (or CodeBuild's) push does to ECR."""
     session.client("ecr").put_image(repositoryName=repo, imageManifest=MANIFEST, imageTag=tag)
-
-
-def no_cluster() -> Any:
-    raise AssertionError("the cluster must not be needed")
 
 
 def secret_names(cluster: Cluster) -> list[str]:
@@ -132,7 +139,8 @@ class JobController(threading.Thread):
 def test_tag_already_in_ecr_skips_the_build(session):
     ensure_repository(session.client("ecr"), REPO_NAME)
     push(session, image_tag())
-    result = provide_image(build_config(), session, no_cluster, poll_interval=0.05)
+    result, events = run_deferred(stage_operator("build_image", build_config()))
+    assert events == []  # no wait, and no cluster needed (the test has none)
     assert result["built"] is False and result["image_tag"] == image_tag()
     assert result["image"].endswith(f"/{REPO_NAME}:{image_tag()}") and result["digest"]
     # Nothing was uploaded either.
@@ -177,8 +185,7 @@ def test_build_job_is_a_valid_kubernetes_job_with_the_context_and_secret_wired()
 def test_buildkit_build_pushes_verifies_and_deletes_the_secret(session, kube):
     controller = JobController(kube, session)
     controller.start()
-    target = EksTarget(poll_interval=0.05)
-    result = target.build_image(build_config())
+    result = run_stage("build_image", build_config())
     controller.join(5)
     tag = image_tag()
     assert result["built"] is True and result["builder"] == "buildkit"
@@ -210,7 +217,7 @@ def test_failed_build_fails_with_the_log_tail_and_deletes_the_secret(session, ku
     controller = JobController(kube, session, outcome="failed", log_lines=60)
     controller.start()
     with pytest.raises(ImageBuildError) as err:
-        provide_image(build_config(), session, kube.api, poll_interval=0.05)
+        run_stage("build_image", build_config())
     controller.join(5)
     message = str(err.value)
     assert "failed" in message and "exited with code 1" in message
@@ -223,7 +230,7 @@ def test_build_that_succeeds_without_pushing_the_tag_fails_verification(session,
     controller = JobController(kube, session, push=False)
     controller.start()
     with pytest.raises(ImageBuildError, match="not in ECR"):
-        provide_image(build_config(), session, kube.api, poll_interval=0.05)
+        run_stage("build_image", build_config())
     controller.join(5)
     assert secret_names(kube) == []
 
@@ -250,11 +257,11 @@ def test_codebuild_project_builds_the_s3_context_and_the_tag_is_verified(session
     def play_push(**_: object) -> None:
         push(session, image_tag())
 
-    # Clients copy the session's event hooks when made: provide_image's CodeBuild client pushes.
+    # Clients copy the session's event hooks when made: the build's CodeBuild client pushes.
     session.events.register("after-call.codebuild.StartBuild", play_push)
     try:
-        result = provide_image(build_config(image_builder="codebuild", codebuild_role=ROLE),
-                               session, no_cluster, poll_interval=0.2)
+        result = run_stage("build_image", build_config(image_builder="codebuild",
+                                                       codebuild_role=ROLE))
     finally:
         session.events.unregister("after-call.codebuild.StartBuild", play_push)
     assert result["built"] is True and result["builder"] == "codebuild"
@@ -275,16 +282,16 @@ def test_prebuilt_ecr_image_is_verified_and_used(session):
     push(session, "v1", repo="ft")
     image = "123456789012.dkr.ecr.us-east-1.amazonaws.com/ft:v1"
     cfg = dataclasses.replace(eks_config(), image=image, image_builder="prebuilt")
-    result = provide_image(cfg, session, no_cluster)
+    result = run_stage("build_image", cfg)
     assert result["image"] == image and result["image_tag"] == "v1" and result["digest"]
     missing = dataclasses.replace(cfg, image=image.replace(":v1", ":v2"))
     with pytest.raises(ImageBuildError, match="not in ECR"):
-        provide_image(missing, session, no_cluster)
+        run_stage("build_image", missing)
 
 
 def test_prebuilt_image_outside_ecr_is_accepted_as_given(session):
     cfg = dataclasses.replace(eks_config(), image="nvcr.io/nvidia/pytorch:25.01-py3")
-    result = provide_image(cfg, session, no_cluster)
+    result = run_stage("build_image", cfg)
     assert result == {"image": "nvcr.io/nvidia/pytorch:25.01-py3", "image_tag": "25.01-py3",
                       "builder": "prebuilt", "built": False}
 
@@ -314,8 +321,8 @@ def test_empty_image_with_a_bucket_validates_for_a_build():
 # -- the DAG's build_image task: the build waited on deferred --------------------------------
 
 
-def build_operator(cfg: RunConfig) -> BuildImageOperator:
-    return BuildImageOperator(task_id="build_image", run_config=cfg.to_dict(), poll_interval=0.05)
+def build_operator(cfg: RunConfig) -> Any:
+    return stage_operator("build_image", cfg)
 
 
 def test_build_image_task_defers_until_the_buildkit_job_completes_then_verifies(session, kube):
@@ -346,32 +353,37 @@ def test_build_image_task_does_not_defer_when_the_tag_is_in_ecr(session):
 
 
 def test_a_build_past_its_deadline_is_stopped_and_its_secret_deleted(session, kube):
-    """Nothing plays the Job controller: the Job never ends; the wait stops at the deadline."""
-    target = EksTarget(poll_interval=0.05)
+    """Nothing plays the Job controller: the Job never ends. The wall-clock deadline is fixed
+    when the task defers: a trigger built again from its kwargs later (a triggerer restart)
+    keeps it, and fires at once when it has passed."""
+    target = EksTarget(**{**FAST, "build_timeout": 0.3})
     cfg = build_config()
-    started = target.start_build(cfg)
-    pending = started["pending"]
+    wait = target.build_image(cfg)
+    pending = wait.state["started"]["pending"]
     assert pending["builder"] == "buildkit" and secret_names(kube) == [pending["secret"]]
-    pending["deadline"] = time.time() + 0.3
-    event = asyncio.run(first_event(reloaded(ImageBuildTrigger(
-        pending=pending, credentials=kube_credentials(cfg), poll_interval=0.05))))
-    assert event["state"] == "Running"
+    deadline = wait.trigger.serialize()[1]["deadline"]
+    time.sleep(0.4)
+    restarted = reloaded(wait.trigger)
+    assert restarted.serialize()[1]["deadline"] == deadline == wait.deadline
+    started = time.monotonic()
+    event = asyncio.run(first_event(restarted))
+    assert event["state"] == "Running" and time.monotonic() - started < 1
     with pytest.raises(ImageBuildError, match="no result after"):
-        target.finish_build(cfg, started, event["state"], event["message"])
+        target.build_done(cfg, event, wait.state)
     batch = kubernetes.client.BatchV1Api(kube.api())
     assert batch.list_namespaced_job(NS).items == [] and secret_names(kube) == []
 
 
 def test_codebuild_failure_is_reported_from_its_phases(session, monkeypatch):
     """moto reports every build SUCCEEDED: the failed status is the test's, the report ours."""
-    from finetune import image_build
+    from finetune.targets.eks import image_build
 
     cfg = build_config(image_builder="codebuild", codebuild_role=ROLE)
-    target = EksTarget(poll_interval=0.05)
-    started = target.start_build(cfg)
+    target = EksTarget(**FAST)
+    wait = target.build_image(cfg)
+    started = wait.state["started"]
     assert started["pending"]["builder"] == "codebuild"
-    event = asyncio.run(first_event(reloaded(ImageBuildTrigger(
-        pending=started["pending"], aws_conn_id=cfg.aws_conn_id, poll_interval=0.05))))
+    event = asyncio.run(first_event(reloaded(wait.trigger)))
     assert event == {"state": "Complete", "message": "SUCCEEDED"}
 
     real = image_build.codebuild_failure_report
@@ -381,4 +393,4 @@ def test_codebuild_failure_is_reported_from_its_phases(session, monkeypatch):
     monkeypatch.setattr(image_build, "codebuild_failure_report",
                         lambda s, build: real(s, failed_build))
     with pytest.raises(ImageBuildError, match="phase BUILD: FAILED COMMAND_EXECUTION_ERROR"):
-        target.finish_build(cfg, started, "Failed", "FAILED")
+        target.build_done(cfg, {"state": "Failed", "message": "FAILED"}, wait.state)

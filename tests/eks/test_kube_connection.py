@@ -11,7 +11,7 @@ import kubernetes
 import pytest
 from eks_support import add_nodes
 
-from finetune.kube import async_kube_api_client, kube_api_client
+from finetune.targets.eks.clients import async_kube_api_client, kube_api_client
 
 CONN_ID = "emulated_cluster"
 

@@ -15,7 +15,7 @@ from eks_support import EKS_PARAMS, eks_config
 
 from finetune.config import RDZV_BACKENDS, STRATEGIES, ConfigError, validate_params
 from finetune.instance_types import INSTANCE_TYPES
-from finetune.manifests import (
+from finetune.targets.eks.manifests import (
     ETCD_PORT,
     LABEL_RUN,
     etcd_manifests,

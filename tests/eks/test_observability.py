@@ -15,7 +15,7 @@ import yaml
 from eks_support import eks_config
 
 from finetune.gpu_metrics import DCGM_SERIES
-from finetune.manifests import APP, METRICS_PORT_NAME, pytorchjob_manifest
+from finetune.targets.eks.manifests import APP, METRICS_PORT_NAME, pytorchjob_manifest
 from trainer.metrics_endpoint import EVAL_GAUGE, MAX_STEPS_GAUGE, TRAIN_GAUGES
 
 OBSERVABILITY = Path(__file__).resolve().parents[2] / "containers" / "observability"

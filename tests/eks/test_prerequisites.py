@@ -70,7 +70,7 @@ def kubernetes_calls() -> set[tuple[str, str, str]]:
             used.add((*RESOURCES[what], VERBS[verb]))
     proxy_methods = re.findall(r"request\(\"([A-Z]+)\"", CODE[ROOT / "plugins" / "finetune" /
                                                               "etcd.py"])
-    assert "/proxy" in CODE[ROOT / "plugins" / "finetune" / "targets" / "eks.py"]
+    assert "/proxy" in CODE[ROOT / "plugins" / "finetune" / "targets" / "eks" / "rendezvous.py"]
     used |= {("", "services/proxy", PROXY_VERBS[m]) for m in proxy_methods}
     return used
 

@@ -12,10 +12,11 @@ from typing import Any
 import boto3
 import kubernetes
 import pytest
-from eks_support import NS, SCALING, add_nodes, eks_config, scaling, target
+from eks_support import NS, SCALING, add_nodes, eks_config, run_stage, scaling, target
 
-from finetune.manifests import run_labels
-from finetune.reservations import (
+from finetune.targets.eks.manifests import run_labels
+from finetune.targets.eks.nodegroup import busy_node_names, instance_id
+from finetune.targets.eks.reservations import (
     ReservationStore,
     empty_state,
     record_baseline,
@@ -23,7 +24,6 @@ from finetune.reservations import (
     reserve,
     wanted_scaling,
 )
-from finetune.targets.eks import busy_node_names, instance_id
 
 BASELINE = {"minSize": 0, "maxSize": 2, "desiredSize": 1}
 
@@ -76,10 +76,10 @@ def test_concurrent_runs_never_scale_down_each_others_nodes(nodegroup, cluster):
     snaps = {cfg.rdzv_id: t.snapshot(cfg) for cfg in (a, b, c)}
     add_nodes(cluster, 4)
 
-    at_once(lambda: t.scale_up(a), lambda: t.scale_up(b))
+    at_once(lambda: run_stage("scale_up", a), lambda: run_stage("scale_up", b))
     assert scaling(nodegroup) == {"minSize": 0, "maxSize": 3, "desiredSize": 3}
 
-    at_once(lambda: t.teardown(a, snaps[a.rdzv_id]), lambda: t.scale_up(c))
+    at_once(lambda: t.teardown(a, snaps[a.rdzv_id]), lambda: run_stage("scale_up", c))
     assert scaling(nodegroup)["desiredSize"] == 2  # b's and c's nodes stay
 
     t.teardown(b, snaps[b.rdzv_id])
@@ -94,10 +94,10 @@ def test_a_later_run_restores_the_baseline_not_the_size_it_found(nodegroup, clus
     first, second = eks_config(run_id="first", nodes=2), eks_config(run_id="second", nodes=1)
     snap_first = t.snapshot(first)
     add_nodes(cluster, 3)
-    t.scale_up(first)
+    run_stage("scale_up", first)
     snap_second = t.snapshot(second)  # sees the node group raised by the first run
     assert snap_second["scaling_config"]["desiredSize"] == 2
-    t.scale_up(second)
+    run_stage("scale_up", second)
     t.teardown(first, snap_first)
     t.teardown(second, snap_second)
     assert scaling(nodegroup) == SCALING
@@ -113,7 +113,7 @@ def test_a_stale_reservation_of_a_dead_run_is_ignored_and_cleared(nodegroup, clu
     t, cfg = target(), eks_config(nodes=1)
     snap = t.snapshot(cfg)
     add_nodes(cluster, 1)
-    t.scale_up(cfg)
+    run_stage("scale_up", cfg)
     assert scaling(nodegroup)["desiredSize"] == 1  # the dead run's 2 nodes are not kept
     t.teardown(cfg, snap)
     assert scaling(nodegroup) == SCALING
@@ -183,8 +183,8 @@ def test_a_run_shrinking_the_node_group_protects_the_nodes_other_runs_train_on(
     for i, instance in enumerate(instances):  # node ip-10-0-0-i is EC2 instance i
         core.patch_node(f"ip-10-0-0-{i}", {"spec": {
             "providerID": f"aws:///us-east-1a/{instance}"}})
-    t.scale_up(a)
-    t.scale_up(b)
+    run_stage("scale_up", a)
+    run_stage("scale_up", b)
     run_pod(cluster, a, "ip-10-0-0-0")
     run_pod(cluster, b, "ip-10-0-0-1")
 

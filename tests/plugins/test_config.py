@@ -13,12 +13,11 @@ from finetune.config import (
     ConfigError,
     RunConfig,
     default_params,
-    local_cpu_count,
     validate_params,
 )
 from finetune.names import dns_label, run_dir_name
 from finetune.params import dag_params
-from finetune.targets.local import trainer_config
+from finetune.targets.local import local_cpu_count, trainer_config
 
 
 def _data_file(tmp_path, rows: int) -> str:

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from finetune.config import TORCHRUN_ENV
 from finetune.etcd import (
     LocalEtcd,
     delete_rendezvous_keys,
@@ -21,6 +20,7 @@ from finetune.etcd import (
     is_healthy,
     rendezvous_keys,
 )
+from finetune.targets import TORCHRUN_ENV
 
 WORKER = Path(__file__).with_name("rdzv_worker.py")
 

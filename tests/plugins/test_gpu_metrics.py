@@ -261,7 +261,7 @@ def test_eks_collect_metrics_queries_the_jobs_pods_over_the_train_window(scraped
     import dataclasses
 
     from finetune.config import validate_params
-    from finetune.targets.eks import EksTarget
+    from finetune.targets.eks.target import EksTarget
 
     url, exporter, start, end = scraped
     cfg = dataclasses.replace(validate_params({}, run_id="r"), namespace=NAMESPACE,

@@ -12,14 +12,14 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from finetune.config import PARAM_SPECS, ConfigError, validate_params
-from finetune.manifests import (
+from finetune.names import dns_label, run_dir_name
+from finetune.targets.eks.manifests import (
     configmap_name,
     job_name,
     pytorchjob_manifest,
     run_labels,
     trainer_configmap_manifest,
 )
-from finetune.names import dns_label, run_dir_name
 from finetune.trainer_config import trainer_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

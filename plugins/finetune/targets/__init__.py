@@ -1,14 +1,48 @@
 """Targets: where a run's stages happen. The DAG calls one interface; each target is one class.
 
-Stage results are small JSON-able dicts: they travel between tasks through XCom.
+A stage returns its result, a small JSON-able dict that travels between tasks through XCom, or
+a `Wait`: a trigger to defer on, the target's method to resume with and the state to hand it.
+The one deferrable operator (finetune.operators.StageOperator) runs every long stage that way;
+a target that never waits (local) returns results at once. No code outside `targets/` asks
+which target it has.
+
+Also here: what every target gives torchrun (`TORCHRUN_ENV`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from finetune.config import RunConfig
+
+if TYPE_CHECKING:
+    from airflow.triggers.base import BaseTrigger
+
+# torchrun's environment on every target. The etcd-v2 and c10d rendezvous otherwise hand every
+# restart round's workers the same TCPStore (the agent's, since torch 2.5), where the restarted
+# workers read the previous round's keys: their peers' dead gloo/NCCL addresses (pytorch#135712).
+# With it each round's rank-0 worker hosts a new store on a new port (as before torch 2.5).
+TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Wait:
+    """A stage that is not done yet: defer on `trigger`, then call the target's method named
+    `resume` as `resume(cfg, event, state)`; it returns the stage's result or another Wait.
+
+    `state` is JSON-able (it is stored with the deferred task); `deadline` (epoch seconds, the
+    trigger's own) lets the operator give the framework a timeout too.
+    """
+
+    trigger: BaseTrigger
+    resume: str
+    state: dict[str, Any]
+    deadline: float | None = None
+
+
+Outcome = dict | Wait
 
 
 class Target(ABC):
@@ -23,11 +57,11 @@ class Target(ABC):
         """Setup: record what teardown must restore. Must not fail in practice."""
 
     @abstractmethod
-    def scale_up(self, cfg: RunConfig) -> dict:
+    def scale_up(self, cfg: RunConfig) -> Outcome:
         """Make the run's nodes available."""
 
     @abstractmethod
-    def build_image(self, cfg: RunConfig) -> dict:
+    def build_image(self, cfg: RunConfig) -> Outcome:
         """Provide the trainer image (or environment) the run uses."""
 
     @abstractmethod
@@ -35,7 +69,7 @@ class Target(ABC):
         """Give the run a clean rendezvous: its endpoint, backend and id."""
 
     @abstractmethod
-    def train(self, cfg: RunConfig, image: dict, rendezvous: dict) -> dict:
+    def train(self, cfg: RunConfig, image: dict, rendezvous: dict) -> Outcome:
         """Run the trainer on every node; fail with the reason when it fails."""
 
     @abstractmethod
@@ -45,6 +79,10 @@ class Target(ABC):
     @abstractmethod
     def teardown(self, cfg: RunConfig, snapshot: dict) -> dict:
         """Stop and delete what the run started, give the nodes back. Runs after any failure."""
+
+    def cancel(self, cfg: RunConfig, state: dict) -> None:  # noqa: B027 (most have nothing)
+        """The task of a stage was killed on a worker: stop what the stage started (`state`
+        is the last Wait's). The trigger's on_kill does it while the task is deferred."""
 
 
 class UnavailableTarget(Target):
@@ -64,19 +102,20 @@ class UnavailableTarget(Target):
     train = collect_metrics = teardown = _unavailable
 
 
-def get_target(name: str) -> Target:
+def get_target(name: str, **options: Any) -> Target:
+    """The target called `name`; `options` are its constructor's (poll intervals, timeouts)."""
     if name == "local":
         from finetune.targets.local import LocalTarget
 
-        return LocalTarget()
+        return LocalTarget(**options)
     if name == "eks":
-        from finetune.targets.eks import EksTarget
+        from finetune.targets.eks.target import EksTarget
 
-        return EksTarget()
+        return EksTarget(**options)
     raise ValueError(f"unknown target {name!r}")
 
 
-def run_target(run_config: dict[str, Any]) -> tuple[Target, RunConfig]:
+def run_target(run_config: dict[str, Any], **options: Any) -> tuple[Target, RunConfig]:
     """The validated run config (as XCom carries it) and the target it names."""
     cfg = RunConfig.from_dict(run_config)
-    return get_target(cfg.target), cfg
+    return get_target(cfg.target, **options), cfg

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune import REPO_ROOT
-from finetune.config import TORCHRUN_ENV, RunConfig, local_cpu_count
+from finetune.config import RunConfig
 from finetune.etcd import LocalEtcd, delete_rendezvous_keys, etcd_binary, free_port
 from finetune.gpu_metrics import (
     HOST_SAMPLES_FILE,
@@ -30,14 +30,23 @@ from finetune.gpu_metrics import (
     sampled_gpu_metrics,
 )
 from finetune.image import image_tag, local_environment
+from finetune.outputs import summary
 from finetune.report import write_report
 from finetune.s3_dataset import check_s3_dataset
-from finetune.targets import Target
+from finetune.targets import TORCHRUN_ENV, Target
 from finetune.trainer_config import trainer_config
 
 log = logging.getLogger(__name__)
 
 LOG_TAIL_LINES = 40
+
+
+def local_cpu_count() -> int:
+    """The CPUs this process may run on (its affinity), which is what torchrun's workers get."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def gpu_count() -> int:
@@ -363,12 +372,7 @@ class LocalTarget(Target):
 
 
 def _summary(cfg: RunConfig, report: dict) -> dict:
-    run_dir = Path(cfg.run_dir)
-    model = run_dir / "model"
-    return {"status": report["status"], "run_dir": str(run_dir),
-            "model_dir": str(model) if model.is_dir() else None,
-            "report_json": str(run_dir / "report.json"),
-            "report_html": str(run_dir / "report.html"), "metrics": report["metrics"]}
+    return summary(cfg.run_dir, report, (Path(cfg.run_dir) / "model").is_dir())
 
 
 def _agent_log(cfg: RunConfig, node: int) -> Path:

@@ -1,4 +1,5 @@
-"""Kubernetes manifests for the eks target, built from the run config: pure functions, no I/O.
+"""Kubernetes manifests of the eks target, built from the run config, and the label keys,
+ports and resource names they share with the parts that find those objects: pure, no I/O.
 
 - `pytorchjob_manifest`: the Kubeflow PyTorchJob (kubeflow.org/v1) that runs the FSDP trainer
   with torchrun on every node (elasticPolicy: the operator sets torchrun's PET_* variables);
@@ -11,9 +12,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from finetune.config import TORCHRUN_ENV, RunConfig
+from finetune.config import RunConfig
 from finetune.instance_types import INSTANCE_TYPES
 from finetune.names import dns_label
+from finetune.targets import TORCHRUN_ENV
 from finetune.trainer_config import trainer_config
 
 PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, PYTORCHJOB_PLURAL = "kubeflow.org", "v1", "pytorchjobs"

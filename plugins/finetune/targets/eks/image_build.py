@@ -11,7 +11,8 @@
   - `prebuilt`: the user's image, verified in ECR when it is an ECR image.
 
 Service calls and pure builders only: `start_image` starts a build, `finish_image` cleans up
-and verifies; the wait between them is the caller's (a loop here, a trigger in the DAG).
+and verifies; the wait between them is a trigger's (`ImageBuildTrigger`), which reads the build
+with `build_job_state` or `codebuild_state`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from typing import Any
 from finetune import REPO_ROOT
 from finetune.config import RunConfig
 from finetune.image import context_files, image_tag
-from finetune.kube import create_or_replace
+from finetune.targets.eks.clients import adopt_or_create, create_or_replace
+from finetune.targets.eks.manifests import APP, LABEL_APP
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +57,6 @@ BUILDKIT_UID = 1000
 BUILDKIT_HOME = "/home/user"
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 LABEL_IMAGE_TAG = "finetune.airflow.apache.org/image-tag"
-LABEL_APP = "app.kubernetes.io/managed-by"
-APP = "llm-finetune-airflow"
 JOB_TTL_AFTER_FINISHED_S = 3600
 LOG_TAIL_LINES = 40
 BUILD_RESOURCES = {"requests": {"cpu": "4", "memory": "16Gi", "ephemeral-storage": "60Gi"},
@@ -299,28 +299,6 @@ def upload_context(s3: Any, bucket: str, key: str, data: bytes) -> None:
 # -- the builders ----------------------------------------------------------------------------
 
 
-def provide_image(cfg: RunConfig, session: Any, kube_api: Callable[[], Any], *,
-                  poll_interval: float = 15.0, timeout: float = BUILD_TIMEOUT_S,
-                  root: Path = REPO_ROOT) -> dict[str, Any]:
-    """The trainer image for the run: prebuilt, already in ECR, or built now and verified.
-
-    Waits in this process; the DAG's BuildImageOperator runs the same two halves around a
-    deferred wait instead (`start_image`, a trigger, `finish_image`).
-    """
-    started = start_image(cfg, session, kube_api, timeout=timeout, root=root)
-    pending = started["pending"]
-    if pending is None:
-        return finish_image(cfg, session, kube_api, started, "Complete", "")
-    if pending["builder"] == "buildkit":
-        batch = _batch_api(kube_api())
-        state, message = wait_for_job(batch, pending["namespace"], pending["job"],
-                                      poll_interval, timeout)
-    else:
-        state, message = wait_for_codebuild(session.client("codebuild"), pending["build_id"],
-                                            poll_interval, timeout)
-    return finish_image(cfg, session, kube_api, started, state, message)
-
-
 def start_image(cfg: RunConfig, session: Any, kube_api: Callable[[], Any], *,
                 timeout: float = BUILD_TIMEOUT_S, root: Path = REPO_ROOT) -> dict[str, Any]:
     """The first half: the image when no build is needed (`pending` None: prebuilt, or the tag
@@ -347,8 +325,7 @@ def start_image(cfg: RunConfig, session: Any, kube_api: Callable[[], Any], *,
         pending = start_buildkit(kube_api(), ecr, cfg.namespace, ref, tag, url, timeout=timeout)
     else:
         pending = start_codebuild(session, cfg, ref, key, timeout=timeout)
-    # Wall-clock: a deferred wait outlives a triggerer restart.
-    return {**result, "pending": {**pending, "deadline": time.time() + timeout}}
+    return {**result, "pending": pending}
 
 
 def finish_image(cfg: RunConfig, session: Any, kube_api: Callable[[], Any],
@@ -401,12 +378,6 @@ def use_prebuilt(session: Any, image: str) -> dict[str, Any]:
                               f"registry {m['account']}, region {m['region']})")
     log.info("using prebuilt image %s (%s)", image, details[0]["imageDigest"])
     return {**result, "digest": details[0]["imageDigest"]}
-
-
-def _batch_api(api: Any) -> Any:
-    import kubernetes
-
-    return kubernetes.client.BatchV1Api(api)
 
 
 def start_buildkit(api: Any, ecr: Any, namespace: str, ref: str, tag: str, context_url: str, *,
@@ -463,7 +434,7 @@ def delete_registry_secret(core: Any, namespace: str, name: str) -> None:
             raise
 
 
-def job_state(job: dict[str, Any]) -> tuple[str, str]:
+def build_job_state(job: dict[str, Any]) -> tuple[str, str]:
     """(Complete | Failed | Running, message) from a batch/v1 Job's status."""
     status = job.get("status") or {}
     for cond in status.get("conditions") or []:
@@ -475,20 +446,6 @@ def job_state(job: dict[str, Any]) -> tuple[str, str]:
     if status.get("failed", 0) > backoff:
         return "Failed", f"{status['failed']} pod(s) failed"
     return "Running", ""
-
-
-def wait_for_job(batch: Any, namespace: str, name: str, poll_interval: float,
-                 timeout: float) -> tuple[str, str]:
-    """Poll the Job until it ends or `timeout` passes (then "Running")."""
-    api = batch.api_client
-    deadline = time.monotonic() + timeout
-    while True:
-        job = api.sanitize_for_serialization(batch.read_namespaced_job(name, namespace))
-        state, message = job_state(job)
-        if state != "Running" or time.monotonic() > deadline:
-            log.info("build Job %s/%s: %s %s", namespace, name, state, message)
-            return state, message
-        time.sleep(poll_interval)
 
 
 def job_failure_report(core: Any, namespace: str, name: str, message: str) -> str:
@@ -534,35 +491,40 @@ def _create_or_adopt_job(batch: Any, manifest: dict[str, Any]) -> None:
     """Create the build Job; adopt a running one of the same tag; replace a failed one."""
     import kubernetes
 
-    meta = manifest["metadata"]
+    namespace, name = manifest["metadata"]["namespace"], manifest["metadata"]["name"]
     try:
         job = batch.api_client.sanitize_for_serialization(
-            batch.read_namespaced_job(meta["name"], meta["namespace"]))
+            batch.read_namespaced_job(name, namespace))
     except kubernetes.client.ApiException as exc:
         if exc.status != 404:
             raise
         job = None
-    if job is not None:
-        state, _ = job_state(job)
-        if state != "Failed":
-            log.info("adopting build Job %s/%s (%s)", meta["namespace"], meta["name"], state)
-            return
-        log.info("build Job %s/%s failed before: starting it again", meta["namespace"],
-                 meta["name"])
-        _delete_job(batch, meta["namespace"], meta["name"])
-    batch.create_namespaced_job(meta["namespace"], manifest)
-    log.info("created build Job %s/%s", meta["namespace"], meta["name"])
+    adopt_or_create(f"build Job {namespace}/{name}", job,
+                    job is not None and build_job_state(job)[0] == "Failed",
+                    create=lambda: batch.create_namespaced_job(namespace, manifest),
+                    delete=lambda old: _delete_job(batch, namespace, old, wait=True))
 
 
-def _delete_job(batch: Any, namespace: str, name: str) -> None:
+def _delete_job(batch: Any, namespace: str, name: str, wait: bool = False,
+                timeout: float = 60.0) -> None:
+    """Delete the Job (Background: its pods go with it); with `wait`, until it is gone."""
     import kubernetes
 
     try:
-        # Background: the Job's pods go with it.
         batch.delete_namespaced_job(name, namespace, propagation_policy="Background")
     except kubernetes.client.ApiException as exc:
         if exc.status != 404:
             raise
+        return
+    deadline = time.time() + timeout
+    while wait and time.time() < deadline:
+        try:
+            batch.read_namespaced_job(name, namespace)
+        except kubernetes.client.ApiException as exc:
+            if exc.status == 404:
+                return
+            raise
+        time.sleep(0.5)
 
 
 def start_codebuild(session: Any, cfg: RunConfig, ref: str, key: str, *,
@@ -605,17 +567,6 @@ def codebuild_state(codebuild: Any, build_id: str) -> tuple[str, str]:
     if status == "IN_PROGRESS":
         return "Running", status
     return ("Complete" if status == "SUCCEEDED" else "Failed"), status
-
-
-def wait_for_codebuild(codebuild: Any, build_id: str, poll_interval: float,
-                       timeout: float) -> tuple[str, str]:
-    """Poll the build until it ends or `timeout` passes (then "Running")."""
-    deadline = time.monotonic() + timeout
-    while True:
-        state, status = codebuild_state(codebuild, build_id)
-        if state != "Running" or time.monotonic() > deadline:
-            return state, status
-        time.sleep(poll_interval)
 
 
 def finish_codebuild(session: Any, pending: dict[str, Any], state: str) -> None:

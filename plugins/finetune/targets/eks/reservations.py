@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from finetune.manifests import APP, LABEL_APP
 from finetune.names import dns_label
+from finetune.targets.eks.manifests import APP, LABEL_APP
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,11 @@
-"""Clients for the eks target: boto3 through Airflow's AWS connection, and the official
-`kubernetes` client for the cluster.
+"""The eks target's API clients: boto3 through Airflow's AWS connection, the official
+`kubernetes` client for the stages and `kubernetes_asyncio` for the triggers, and the retry of
+transient API errors (tenacity) that both use.
 
 Kubernetes credentials, in this order: an Airflow Kubernetes connection (its kubeconfig), the
 kubeconfig file named by FINETUNE_KUBECONFIG, or (EKS) the cluster's endpoint and CA from
-describe_cluster with a bearer token minted from STS, re-minted before it expires.
+describe_cluster with a bearer token from the amazon provider's EKS token utility, re-minted
+before it expires.
 """
 
 from __future__ import annotations
@@ -11,17 +13,56 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import logging
 import os
 import tempfile
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import tenacity
+
+log = logging.getLogger(__name__)
+
 KUBECONFIG_ENV = "FINETUNE_KUBECONFIG"
-TOKEN_PREFIX = "k8s-aws-v1."
 # EKS accepts a token for 15 minutes; re-mint well before that.
-TOKEN_TTL_S = 60
 TOKEN_REFRESH_S = 10 * 60
+# Answers that say "try again": throttling, a restarting API server, a gateway in between.
+TRANSIENT_STATUS = (429, 500, 502, 503, 504)
+TRANSIENT_AWS_CODES = ("Throttling", "ThrottlingException", "TooManyRequestsException",
+                       "RequestLimitExceeded", "ServiceUnavailableException",
+                       "InternalFailure", "ServerException")
+RETRY_ATTEMPTS = 5
+
+
+def transient(exc: BaseException) -> bool:
+    """An API error worth retrying: throttled, 5xx, or the connection lost on the way."""
+    import aiohttp
+    import botocore.exceptions
+    import urllib3.exceptions
+
+    if isinstance(exc, botocore.exceptions.ClientError):
+        error = exc.response.get("Error", {})
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        return error.get("Code") in TRANSIENT_AWS_CODES or status >= 500
+    if isinstance(exc, (botocore.exceptions.ConnectionError, botocore.exceptions.HTTPClientError,
+                        urllib3.exceptions.HTTPError, aiohttp.ClientConnectionError,
+                        asyncio.TimeoutError)):
+        return True
+    # kubernetes' and kubernetes_asyncio's ApiException both carry the HTTP status.
+    return type(exc).__name__ == "ApiException" and getattr(exc, "status", None) in \
+        TRANSIENT_STATUS
+
+
+def _log_retry(state: tenacity.RetryCallState) -> None:
+    log.warning("transient API error (attempt %d of %d), retrying: %s", state.attempt_number,
+                RETRY_ATTEMPTS, state.outcome.exception() if state.outcome else "")
+
+
+# On a read (or an idempotent write): sync and async functions alike.
+retry_transient = tenacity.retry(
+    retry=tenacity.retry_if_exception(transient), stop=tenacity.stop_after_attempt(RETRY_ATTEMPTS),
+    wait=tenacity.wait_exponential(multiplier=0.5, max=10), before_sleep=_log_retry, reraise=True)
 
 
 def aws_session(aws_conn_id: str) -> Any:
@@ -32,23 +73,14 @@ def aws_session(aws_conn_id: str) -> Any:
 
 
 def eks_token(session: Any, cluster_name: str) -> str:
-    """The bearer token EKS accepts: a presigned STS GetCallerIdentity URL naming the cluster.
-
-    What `aws eks get-token` prints: 'k8s-aws-v1.' + unpadded base64url of the URL, signed with
-    the x-k8s-aws-id header.
-    """
-    from botocore.signers import RequestSigner
+    """The bearer token EKS accepts (what `aws eks get-token` prints), from the amazon
+    provider's token utility: a presigned GetCallerIdentity on the regional STS endpoint, the
+    only one EKS accepts."""
+    from airflow.providers.amazon.aws.utils.eks_get_token import fetch_access_token_for_cluster
 
     region = session.region_name
-    sts = session.client("sts", region_name=region)
-    signer = RequestSigner(sts.meta.service_model.service_id, region, "sts", "v4",
-                           session.get_credentials(), session.events)
-    url = signer.generate_presigned_url(
-        {"method": "GET",
-         "url": f"https://sts.{region}.amazonaws.com/?Action=GetCallerIdentity&Version=2011-06-15",
-         "body": {}, "headers": {"x-k8s-aws-id": cluster_name}, "context": {}},
-        region_name=region, expires_in=TOKEN_TTL_S, operation_name="")
-    return TOKEN_PREFIX + base64.urlsafe_b64encode(url.encode()).decode().rstrip("=")
+    sts_url = f"https://sts.{region}.amazonaws.com/?Action=GetCallerIdentity&Version=2011-06-15"
+    return fetch_access_token_for_cluster(cluster_name, sts_url, region, session=session)
 
 
 def eks_cluster_access(session: Any, cluster_name: str) -> tuple[str, str | None]:
@@ -70,11 +102,12 @@ def eks_api_client(session: Any, cluster_name: str) -> Any:
     conf.host, ca_file = eks_cluster_access(session, cluster_name)
     if ca_file:
         conf.ssl_ca_cert = ca_file
-    minted = {"at": 0.0}
+    minted: dict[str, float | None] = {"at": None}
 
     def refresh(c: Any) -> None:
         # Called before each request: waits that last hours outlive one token.
-        if time.monotonic() - minted["at"] > TOKEN_REFRESH_S:
+        at = minted["at"]
+        if at is None or time.monotonic() - at > TOKEN_REFRESH_S:
             c.api_key["authorization"] = eks_token(session, cluster_name)
             c.api_key_prefix["authorization"] = "Bearer"
             minted["at"] = time.monotonic()
@@ -82,6 +115,13 @@ def eks_api_client(session: Any, cluster_name: str) -> Any:
     refresh(conf)
     conf.refresh_api_key_hook = refresh
     return kubernetes.client.ApiClient(conf)
+
+
+def kube_credentials(cfg: Any) -> dict[str, str]:
+    """Where the run's cluster credentials come from (`kube_api_client`); serialisable, so a
+    trigger gets them as kwargs."""
+    return {"kubernetes_conn_id": cfg.kubernetes_conn_id, "aws_conn_id": cfg.aws_conn_id,
+            "cluster_name": cfg.cluster_name}
 
 
 def kube_api_client(*, kubernetes_conn_id: str = "", aws_conn_id: str = "",
@@ -140,6 +180,28 @@ async def async_kube_api_client(*, kubernetes_conn_id: str = "", aws_conn_id: st
         await api.close()
 
 
+class KubeClient:
+    """A kubernetes_asyncio client that is re-opened (fresh token) every `refresh_interval`."""
+
+    def __init__(self, credentials: dict[str, str], refresh_interval: float):
+        self.credentials, self.refresh_interval = credentials, refresh_interval
+        self._context: Any = None
+        self._opened = 0.0
+
+    async def get(self) -> Any:
+        if self._context is None or time.monotonic() - self._opened > self.refresh_interval:
+            await self.close()
+            self._context = async_kube_api_client(**self.credentials)
+            self._api = await self._context.__aenter__()
+            self._opened = time.monotonic()
+        return self._api
+
+    async def close(self) -> None:
+        if self._context is not None:
+            context, self._context = self._context, None
+            await context.__aexit__(None, None, None)
+
+
 def create_or_replace(create: Any, replace: Any, manifest: dict[str, Any]) -> None:
     """Create a namespaced object, or replace it when it exists (a retry of the same run)."""
     import kubernetes
@@ -151,3 +213,27 @@ def create_or_replace(create: Any, replace: Any, manifest: dict[str, Any]) -> No
         if exc.status != 409:
             raise
         replace(meta["name"], meta["namespace"], manifest)
+
+
+def adopt_or_create(what: str, found: dict[str, Any] | None, failed: bool,
+                    create: Any, delete: Any) -> bool:
+    """Never two of a kind for one run or tag: adopt `found` (an earlier try's object) unless it
+    `failed`, which is deleted (`delete(name)` returns once it is gone) and created again; a
+    create that meets a concurrent one (409) adopts it. True when adopted."""
+    import kubernetes
+
+    if found is not None:
+        name = found["metadata"]["name"]
+        if not failed:
+            log.info("adopting %s %s, created by an earlier try", what, name)
+            return True
+        log.info("%s %s failed in an earlier try: deleting it to start again", what, name)
+        delete(name)
+    try:
+        create()
+    except kubernetes.client.ApiException as exc:
+        if exc.status != 409:
+            raise
+        log.info("%s already exists: adopting it", what)
+        return True
+    return False

@@ -1,0 +1,371 @@
+"""The `eks` target: Amazon EKS with the Kubeflow training operator. A thin class: each stage
+calls the part that owns the work (node group, reservations, image build, rendezvous, job) and
+returns its result or a `Wait` on one of the triggers.
+
+- snapshot records the node group's scaling config (and the shared baseline); teardown deletes
+  the run's PyTorchJob and ConfigMap and removes the run's node reservation, giving back only
+  what no other live run reserved, whatever happened to the run;
+- scale_up checks the node group's instance type, reserves the run's nodes, sizes the node
+  group to baseline + live reservations (never above max_nodes) and waits for ACTIVE
+  (`nodegroup_active`), then for the run's nodes to be Ready with allocatable GPUs (and EFA)
+  (`nodes_ready`);
+- build_image starts the build unless the image is prebuilt or in ECR, and waits for it
+  (`build_done`);
+- reset_etcd deletes the run's rendezvous keys through the service proxy (or restarts etcd);
+- train creates (or, on a retry, adopts) the run's PyTorchJob and waits for it, waking up
+  (`job_wake`) to stream the leader's log and renew the reservation; a failure names each
+  failed pod's reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from typing import Any
+
+from finetune.config import RunConfig
+from finetune.gpu_metrics import job_pod_regex, missing_section, prometheus_gpu_metrics
+from finetune.instance_types import INSTANCE_TYPES
+from finetune.outputs import build_report, has_outputs, report_exists
+from finetune.s3_dataset import check_s3_dataset
+from finetune.targets import Target, Wait
+from finetune.targets.eks import job, nodegroup
+from finetune.targets.eks.clients import (
+    TOKEN_REFRESH_S,
+    aws_session,
+    kube_api_client,
+    kube_credentials,
+)
+from finetune.targets.eks.image_build import (
+    BUILD_TIMEOUT_S,
+    finish_image,
+    image_param_errors,
+    start_image,
+)
+from finetune.targets.eks.manifests import EFA_RESOURCE, GPU_RESOURCE
+from finetune.targets.eks.rendezvous import delete_run_keys, reset_rendezvous
+from finetune.targets.eks.reservations import (
+    RESERVATION_TTL_S,
+    ReservationStore,
+    live_reservations,
+    record_baseline,
+    release,
+    renew,
+    reserve,
+)
+from finetune.targets.eks.triggers import (
+    ImageBuildTrigger,
+    NodegroupActiveTrigger,
+    NodesReadyTrigger,
+    PyTorchJobTrigger,
+)
+
+log = logging.getLogger(__name__)
+
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+
+
+def _required(values: dict[str, Any], field: str, what: str) -> list[tuple[str, str]]:
+    return [] if values[field] else [(field, f"is required for target eks: {what}")]
+
+
+class EksTarget(Target):
+    """poll_interval: the triggers' pace; nodes_timeout: scale_up's limit per wait (ACTIVE,
+    then Ready); wake_after: how often train comes back to stream the log; etcd_timeout:
+    etcd's restart; update_retries: node group updates while another is in progress."""
+
+    name = "eks"
+
+    def __init__(self, poll_interval: float = 15.0, nodes_timeout: float = 1800.0,
+                 wake_after: float = 60.0, etcd_timeout: float = 300.0,
+                 update_retries: int = 20, reservation_ttl: float = RESERVATION_TTL_S,
+                 build_timeout: float = BUILD_TIMEOUT_S,
+                 refresh_interval: float = TOKEN_REFRESH_S):
+        self.poll_interval, self.nodes_timeout = poll_interval, nodes_timeout
+        self.wake_after, self.etcd_timeout = wake_after, etcd_timeout
+        self.update_retries, self.reservation_ttl = update_retries, reservation_ttl
+        self.build_timeout, self.refresh_interval = build_timeout, refresh_interval
+
+    # -- validate ---------------------------------------------------------------------------
+
+    def check(self, values: dict[str, Any]) -> list[tuple[str, str]]:
+        errors = _required(values, "cluster_name", "the EKS cluster's name")
+        errors += _required(values, "nodegroup", "the managed node group of GPU nodes")
+        errors += image_param_errors(values)
+        if values["nodes"] > values["max_nodes"]:
+            errors.append(("nodes", f"{values['nodes']} exceeds max_nodes = "
+                           f"{values['max_nodes']}, the cap on the node group's size"))
+        itype = INSTANCE_TYPES[values["instance_type"]]
+        if values["procs_per_node"] > itype.gpus:
+            errors.append(("procs_per_node", f"{values['procs_per_node']} processes per node, "
+                           f"but {itype.name} has {itype.gpus} GPUs; allowed: 1..{itype.gpus}"))
+        if values["float8"] and not itype.float8:
+            errors.append(("float8", f"{itype.name}'s GPUs have no float8 tensor cores (compute "
+                           "capability < 8.9); choose a p5, p5e, p5en or g6 instance_type or set "
+                           "float8 to false"))
+        for field in ("namespace", "etcd_service"):
+            if not _DNS_LABEL.match(values[field]):
+                errors.append((field, f"{values[field]!r} is not a DNS label (lowercase "
+                               "letters, digits and '-', at most 63)"))
+        secret = values["hf_token_secret"].partition(":")[0]
+        if values["hf_token_secret"] and not _DNS_SUBDOMAIN.match(secret):
+            errors.append(("hf_token_secret", f"{secret!r} is not a Secret name; give name or "
+                           "name:key"))
+        out = values["output_dir"]
+        if not (out.startswith("s3://") or out.startswith("/")):
+            errors.append(("output_dir", f"{out!r}: on eks give s3://bucket/prefix or an "
+                           "absolute path the pods mount"))
+        return errors
+
+    # -- clients ----------------------------------------------------------------------------
+
+    def _eks(self, cfg: RunConfig) -> Any:
+        return aws_session(cfg.aws_conn_id).client("eks")
+
+    def _s3(self, cfg: RunConfig) -> Any:
+        return aws_session(cfg.aws_conn_id).client("s3")
+
+    def _kube(self, cfg: RunConfig) -> Any:
+        return kube_api_client(**kube_credentials(cfg))
+
+    def _reservations(self, cfg: RunConfig) -> ReservationStore:
+        import kubernetes
+
+        return ReservationStore(kubernetes.client.CoreV1Api(self._kube(cfg)), cfg.namespace,
+                                cfg.cluster_name, cfg.nodegroup)
+
+    def _reconcile(self, eks: Any, cfg: RunConfig, store: ReservationStore) -> dict[str, int]:
+        return nodegroup.reconcile_scaling(eks, cfg, store, self.update_retries,
+                                           self.poll_interval)
+
+    # -- snapshot ---------------------------------------------------------------------------
+
+    def snapshot(self, cfg: RunConfig) -> dict:
+        eks = self._eks(cfg)
+        scaling = nodegroup.current_scaling(eks, cfg)
+        log.info("node group %s/%s: scaling config %s recorded for teardown", cfg.cluster_name,
+                 cfg.nodegroup, scaling)
+        try:  # the shared baseline, unless runs hold reservations; best effort: a setup
+            self._reservations(cfg).update(
+                lambda state: record_baseline(state, nodegroup.current_scaling(eks, cfg)))
+        except Exception as exc:
+            log.warning("could not record the node group's baseline in the cluster (scale_up "
+                        "records it): %s", exc)
+        return {"target": self.name, "cluster": cfg.cluster_name, "nodegroup": cfg.nodegroup,
+                "scaling_config": scaling}
+
+    # -- scale_up ---------------------------------------------------------------------------
+
+    def scale_up(self, cfg: RunConfig) -> Wait:
+        """Reserve the run's nodes, size the node group, then wait for it to be ACTIVE.
+
+        Refused before any node is asked for: an s3:// data set that is missing or empty, an
+        instance_type that is not the node group's.
+        """
+        if cfg.dataset.startswith("s3://"):
+            check_s3_dataset(cfg.dataset, cfg.dataset_format, self._s3(cfg))
+        eks = self._eks(cfg)
+        instance_type = nodegroup.resolve_instance_type(eks, cfg)
+        store = self._reservations(cfg)
+        store.update(lambda state: reserve(
+            record_baseline(state, nodegroup.current_scaling(eks, cfg)), cfg.rdzv_id,
+            cfg.nodes, time.time(), cfg.max_nodes, self.reservation_ttl))
+        scaling = self._reconcile(eks, cfg, store)
+        deadline = time.time() + self.nodes_timeout
+        return Wait(NodegroupActiveTrigger(
+            cluster_name=cfg.cluster_name, nodegroup=cfg.nodegroup, deadline=deadline,
+            aws_conn_id=cfg.aws_conn_id, poll_interval=self.poll_interval),
+            resume="nodegroup_active", deadline=deadline,
+            state={"scaling_config": scaling, "instance_type": instance_type})
+
+    def nodegroup_active(self, cfg: RunConfig, event: dict, state: dict) -> Wait:
+        if event["status"] != "success":
+            raise RuntimeError(event["message"])
+        deadline = time.time() + self.nodes_timeout
+        return Wait(NodesReadyTrigger(
+            credentials=kube_credentials(cfg), nodegroup=cfg.nodegroup, nodes=cfg.nodes,
+            gpus=cfg.procs_per_node, deadline=deadline,
+            efa=INSTANCE_TYPES[state["instance_type"]].efa or 0,
+            instance_type=state["instance_type"], poll_interval=self.poll_interval,
+            refresh_interval=self.refresh_interval),
+            resume="nodes_ready", deadline=deadline, state=state)
+
+    def nodes_ready(self, cfg: RunConfig, event: dict, state: dict) -> dict:
+        if event["status"] != "success":
+            efa = INSTANCE_TYPES[state["instance_type"]].efa
+            raise TimeoutError(
+                f"only {len(event['nodes'])} of {cfg.nodes} node(s) of node group "
+                f"{cfg.nodegroup} are Ready with {cfg.procs_per_node} allocatable "
+                f"{GPU_RESOURCE}{' and ' + EFA_RESOURCE if efa else ''} after "
+                f"{self.nodes_timeout:.0f}s: {event['summary']}")
+        log.info("%d node(s) Ready: %s", len(event["nodes"]), event["nodes"])
+        return {"nodegroup": cfg.nodegroup, "scaling_config": state["scaling_config"],
+                "nodes": event["nodes"]}
+
+    # -- build_image ------------------------------------------------------------------------
+
+    def build_image(self, cfg: RunConfig) -> dict | Wait:
+        """Prebuilt, already in ECR (skipped), or built now (BuildKit Job or CodeBuild)."""
+        session = aws_session(cfg.aws_conn_id)
+        # The cluster client only when a BuildKit build needs it.
+        started = start_image(cfg, session, lambda: self._kube(cfg),
+                              timeout=self.build_timeout)
+        pending = started["pending"]
+        if pending is None:
+            return finish_image(cfg, session, lambda: self._kube(cfg), started, "Complete", "")
+        log.info("waiting deferred for the %s build of %s", pending["builder"], started["image"])
+        deadline = time.time() + self.build_timeout
+        return Wait(ImageBuildTrigger(
+            pending=pending, deadline=deadline,
+            credentials=kube_credentials(cfg) if pending["builder"] == "buildkit" else None,
+            aws_conn_id=cfg.aws_conn_id, poll_interval=self.poll_interval,
+            refresh_interval=self.refresh_interval),
+            resume="build_done", deadline=deadline, state={"started": started})
+
+    def build_done(self, cfg: RunConfig, event: dict, state: dict) -> dict:
+        """After the build's wait: clean up, report a failure, verify the tag in ECR."""
+        return finish_image(cfg, aws_session(cfg.aws_conn_id), lambda: self._kube(cfg),
+                            state["started"], event["state"], event["message"])
+
+    # -- reset_etcd -------------------------------------------------------------------------
+
+    def reset_etcd(self, cfg: RunConfig) -> dict:
+        return reset_rendezvous(lambda: self._kube(cfg), cfg, self.poll_interval,
+                                self.etcd_timeout)
+
+    # -- train ------------------------------------------------------------------------------
+
+    def train(self, cfg: RunConfig, image: dict, rendezvous: dict) -> Wait:
+        """Create (or adopt) the run's PyTorchJob and wait for it."""
+        started = job.start_job(self._kube(cfg), cfg, image["image"])
+        return self._wait_for_job(cfg, {
+            "job": started, "after": "",
+            "image": {k: image.get(k) for k in ("image", "image_tag")},
+            "rendezvous": {k: rendezvous[k] for k in ("backend", "rdzv_id")}})
+
+    def _wait_for_job(self, cfg: RunConfig, state: dict) -> Wait:
+        return Wait(PyTorchJobTrigger(
+            credentials=kube_credentials(cfg), namespace=cfg.namespace,
+            name=state["job"]["job"], wake_at=time.time() + self.wake_after,
+            poll_interval=self.poll_interval, refresh_interval=self.refresh_interval),
+            resume="job_wake", state=state)
+
+    def job_wake(self, cfg: RunConfig, event: dict, state: dict) -> dict | Wait:
+        """Each wake-up: the leader's new log lines into the task log; then wait again (the
+        reservation renewed), fail with the pods' reasons, or return the result."""
+        name, api = state["job"]["job"], self._kube(cfg)
+        state = {**state, "after": job.stream_leader_log(api, cfg.namespace, name,
+                                                         state["after"])}
+        log.info("PyTorchJob %s: %s %s", name, event["state"], event["message"])
+        if event["status"] == "running":
+            try:
+                self._renew_reservation(cfg)
+            except Exception as exc:  # the reservation outlives a few missed renewals
+                log.warning("could not renew the node reservation: %s", exc)
+            return self._wait_for_job(cfg, state)
+        if event["status"] == "failed":
+            raise RuntimeError(job.failure_report(api, cfg.namespace, name, event["message"]))
+        return job.train_result(cfg, state["job"], state["image"], state["rendezvous"])
+
+    def cancel(self, cfg: RunConfig, state: dict) -> None:
+        """train's task killed on a worker: delete the job it created or adopted."""
+        if "job" in state and job.delete_job(self._kube(cfg), cfg.namespace,
+                                             state["job"]["job"]):
+            log.info("deleted PyTorchJob %s/%s", cfg.namespace, state["job"]["job"])
+
+    def _renew_reservation(self, cfg: RunConfig) -> None:
+        """Heartbeat: a live run's reservation must not expire while it trains."""
+        self._reservations(cfg).update(
+            lambda state: renew(state, cfg.rdzv_id, time.time(), self.reservation_ttl))
+
+    # -- collect_metrics --------------------------------------------------------------------
+
+    def collect_metrics(self, cfg: RunConfig, trained: dict) -> dict:
+        """The report from the trainer's metrics.jsonl and summary.json in the run directory (S3,
+        or a shared file system this worker mounts), stored beside the model."""
+        result = build_report(cfg.run_dir, lambda: self._s3(cfg), run_id=cfg.run_id,
+                              status="success", config=cfg.to_dict(),
+                              stages={"train": trained}, gpu=self.gpu_metrics(cfg, trained),
+                              node_hourly_price=cfg.node_hourly_price, nodes=cfg.nodes)
+        log.info("report of %s: %s", cfg.run_dir, result["report_html"])
+        return result
+
+    def gpu_metrics(self, cfg: RunConfig, trained: dict) -> dict:
+        """The job's DCGM GPU metrics from Prometheus over the train stage's time window."""
+        if not cfg.prometheus_url:
+            return missing_section("prometheus", "GPU metrics missing: no prometheus_url was "
+                                   "given for this run", {})
+        end = trained.get("finished") or time.time()
+        start = trained.get("started") or end - trained["wall_time_s"]
+        return prometheus_gpu_metrics(cfg.prometheus_url, namespace=cfg.namespace,
+                                      pod_regex=job_pod_regex(trained["job"]), start=start,
+                                      end=end)
+
+    # -- teardown ---------------------------------------------------------------------------
+
+    def _failed_report(self, cfg: RunConfig) -> dict | None:
+        """After a failed run: a failed report of what the trainer left, unless none is needed."""
+        s3 = lambda: self._s3(cfg)  # noqa: E731
+        if report_exists(cfg.run_dir, s3) or not has_outputs(cfg.run_dir, s3):
+            return None
+        return build_report(cfg.run_dir, s3, run_id=cfg.run_id, status="failed",
+                            config=cfg.to_dict())
+
+    def teardown(self, cfg: RunConfig, snapshot: dict) -> dict:
+        """Delete the run's job and ConfigMap, restore the node group; every step is tried."""
+        done: dict[str, Any] = {}
+        problems: list[str] = []
+        try:
+            done["deleted"] = job.delete_run_objects(self._kube(cfg), cfg)
+        except Exception as exc:  # the node group must be restored even so
+            problems.append(f"deleting the run's Kubernetes objects failed: {exc}")
+        if cfg.rdzv_backend != "c10d":
+            try:  # the id is unique per run; still, leave no keys behind
+                done["rendezvous_keys"] = len(delete_run_keys(self._kube(cfg), cfg))
+            except Exception as exc:  # no etcd service: nothing was kept there
+                log.warning("could not delete rendezvous %s's keys on etcd service %s/%s: %s",
+                            cfg.rdzv_id, cfg.namespace, cfg.etcd_service, exc)
+        try:
+            done["scaling_config"] = self._restore_scaling(cfg, snapshot)
+        except Exception as exc:
+            problems.append(f"restoring node group {cfg.nodegroup} failed: {exc}")
+        try:  # after the nodes are given back: the report is not worth an idle GPU
+            report = self._failed_report(cfg)
+            if report is not None:
+                done["report"] = report
+        except Exception as exc:
+            log.warning("no failed-run report for %s: %s", cfg.run_dir, exc)
+        log.info("teardown: %s", done)
+        if problems:
+            raise RuntimeError("teardown incomplete: " + "; ".join(problems))
+        return done
+
+    def _restore_scaling(self, cfg: RunConfig, snapshot: dict) -> dict[str, int]:
+        """Remove the run's reservation; give back only what no other live run needs."""
+        eks = self._eks(cfg)
+        try:
+            store = self._reservations(cfg)
+            state, _ = store.read()
+        except Exception as exc:  # no cluster: no other run can be using the nodes either
+            log.warning("reservations unreadable (%s): restoring the run's snapshot", exc)
+            state, store = None, None
+        if store is None or state is None or not state["baseline"]:
+            nodegroup.apply_scaling(eks, cfg, dict(snapshot["scaling_config"]),
+                                    self.update_retries, self.poll_interval)
+            return dict(snapshot["scaling_config"])
+
+        def release_own(state: dict) -> dict:
+            released = release(state, cfg.rdzv_id, time.time())
+            # Before the node group shrinks: the ASG must pick idle nodes, not another run's.
+            released = nodegroup.protect_busy_instances(eks, self._kube(cfg), cfg, released)
+            if not live_reservations(released, time.time()):
+                # The last run gives the nodes back before the record says none are held, so
+                # a new run's snapshot never takes the raised size for the baseline.
+                nodegroup.apply_scaling(eks, cfg, released["baseline"], self.update_retries,
+                                        self.poll_interval)
+            return released
+
+        store.update(release_own)
+        return self._reconcile(eks, cfg, store)
