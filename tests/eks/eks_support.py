@@ -80,6 +80,8 @@ def make_emulator_class() -> type:
         proxies: dict[tuple[str, str], str] = attrs.field(factory=dict)
         # The bearer token of each request, in order (to see tokens being re-minted).
         tokens: list[str] = attrs.field(factory=list)
+        # (path regex, HTTP status): the next request to a matching path gets that error once.
+        faults: list[tuple[str, int]] = attrs.field(factory=list)
         _version: int = attrs.field(default=0)
         _write_lock: asyncio.Lock = attrs.field(factory=asyncio.Lock)
 
@@ -87,6 +89,12 @@ def make_emulator_class() -> type:
             auth = request.headers.get("Authorization", "")
             if auth:
                 self.tokens.append(auth.removeprefix("Bearer "))
+            for i, (pattern, status) in enumerate(self.faults):
+                if re.search(pattern, request.url.path):
+                    del self.faults[i]
+                    return aiohttp.web.json_response(
+                        {"kind": "Status", "code": status, "message": "injected fault"},
+                        status=status)
             replace = (request.resource is not None and request.name is not None
                        and not request.subresource and request.method == kmock.method.PUT)
             writes = (kmock.action.CREATE, kmock.action.UPDATE)

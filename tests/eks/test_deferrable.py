@@ -5,13 +5,16 @@ the method it names), with the test playing the training operator."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
+from pathlib import Path
 from typing import Any
 
 import kubernetes
 import pytest
 from airflow.sdk.exceptions import TaskDeferred
 from eks_support import (
+    FAST,
     IMAGE,
     NS,
     RDZV,
@@ -27,6 +30,7 @@ from eks_support import (
     stage_operator,
     target,
 )
+from kubernetes_asyncio.client.exceptions import ApiException
 
 from finetune.operators import StageOperator
 from finetune.targets.eks.clients import kube_credentials
@@ -37,7 +41,12 @@ from finetune.targets.eks.manifests import (
     job_name,
     pytorchjob_manifest,
 )
-from finetune.targets.eks.triggers import PyTorchJobTrigger
+from finetune.targets.eks.target import EksTarget
+from finetune.targets.eks.triggers import (
+    NodegroupActiveTrigger,
+    NodesReadyTrigger,
+    PyTorchJobTrigger,
+)
 
 
 def train_operator(cfg: Any) -> StageOperator:
@@ -171,3 +180,100 @@ def test_a_long_wait_re_mints_the_eks_token(nodegroup, cluster, monkeypatch):
     used = [t for t in cluster.emulator.tokens if t.startswith("k8s-aws-v1.token-")]
     assert len(set(used)) >= 3  # a fresh token every refresh_interval, each one used
     assert set(used) <= set(minted)
+
+
+def test_trigger_deadlines_are_wall_clock_and_a_restarted_triggerer_does_not_extend_them(
+        nodegroup, cluster, monkeypatch):
+    """Each deadline is computed once, when the task defers, and carried in the trigger's
+    kwargs: a trigger built again from them later (a triggerer restart) keeps it and fires as
+    soon as it has passed, instead of waiting a full timeout again."""
+    cfg = eks_config(nodes=2)
+    add_nodes(cluster, 2, ready=False)
+    t = EksTarget(**{**FAST, "nodes_timeout": 0.5})
+
+    def restarted_after_the_deadline(wait: Any) -> dict:
+        deadline = wait.trigger.serialize()[1]["deadline"]
+        assert deadline == wait.deadline and deadline <= time.time() + 0.5
+        time.sleep(max(0.0, deadline - time.time()) + 0.1)  # the triggerer was down
+        again = reloaded(wait.trigger)
+        assert again.serialize()[1]["deadline"] == deadline
+        began = time.monotonic()
+        event = asyncio.run(first_event(again))
+        assert time.monotonic() - began < 0.5  # at its first look, not after another timeout
+        return event
+
+    # A node group stuck UPDATING (moto's are ACTIVE at once).
+    monkeypatch.setattr(NodegroupActiveTrigger, "_describe", lambda self: {"status": "UPDATING"})
+    active = t.scale_up(cfg)
+    assert restarted_after_the_deadline(active) == {
+        "status": "error", "message": "node group gpu-p4de still UPDATING at its deadline"}
+
+    ready = t.nodegroup_active(cfg, {"status": "success"}, active.state)
+    event = restarted_after_the_deadline(ready)
+    assert event["status"] == "timeout"
+    with pytest.raises(TimeoutError, match="only 0 of 2 node"):
+        t.nodes_ready(cfg, event, ready.state)
+    t.teardown(cfg, t.snapshot(cfg))
+
+
+def test_the_jobs_wake_up_time_is_wall_clock_too(cluster):
+    cfg = eks_config()
+    name = create_job(cluster, cfg)
+    set_condition(cluster, name, "Running")
+    trigger = PyTorchJobTrigger(credentials=kube_credentials(cfg), namespace=NS, name=name,
+                                poll_interval=0.05, wake_at=time.time() + 0.3)
+    time.sleep(0.4)
+    began = time.monotonic()
+    assert asyncio.run(first_event(reloaded(trigger)))["status"] == "running"
+    assert time.monotonic() - began < 0.3
+
+
+def test_the_task_defers_with_a_framework_timeout_beyond_the_triggers_deadline(
+        nodegroup, cluster):
+    cfg = eks_config(nodes=1)
+    with pytest.raises(TaskDeferred) as deferred:
+        stage_operator("scale_up", cfg, options={"nodes_timeout": 60.0}).execute({})
+    deadline = deferred.value.trigger.serialize()[1]["deadline"]
+    assert 55 < deadline - time.time() <= 60
+    assert deferred.value.timeout.total_seconds() > 60  # the trigger's event comes first
+    target().teardown(cfg, {"scaling_config": SCALING})
+
+
+def test_triggers_retry_transient_api_errors(cluster):
+    cfg = eks_config(nodes=1)
+    add_nodes(cluster, 1)
+    faults = cluster.emulator.faults
+    faults += [("^/api/v1/nodes$", 503), ("^/api/v1/nodes$", 429)]
+    nodes = NodesReadyTrigger(credentials=kube_credentials(cfg), nodegroup=cfg.nodegroup,
+                              nodes=1, gpus=8, poll_interval=0.05, deadline=time.time() + 30)
+    assert asyncio.run(first_event(nodes)) == {"status": "success", "nodes": ["ip-10-0-0-0"]}
+    assert faults == []  # both errors were met, and retried
+
+    name = create_job(cluster, cfg)
+    set_condition(cluster, name, "Succeeded")
+    faults.append((f"/pytorchjobs/{name}$", 502))
+    job = PyTorchJobTrigger(credentials=kube_credentials(cfg), namespace=NS, name=name,
+                            poll_interval=0.05, wake_at=time.time() + 30)
+    assert asyncio.run(first_event(job))["status"] == "succeeded"
+    assert faults == []
+
+
+def test_an_error_that_is_not_transient_is_not_retried(cluster):
+    cfg = eks_config()
+    cluster.emulator.faults.append(("/pytorchjobs/", 403))
+    job = PyTorchJobTrigger(credentials=kube_credentials(cfg), namespace=NS, name="any",
+                            poll_interval=0.05, wake_at=time.time() + 30)
+    with pytest.raises(ApiException) as err:
+        asyncio.run(first_event(job))
+    assert err.value.status == 403
+
+
+def test_no_code_outside_targets_asks_which_target_it_has():
+    plugins = Path(__file__).resolve().parents[2] / "plugins"
+    for path in plugins.rglob("*.py"):
+        if "targets" in path.relative_to(plugins).parts:
+            continue
+        text = path.read_text()
+        assert not re.search(r"\b(EksTarget|LocalTarget)\b|isinstance\(target", text), path
+    triggers = (plugins / "finetune" / "targets" / "eks" / "triggers.py").read_text()
+    assert "targets.eks.target" not in triggers  # the waits import parts, not the target

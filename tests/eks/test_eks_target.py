@@ -6,8 +6,10 @@ from __future__ import annotations
 import base64
 import urllib.parse
 import urllib.request
+from typing import Any
 
 import boto3
+import botocore.exceptions
 import kubernetes
 import pytest
 from eks_support import (
@@ -32,6 +34,7 @@ from finetune.targets.eks.manifests import (
     PYTORCHJOB_VERSION,
     job_name,
 )
+from finetune.targets.eks.nodegroup import current_scaling, node_readiness, update_scaling
 from finetune.targets.eks.target import EksTarget
 
 
@@ -171,3 +174,64 @@ def test_eks_client_uses_the_cluster_endpoint_and_re_mints_the_token(nodegroup, 
     monkeypatch.setattr(kube, "TOKEN_REFRESH_S", -1)  # as if 10 minutes had passed
     monkeypatch.setattr(kube, "eks_token", lambda session, name: "k8s-aws-v1.fresh")
     assert conf.get_api_key_with_prefix("authorization") == "Bearer k8s-aws-v1.fresh"
+
+
+def test_scale_up_refuses_an_instance_type_that_is_not_the_nodegroups_naming_both(
+        nodegroup, cluster):
+    cfg = eks_config(instance_type="p5.48xlarge")  # the node group is p4de.24xlarge
+    with pytest.raises(ValueError) as err:
+        run_stage("scale_up", cfg)
+    assert "instance_type is p5.48xlarge" in str(err.value)
+    assert "gpu-p4de of cluster train has instanceTypes p4de.24xlarge" in str(err.value)
+    assert scaling(nodegroup) == SCALING  # refused before any node was asked for
+    assert target()._reservations(cfg).read()[0]["reservations"] == {}
+
+
+def test_nodes_of_another_instance_type_are_not_counted_ready():
+    node = {"metadata": {"name": "n", "labels": {
+        "node.kubernetes.io/instance-type": "p5.48xlarge"}},
+        "status": {"conditions": [{"type": "Ready", "status": "True"}],
+                   "allocatable": {"nvidia.com/gpu": "8"}}}
+    ok, summary = node_readiness(node, gpus=8, efa=0, instance_type="p4de.24xlarge")
+    assert not ok and "instance type p5.48xlarge, not p4de.24xlarge" in summary
+    assert node_readiness(node, gpus=8, efa=0, instance_type="p5.48xlarge")[0]
+
+
+class Flaky:
+    """An EKS client whose calls named in `errors` raise those errors first, in order."""
+
+    def __init__(self, real: Any, **errors: list[Exception]):
+        self.real, self.errors, self.exceptions = real, errors, real.exceptions
+
+    def __getattr__(self, name: str) -> Any:
+        def call(**kwargs: Any) -> Any:
+            if self.errors.get(name):
+                raise self.errors[name].pop(0)
+            return getattr(self.real, name)(**kwargs)
+        return call
+
+
+def in_use(eks: Any) -> Exception:
+    return eks.exceptions.ResourceInUseException(
+        {"Error": {"Code": "ResourceInUseException", "Message": "update in progress"}},
+        "UpdateNodegroupConfig")
+
+
+def test_a_nodegroup_update_waits_while_another_update_is_in_progress(nodegroup):
+    cfg = eks_config()
+    wanted = {"minSize": 0, "maxSize": 2, "desiredSize": 1}
+    flaky = Flaky(nodegroup, update_nodegroup_config=[in_use(nodegroup), in_use(nodegroup)])
+    update_scaling(flaky, cfg, wanted, attempts=3, wait_s=0.01)
+    assert scaling(nodegroup) == wanted
+    flaky = Flaky(nodegroup, update_nodegroup_config=[in_use(nodegroup) for _ in range(3)])
+    with pytest.raises(nodegroup.exceptions.ResourceInUseException):
+        update_scaling(flaky, cfg, SCALING, attempts=3, wait_s=0.01)  # gives up at last
+    assert scaling(nodegroup) == wanted
+
+
+def test_a_throttled_read_of_the_nodegroup_is_retried(nodegroup):
+    throttled = botocore.exceptions.ClientError(
+        {"Error": {"Code": "ThrottlingException", "Message": "Rate exceeded"},
+         "ResponseMetadata": {"HTTPStatusCode": 400}}, "DescribeNodegroup")
+    flaky = Flaky(nodegroup, describe_nodegroup=[throttled])
+    assert current_scaling(flaky, eks_config()) == SCALING
