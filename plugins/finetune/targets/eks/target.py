@@ -178,7 +178,8 @@ class EksTarget(Target):
             cluster_name=cfg.cluster_name, nodegroup=cfg.nodegroup, deadline=deadline,
             aws_conn_id=cfg.aws_conn_id, poll_interval=self.poll_interval),
             resume="nodegroup_active", deadline=deadline,
-            state={"scaling_config": scaling, "instance_type": instance_type})
+            state={"scaling_config": scaling, "instance_type": instance_type,
+                   "efa": INSTANCE_TYPES[instance_type].efa or 0})
 
     def nodegroup_active(self, cfg: RunConfig, event: dict, state: dict) -> Wait:
         if event["status"] != "success":
@@ -187,18 +188,17 @@ class EksTarget(Target):
         return Wait(NodesReadyTrigger(
             credentials=kube_credentials(cfg), nodegroup=cfg.nodegroup, nodes=cfg.nodes,
             gpus=cfg.procs_per_node, deadline=deadline,
-            efa=INSTANCE_TYPES[state["instance_type"]].efa or 0,
+            efa=state["efa"],
             instance_type=state["instance_type"], poll_interval=self.poll_interval,
             refresh_interval=self.refresh_interval),
             resume="nodes_ready", deadline=deadline, state=state)
 
     def nodes_ready(self, cfg: RunConfig, event: dict, state: dict) -> dict:
         if event["status"] != "success":
-            efa = INSTANCE_TYPES[state["instance_type"]].efa
             raise TimeoutError(
                 f"only {len(event['nodes'])} of {cfg.nodes} node(s) of node group "
                 f"{cfg.nodegroup} are Ready with {cfg.procs_per_node} allocatable "
-                f"{GPU_RESOURCE}{' and ' + EFA_RESOURCE if efa else ''} after "
+                f"{GPU_RESOURCE}{' and ' + EFA_RESOURCE if state['efa'] else ''} after "
                 f"{self.nodes_timeout:.0f}s: {event['summary']}")
         log.info("%d node(s) Ready: %s", len(event["nodes"]), event["nodes"])
         return {"nodegroup": cfg.nodegroup, "scaling_config": state["scaling_config"],
