@@ -34,6 +34,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from finetune.operators import StageOperator
 from finetune.targets.eks.clients import kube_credentials
+from finetune.targets.eks.job import pytorchjob_state
 from finetune.targets.eks.manifests import (
     PYTORCHJOB_GROUP,
     PYTORCHJOB_PLURAL,
@@ -130,6 +131,18 @@ def test_a_retry_of_train_adopts_the_job_of_the_first_try(cluster):
     assert first.value.kwargs["state"]["job"]["adopted"] is False
     assert retry.value.kwargs["state"]["job"]["adopted"] is True
     assert [j["metadata"]["name"] for j in jobs_of_run(cluster, cfg)] == [job_name(cfg)]
+
+
+def test_a_retry_after_the_job_failed_starts_it_again(cluster):
+    cfg = eks_config()
+    name = create_job(cluster, cfg)
+    set_condition(cluster, name, "Failed")
+    with pytest.raises(TaskDeferred) as retry:
+        train_operator(cfg).execute({})
+    assert retry.value.kwargs["state"]["job"] == {**retry.value.kwargs["state"]["job"],
+                                                  "job": name, "adopted": False}
+    (job,) = jobs_of_run(cluster, cfg)
+    assert pytorchjob_state(job) == ("Pending", "")  # a new job, not the failed one
 
 
 def scale_up_operator(cfg: Any) -> StageOperator:

@@ -125,13 +125,13 @@ def start_job(api: Any, cfg: RunConfig, image: str) -> dict[str, Any]:
     live = [j for j in existing if not j["metadata"].get("deletionTimestamp")]
     found = live[0] if live else None
     # A retry of a failed job runs it again (from its last checkpoint).
+    failed = found is not None and pytorchjob_state(found)[0] == "Failed"
     adopted = adopt_or_create(
-        f"PyTorchJob {cfg.namespace}/{name}", found,
-        found is not None and pytorchjob_state(found)[0] == "Failed",
+        f"PyTorchJob {cfg.namespace}/{name}", found, failed,
         create=lambda: custom.create_namespaced_custom_object(
             PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, cfg.namespace, PYTORCHJOB_PLURAL, manifest),
         delete=lambda old: delete_job(api, cfg.namespace, old, wait=True))
-    if found is not None and adopted:
+    if adopted and found is not None and not failed:  # else the one of the manifest's name
         name = found["metadata"]["name"]
     if not adopted:
         log.info("created PyTorchJob %s/%s: %d node(s) x %d GPU(s), image %s", cfg.namespace,
