@@ -237,3 +237,27 @@ def adopt_or_create(what: str, found: dict[str, Any] | None, failed: bool,
         log.info("%s already exists: adopting it", what)
         return True
     return False
+
+
+def delete_object(delete: Any, read: Any, wait: bool = False, timeout: float = 300.0,
+                  poll_interval: float = 0.5) -> bool:
+    """`delete()` a namespaced object; False when it was not there. With `wait`, return once
+    `read()` says it is gone (a new object of its name may be created then)."""
+    import kubernetes
+
+    try:
+        delete()
+    except kubernetes.client.ApiException as exc:
+        if exc.status == 404:
+            return False
+        raise
+    deadline = time.time() + timeout
+    while wait and time.time() < deadline:
+        try:
+            read()
+        except kubernetes.client.ApiException as exc:
+            if exc.status == 404:
+                break
+            raise
+        time.sleep(poll_interval)
+    return True

@@ -24,7 +24,6 @@ import json
 import logging
 import re
 import tarfile
-import time
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -33,7 +32,7 @@ from typing import Any
 from finetune import REPO_ROOT
 from finetune.config import RunConfig
 from finetune.image import context_files, image_tag
-from finetune.targets.eks.clients import adopt_or_create, create_or_replace
+from finetune.targets.eks.clients import adopt_or_create, create_or_replace, delete_object
 from finetune.targets.eks.manifests import APP, LABEL_APP
 
 log = logging.getLogger(__name__)
@@ -505,26 +504,11 @@ def _create_or_adopt_job(batch: Any, manifest: dict[str, Any]) -> None:
                     delete=lambda old: _delete_job(batch, namespace, old, wait=True))
 
 
-def _delete_job(batch: Any, namespace: str, name: str, wait: bool = False,
-                timeout: float = 60.0) -> None:
-    """Delete the Job (Background: its pods go with it); with `wait`, until it is gone."""
-    import kubernetes
-
-    try:
-        batch.delete_namespaced_job(name, namespace, propagation_policy="Background")
-    except kubernetes.client.ApiException as exc:
-        if exc.status != 404:
-            raise
-        return
-    deadline = time.time() + timeout
-    while wait and time.time() < deadline:
-        try:
-            batch.read_namespaced_job(name, namespace)
-        except kubernetes.client.ApiException as exc:
-            if exc.status == 404:
-                return
-            raise
-        time.sleep(0.5)
+def _delete_job(batch: Any, namespace: str, name: str, wait: bool = False) -> None:
+    """Delete the build Job (Background: its pods go with it); with `wait`, until it is gone."""
+    delete_object(
+        lambda: batch.delete_namespaced_job(name, namespace, propagation_policy="Background"),
+        lambda: batch.read_namespaced_job(name, namespace), wait=wait, timeout=60.0)
 
 
 def start_codebuild(session: Any, cfg: RunConfig, ref: str, key: str, *,

@@ -15,7 +15,12 @@ import time
 from typing import Any
 
 from finetune.config import RunConfig
-from finetune.targets.eks.clients import adopt_or_create, create_or_replace, retry_transient
+from finetune.targets.eks.clients import (
+    adopt_or_create,
+    create_or_replace,
+    delete_object,
+    retry_transient,
+)
 from finetune.targets.eks.manifests import (
     CONTAINER_NAME,
     LABEL_JOB_NAME,
@@ -146,31 +151,17 @@ def read_job(api: Any, namespace: str, name: str) -> dict[str, Any]:
                                                PYTORCHJOB_PLURAL, name)
 
 
-def delete_job(api: Any, namespace: str, name: str, wait: bool = False,
-               poll_interval: float = 1.0, timeout: float = DELETE_TIMEOUT_S) -> bool:
+def delete_job(api: Any, namespace: str, name: str, wait: bool = False) -> bool:
     """Delete the job and (Foreground) its pods; False when it was not there. With `wait`,
-    return once it is gone (a new job of the same name may be created then)."""
+    return once it is gone."""
     import kubernetes
 
     custom, _ = _apis(api)
-    try:
-        custom.delete_namespaced_custom_object(
+    return delete_object(
+        lambda: custom.delete_namespaced_custom_object(
             PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, namespace, PYTORCHJOB_PLURAL, name,
-            body=kubernetes.client.V1DeleteOptions(propagation_policy="Foreground"))
-    except kubernetes.client.ApiException as exc:
-        if exc.status == 404:
-            return False
-        raise
-    deadline = time.time() + timeout
-    while wait and time.time() < deadline:
-        try:
-            read_job(api, namespace, name)
-        except kubernetes.client.ApiException as exc:
-            if exc.status == 404:
-                break
-            raise
-        time.sleep(poll_interval)
-    return True
+            body=kubernetes.client.V1DeleteOptions(propagation_policy="Foreground")),
+        lambda: read_job(api, namespace, name), wait=wait, timeout=DELETE_TIMEOUT_S)
 
 
 def pod_log(core: Any, pod: str, namespace: str, **options: Any) -> str:
