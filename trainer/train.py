@@ -39,13 +39,13 @@ from trainer.metrics import (
     peak_flops,
     peak_memory_bytes,
 )
-from trainer.model import build_model, check_seq_len, materialize_weights
+from trainer.model import build_model, materialize_weights
 from trainer.optim import build_grad_scaler, build_optimizer, optimizer_step
 from trainer.parallel import (
     COMPUTE_DTYPES,
     DistEnv,
     apply_parallelism,
-    check_combinations,
+    check_start,
     init_distributed,
 )
 from trainer.storage import RunOutput
@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 def train(config: TrainConfig, env: DistEnv, started: float) -> dict[str, Any] | None:
     """The whole run; returns the summary on rank 0."""
-    check_combinations(config, env.world_size, env.device.type)
+    check_start(config, env)
     if config.float8:
         check_float8_device(env.device)
     # For an s3:// output_dir: a local staging dir with the same layout, uploaded from.
@@ -112,7 +112,6 @@ def train(config: TrainConfig, env: DistEnv, started: float) -> dict[str, Any] |
     # LoRA: adapters in the blocks before any wrapping; the base weights are frozen.
     adapter_params = apply_lora(model, config) if config.lora_rank else None
     model_config = model.config
-    check_seq_len(config.model, config.seq_len, model_config)
     token_flops = flops_per_token(model_config, config.seq_len, adapter_params)
     apply_parallelism(model, config, env)
     # FSDP's CPU offload keeps the sharded parameters in CPU memory.

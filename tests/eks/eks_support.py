@@ -17,7 +17,7 @@ from typing import Any
 import kubernetes
 from airflow.sdk.exceptions import TaskDeferred
 
-from finetune.config import RunConfig, validate_params
+from finetune.config import RunConfig
 from finetune.manifests import (
     LABEL_JOB_NAME,
     LABEL_REPLICA_INDEX,
@@ -28,6 +28,7 @@ from finetune.manifests import (
     run_selector,
 )
 from finetune.targets.eks import EksTarget
+from finetune.validate import validate_params
 
 EKS_PARAMS = {
     "target": "eks", "cluster_name": "train", "nodegroup": "gpu-p4de",

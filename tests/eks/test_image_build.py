@@ -23,7 +23,7 @@ import kubernetes_validate
 import pytest
 from eks_support import EKS_PARAMS, Cluster, eks_config, first_event, reloaded, run_deferred
 
-from finetune.config import ConfigError, RunConfig, validate_params
+from finetune.config import ConfigError, RunConfig
 from finetune.image import context_files, image_tag
 from finetune.image_build import (
     BUILD_CONTAINER,
@@ -41,6 +41,7 @@ from finetune.image_build import (
 from finetune.operators import BuildImageOperator
 from finetune.targets.eks import EksTarget, kube_credentials
 from finetune.triggers import ImageBuildTrigger
+from finetune.validate import validate_params
 
 NS = "ml"
 REPO_NAME = "finetune-trainer"
