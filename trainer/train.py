@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import transformers
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.optim.lr_scheduler import LambdaLR
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
@@ -30,6 +32,7 @@ from trainer.data import (
     TrainBatches,
     build_splits,
 )
+from trainer.errors import ERROR_DIR_ENV, root_cause_recorded
 from trainer.export import export_hf
 from trainer.float8 import check_float8_device, precompute_float8_scales
 from trainer.lora import apply_lora
@@ -55,14 +58,18 @@ from trainer.storage import RunOutput
 from trainer.tensor_parallel import SequenceParallelBatches, data_parallel_rank
 
 
+@record  # torchrun's error file, and so its ChildFailedError, carries this rank's exception
 def main(argv: Sequence[str] | None = None) -> None:
     started = time.time()
-    config = parse_args(argv)
-    env = init_distributed()
-    try:
-        train(config, env, started)
-    finally:
-        dist.destroy_process_group()
+    rank = int(os.environ.get("RANK", 0))  # torchrun's global rank; 0 for a world of one
+    with root_cause_recorded(os.environ.get(ERROR_DIR_ENV), rank):
+        config = parse_args(argv)
+    with root_cause_recorded(config.output_dir, rank):
+        env = init_distributed()
+        try:
+            train(config, env, started)
+        finally:
+            dist.destroy_process_group()
 
 
 def train(config: TrainConfig, env: DistEnv, started: float) -> dict[str, Any] | None:
