@@ -17,7 +17,7 @@ from typing import Any
 import kubernetes
 from airflow.sdk.exceptions import TaskDeferred
 
-from finetune.config import RunConfig, validate_params
+from finetune.config import RunConfig
 from finetune.operators import StageOperator
 from finetune.targets.eks.manifests import (
     LABEL_JOB_NAME,
@@ -29,6 +29,7 @@ from finetune.targets.eks.manifests import (
     run_selector,
 )
 from finetune.targets.eks.target import EksTarget
+from finetune.validate import validate_params
 
 EKS_PARAMS = {
     "target": "eks", "cluster_name": "train", "nodegroup": "gpu-p4de",

@@ -33,7 +33,7 @@ from eks_support import (
     stage_operator,
 )
 
-from finetune.config import ConfigError, RunConfig, validate_params
+from finetune.config import ConfigError, RunConfig
 from finetune.image import context_files, image_tag
 from finetune.targets.eks.image_build import (
     BUILD_CONTAINER,
@@ -48,6 +48,7 @@ from finetune.targets.eks.image_build import (
     pack_context,
 )
 from finetune.targets.eks.target import EksTarget
+from finetune.validate import validate_params
 
 NS = "ml"
 REPO_NAME = "finetune-trainer"

@@ -13,7 +13,7 @@ import pytest
 import yaml
 from eks_support import EKS_PARAMS, eks_config
 
-from finetune.config import RDZV_BACKENDS, STRATEGIES, ConfigError, validate_params
+from finetune.config import RDZV_BACKENDS, STRATEGIES, ConfigError
 from finetune.instance_types import INSTANCE_TYPES
 from finetune.targets.eks.manifests import (
     ETCD_PORT,
@@ -23,6 +23,7 @@ from finetune.targets.eks.manifests import (
     pytorchjob_manifest,
     trainer_configmap_manifest,
 )
+from finetune.validate import validate_params
 
 SCHEMAS = Path(__file__).resolve().parents[3] / "shared" / "k8s-schemas"
 K8S_VERSION = "1.33"
