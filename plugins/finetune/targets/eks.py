@@ -154,10 +154,6 @@ class EksTarget(Target):
             if not _DNS_LABEL.match(values[field]):
                 errors.append((field, f"{values[field]!r} is not a DNS label (lowercase "
                                "letters, digits and '-', at most 63)"))
-        secret = values["hf_token_secret"].partition(":")[0]
-        if values["hf_token_secret"] and not _DNS_SUBDOMAIN.match(secret):
-            errors.append(("hf_token_secret", f"{secret!r} is not a Secret name; give name or "
-                           "name:key"))
         out = values["output_dir"]
         if not (out.startswith("s3://") or out.startswith("/")):
             errors.append(("output_dir", f"{out!r}: on eks give s3://bucket/prefix or an "
