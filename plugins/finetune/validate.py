@@ -10,6 +10,7 @@ step), and the target's own checks. Nothing here calls a cloud API.
 from __future__ import annotations
 
 import ipaddress
+import json
 import logging
 import math
 import re
@@ -145,6 +146,12 @@ def _model_problems(cfg: RunConfig, in_pod: bool) -> Problems:
     if model_dir is not None and model_dir.is_dir():
         if not (model_dir / "config.json").is_file():
             return [("model", f"directory {quoted(cfg.model)} has no config.json")]
+        try:
+            config = json.loads((model_dir / "config.json").read_text())
+        except (OSError, ValueError) as exc:
+            return [("model", f"{quoted(cfg.model)}: config.json cannot be read as JSON ({exc})")]
+        if not isinstance(config, dict):
+            return [("model", f"{quoted(cfg.model)}: config.json holds no JSON object")]
         return []
     if _HUB_ID.match(cfg.model) and not cfg.model.startswith((".", "/", "~")):
         return []
