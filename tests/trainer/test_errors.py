@@ -9,8 +9,8 @@ import sys
 import pytest
 from conftest import REPO_ROOT, demo_rows, write_jsonl
 
-from finetune_contract.errors import MAX_MESSAGE_CHARS, RECORD_KEYS
-from trainer.errors import ERROR_DIR_ENV, read_root_cause, write_root_cause
+from finetune_contract.errors import ERROR_DIR_ENV, MAX_MESSAGE_CHARS, RECORD_KEYS
+from trainer.errors import read_root_cause, write_root_cause
 
 
 def test_a_training_that_fails_at_start_records_the_trainers_own_message(tmp_path):

@@ -25,7 +25,12 @@ import time
 from typing import Any
 
 from finetune.config import RunConfig
-from finetune.gpu_metrics import job_pod_regex, missing_section, prometheus_gpu_metrics
+from finetune.gpu_metrics import (
+    job_pod_regex,
+    missing_section,
+    prometheus_endpoint,
+    prometheus_gpu_metrics,
+)
 from finetune.instance_types import INSTANCE_TYPES
 from finetune.outputs import build_report, has_outputs, report_exists
 from finetune.s3_dataset import check_s3_dataset
@@ -64,7 +69,6 @@ from finetune.targets.eks.triggers import (
 log = logging.getLogger(__name__)
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 
 
 def _required(values: dict[str, Any], field: str, what: str) -> list[tuple[str, str]]:
@@ -109,10 +113,6 @@ class EksTarget(Target):
             if not _DNS_LABEL.match(values[field]):
                 errors.append((field, f"{values[field]!r} is not a DNS label (lowercase "
                                "letters, digits and '-', at most 63)"))
-        secret = values["hf_token_secret"].partition(":")[0]
-        if values["hf_token_secret"] and not _DNS_SUBDOMAIN.match(secret):
-            errors.append(("hf_token_secret", f"{secret!r} is not a Secret name; give name or "
-                           "name:key"))
         out = values["output_dir"]
         if not (out.startswith("s3://") or out.startswith("/")):
             errors.append(("output_dir", f"{out!r}: on eks give s3://bucket/prefix or an "
@@ -294,12 +294,13 @@ class EksTarget(Target):
 
     def gpu_metrics(self, cfg: RunConfig, trained: dict) -> dict:
         """The job's DCGM GPU metrics from Prometheus over the train stage's time window."""
-        if not cfg.prometheus_url:
-            return missing_section("prometheus", "GPU metrics missing: no prometheus_url was "
-                                   "given for this run", {})
+        url, auth = prometheus_endpoint(cfg.prometheus_url, cfg.prometheus_conn_id)
+        if not url:
+            return missing_section("prometheus", "GPU metrics missing: no prometheus_url or "
+                                   "prometheus_conn_id was given for this run", {})
         end = trained.get("finished") or time.time()
         start = trained.get("started") or end - trained["wall_time_s"]
-        return prometheus_gpu_metrics(cfg.prometheus_url, namespace=cfg.namespace,
+        return prometheus_gpu_metrics(url, namespace=cfg.namespace, auth=auth,
                                       pod_regex=job_pod_regex(trained["job"]), start=start,
                                       end=end)
 
