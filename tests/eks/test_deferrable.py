@@ -7,56 +7,28 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import kubernetes
 import pytest
 from airflow.sdk.exceptions import TaskDeferred
-from eks_support import (
-    IMAGE,
-    NS,
-    RDZV,
-    SCALING,
-    TrainingOperator,
-    add_nodes,
-    eks_config,
-    first_event,
-    jobs_of_run,
-    reloaded,
-    run_deferred,
-    scaling,
-    target,
-)
 
-from finetune.manifests import (
-    PYTORCHJOB_GROUP,
-    PYTORCHJOB_PLURAL,
-    PYTORCHJOB_VERSION,
-    job_name,
-    pytorchjob_manifest,
-)
-from finetune.operators import ScaleUpOperator, TrainOperator
+from finetune.manifests import job_name
+from finetune.operators import ScaleUpOperator
 from finetune.targets.eks import kube_credentials
 from finetune.triggers import PyTorchJobTrigger
-
-FAST = {"poll_interval": 0.05}
-
-
-def train_operator(cfg: Any, **options: Any) -> TrainOperator:
-    return TrainOperator(task_id="train", run_config=cfg.to_dict(), image=IMAGE,
-                         rendezvous=RDZV, **{**FAST, "wake_after": 0.2, **options})
-
-
-def set_condition(cluster: Any, name: str, condition: str) -> None:
-    kubernetes.client.CustomObjectsApi(cluster.api()).patch_namespaced_custom_object_status(
-        PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, NS, PYTORCHJOB_PLURAL, name,
-        {"status": {"conditions": [{"type": condition, "status": "True",
-                                    "message": f"PyTorchJob {name} is {condition}"}]}})
-
-
-def create_job(cluster: Any, cfg: Any) -> str:
-    manifest = pytorchjob_manifest(cfg, IMAGE["image"])
-    kubernetes.client.CustomObjectsApi(cluster.api()).create_namespaced_custom_object(
-        PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, NS, PYTORCHJOB_PLURAL, manifest)
-    return manifest["metadata"]["name"]
+from tests.support.deferral import first_event, reloaded, run_deferred
+from tests.support.eks import (
+    FAST,
+    NS,
+    SCALING,
+    TrainingOperator,
+    create_job,
+    eks_config,
+    jobs_of_run,
+    scaling,
+    set_condition,
+    target,
+    train_operator,
+)
+from tests.support.kube import add_nodes
 
 
 def test_pytorchjob_trigger_wakes_while_restarting_and_fires_when_succeeded(cluster):

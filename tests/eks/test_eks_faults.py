@@ -15,26 +15,27 @@ from typing import Any
 import kubernetes
 import pytest
 from airflow.sdk.exceptions import TaskDeferred
-from eks_support import (
-    IMAGE,
-    NS,
-    RDZV,
-    SCALING,
-    TrainingOperator,
-    add_nodes,
-    eks_config,
-    first_event,
-    jobs_of_run,
-    reloaded,
-    scaling,
-    target,
-)
-from test_deferrable import create_job, set_condition, train_operator
 
 from finetune.manifests import pytorchjob_manifest, run_selector, trainer_configmap_manifest
 from finetune.reservations import live_reservations
 from finetune.targets.eks import kube_credentials
 from finetune.triggers import NodesReadyTrigger, PyTorchJobTrigger
+from tests.support.deferral import first_event, reloaded
+from tests.support.eks import (
+    IMAGE,
+    NS,
+    RDZV,
+    SCALING,
+    TrainingOperator,
+    create_job,
+    eks_config,
+    jobs_of_run,
+    scaling,
+    set_condition,
+    target,
+    train_operator,
+)
+from tests.support.kube import add_nodes
 
 
 async def restarted(trigger: Any, change_after_restart: Any, waiting_for: float = 0.4) -> dict:

@@ -10,18 +10,6 @@ import urllib.request
 import boto3
 import kubernetes
 import pytest
-from eks_support import (
-    IMAGE,
-    NS,
-    RDZV,
-    SCALING,
-    TrainingOperator,
-    add_nodes,
-    eks_config,
-    jobs_of_run,
-    scaling,
-    target,
-)
 
 from finetune.kube import eks_api_client, eks_token
 from finetune.manifests import (
@@ -32,6 +20,18 @@ from finetune.manifests import (
 )
 from finetune.targets import get_target
 from finetune.targets.eks import EksTarget
+from tests.support.eks import (
+    IMAGE,
+    NS,
+    RDZV,
+    SCALING,
+    TrainingOperator,
+    eks_config,
+    jobs_of_run,
+    scaling,
+    target,
+)
+from tests.support.kube import add_nodes
 
 
 def test_get_target_eks_is_the_eks_target():

@@ -21,7 +21,6 @@ import kmock
 import kubernetes
 import kubernetes_validate
 import pytest
-from eks_support import EKS_PARAMS, Cluster, eks_config, first_event, reloaded, run_deferred
 
 from finetune.config import ConfigError, RunConfig, validate_params
 from finetune.image import context_files, image_tag
@@ -41,11 +40,14 @@ from finetune.image_build import (
 from finetune.operators import BuildImageOperator
 from finetune.targets.eks import EksTarget, kube_credentials
 from finetune.triggers import ImageBuildTrigger
+from tests.support.deferral import first_event, reloaded, run_deferred
+from tests.support.eks import EKS_PARAMS, eks_config
+from tests.support.kube import Cluster
+from tests.support.schemas import K8S_VERSION
 
 NS = "ml"
 REPO_NAME = "finetune-trainer"
 BUCKET = "ctx-bucket"
-K8S_VERSION = "1.33"
 ROLE = "arn:aws:iam::123456789012:role/codebuild-finetune"
 MANIFEST = json.dumps({"schemaVersion": 2,
                        "mediaType": "application/vnd.docker.distribution.manifest.v2+json",

@@ -12,7 +12,6 @@ from typing import Any
 import boto3
 import kubernetes
 import pytest
-from eks_support import NS, SCALING, add_nodes, eks_config, scaling, target
 
 from finetune.manifests import run_labels
 from finetune.reservations import (
@@ -24,6 +23,8 @@ from finetune.reservations import (
     wanted_scaling,
 )
 from finetune.targets.eks import busy_node_names, instance_id
+from tests.support.eks import NS, SCALING, eks_config, scaling, target
+from tests.support.kube import add_nodes
 
 BASELINE = {"minSize": 0, "maxSize": 2, "desiredSize": 1}
 

@@ -5,7 +5,6 @@ equal what the exporter served."""
 from __future__ import annotations
 
 import http.server
-import importlib.util
 import json
 import subprocess
 import threading
@@ -25,13 +24,7 @@ from finetune.gpu_metrics import (
     sampled_gpu_metrics,
 )
 from finetune.report import write_report
-
-# tests/conftest.py by path: another folder's conftest may hold the name `conftest`
-_spec = importlib.util.spec_from_file_location(
-    "root_conftest", Path(__file__).resolve().parents[1] / "conftest.py")
-_root_conftest = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_root_conftest)
-system_binary_or_skip = _root_conftest.system_binary_or_skip
+from tests.support.system import system_binary_or_skip
 
 NAMESPACE = "ml"
 JOB = "llm-finetune-run1"

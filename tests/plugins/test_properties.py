@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import math
 import re
-import sys
-from pathlib import Path
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -21,11 +19,6 @@ from finetune.manifests import (
 )
 from finetune.names import dns_label, run_dir_name
 from finetune.trainer_config import trainer_config
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-for path in (REPO_ROOT / "tests" / "eks", REPO_ROOT):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
 
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -83,8 +76,7 @@ def params(draw) -> dict:
 def later_stages(cfg) -> None:
     """What the stages after validate do with a config: the trainer's TrainConfig and its
     start-time checks, and on eks the manifests (valid against the CRD and Kubernetes)."""
-    from test_manifests import K8S_VERSION, assert_valid_pytorchjob
-
+    from tests.support.schemas import K8S_VERSION, assert_valid_pytorchjob
     from trainer.config import TrainConfig, resolve
     from trainer.model import BUILTIN_CONFIGS, builtin_config, check_seq_len
     from trainer.parallel import check_combinations
@@ -123,7 +115,7 @@ RUN_IDS = st.text(st.characters(codec="utf-8"), min_size=1, max_size=300) | st.f
 @settings(max_examples=200, deadline=None)
 @given(RUN_IDS, RUN_IDS)
 def test_any_run_id_maps_to_valid_distinct_kubernetes_names_and_labels(run_id, other):
-    from eks_support import eks_config
+    from tests.support.eks import eks_config
 
     cfg = eks_config(run_id=run_id)
     name = job_name(cfg)

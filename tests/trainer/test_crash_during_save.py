@@ -7,8 +7,8 @@ import signal
 import subprocess
 import sys
 
-from conftest import REPO_ROOT, read_metrics
-
+from tests.support import REPO_ROOT
+from tests.support.training import read_metrics
 from trainer.checkpoint import Checkpointer
 
 STEPS, INTERVAL = 6, 2

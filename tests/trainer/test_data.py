@@ -7,9 +7,9 @@ import datasets
 import pandas as pd
 import pytest
 import torch
-from conftest import demo_rows, read_metrics, write_jsonl
 from transformers import AutoTokenizer, LlamaForCausalLM
 
+from tests.support.training import demo_rows, read_metrics, write_jsonl
 from trainer.config import load_config
 from trainer.data import (
     IGNORE_INDEX,

@@ -7,10 +7,11 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO_ROOT, demo_rows, torchrun, write_jsonl
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
+from tests.support import REPO_ROOT
+from tests.support.training import demo_rows, torchrun, write_jsonl
 from trainer.checkpoint import Checkpointer
 from trainer.config import TrainConfig, load_config
 from trainer.data import PROMPT_TEMPLATE

@@ -3,21 +3,15 @@
 from __future__ import annotations
 
 import math
-import socket
 import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from finetune.etcd import free_port
 from trainer.config import TrainConfig
 from trainer.metrics import MetricsLog
 from trainer.metrics_endpoint import EVAL_GAUGE, TRAIN_GAUGES
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> dict[str, float]:

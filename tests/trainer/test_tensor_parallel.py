@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import demo_rows, read_metrics, torchrun, write_jsonl
-from tensor_parallel_worker import CHECKPOINT_AT, EVEN_VOCAB_MODEL_ENV, STEPS
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
+from tests.support.training import demo_rows, read_metrics, torchrun, write_jsonl
+from tests.trainer.tensor_parallel_worker import CHECKPOINT_AT, EVEN_VOCAB_MODEL_ENV, STEPS
 from trainer.checkpoint import Checkpointer
 from trainer.config import TrainConfig
 from trainer.data import IGNORE_INDEX, Batch

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from conftest import torchrun
 from transformers import LlamaForCausalLM
-from weights_worker import SETUPS
 
+from tests.support.training import torchrun
+from tests.trainer.weights_worker import SETUPS
 from trainer.model import build_model, builtin_config, init_random_weights, materialize_weights
 
 
