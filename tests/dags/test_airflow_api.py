@@ -34,6 +34,8 @@ from finetune.presets import PRESET_DISPLAY, PRESET_NAMES
 from tests.support import REPO_ROOT
 from tests.support.system import system_binary_or_skip
 
+pytestmark = pytest.mark.slow  # a real api-server, scheduler, dag-processor; DAG runs; Chromium
+
 AIRFLOW = str(Path(sys.executable).with_name("airflow"))
 STAGES = {"validate", "snapshot", "scale_up", "build_image", "reset_etcd", "train",
           "collect_metrics", "teardown"}

@@ -101,6 +101,7 @@ def scale_up_operator(cfg: Any, **options: Any) -> ScaleUpOperator:
                            **{**FAST, "nodes_timeout": 1.0, **options})
 
 
+@pytest.mark.slow
 def test_scale_up_defers_until_the_nodegroup_is_active_and_the_nodes_ready(nodegroup, cluster):
     cfg = eks_config(nodes=2)
     snap = target().snapshot(cfg)

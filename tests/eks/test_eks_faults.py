@@ -124,6 +124,7 @@ def fail_at(stage: str, cluster: Any, cfg: Any) -> None:
     operator.join(5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", ["scale_up", "build_image", "reset_etcd", "train"])
 def test_teardown_after_a_failure_at_each_stage_gives_everything_back(
         stage, nodegroup, cluster, etcd_server):

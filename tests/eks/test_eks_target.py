@@ -38,6 +38,7 @@ def test_get_target_eks_is_the_eks_target():
     assert isinstance(get_target("eks"), EksTarget)
 
 
+@pytest.mark.slow
 def test_successful_run_scales_up_trains_streams_the_log_and_teardown_restores(
         nodegroup, cluster, task_log):
     cfg, t = eks_config(nodes=2), target()
@@ -65,6 +66,7 @@ def test_successful_run_scales_up_trains_streams_the_log_and_teardown_restores(
     assert f"pytorchjob/{job_name(cfg)}" in done["deleted"]
 
 
+@pytest.mark.slow
 def test_failed_job_names_the_oomkilled_pod_and_teardown_restores_the_nodegroup(
         nodegroup, cluster):
     cfg, t = eks_config(nodes=2), target()
@@ -104,6 +106,7 @@ def test_retry_adopts_the_running_job_instead_of_creating_a_second(nodegroup, cl
     assert [j["metadata"]["name"] for j in jobs] == [first["metadata"]["name"]]
 
 
+@pytest.mark.slow
 def test_scale_up_times_out_with_node_conditions_and_teardown_still_restores(
         nodegroup, cluster):
     cfg, t = eks_config(nodes=2), target()

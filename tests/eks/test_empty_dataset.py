@@ -41,6 +41,7 @@ def put(s3, objects: dict[str, bytes]) -> None:
         s3.put_object(Bucket="data", Key=key, Body=body)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("objects", "uri", "message"), EMPTY_DATA_SETS,
                          ids=["empty-object", "empty-files", "no-data-files", "missing",
                               "no-bucket"])

@@ -176,6 +176,7 @@ def test_build_job_is_a_valid_kubernetes_job_with_the_context_and_secret_wired()
     assert "AWS_" not in json.dumps(job)  # no credentials in the manifest
 
 
+@pytest.mark.slow
 def test_buildkit_build_pushes_verifies_and_deletes_the_secret(session, kube):
     controller = JobController(kube, session)
     controller.start()
@@ -320,6 +321,7 @@ def build_operator(cfg: RunConfig) -> BuildImageOperator:
     return BuildImageOperator(task_id="build_image", run_config=cfg.to_dict(), poll_interval=0.05)
 
 
+@pytest.mark.slow
 def test_build_image_task_defers_until_the_buildkit_job_completes_then_verifies(session, kube):
     controller = JobController(kube, session)
     controller.start()
@@ -364,6 +366,7 @@ def test_a_build_past_its_deadline_is_stopped_and_its_secret_deleted(session, ku
     assert batch.list_namespaced_job(NS).items == [] and secret_names(kube) == []
 
 
+@pytest.mark.slow
 def test_codebuild_failure_is_reported_from_its_phases(session, monkeypatch):
     """moto reports every build SUCCEEDED: the failed status is the test's, the report ours."""
     from finetune import image_build

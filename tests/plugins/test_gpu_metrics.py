@@ -141,6 +141,7 @@ def scraped(tmp_path_factory):
         exporter.shutdown()
 
 
+@pytest.mark.slow
 def test_per_gpu_and_per_node_figures_equal_what_the_exporter_served(scraped):
     url, exporter, start, end = scraped
     section = prometheus_gpu_metrics(url, namespace=NAMESPACE, pod_regex=job_pod_regex(JOB),
@@ -172,6 +173,7 @@ def test_per_gpu_and_per_node_figures_equal_what_the_exporter_served(scraped):
     assert all(start - 1 <= t <= end + 1 for t, _ in util["node-a/gpu0"])
 
 
+@pytest.mark.slow
 def test_an_xid_error_is_flagged_on_its_gpu_and_in_the_report(scraped, tmp_path):
     url, _, start, end = scraped
     section = prometheus_gpu_metrics(url, namespace=NAMESPACE, pod_regex=job_pod_regex(JOB),
@@ -185,6 +187,7 @@ def test_an_xid_error_is_flagged_on_its_gpu_and_in_the_report(scraped, tmp_path)
     assert 'class="xid"' in page and "XID 79" in page
 
 
+@pytest.mark.slow
 def test_a_window_without_the_jobs_series_says_metrics_are_missing(scraped):
     url, _, start, end = scraped
     section = prometheus_gpu_metrics(url, namespace=NAMESPACE,
@@ -250,6 +253,7 @@ def test_the_resource_sampler_records_host_cpu_and_memory_while_it_runs(tmp_path
     assert [t for t, _ in host["series"]["cpu_percent"]] == sorted(r["time"] for r in samples)
 
 
+@pytest.mark.slow
 def test_eks_collect_metrics_queries_the_jobs_pods_over_the_train_window(scraped):
     import dataclasses
 

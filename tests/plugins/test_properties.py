@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import re
 
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -94,6 +95,7 @@ def later_stages(cfg) -> None:
         kubernetes_validate.validate(trainer_configmap_manifest(cfg), K8S_VERSION, strict=True)
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(params())
 def test_validate_raises_only_config_errors_and_accepts_only_what_later_stages_accept(conf):

@@ -20,6 +20,8 @@ from finetune.report import write_report
 from tests.support import REPO_ROOT
 from tests.support.system import system_binary_or_skip
 
+pytestmark = pytest.mark.slow  # a real api-server, and Chromium
+
 RUN_ID = "manual__2026-01-02T03:04:05+00:00"
 RUN_NAME = "manual__2026-01-02T03-04-05-00-00-0123abcd"
 

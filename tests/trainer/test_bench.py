@@ -11,6 +11,8 @@ import pytest
 from tests.support import REPO_ROOT
 from tests.support.training import torchrun
 
+pytestmark = pytest.mark.slow  # each test runs the benchmark in a subprocess or under torchrun
+
 RUN_KEYS = {
     "run", "model", "options", "micro_batch", "seq_len", "steps_timed", "step_time_s",
     "step_time_mean_s", "tokens_per_s", "tflops_per_gpu", "mfu", "peak_memory_gib", "loss_first",

@@ -62,6 +62,7 @@ def logits(model, tokenizer):
         return model.eval()(input_ids=input_ids).logits
 
 
+@pytest.mark.slow
 def test_lora_trains_only_the_adapters_and_leaves_the_base_weights_as_loaded(lora_run, base_dir):
     output_dir, _ = lora_run
     summary = json.loads((output_dir / "summary.json").read_text())
@@ -84,6 +85,7 @@ def test_lora_trains_only_the_adapters_and_leaves_the_base_weights_as_loaded(lor
     assert len(lora_b) == 4 * 7 and all(t.abs().sum() > 0 for t in lora_b)  # all of them learnt
 
 
+@pytest.mark.slow
 def test_lora_flops_count_no_weight_gradients_for_the_frozen_base(lora_run, base_dir):
     output_dir, _ = lora_run
     summary = json.loads((output_dir / "summary.json").read_text())
@@ -95,6 +97,7 @@ def test_lora_flops_count_no_weight_gradients_for_the_frozen_base(lora_run, base
     assert summary["flops_per_token"] < flops_per_token(config, 128)
 
 
+@pytest.mark.slow
 def test_the_merged_export_gives_the_lora_models_logits_and_the_adapter_loads_with_peft(
     lora_run, base_dir
 ):
@@ -112,6 +115,7 @@ def test_the_merged_export_gives_the_lora_models_logits_and_the_adapter_loads_wi
     assert not torch.allclose(logits(merged, tokenizer), base_logits, atol=1e-3)
 
 
+@pytest.mark.slow
 def test_exporting_the_last_checkpoint_by_command_gives_the_runs_exported_model(
     lora_run, tmp_path
 ):

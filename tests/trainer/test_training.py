@@ -17,6 +17,8 @@ from trainer.checkpoint import Checkpointer
 from trainer.demo import DEMO_TOKENIZER
 from trainer.model import builtin_config
 
+pytestmark = pytest.mark.slow  # every test reads runs torchrun made (module fixtures)
+
 STEPS, CHECKPOINT_AT = 6, 3
 TRAIN_KEYS = {
     "type", "step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "tflops_per_device",
