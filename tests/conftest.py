@@ -26,9 +26,12 @@ pytest_plugins = ["tests.support.aws", "tests.support.etcd"]
 
 @pytest.fixture
 def repo_copy(tmp_path):
-    """A copy of trainer/ and containers/ to change without touching the checkout."""
+    """A copy of the image context (trainer/, the contract, containers/) to change without
+    touching the checkout."""
+    from finetune.image import IMAGE_CONTEXT
+
     root = tmp_path / "repo"
-    for part in ("trainer", "containers"):
+    for part in IMAGE_CONTEXT:
         if (REPO_ROOT / part).is_dir():
             shutil.copytree(REPO_ROOT / part, root / part,
                             ignore=shutil.ignore_patterns("__pycache__"))

@@ -1,1 +1,15 @@
-"""FSDP2 fine-tuning of Llama-class causal LMs, run by torchrun; see trainer/train.py."""
+"""FSDP2 fine-tuning of Llama-class causal LMs, run by torchrun; see trainer/train.py.
+
+The trainer imports the run contract (`finetune_contract`, torch-free), the package the Airflow
+side validates with. The image copies it beside trainer/; in a checkout it is in plugins/, put
+on the path here so that torchrun workers, tests and benchmarks need no PYTHONPATH of their own.
+"""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+if importlib.util.find_spec("finetune_contract") is None:
+    _plugins = Path(__file__).resolve().parents[1] / "plugins"
+    if (_plugins / "finetune_contract").is_dir():
+        sys.path.append(str(_plugins))

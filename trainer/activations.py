@@ -10,6 +10,8 @@ from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from finetune_contract.rules import selective_every
+
 _aten = torch.ops.aten
 # Per-op checkpointing keeps these outputs: matmuls and attention are what costs to recompute
 # (and a tensor-parallel reduce-scatter, communication); the elementwise rest is recomputed.
@@ -27,18 +29,6 @@ SAVED_OPS = frozenset(
 )
 
 
-def checkpoint_every(selective_ac: str) -> int | None:
-    """The k of selective_ac "k" (checkpoint every k-th block), None for "op"; else ValueError."""
-    if selective_ac == "op":
-        return None
-    if selective_ac.isdigit() and int(selective_ac) > 0:
-        return int(selective_ac)
-    raise ValueError(
-        f'selective_ac must be "op" or a positive integer k (checkpoint every k-th block) for '
-        f"activation_checkpointing selective; got {selective_ac!r}"
-    )
-
-
 def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -49,7 +39,7 @@ def checkpoint_activations(blocks: torch.nn.ModuleList, mode: str, selective_ac:
         return
     every, kwargs = 1, {}
     if mode == "selective":
-        every = checkpoint_every(selective_ac)
+        every = selective_every(selective_ac)
         if every is None:
             every = 1
             kwargs["context_fn"] = functools.partial(

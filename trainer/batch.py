@@ -8,8 +8,6 @@ from typing import Any
 
 import torch
 
-IGNORE_INDEX = -100  # the label value cross_entropy skips: prompt and padding positions
-
 
 @dataclass
 class Batch:

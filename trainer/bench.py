@@ -35,12 +35,13 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from transformers import LlamaForCausalLM, PretrainedConfig
 
+from finetune_contract.models import BUILTIN_MODELS
 from trainer.config import TrainConfig
 from trainer.float8 import check_float8_device, precompute_float8_scales
 from trainer.loss import LOSS_METHOD, add_loss_method
 from trainer.master_weights import compute_weights
 from trainer.metrics import flops_per_token, peak_flops
-from trainer.model import BUILTIN_CONFIGS, build_model, builtin_config, materialize_weights
+from trainer.model import build_model, builtin_config, materialize_weights
 from trainer.optim import build_optimizer, optimizer_step
 from trainer.parallel import DistEnv, apply_parallelism, init_distributed
 
@@ -70,7 +71,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args(argv)
     args.models = [SHORT_NAMES.get(m, m) for m in args.models.split(",") if m]
-    unknown = [m for m in args.models if m not in BUILTIN_CONFIGS]
+    unknown = [m for m in args.models if m not in BUILTIN_MODELS]
     if unknown:
         parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(SHORT_NAMES)}")
     return args

@@ -27,17 +27,26 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
-from trainer.batch import IGNORE_INDEX, Batch
-from trainer.config import FORMAT_BY_EXTENSION, PromptTemplate, TrainConfig, dataset_source
+from finetune_contract.data import (
+    IGNORE_INDEX,
+    MALFORMED,
+    bad_row_error,
+    batches_per_epoch,
+    builder_name,
+    data_files,
+    dataset_source,
+    encode_row,
+    field_problem,
+    missing_columns,
+    row_columns,
+    split_sizes,
+)
+from trainer.batch import Batch
+from trainer.config import TrainConfig
 
-PROMPT_TEMPLATE = "### Instruction:\n{prompt}\n\n### Response:\n"
 S3_CACHE_DIR = "dataset_cache"  # under output_dir: where s3:// data sets are downloaded
 
 
-# Why a row is skipped; the keys of Splits.skipped (and of summary.json's skipped_rows_by_reason).
-MALFORMED, MISSING, NOT_STRING, EMPTY, TOO_LONG = (
-    "malformed", "missing_field", "not_string", "empty", "too_long")
-ROW_PROBLEMS = (MALFORMED, MISSING, NOT_STRING, EMPTY, TOO_LONG)
 # Columns the loader adds to the rows it reads itself (jsonl): the problem and where the row is.
 _PROBLEM, _DETAIL, _FILE, _LINE = "_problem", "_detail", "_file", "_line"
 
@@ -69,51 +78,6 @@ class RawRows:
             return f"{self.name} row {index + 1}"
         file = bisect.bisect_right(self.starts, index) - 1
         return f"{self.files[file]} row {index - self.starts[file] + 1}"
-
-
-def builder_name(path: str, dataset_format: str) -> str:
-    """The `datasets` builder for a file: the configured format, or one read off the extension."""
-    if dataset_format != "auto":
-        return "json" if dataset_format == "jsonl" else dataset_format
-    suffix = Path(path).suffix.lower()
-    if suffix not in FORMAT_BY_EXTENSION:
-        raise ValueError(
-            f"dataset_format is auto but the extension of {path!r} is not one of "
-            f"{', '.join(FORMAT_BY_EXTENSION)}; set dataset_format"
-        )
-    return FORMAT_BY_EXTENSION[suffix]
-
-
-def data_files(path: Path, dataset_format: str) -> list[str]:
-    """The file itself, or a directory's data files (recursively, in path order), all one format.
-
-    A directory's data files are those with a data extension (of dataset_format, when set); hidden
-    and `_` files, as Spark and S3 tools leave them, are skipped.
-    """
-    if not path.exists():
-        raise ValueError(f"dataset {str(path)!r} does not exist")
-    if path.is_file():
-        return [str(path)]
-    files = [
-        p
-        for p in sorted(path.rglob("*"))
-        if p.is_file()
-        and p.suffix.lower() in FORMAT_BY_EXTENSION
-        and not any(part.startswith((".", "_")) for part in p.relative_to(path).parts)
-    ]
-    if dataset_format != "auto":
-        wanted = builder_name(str(path), dataset_format)
-        files = [p for p in files if FORMAT_BY_EXTENSION[p.suffix.lower()] == wanted]
-    if not files:
-        extensions = ", ".join(FORMAT_BY_EXTENSION)
-        raise ValueError(f"dataset directory {str(path)!r} holds no data files ({extensions})")
-    formats = sorted({FORMAT_BY_EXTENSION[p.suffix.lower()] for p in files})
-    if len(formats) > 1:
-        raise ValueError(
-            f"dataset directory {str(path)!r} holds files of formats {', '.join(formats)}; keep "
-            "one format there or choose one with dataset_format"
-        )
-    return [str(p) for p in files]
 
 
 def s3_cache_dir(output_dir: str) -> Path:
@@ -183,26 +147,6 @@ def local_dataset(config: TrainConfig) -> Path | None:
     if source == "s3":
         return download_s3(config.dataset, s3_cache_dir(config.output_dir))
     return Path(config.dataset)
-
-
-def row_columns(config: TrainConfig) -> dict[str, str]:
-    """The option that names each column the rows need -> the column."""
-    if config.text_field:
-        return {"text_field": config.text_field}
-    return {"prompt_field": config.prompt_field, "response_field": config.response_field}
-
-
-def field_problem(columns: dict[str, str], row: dict[str, Any]) -> tuple[str, str] | None:
-    """(reason, what is wrong) for a row whose fields cannot be trained on, else None."""
-    for option, column in columns.items():
-        value = row.get(column)
-        if value is None:
-            return MISSING, f"{option}={column!r} is missing or null"
-        if not isinstance(value, str):
-            return NOT_STRING, f"{option}={column!r} is a {type(value).__name__}, not a string"
-        if not value.strip():
-            return EMPTY, f"{option}={column!r} is empty"
-    return None
 
 
 def is_jsonl(path: str, dataset_format: str) -> bool:
@@ -298,53 +242,6 @@ def load_rows(config: TrainConfig, local_path: Path | None) -> RawRows:
     return RawRows(rows, files, starts)
 
 
-def chat_texts(tokenizer: PreTrainedTokenizerBase, prompt: str, response: str) -> tuple[str, str]:
-    """The chat template's rendering of the user's turn with the assistant's cue, and of both."""
-    user = [{"role": "user", "content": prompt}]
-    prompt_text = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
-    full_text = tokenizer.apply_chat_template(
-        [*user, {"role": "assistant", "content": response}], tokenize=False
-    )
-    if not full_text.startswith(prompt_text):
-        raise ValueError(
-            f"prompt_template=chat: the chat template of tokenizer {tokenizer.name_or_path} "
-            "renders a conversation that does not start with its prompt (rendered with "
-            "add_generation_prompt=True), so the prompt cannot be masked from the loss"
-        )
-    return prompt_text, full_text
-
-
-def encode_example(
-    tokenizer: PreTrainedTokenizerBase,
-    seq_len: int | None,
-    prompt: str | None,
-    response: str,
-    template: PromptTemplate = "instruction",
-) -> tuple[list[int], list[int]]:
-    """Token ids and labels for one example; with a prompt, only the response carries loss.
-
-    Prompt and response are tokenized separately so the boundary is exact, as at inference time.
-    A chat template ends the assistant's turn itself (with its own end token): no EOS is added.
-    Truncated to seq_len (None: not truncated).
-    """
-    eos = [tokenizer.eos_token_id]
-    if prompt is None:
-        input_ids = tokenizer(response)["input_ids"] + eos
-        labels = list(input_ids)
-    else:
-        if template == "chat":
-            prompt_text, full_text = chat_texts(tokenizer, prompt, response)
-            prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
-            response_text = full_text[len(prompt_text) :]
-            response_ids = tokenizer(response_text, add_special_tokens=False)["input_ids"]
-        else:
-            prompt_ids = tokenizer(PROMPT_TEMPLATE.format(prompt=prompt))["input_ids"]
-            response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + eos
-        input_ids = prompt_ids + response_ids
-        labels = [IGNORE_INDEX] * len(prompt_ids) + response_ids
-    return input_ids[:seq_len], labels[:seq_len]
-
-
 def tokenize(raw: RawRows, tokenizer: PreTrainedTokenizerBase,
              config: TrainConfig) -> tuple[datasets.Dataset, dict[str, int]]:
     """(tokenized usable rows, skipped rows by reason); bad_rows=error raises at the first bad row.
@@ -352,41 +249,21 @@ def tokenize(raw: RawRows, tokenizer: PreTrainedTokenizerBase,
     A row longer than seq_len is bad rather than truncated: truncation would cut the response
     (and its EOS, so the model would not learn to stop) without anyone noticing.
     """
-    rows, columns = raw.rows, row_columns(config)
-    for option, column in columns.items():
-        if column not in rows.column_names:
-            raise ValueError(
-                f"{option}={column!r} is not a column of {config.dataset} "
-                f"(columns: {', '.join(rows.column_names)})"
-            )
-    fields = list(columns.values())
+    rows = raw.rows
+    missing = missing_columns(config, rows.column_names, config.dataset)
+    if missing:
+        raise ValueError("; ".join(message for _, message in missing))
 
     def encode_batch(batch: dict[str, list[Any]], indices: list[int]) -> dict[str, list[Any]]:
         out: dict[str, list[Any]] = {"input_ids": [], "labels": [], _PROBLEM: []}
         for i, index in enumerate(indices):
             row = {key: values[i] for key, values in batch.items()}
-            problem = (row[_PROBLEM], row[_DETAIL]) if row.get(_PROBLEM) else \
-                field_problem(columns, row)
-            input_ids: list[int] = []
-            labels: list[int] = []
-            if problem is None:
-                prompt, response = (None, row[fields[0]]) if config.text_field else \
-                    (row[fields[0]], row[fields[1]])
-                input_ids, labels = encode_example(
-                    tokenizer, None, prompt, response, config.prompt_template)
-                if len(input_ids) > config.seq_len:
-                    problem = (TOO_LONG, f"{len(input_ids)} tokens, more than seq_len "
-                               f"{config.seq_len}")
-                # The first label is never predicted (nothing precedes it): it teaches nothing.
-                elif all(label == IGNORE_INDEX for label in labels[1:]):
-                    problem = (EMPTY, "no token to learn (the response is empty once tokenized)")
-            if problem is not None:
-                if config.bad_rows == "error":
-                    raise ValueError(
-                        f"bad row in dataset {config.dataset}: {raw.where(index, row)}: "
-                        f"{problem[1]} (bad_rows=error; bad_rows=skip skips and counts such "
-                        "rows)")
-                input_ids, labels = [], []
+            if row.get(_PROBLEM):
+                problem, input_ids, labels = (row[_PROBLEM], row[_DETAIL]), [], []
+            else:
+                problem, input_ids, labels = encode_row(tokenizer, config, row)
+            if problem is not None and config.bad_rows == "error":
+                raise ValueError(bad_row_error(config, raw.where(index, row), problem[1]))
             out["input_ids"].append(input_ids)
             out["labels"].append(labels)
             out[_PROBLEM].append(problem[0] if problem else None)
@@ -445,16 +322,13 @@ def build_splits(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> Spl
     with _rank_zero_first():
         raw = load_rows(config, local_path)
         tokenized, skipped = tokenize(raw, tokenizer, config)
-    n = len(tokenized)
-    n_eval = max(math.ceil(config.eval_fraction * n), config.micro_batch)
-    if n_eval >= n:
+    try:
+        _, n_eval = split_sizes(len(tokenized), config)
+    except ValueError as error:
         reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(skipped.items()))
         raise ValueError(
-            f"dataset {config.dataset} has {n} usable rows: too few for an eval split of {n_eval} "
-            "(eval_fraction, at least micro_batch rows) plus training rows"
-            + (f"; skipped rows: {reasons}" if skipped else "")
-            + (f" ({_first_problem(raw, config)})" if skipped else "")
-        )
+            str(error) + (f"; skipped rows: {reasons} ({_first_problem(raw, config)})"
+                          if skipped else "")) from None
     split = tokenized.train_test_split(test_size=n_eval, shuffle=True, seed=config.seed)
     train, held_out = split["train"], split["test"]
     if config.packing:
@@ -537,12 +411,7 @@ class DistributedSampler:
         self.num_rows, self.micro_batch = num_rows, micro_batch
         self.rank, self.world_size, self.seed = rank, world_size, seed
         # Every rank must run the same number of steps, so the ragged tail of an epoch is dropped.
-        self.batches_per_epoch = num_rows // world_size // micro_batch
-        if self.batches_per_epoch == 0:
-            raise ValueError(
-                f"{num_rows} training rows are fewer than micro_batch ({micro_batch}) x world size "
-                f"({world_size})"
-            )
+        self.batches_per_epoch = batches_per_epoch(num_rows, micro_batch, world_size)
         self.epoch, self.index = 0, 0
         self._order = self._epoch_order()
 

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from finetune_contract.rules import lora_module_names
+
 if TYPE_CHECKING:
     from peft import LoraConfig
 
@@ -27,11 +29,6 @@ _A, _B = f".lora_A.{ADAPTER_NAME}.weight", f".lora_B.{ADAPTER_NAME}.weight"
 _PEFT_PREFIX = "base_model.model."
 
 
-def target_module_names(text: str) -> list[str]:
-    """The module names of a comma-separated `lora_target_modules`, without blanks."""
-    return [name.strip() for name in text.split(",") if name.strip()]
-
-
 def is_adapter_param(fqn: str) -> bool:
     return ".lora_A." in fqn or ".lora_B." in fqn
 
@@ -41,7 +38,7 @@ def apply_lora(model: torch.nn.Module, config: TrainConfig) -> int:
     number of adapter parameters. Run on the meta-device model, before any wrapping."""
     from peft import LoraConfig, inject_adapter_in_model
 
-    targets = target_module_names(config.lora_target_modules)
+    targets = lora_module_names(config.lora_target_modules)
     lora_config = LoraConfig(
         r=config.lora_rank,
         lora_alpha=config.lora_alpha,

@@ -17,71 +17,17 @@ from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
-    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 
+from finetune_contract.models import BUILTIN_MODELS
 from trainer.lora import init_adapter_weights, is_adapter_param
-
-_LLAMA3_ROPE = {"rope_type": "default", "rope_theta": 500000.0}
-
-# LlamaConfig kwargs. tiny-llama is sized for the CPU demo; the others are Llama 3.x shapes.
-BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
-    "tiny-llama": {
-        "hidden_size": 128,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "intermediate_size": 352,
-        "vocab_size": 725,  # len() of trainer/demo/tokenizer
-        "max_position_embeddings": 1024,
-        "tie_word_embeddings": True,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-        "rms_norm_eps": 1e-5,
-    },
-    "llama-1b": {
-        "hidden_size": 2048,
-        "num_hidden_layers": 16,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "intermediate_size": 8192,
-        "vocab_size": 128256,
-        "max_position_embeddings": 131072,
-        "tie_word_embeddings": True,
-        "rope_parameters": _LLAMA3_ROPE,
-        "rms_norm_eps": 1e-5,
-    },
-    "llama-3b": {
-        "hidden_size": 3072,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 24,
-        "num_key_value_heads": 8,
-        "intermediate_size": 8192,
-        "vocab_size": 128256,
-        "max_position_embeddings": 131072,
-        "tie_word_embeddings": True,
-        "rope_parameters": _LLAMA3_ROPE,
-        "rms_norm_eps": 1e-5,
-    },
-    "llama-8b": {
-        "hidden_size": 4096,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "intermediate_size": 14336,
-        "vocab_size": 128256,
-        "max_position_embeddings": 131072,
-        "tie_word_embeddings": False,
-        "rope_parameters": _LLAMA3_ROPE,
-        "rms_norm_eps": 1e-5,
-    },
-}
 
 
 def builtin_config(name: str, tokenizer: PreTrainedTokenizerBase | None = None) -> LlamaConfig:
     """The LlamaConfig of a built-in model, with special token ids taken from `tokenizer`."""
-    kwargs = dict(BUILTIN_CONFIGS[name])
+    kwargs = dict(BUILTIN_MODELS[name])
     if tokenizer is not None:
         if len(tokenizer) > kwargs["vocab_size"]:
             raise ValueError(
@@ -104,7 +50,7 @@ def build_model(model: str, tokenizer: PreTrainedTokenizerBase | None = None) ->
     Shard it first, then `materialize_weights` allocates each rank's shards and fills them, so no
     process ever holds the whole model.
     """
-    if model in BUILTIN_CONFIGS:
+    if model in BUILTIN_MODELS:
         config = builtin_config(model, tokenizer)
     else:
         config = AutoConfig.from_pretrained(pretrained_dir(model))
@@ -123,7 +69,7 @@ def pretrained_dir(model: str) -> Path:
         return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors"]))
     except (OSError, ValueError) as error:
         raise ValueError(
-            f"model must be one of {', '.join(BUILTIN_CONFIGS)}, a local Hugging Face model dir or "
+            f"model must be one of {', '.join(BUILTIN_MODELS)}, a local Hugging Face model dir or "
             f"a hub id; {model!r} could not be loaded: {error}"
         ) from error
 
@@ -139,7 +85,7 @@ def materialize_weights(
     """
     model.to_empty(device=device)
     model.tie_weights()  # to_empty gives an unsharded (non-DTensor) head its own new tensor
-    if source in BUILTIN_CONFIGS:
+    if source in BUILTIN_MODELS:
         init_random_weights(model, seed)
     else:
         load_pretrained_weights(model, pretrained_dir(source))
@@ -273,13 +219,3 @@ def decoder_blocks(model: PreTrainedModel) -> torch.nn.ModuleList:
             f"{type(model).__name__} has no model.layers; only Llama-like models are supported"
         )
     return blocks
-
-
-def check_seq_len(model_name: str, seq_len: int, model_config: PretrainedConfig) -> None:
-    """Fail at start on a seq_len beyond the positions the model was built for."""
-    positions = getattr(model_config, "max_position_embeddings", None)
-    if positions is not None and seq_len > positions:
-        raise ValueError(
-            f"seq_len ({seq_len}) exceeds model {model_name}'s max_position_embeddings "
-            f"({positions}): lower seq_len or choose a model with more positions"
-        )

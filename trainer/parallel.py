@@ -15,8 +15,12 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
+from transformers import PretrainedConfig
 
-from trainer.activations import checkpoint_activations, checkpoint_every, offload_activations
+from finetune_contract.fields import ContractError
+from finetune_contract.models import ModelShape
+from finetune_contract.rules import config_problems
+from trainer.activations import checkpoint_activations, offload_activations
 from trainer.config import TrainConfig
 from trainer.float8 import convert_to_float8
 from trainer.master_weights import use_master_weights
@@ -24,7 +28,6 @@ from trainer.model import decoder_blocks
 from trainer.tensor_parallel import (
     TP_DIM,
     apply_tensor_parallel,
-    check_tensor_parallel,
     mesh_plan,
 )
 
@@ -110,22 +113,21 @@ def mixed_precision_policy(
     )
 
 
-def check_combinations(config: TrainConfig, world_size: int, device_type: str) -> None:
-    """Fail at start on options that cannot work together, naming both; warn on no-ops.
+def check_start(
+    config: TrainConfig, env: DistEnv, model_config: PretrainedConfig | None = None
+) -> None:
+    """The contract's rules for this world (and, once built, this model): every problem in one
+    ContractError, in the words `validate` uses. Warns on options that are no-ops here.
 
     Allowed: bf16 and fp16 on a CPU (slow, but the numerics of a GPU run, which the local demo and
     tests want); fp16 with cpu_offload (the inf check of the grad scaler reduces CPU gradients).
     """
-    if config.activation_checkpointing == "selective":
-        checkpoint_every(config.selective_ac)  # names both options when it is neither op nor k
-    elif config.selective_ac != "op":
-        raise ValueError(
-            f"selective_ac ({config.selective_ac!r}) applies only to activation_checkpointing "
-            f"selective, but activation_checkpointing is {config.activation_checkpointing!r}: "
-            "set activation_checkpointing to selective or leave selective_ac at op"
-        )
-    _check_float8_and_lora(config)
-    if device_type == "cpu":
+    shape = None if model_config is None else ModelShape.from_config(config.model, model_config)
+    problems = config_problems(config, world_size=env.world_size,
+                               local_world_size=env.local_world_size, shape=shape)
+    if problems:
+        raise ContractError(problems, "the run config cannot run here")
+    if env.device.type == "cpu" and model_config is None:
         for name in ("activation_offload", "cpu_offload"):
             if getattr(config, name):
                 # Still applied, so a CPU run tests the code path a GPU run takes.
@@ -133,42 +135,6 @@ def check_combinations(config: TrainConfig, world_size: int, device_type: str) -
                     f"{name} saves no memory on device cpu: everything already is in CPU memory",
                     stacklevel=2,
                 )
-
-
-def _check_float8_and_lora(config: TrainConfig) -> None:
-    """float8 and LoRA against the options they cannot run with; each message names both."""
-    if config.float8:
-        if config.mixed_precision != "bf16":
-            raise ValueError(
-                f"float8 needs mixed_precision bf16 (got {config.mixed_precision}): its matmuls "
-                "take bf16 inputs and give bf16 outputs; set mixed_precision to bf16"
-            )
-        if config.seq_len % 16:
-            raise ValueError(
-                f"float8 needs seq_len divisible by 16 (got {config.seq_len}): float8 matmuls "
-                "take dimensions in multiples of 16; set seq_len to a multiple of 16"
-            )
-        # (option, set to a conflicting value, the value that works, why)
-        conflicts = (
-            ("cpu_offload", config.cpu_offload, "false",
-             "float8 casts run on the GPU, CPU-offloaded weights are not there"),
-            ("tp_degree", config.tp_degree > 1, "1",
-             "the tensor-parallel plan shards nn.Linear, not torchao's Float8Linear"),
-            ("lora_rank", config.lora_rank > 0, "0",
-             "LoRA wraps the Linear layers that float8 would swap"),
-        )  # fmt: skip
-        for name, conflicting, working, reason in conflicts:
-            if conflicting:
-                raise ValueError(
-                    f"float8 cannot be combined with {name} {getattr(config, name)}: {reason}; "
-                    f"set float8 to false or {name} to {working}"
-                )
-    if config.lora_rank and config.tp_degree > 1:
-        raise ValueError(
-            f"lora_rank ({config.lora_rank}) is not supported with tp_degree > 1 (got "
-            f"{config.tp_degree}): the tensor-parallel plan does not know peft's LoRA layers; "
-            "set tp_degree to 1 or lora_rank to 0"
-        )
 
 
 def compile_blocks(blocks: torch.nn.ModuleList) -> None:
@@ -199,7 +165,7 @@ def apply_parallelism(model: torch.nn.Module, config: TrainConfig, env: DistEnv)
     """Checkpoint activations per block if asked, then fully_shard every block and the root (or,
     with one unsharded rank, fp32 master weights with compute copies instead of FSDP)."""
     tp = config.tp_degree
-    check_tensor_parallel(config, env.world_size, model.config)
+    check_start(config, env, model.config)
     # With TP, FSDP's dims cover world_size / tp ranks; a node holds local_world_size / tp of them.
     shape, names, reshard = fsdp_plan(
         config.strategy,

@@ -15,20 +15,14 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from finetune_contract.rules import split_s3
+
 STAGING_ENV = "FINETUNE_STAGING_DIR"
 S3_SCHEME = "s3://"
 
 
 def is_s3(path: str) -> bool:
     return path.startswith(S3_SCHEME)
-
-
-def split_s3(uri: str) -> tuple[str, str]:
-    """(bucket, key prefix without slashes at either end) of `s3://bucket/prefix`."""
-    bucket, _, prefix = uri.removeprefix(S3_SCHEME).partition("/")
-    if not bucket:
-        raise ValueError(f"output_dir {uri!r}: an s3:// URI needs a bucket (s3://bucket/prefix)")
-    return bucket, prefix.strip("/")
 
 
 def staging_dir(uri: str) -> Path:

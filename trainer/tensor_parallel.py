@@ -23,58 +23,13 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import PreTrainedModel
 
-from trainer.batch import IGNORE_INDEX, Batch
-from trainer.config import TrainConfig
+from finetune_contract.data import IGNORE_INDEX
+from trainer.batch import Batch
 from trainer.model import decoder_blocks
 
 TP_DIM = "tp"
-
-
-def check_tensor_parallel(
-    config: TrainConfig, world_size: int, model_config: PretrainedConfig
-) -> None:
-    """Fail at start, naming both options, on a tp_degree this run cannot use."""
-    tp = config.tp_degree
-    if tp == 1:
-        return
-    if world_size % tp:
-        raise ValueError(
-            f"tp_degree ({tp}) must divide the world size ({world_size}): the data-parallel "
-            "size is world size / tp_degree"
-        )
-    group = config.shard_group_size
-    if config.strategy == "HYBRID_SHARD" and group and (world_size // tp) % group:
-        raise ValueError(
-            f"strategy HYBRID_SHARD needs shard_group_size ({group}) to divide the data-parallel "
-            f"size ({world_size // tp} = world size {world_size} / tp_degree {tp})"
-        )
-    heads = model_config.num_attention_heads
-    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
-    for name, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
-        if count % tp:
-            raise ValueError(
-                f"tp_degree ({tp}) must divide model {config.model}'s {name} ({count}): each "
-                "tensor-parallel rank computes whole attention heads"
-            )
-    # FSDP cannot shard a dim that TP split unevenly, and gate/up split intermediate_size.
-    intermediate = model_config.intermediate_size
-    if intermediate % tp:
-        raise ValueError(
-            f"tp_degree ({tp}) must divide model {config.model}'s intermediate_size "
-            f"({intermediate}): the MLP's hidden units are split evenly over the TP ranks"
-        )
-    if config.seq_len % tp:
-        raise ValueError(
-            f"seq_len ({config.seq_len}) must be divisible by tp_degree ({tp}): sequence "
-            "parallelism splits every sequence into tp_degree equal parts"
-        )
-    if config.cpu_offload:
-        raise ValueError(
-            f"cpu_offload is not supported with tp_degree > 1 (got tp_degree {tp}): set "
-            "cpu_offload to false or tp_degree to 1"
-        )
 
 
 def data_parallel_rank(rank: int, world_size: int, tp_degree: int) -> tuple[int, int]:

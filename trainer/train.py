@@ -7,15 +7,19 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import transformers
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.optim.lr_scheduler import LambdaLR
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from trainer.checkpoint import Checkpointer
 from trainer.config import TrainConfig, parse_args
@@ -24,9 +28,11 @@ from trainer.data import (
     Batch,
     DistributedSampler,
     EvalBatches,
+    Splits,
     TrainBatches,
     build_splits,
 )
+from trainer.errors import ERROR_DIR_ENV, root_cause_recorded
 from trainer.export import export_hf
 from trainer.float8 import check_float8_device, precompute_float8_scales
 from trainer.lora import apply_lora
@@ -39,216 +45,338 @@ from trainer.metrics import (
     peak_flops,
     peak_memory_bytes,
 )
-from trainer.model import build_model, check_seq_len, materialize_weights
+from trainer.model import build_model, materialize_weights
 from trainer.optim import build_grad_scaler, build_optimizer, optimizer_step
 from trainer.parallel import (
     COMPUTE_DTYPES,
     DistEnv,
     apply_parallelism,
-    check_combinations,
+    check_start,
     init_distributed,
 )
 from trainer.storage import RunOutput
 from trainer.tensor_parallel import SequenceParallelBatches, data_parallel_rank
 
 
+@record  # torchrun's error file, and so its ChildFailedError, carries this rank's exception
 def main(argv: Sequence[str] | None = None) -> None:
     started = time.time()
-    config = parse_args(argv)
-    env = init_distributed()
-    try:
-        train(config, env, started)
-    finally:
-        dist.destroy_process_group()
+    rank = int(os.environ.get("RANK", 0))  # torchrun's global rank; 0 for a world of one
+    with root_cause_recorded(os.environ.get(ERROR_DIR_ENV), rank):
+        config = parse_args(argv)
+    with root_cause_recorded(config.output_dir, rank):
+        env = init_distributed()
+        try:
+            train(config, env, started)
+        finally:
+            dist.destroy_process_group()
 
 
 def train(config: TrainConfig, env: DistEnv, started: float) -> dict[str, Any] | None:
     """The whole run; returns the summary on rank 0."""
-    check_combinations(config, env.world_size, env.device.type)
-    if config.float8:
-        check_float8_device(env.device)
-    # For an s3:// output_dir: a local staging dir with the same layout, uploaded from.
-    output = RunOutput(config.output_dir, env.rank)
-    output_dir = output.dir
-    if env.rank == 0:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        resolved = json.dumps(config.to_dict(), indent=2)
-        (output_dir / "trainer_config.resolved.json").write_text(resolved + "\n")
-        output.sync("trainer_config.resolved.json")
-        print(f"world size {env.world_size} on {env.device.type}; config:\n{resolved}", flush=True)
-    else:
-        transformers.logging.set_verbosity_error()
-    torch.manual_seed(config.seed)
+    trainer = Trainer.setup(config, env, started)
+    state = trainer.resume()
+    while state.step < trainer.max_steps:
+        trainer.step(state)
+    return trainer.finish(state)
 
-    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
-    pad_id = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
-    splits = build_splits(config, tokenizer)
-    # The ranks of a tensor-parallel group work on the same batch: sample per data-parallel rank.
-    dp_rank, dp_size = data_parallel_rank(env.rank, env.world_size, config.tp_degree)
-    sampler = DistributedSampler(
-        len(splits.train), config.micro_batch, dp_rank, dp_size, config.seed
-    )
-    # Packed rows are seq_len long anyway. float8 matmuls need token counts in multiples of 16,
-    # which compiled blocks cannot prove of dynamic lengths: rows of a fixed length then.
-    pad_to = config.seq_len if config.packing or config.float8 else None
-    batches = TrainBatches(splits.train, sampler, pad_id, pad_to)
-    evals = EvalBatches(splits.eval, config.micro_batch, dp_rank, dp_size, pad_id, pad_to)
-    if config.tp_degree > 1:
-        batches = SequenceParallelBatches(batches, config.tp_degree, pad_id)
-        evals = SequenceParallelBatches(evals, config.tp_degree, pad_id)
-    max_steps = config.max_steps or math.ceil(
-        config.epochs * sampler.batches_per_epoch / config.grad_accum
-    )
-    if env.rank == 0:
-        reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(splits.skipped.items()))
-        print(
-            f"data: {len(splits.train)} train rows, {len(splits.eval)} eval rows, skipped "
-            f"{splits.skipped_rows} bad rows{f' ({reasons})' if reasons else ''}; "
-            f"{max_steps} steps",
-            flush=True,
-        )
 
-    model = build_model(config.model, tokenizer)
-    # LoRA: adapters in the blocks before any wrapping; the base weights are frozen.
-    adapter_params = apply_lora(model, config) if config.lora_rank else None
-    model_config = model.config
-    check_seq_len(config.model, config.seq_len, model_config)
-    token_flops = flops_per_token(model_config, config.seq_len, adapter_params)
-    apply_parallelism(model, config, env)
-    # FSDP's CPU offload keeps the sharded parameters in CPU memory.
-    param_device = torch.device("cpu") if config.cpu_offload else env.device
-    materialize_weights(model, config.model, config.seed, param_device)
-    add_loss_method(model)
-    optimizer = build_optimizer(model, config, env.device)
-    scaler = build_grad_scaler(config.mixed_precision, env.device)
-    scheduler = LambdaLR(
-        optimizer, warmup_cosine(config.warmup_steps, max_steps, config.min_lr_ratio)
-    )
+@dataclass
+class TrainState:
+    """Where the run is: what a step changes, and (all but the eval bookkeeping) what a
+    checkpoint keeps of it."""
 
-    checkpointer = Checkpointer(
-        output,
-        config.keep_checkpoints,
-        env.rank,
-        local_rank=env.local_rank,
-        async_save=config.checkpoint_async,
-    )
-    step, initial_eval_loss, resumed_from_step, skipped_steps = 0, None, None, 0
-    latest = checkpointer.latest()
-    if latest is not None:
-        state = checkpointer.load(latest, model, optimizer)
-        step = resumed_from_step = state["step"]
-        sampler.load_state_dict(state["sampler"])
-        scheduler.load_state_dict(state["scheduler"])
-        initial_eval_loss = state["initial_eval_loss"]
-        skipped_steps = state.get("skipped_steps", 0)
-        if scaler is not None and "grad_scaler" in state:
-            scaler.load_state_dict(state["grad_scaler"])
-        output.fetch(METRICS_FILE)  # the log up to the checkpoint, to continue
-        if env.rank == 0:
-            print(f"resumed from {latest}", flush=True)
+    step: int = 0
+    initial_eval_loss: float | None = None
+    resumed_from_step: int | None = None
+    skipped_steps: int = 0  # steps the fp16 grad scaler skipped on inf/NaN gradients
+    eval_loss: float | None = None
+    last_eval_step: int | None = None
 
-    compute_dtype = COMPUTE_DTYPES[config.mixed_precision]
-    peak, peak_source = peak_flops(env.device, compute_dtype)
-    log = MetricsLog(str(output_dir), env.rank, max_steps, config.log_interval, resumed_from_step,
-                     config.metrics_port)
-    log.log_data(len(splits.train), len(splits.eval), splits.skipped,
-                 resumed=resumed_from_step is not None)
-    eval_loss, last_eval_step = None, None
-    if initial_eval_loss is None:
-        initial_eval_loss = eval_loss = evaluate(model, evals, env.device)
-        last_eval_step = 0
-        log.log_eval(0, initial_eval_loss)
 
-    model.train()
-    while step < max_steps:
-        step_start = time.perf_counter()
-        micro_batches = [next(batches) for _ in range(config.grad_accum)]
-        loss, tokens = train_step(model, micro_batches, env, scaler)
-        tokens //= config.tp_degree  # every rank of a TP group counted the same tokens
-        grad_norm, skipped = optimizer_step(model, optimizer, config.max_grad_norm, scaler)
+@dataclass
+class Trainer:
+    """Everything built once for a run: setup() makes it, then resume(), step() and finish()."""
+
+    config: TrainConfig
+    env: DistEnv
+    started: float  # wall-clock time the process started, for the summary
+    output: RunOutput
+    tokenizer: PreTrainedTokenizerBase
+    splits: Splits
+    sampler: DistributedSampler
+    batches: Iterator[Batch]
+    evals: Iterable[Batch]
+    max_steps: int
+    model: torch.nn.Module
+    model_config: PretrainedConfig
+    token_flops: float
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None
+    scheduler: LambdaLR
+    checkpointer: Checkpointer
+    compute_dtype: torch.dtype
+    peak: float
+    peak_source: str
+    # Opened by resume(): a resumed run's log keeps its records up to the checkpoint.
+    log: MetricsLog = field(init=False)
+
+    @classmethod
+    def setup(cls, config: TrainConfig, env: DistEnv, started: float) -> Trainer:
+        """Check the config, then build data, model, optimizer and checkpointer."""
+        check_start(config, env)
         if config.float8:
-            precompute_float8_scales(model)
-        skipped_steps += skipped
-        lr = scheduler.get_last_lr()[0]
-        optimizer.zero_grad(set_to_none=True)
+            check_float8_device(env.device)
+        # For an s3:// output_dir: a local staging dir with the same layout, uploaded from.
+        output = RunOutput(config.output_dir, env.rank)
+        write_resolved_config(config, env, output)
+        torch.manual_seed(config.seed)
+
+        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
+        pad_id = (
+            tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+        )
+        splits = build_splits(config, tokenizer)
+        # The ranks of a tensor-parallel group work on the same batch: sample per data-parallel
+        # rank.
+        dp_rank, dp_size = data_parallel_rank(env.rank, env.world_size, config.tp_degree)
+        sampler = DistributedSampler(
+            len(splits.train), config.micro_batch, dp_rank, dp_size, config.seed
+        )
+        # Packed rows are seq_len long anyway. float8 matmuls need token counts in multiples of
+        # 16, which compiled blocks cannot prove of dynamic lengths: rows of a fixed length then.
+        pad_to = config.seq_len if config.packing or config.float8 else None
+        batches: Iterator[Batch] = TrainBatches(splits.train, sampler, pad_id, pad_to)
+        evals: Iterable[Batch] = EvalBatches(
+            splits.eval, config.micro_batch, dp_rank, dp_size, pad_id, pad_to
+        )
+        if config.tp_degree > 1:
+            batches = SequenceParallelBatches(batches, config.tp_degree, pad_id)
+            evals = SequenceParallelBatches(evals, config.tp_degree, pad_id)
+        max_steps = config.max_steps or math.ceil(
+            config.epochs * sampler.batches_per_epoch / config.grad_accum
+        )
+        if env.rank == 0:
+            print_data(splits, max_steps)
+
+        model = build_model(config.model, tokenizer)
+        # LoRA: adapters in the blocks before any wrapping; the base weights are frozen.
+        adapter_params = apply_lora(model, config) if config.lora_rank else None
+        model_config = model.config
+        token_flops = flops_per_token(model_config, config.seq_len, adapter_params)
+        apply_parallelism(model, config, env)
+        # FSDP's CPU offload keeps the sharded parameters in CPU memory.
+        param_device = torch.device("cpu") if config.cpu_offload else env.device
+        materialize_weights(model, config.model, config.seed, param_device)
+        add_loss_method(model)
+        optimizer = build_optimizer(model, config, env.device)
+        scaler = build_grad_scaler(config.mixed_precision, env.device)
+        scheduler = LambdaLR(
+            optimizer, warmup_cosine(config.warmup_steps, max_steps, config.min_lr_ratio)
+        )
+        checkpointer = Checkpointer(
+            output,
+            config.keep_checkpoints,
+            env.rank,
+            local_rank=env.local_rank,
+            async_save=config.checkpoint_async,
+        )
+        compute_dtype = COMPUTE_DTYPES[config.mixed_precision]
+        peak, peak_source = peak_flops(env.device, compute_dtype)
+        return cls(
+            config=config, env=env, started=started, output=output, tokenizer=tokenizer,
+            splits=splits, sampler=sampler, batches=batches, evals=evals, max_steps=max_steps,
+            model=model, model_config=model_config, token_flops=token_flops, optimizer=optimizer,
+            scaler=scaler, scheduler=scheduler, checkpointer=checkpointer,
+            compute_dtype=compute_dtype, peak=peak, peak_source=peak_source,
+        )  # fmt: skip
+
+    def resume(self) -> TrainState:
+        """Continue from the newest complete checkpoint, or start at step 0 with an eval; open
+        the metrics log accordingly."""
+        state = TrainState()
+        latest = self.checkpointer.latest()
+        if latest is not None:
+            state = self.restore_checkpoint(latest)
+            self.output.fetch(METRICS_FILE)  # the log up to the checkpoint, to continue
+            if self.env.rank == 0:
+                print(f"resumed from {latest}", flush=True)
+
+        config, splits = self.config, self.splits
+        self.log = MetricsLog(
+            str(self.output.dir), self.env.rank, self.max_steps, config.log_interval,
+            state.resumed_from_step, config.metrics_port,
+        )  # fmt: skip
+        self.log.log_data(
+            len(splits.train),
+            len(splits.eval),
+            splits.skipped,
+            resumed=state.resumed_from_step is not None,
+        )
+        if state.initial_eval_loss is None:
+            self.eval_and_log(state)
+            state.initial_eval_loss = state.eval_loss
+        self.model.train()
+        return state
+
+    def step(self, state: TrainState) -> None:
+        """One optimizer step over grad_accum micro batches; logs it, then evaluates, uploads the
+        log and checkpoints as the intervals say."""
+        config, env, scaler = self.config, self.env, self.scaler
+        step_start = time.perf_counter()
+        micro_batches = [next(self.batches) for _ in range(config.grad_accum)]
+        loss, tokens = train_step(self.model, micro_batches, env, scaler)
+        tokens //= config.tp_degree  # every rank of a TP group counted the same tokens
+        grad_norm, skipped = optimizer_step(
+            self.model, self.optimizer, config.max_grad_norm, scaler
+        )
+        if config.float8:
+            precompute_float8_scales(self.model)
+        state.skipped_steps += skipped
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.zero_grad(set_to_none=True)
         if not skipped:  # as in Accelerate: a step the fp16 scaler skipped keeps its learning rate
-            scheduler.step()
-        step += 1
+            self.scheduler.step()
+        state.step += 1
         step_time = time.perf_counter() - step_start
-        tflops = token_flops * tokens / step_time / env.world_size / 1e12
+        tflops = self.token_flops * tokens / step_time / env.world_size / 1e12
         # fp16: the steps skipped so far on inf/NaN gradients, and the loss scale now.
         scaling = (
-            {"skipped_steps": skipped_steps, "loss_scale": scaler.get_scale()} if scaler else {}
+            {"skipped_steps": state.skipped_steps, "loss_scale": scaler.get_scale()}
+            if scaler
+            else {}
         )
-        log.log_train(
-            step=step,
+        self.log.log_train(
+            step=state.step,
             loss=loss,
             lr=lr,
             grad_norm=grad_norm,
             tokens=tokens,
             tokens_per_s=tokens / step_time,
             tflops_per_device=tflops,
-            mfu=tflops * 1e12 / peak,
+            mfu=tflops * 1e12 / self.peak,
             step_time_s=step_time,
             peak_memory_bytes=peak_memory_bytes(env.device),
             **scaling,
         )
-        if config.eval_interval and step % config.eval_interval == 0:
-            eval_loss, last_eval_step = evaluate(model, evals, env.device), step
-            log.log_eval(step, eval_loss)
-            output.sync(METRICS_FILE)
-        elif step % config.log_interval == 0:
-            output.sync(METRICS_FILE)
-        if config.checkpoint_interval and step % config.checkpoint_interval == 0:
-            trainer_state = {
-                "sampler": sampler.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "initial_eval_loss": initial_eval_loss,
-                "skipped_steps": skipped_steps,
-                **({"grad_scaler": scaler.state_dict()} if scaler else {}),
-            }
-            checkpointer.save(step, model, optimizer, trainer_state)
-            output.sync(METRICS_FILE)
+        if config.eval_interval and state.step % config.eval_interval == 0:
+            self.eval_and_log(state)
+            self.output.sync(METRICS_FILE)
+        elif state.step % config.log_interval == 0:
+            self.output.sync(METRICS_FILE)
+        if config.checkpoint_interval and state.step % config.checkpoint_interval == 0:
+            self.save_checkpoint(state)
+            self.output.sync(METRICS_FILE)
 
-    checkpointer.close()  # an async save still in flight completes (and is pruned) first
-    if last_eval_step != step:
-        eval_loss = evaluate(model, evals, env.device)
-        log.log_eval(step, eval_loss)
-    output.sync(METRICS_FILE)
-    export_hf(model, model_config, tokenizer, output_dir / "model", env.rank, compute_dtype)
-    output.sync_tree("model")
+    def finish(self, state: TrainState) -> dict[str, Any] | None:
+        """Complete the last checkpoint, evaluate, export the model; rank 0 writes the summary
+        and returns it."""
+        env, output = self.env, self.output
+        self.checkpointer.close()  # an async save still in flight completes (and is pruned) first
+        if state.last_eval_step != state.step:
+            self.eval_and_log(state)
+        output.sync(METRICS_FILE)
+        export_hf(
+            self.model,
+            self.model_config,
+            self.tokenizer,
+            output.dir / "model",
+            env.rank,
+            self.compute_dtype,
+        )
+        output.sync_tree("model")
 
-    memory = torch.tensor(peak_memory_bytes(env.device), device=env.device)
-    dist.all_reduce(memory, op=dist.ReduceOp.MAX)
+        memory = torch.tensor(peak_memory_bytes(env.device), device=env.device)
+        dist.all_reduce(memory, op=dist.ReduceOp.MAX)
+        if env.rank != 0:
+            return None
+        summary = self.summary(state, int(memory.item()))
+        (output.dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        output.sync("summary.json")
+        print(
+            f"done: {state.step} steps, eval loss {state.initial_eval_loss:.4f} -> "
+            f"{state.eval_loss:.4f}, {summary['wall_time_s']:.1f}s; model in "
+            f"{output.location.rstrip('/')}/model",
+            flush=True,
+        )
+        return summary
+
+    def eval_and_log(self, state: TrainState) -> None:
+        """The eval loss at this step, logged."""
+        state.eval_loss = evaluate(self.model, self.evals, self.env.device)
+        state.last_eval_step = state.step
+        self.log.log_eval(state.step, state.eval_loss)
+
+    def save_checkpoint(self, state: TrainState) -> None:
+        """Model, optimizer and what restore_checkpoint() needs to continue from this step."""
+        trainer_state = {
+            "sampler": self.sampler.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "initial_eval_loss": state.initial_eval_loss,
+            "skipped_steps": state.skipped_steps,
+            **({"grad_scaler": self.scaler.state_dict()} if self.scaler else {}),
+        }
+        self.checkpointer.save(state.step, self.model, self.optimizer, trainer_state)
+
+    def restore_checkpoint(self, path: Path) -> TrainState:
+        """Load a checkpoint save_checkpoint() wrote into model, optimizer, sampler, scheduler
+        and scaler; the state to continue from."""
+        saved = self.checkpointer.load(path, self.model, self.optimizer)
+        self.sampler.load_state_dict(saved["sampler"])
+        self.scheduler.load_state_dict(saved["scheduler"])
+        if self.scaler is not None and "grad_scaler" in saved:
+            self.scaler.load_state_dict(saved["grad_scaler"])
+        return TrainState(
+            step=saved["step"],
+            initial_eval_loss=saved["initial_eval_loss"],
+            resumed_from_step=saved["step"],
+            skipped_steps=saved.get("skipped_steps", 0),
+        )
+
+    def summary(self, state: TrainState, peak_memory: int) -> dict[str, Any]:
+        """summary.json: the run's outcome, throughput, data and config."""
+        splits = self.splits
+        return {
+            "initial_eval_loss": state.initial_eval_loss,
+            "final_eval_loss": state.eval_loss,
+            "steps": state.step,
+            **self.log.throughput_summary(),
+            "peak_memory_bytes": peak_memory,
+            "wall_time_s": time.time() - self.started,
+            "world_size": self.env.world_size,
+            "resumed_from_step": state.resumed_from_step,
+            "skipped_rows": splits.skipped_rows,
+            "skipped_rows_by_reason": splits.skipped,
+            "skipped_steps": state.skipped_steps,
+            "train_rows": len(splits.train),
+            "eval_rows": len(splits.eval),
+            "flops_per_token": self.token_flops,
+            "peak_flops": self.peak,
+            "peak_flops_source": self.peak_source,
+            "config": self.config.to_dict(),
+        }
+
+
+def write_resolved_config(config: TrainConfig, env: DistEnv, output: RunOutput) -> None:
+    """Rank 0 saves the resolved config beside the run's outputs and prints it."""
     if env.rank != 0:
-        return None
-    summary = {
-        "initial_eval_loss": initial_eval_loss,
-        "final_eval_loss": eval_loss,
-        "steps": step,
-        **log.throughput_summary(),
-        "peak_memory_bytes": int(memory.item()),
-        "wall_time_s": time.time() - started,
-        "world_size": env.world_size,
-        "resumed_from_step": resumed_from_step,
-        "skipped_rows": splits.skipped_rows,
-        "skipped_rows_by_reason": splits.skipped,
-        "skipped_steps": skipped_steps,
-        "train_rows": len(splits.train),
-        "eval_rows": len(splits.eval),
-        "flops_per_token": token_flops,
-        "peak_flops": peak,
-        "peak_flops_source": peak_source,
-        "config": config.to_dict(),
-    }
-    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    output.sync("summary.json")
+        transformers.logging.set_verbosity_error()
+        return
+    output.dir.mkdir(parents=True, exist_ok=True)
+    resolved = json.dumps(config.to_dict(), indent=2)
+    (output.dir / "trainer_config.resolved.json").write_text(resolved + "\n")
+    output.sync("trainer_config.resolved.json")
+    print(f"world size {env.world_size} on {env.device.type}; config:\n{resolved}", flush=True)
+
+
+def print_data(splits: Splits, max_steps: int) -> None:
+    reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(splits.skipped.items()))
     print(
-        f"done: {step} steps, eval loss {initial_eval_loss:.4f} -> {eval_loss:.4f}, "
-        f"{summary['wall_time_s']:.1f}s; model in {output.location.rstrip('/')}/model",
+        f"data: {len(splits.train)} train rows, {len(splits.eval)} eval rows, skipped "
+        f"{splits.skipped_rows} bad rows{f' ({reasons})' if reasons else ''}; "
+        f"{max_steps} steps",
         flush=True,
     )
-    return summary
 
 
 def warmup_cosine(warmup_steps: int, max_steps: int, min_lr_ratio: float) -> Callable[[int], float]:

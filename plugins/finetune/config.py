@@ -1,33 +1,38 @@
 """The run's parameters (one spec for the trigger form and for validation) and the run config.
 
 `PARAM_SPECS` is the single source of truth for every parameter: its type, bounds, allowed
-values, default, and where and how the trigger form shows it. `validate_params` turns a DAG run's
+values, default, and where and how the trigger form shows it. `finetune.validate` turns a DAG run's
 params into one typed, immutable `RunConfig`, or raises `ConfigError` naming every bad field.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from finetune import REPO_ROOT
 from finetune.instance_types import INSTANCE_TYPES
-from finetune.names import dns_label, run_dir_name
-from finetune.presets import NO_PRESET, PRESET_DISPLAY, PRESET_NAMES, apply_preset
+from finetune.presets import NO_PRESET, PRESET_DISPLAY, PRESET_NAMES
+from finetune_contract.fields import (
+    ACTIVATION_CHECKPOINTING,
+    BAD_ROWS,
+    BOUNDS,
+    DATASET_FORMATS,
+    DEMO_DATASET,
+    LORA_TARGET_MODULES,
+    MIXED_PRECISION,
+    PROMPT_TEMPLATES,
+    STRATEGIES,
+    Bounds,
+    quoted,
+)
+from finetune_contract.models import BUILTIN_MODELS
 
 TARGETS = ("local", "eks")
-STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
-MIXED_PRECISION = ("bf16", "fp16", "fp32")
-ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
-PROMPT_TEMPLATES = ("instruction", "chat")
-DATASET_FORMATS = ("auto", "jsonl", "json", "parquet", "csv")
-BAD_ROWS = ("skip", "error")
 # torchrun rendezvous backends the training operator passes on (elasticPolicy.rdzvBackend).
 RDZV_BACKENDS = ("etcd-v2", "etcd", "c10d")
 # torchrun's environment on every target. The etcd-v2 and c10d rendezvous otherwise hand every
@@ -38,17 +43,8 @@ TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 ETCD_RESETS = ("keys", "restart")
 # How the eks target provides the trainer image (plugins/finetune/image_build.py).
 IMAGE_BUILDERS = ("buildkit", "codebuild", "prebuilt")
-# Model configs the trainer builds from scratch, with their max_position_embeddings
-# (trainer/model.py BUILTIN_CONFIGS; a test keeps the two equal, since Airflow workers do not
-# have the trainer package installed).
-BUILTIN_MODELS = {"tiny-llama": 1024, "llama-1b": 131072, "llama-3b": 131072, "llama-8b": 131072}
-# The Linear layers of a Llama block; the trainer's default too (trainer/config.py).
-LORA_TARGET_MODULES = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
-# Share of the data set the trainer holds out for the eval loss.
-EVAL_FRACTION = 0.05
-
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-_FORMAT_BY_SUFFIX = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+# Fields whose value is never quoted in an error message: it may be (or hold) a credential.
+SECRET_FIELDS = frozenset({"hf_token_secret", "rdzv_endpoint", "prometheus_url"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,9 +57,11 @@ class ParamSpec:
     description: str
     enum: tuple[Any, ...] | None = None
     values_display: Mapping[str, str] | None = None
-    minimum: float | None = None
-    maximum: float | None = None
-    exclusive_minimum: float | None = None
+
+    @property
+    def bounds(self) -> Bounds:
+        """The value's bounds, from the contract's one table (none for a text field)."""
+        return BOUNDS.get(self.name, Bounds())
 
     def schema(self) -> dict[str, Any]:
         """JSON schema keywords for Airflow's `Param` (and so the trigger form)."""
@@ -76,8 +74,8 @@ class ParamSpec:
             out["enum"] = list(self.enum)
         if self.values_display:
             out["values_display"] = dict(self.values_display)
-        for key, value in (("minimum", self.minimum), ("maximum", self.maximum),
-                           ("exclusiveMinimum", self.exclusive_minimum)):
+        for key, value in (("minimum", self.bounds.minimum), ("maximum", self.bounds.maximum),
+                           ("exclusiveMinimum", self.bounds.exclusive_minimum)):
             if value is not None:
                 out[key] = value
         return out
@@ -99,7 +97,7 @@ PARAM_SPECS: tuple[ParamSpec, ...] = (
     _S("tokenizer", "", "string", "Model", "Tokenizer",
        "Directory with tokenizer files. Empty: the model's own (the demo tokenizer for "
        "built-in configs)."),
-    _S("dataset", "trainer/demo/instructions.jsonl", "string", "Data", "Data set",
+    _S("dataset", DEMO_DATASET, "string", "Data", "Data set",
        "A jsonl, json, parquet or csv file or a directory of them (relative paths are from the "
        "repository root), an s3://bucket/key URI (file or prefix), or a hub name (org/name)."),
     _S("dataset_format", "auto", "string", "Data", "Data set format",
@@ -122,10 +120,9 @@ PARAM_SPECS: tuple[ParamSpec, ...] = (
        "seq_len tokens: `skip` skips them and counts them by reason in the report; `error` fails "
        "the run at the first one, naming its file and line.", enum=BAD_ROWS),
     _S("nodes", 1, "integer", "Resources", "Nodes",
-       "Nodes (local: torchrun agents on this machine).", minimum=1, maximum=128),
+       "Nodes (local: torchrun agents on this machine)."),
     _S("procs_per_node", 2, "integer", "Resources", "Processes per node",
-       "Training processes per node: one per GPU, or CPU processes on the local target.",
-       minimum=1, maximum=64),
+       "Training processes per node: one per GPU, or CPU processes on the local target."),
     _S("rdzv_endpoint", "", "string", "Resources", "etcd endpoint",
        "host:port of an etcd (v2 API) for torchrun's rendezvous. Empty: the local target "
        "starts its own etcd, or uses torch's c10d store when etcd is not installed."),
@@ -137,12 +134,10 @@ PARAM_SPECS: tuple[ParamSpec, ...] = (
                        "(ZeRO-2)", "HYBRID_SHARD": "HYBRID_SHARD (HSDP)",
                        "NO_SHARD": "NO_SHARD (replicate)"}),
     _S("shard_group_size", 0, "integer", "Parallelism", "Shard group size",
-       "HYBRID_SHARD only: processes per shard group; 0 means processes per node.",
-       minimum=0, maximum=8192),
+       "HYBRID_SHARD only: processes per shard group; 0 means processes per node."),
     _S("tp_degree", 1, "integer", "Parallelism", "Tensor parallel degree",
        "Tensor (and sequence) parallel processes per model replica, for long sequences; "
-       "FSDP shards across the rest. Must divide the processes per node.",
-       minimum=1, maximum=64),
+       "FSDP shards across the rest. Must divide the processes per node."),
     _S("mixed_precision", "fp32", "string", "Memory and speed", "Mixed precision",
        "bf16: bf16 compute with fp32 master weights and fp32 gradient reduction (GPUs). "
        "fp16: fp16 compute with a gradient scaler. fp32: full precision (the fast choice on "
@@ -166,44 +161,42 @@ PARAM_SPECS: tuple[ParamSpec, ...] = (
        "precision bf16; reported by tokens/s (MFU assumes the bf16 peak)."),
     _S("lora_rank", 0, "integer", "LoRA", "LoRA rank",
        "Train LoRA adapters of this rank instead of all weights (peft); 0: full fine-tune. The "
-       "exported model has the adapters merged in; model/adapter/ holds them alone.",
-       minimum=0, maximum=4096),
+       "exported model has the adapters merged in; model/adapter/ holds them alone."),
     _S("lora_alpha", 16.0, "number", "LoRA", "LoRA alpha",
-       "The adapters' output is scaled by alpha / rank.", exclusive_minimum=0, maximum=65536),
+       "The adapters' output is scaled by alpha / rank."),
     _S("lora_dropout", 0.0, "number", "LoRA", "LoRA dropout",
-       "Dropout on the adapters' input.", minimum=0, maximum=0.99),
+       "Dropout on the adapters' input."),
     _S("lora_target_modules", LORA_TARGET_MODULES, "string", "LoRA", "LoRA target modules",
        "Comma-separated names of the decoder blocks' Linear layers that get adapters."),
     _S("seq_len", 128, "integer", "Training", "Sequence length",
-       "Tokens per sequence; longer examples are truncated.", minimum=8, maximum=131072),
+       "Tokens per sequence. An example longer than this is never truncated: bad_rows "
+       "decides (skip: skipped and counted in the report; error: the run fails at validate "
+       "naming its line)."),
     _S("micro_batch", 8, "integer", "Training", "Micro-batch",
-       "Sequences per process per forward pass.", minimum=1, maximum=4096),
+       "Sequences per process per forward pass."),
     _S("grad_accum", 1, "integer", "Training", "Gradient accumulation",
-       "Micro-batches per optimizer step.", minimum=1, maximum=4096),
+       "Micro-batches per optimizer step."),
     _S("lr", 3e-3, "number", "Training", "Learning rate",
-       "Peak AdamW learning rate (linear warmup, then cosine decay).", exclusive_minimum=0,
-       maximum=1),
+       "Peak AdamW learning rate (linear warmup, then cosine decay)."),
     _S("warmup_steps", 10, "integer", "Training", "Warmup steps",
-       "Optimizer steps of linear learning-rate warmup.", minimum=0, maximum=1_000_000),
+       "Optimizer steps of linear learning-rate warmup."),
     _S("max_steps", 150, "integer", "Training", "Steps",
-       "Optimizer steps to train; 0 means train for `epochs` instead.", minimum=0,
-       maximum=10_000_000),
+       "Optimizer steps to train; 0 means train for `epochs` instead."),
     _S("epochs", 1.0, "number", "Training", "Epochs",
-       "Passes over the data set, used when steps is 0.", exclusive_minimum=0, maximum=1000),
+       "Passes over the data set, used when steps is 0."),
     _S("seed", 1234, "integer", "Training", "Seed",
-       "Seed for initialisation and data order.", minimum=0, maximum=2**31 - 1),
+       "Seed for initialisation and data order."),
     _S("eval_interval", 50, "integer", "Training", "Eval interval",
        "Optimizer steps between eval-loss measurements (also at start and end); 0: start and "
-       "end only.", minimum=0, maximum=10_000_000),
+       "end only."),
     _S("checkpoint_interval", 50, "integer", "Checkpoints", "Checkpoint interval",
        "Optimizer steps between sharded checkpoints; 0: no checkpoints. A restarted run "
-       "resumes from the newest.", minimum=0, maximum=10_000_000),
+       "resumes from the newest."),
     _S("checkpoint_async", False, "boolean", "Checkpoints", "Async checkpoints",
        "Write checkpoints in the background from a copy in CPU memory while training goes on; "
        "each is made complete (uploaded, for S3) when written, before the next one starts."),
     _S("max_restarts", 0, "integer", "Checkpoints", "Max restarts",
-       "How often torchrun restarts failed workers before the run fails.", minimum=0,
-       maximum=100),
+       "How often torchrun restarts failed workers before the run fails."),
     _S("output_dir", "runs", "string", "Output", "Output location",
        "Directory for the run's outputs (relative paths are from the repository root); each "
        "run writes to <output>/<run id>/."),
@@ -235,7 +228,7 @@ PARAM_SPECS: tuple[ParamSpec, ...] = (
        "image_builder codebuild: ARN of the IAM role the CodeBuild project runs as (reads the "
        "context from S3, pushes to ECR)."),
     _S("max_nodes", 16, "integer", "EKS", "Node cap",
-       "The node group is never scaled above this many nodes.", minimum=1, maximum=1024),
+       "The node group is never scaled above this many nodes."),
     _S("aws_conn_id", "aws_default", "string", "EKS", "AWS connection",
        "Airflow connection for AWS (region, credentials or role)."),
     _S("kubernetes_conn_id", "", "string", "EKS", "Kubernetes connection",
@@ -255,18 +248,21 @@ PARAM_SPECS: tuple[ParamSpec, ...] = (
     _S("active_deadline_s", 86400, "integer", "Resources", "Training deadline (s)",
        "The training is stopped after this many seconds and the run fails (teardown gives the "
        "nodes back): eks, the PyTorchJob's activeDeadlineSeconds; local, the torchrun agents. "
-       "0: no deadline.", minimum=0, maximum=30 * 86400),
+       "0: no deadline."),
     _S("metrics_port", 0, "integer", "Metrics", "Trainer metrics port",
        "Port of the Prometheus endpoint the trainer's rank 0 serves its per-step metrics on "
        "(loss, lr, grad norm, tokens/s, TFLOPs, MFU, memory); on eks the pods are annotated "
-       "for scraping. 0: no endpoint.", minimum=0, maximum=65535),
+       "for scraping. 0: no endpoint."),
     _S("prometheus_url", "", "string", "Metrics", "Prometheus URL",
        "Target eks: base URL (http(s)://host:port) of the Prometheus that scrapes the DCGM "
        "exporter; the report gets the job's GPU utilisation, memory, power, temperature and "
-       "XID errors from it. Empty: the report says GPU metrics are missing."),
+       "XID errors from it. No credentials in it: give those with prometheus_conn_id. Empty: "
+       "the report says GPU metrics are missing."),
+    _S("prometheus_conn_id", "", "string", "Metrics", "Prometheus connection",
+       "Airflow HTTP connection whose login and password (basic auth) the Prometheus queries "
+       "use; its host is used when prometheus_url is empty. Empty: no credentials."),
     _S("node_hourly_price", 0.0, "number", "Metrics", "Price per node-hour (USD)",
-       "For the report's cost estimate: nodes x price x training wall time. 0: no estimate.",
-       minimum=0, maximum=10_000),
+       "For the report's cost estimate: nodes x price x training wall time. 0: no estimate."),
 )
 SPECS_BY_NAME = {spec.name: spec for spec in PARAM_SPECS}
 
@@ -348,6 +344,7 @@ class RunConfig:
     active_deadline_s: int
     metrics_port: int = 0
     prometheus_url: str = ""
+    prometheus_conn_id: str = ""
     node_hourly_price: float = 0.0
     preset: str = NO_PRESET
     preset_version: int = 0  # the preset's version; 0 without a preset
@@ -365,265 +362,42 @@ class RunConfig:
         return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
 
 
-def _check_type(spec: ParamSpec, value: Any) -> str | None:
+def check_type(spec: ParamSpec, value: Any) -> str | None:
+    """What is wrong with a value's JSON type for its spec, or None."""
     if spec.type == "string":
-        return None if isinstance(value, str) else f"must be a string, got {value!r}"
+        return None if isinstance(value, str) else f"must be a string, got {_shown(spec, value)}"
     if spec.type == "boolean":
-        return None if isinstance(value, bool) else f"must be true or false, got {value!r}"
+        return None if isinstance(value, bool) else \
+            f"must be true or false, got {_shown(spec, value)}"
     if isinstance(value, bool):
         return f"must be a {spec.type}, got {value!r}"
     if spec.type == "integer":
         if isinstance(value, int):
             return None
-        return f"must be a positive integer, got {value!r}" if (
-            spec.minimum is not None and spec.minimum > 0) else f"must be an integer, got {value!r}"
+        positive = (spec.bounds.minimum or 0) > 0
+        return f"must be a {'positive ' if positive else ''}integer, got {_shown(spec, value)}"
     if isinstance(value, (int, float)) and math.isfinite(value):
         return None
-    return f"must be a finite number, got {value!r}"
+    return f"must be a finite number, got {_shown(spec, value)}"
 
 
-def _check_bounds(spec: ParamSpec, value: Any) -> str | None:
+def check_value(spec: ParamSpec, value: Any) -> str | None:
+    """What is wrong with a well-typed value on its own: its choices and bounds."""
     if spec.enum is not None and value not in spec.enum:
-        allowed = ", ".join(str(v) for v in spec.enum)
-        return f"unknown value {value!r}; allowed: {allowed}"
-    if spec.exclusive_minimum is not None and value <= spec.exclusive_minimum:
-        return f"must be > {spec.exclusive_minimum:g}, got {value!r}"
-    if spec.minimum is not None and value < spec.minimum:
-        return f"must be >= {spec.minimum:g}, got {value!r}"
-    if spec.maximum is not None and value > spec.maximum:
-        return f"must be <= {spec.maximum:g}, got {value!r}"
-    return None
+        return f"unknown value {_shown(spec, value)}; allowed: " + \
+            ", ".join(str(v) for v in spec.enum)
+    return spec.bounds.problem(value)
+
+
+def _shown(spec: ParamSpec, value: Any) -> str:
+    """The value as an error message may show it: cut, and never a secret field's."""
+    return "a value (not shown)" if spec.name in SECRET_FIELDS else quoted(value)
 
 
 def resolve_path(path: str) -> Path:
     """User paths: `~` expanded, relative ones taken from the repository root."""
     p = Path(path).expanduser()
     return p if p.is_absolute() else REPO_ROOT / p
-
-
-def dataset_format(path: str, declared: str) -> str | None:
-    if declared != "auto":
-        return declared
-    return _FORMAT_BY_SUFFIX.get(Path(path).suffix.lower())
-
-
-def count_rows(path: Path, fmt: str) -> int | None:
-    """Rows in a local data file, without parsing them all; None when not countable cheaply."""
-    if path.is_dir():
-        return None
-    if fmt == "jsonl":
-        with path.open("rb") as f:
-            return sum(1 for line in f if line.strip())
-    if fmt == "csv":
-        with path.open("rb") as f:
-            return max(sum(1 for line in f if line.strip()) - 1, 0)
-    if fmt == "json":
-        data = json.loads(path.read_text())
-        return len(data) if isinstance(data, list) else None
-    if fmt == "parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            return None
-        return pq.ParquetFile(path).metadata.num_rows
-    return None
-
-
-def dataset_kind(dataset: str) -> str:
-    """s3, local (a file or directory here), hub (org/name with no data-file extension), missing.
-
-    The trainer decides the same way (trainer/data.py dataset_source).
-    """
-    if dataset.startswith("s3://"):
-        return "s3"
-    if resolve_path(dataset).exists():
-        return "local"
-    if _HUB_ID.match(dataset) and Path(dataset).suffix.lower() not in _FORMAT_BY_SUFFIX \
-            and not dataset.startswith((".", "/", "~")):
-        return "hub"
-    return "missing"
-
-
-def _check_dataset(v: dict[str, Any], in_pod: bool) -> list[tuple[str, str]]:
-    """The data set exists (where it can be seen from here) and one step's batch fits in it."""
-    if not v["dataset"]:
-        return [("dataset", "is empty; give a data file, directory, s3:// URI or hub name")]
-    kind = dataset_kind(v["dataset"])
-    if kind in ("s3", "hub") or (in_pod and v["dataset"].startswith("/")):
-        return []  # read where the trainer runs
-    data_path = resolve_path(v["dataset"])
-    if kind == "missing":
-        return [("dataset", f"{v['dataset']!r} does not exist ({data_path}) and is not a hub "
-                 "name (org/name) or s3:// URI")]
-    if data_path.is_dir():
-        return []  # the trainer reads every data file in it
-    fmt = dataset_format(v["dataset"], v["dataset_format"])
-    if fmt is None:
-        return [("dataset_format", f"cannot tell the format of {v['dataset']!r} from its "
-                 "extension; set dataset_format to one of " + ", ".join(DATASET_FORMATS[1:]))]
-    try:
-        rows = count_rows(data_path, fmt)
-    except (OSError, ValueError) as exc:
-        return [("dataset", f"cannot read {v['dataset']!r} as {fmt}: {exc}")]
-    if rows == 0:
-        return [("dataset", f"{v['dataset']!r} has no rows")]
-    if rows is not None:
-        train_rows = rows - max(1, math.ceil(rows * EVAL_FRACTION))
-        per_step = v["micro_batch"] * v["nodes"] * v["procs_per_node"] // v["tp_degree"]
-        if train_rows < per_step:
-            return [("micro_batch", (
-                f"{v['micro_batch']} is too large for the data: one step needs micro_batch x "
-                f"data-parallel processes = {per_step} rows, the data set has {train_rows} "
-                "training rows"))]
-    return []
-
-
-def _check_float8_and_lora(v: dict[str, Any]) -> list[tuple[str, str]]:
-    """The option pairs the trainer refuses (trainer/parallel.py), caught before any cloud call."""
-    errors: list[tuple[str, str]] = []
-    if v["float8"]:
-        if v["mixed_precision"] != "bf16":
-            errors.append(("float8", "needs mixed_precision bf16, mixed_precision is "
-                           f"{v['mixed_precision']}"))
-        if v["seq_len"] % 16:
-            errors.append(("float8", f"needs seq_len divisible by 16 (float8 matmuls), seq_len "
-                           f"is {v['seq_len']}"))
-        for name, conflicting in (("cpu_offload", v["cpu_offload"]),
-                                  ("tp_degree", v["tp_degree"] > 1),
-                                  ("lora_rank", v["lora_rank"] > 0)):
-            if conflicting:
-                errors.append(("float8", f"cannot be combined with {name} = {v[name]}; turn "
-                               f"one of them off"))
-    if v["lora_rank"]:
-        if v["tp_degree"] > 1:
-            errors.append(("lora_rank", f"{v['lora_rank']} with tp_degree = {v['tp_degree']}: "
-                           "LoRA runs with tp_degree 1 only"))
-        names = [n.strip() for n in v["lora_target_modules"].split(",") if n.strip()]
-        if not names or any(not re.match(r"^[A-Za-z_]\w*$", n) for n in names):
-            errors.append(("lora_target_modules", f"{v['lora_target_modules']!r}: give "
-                           "comma-separated module names such as " + LORA_TARGET_MODULES))
-    return errors
-
-
-def _max_positions(config_json: Path) -> int | None:
-    """A model directory's max_position_embeddings, as the trainer checks seq_len against it."""
-    try:
-        positions = json.loads(config_json.read_text()).get("max_position_embeddings")
-    except (OSError, ValueError, AttributeError):
-        return None  # the trainer's loading names what is wrong with the file
-    return positions if isinstance(positions, int) else None
-
-
-def _check_semantics(v: dict[str, Any]) -> list[tuple[str, str]]:
-    """Checks across fields and against the file system; `v` has well-typed values."""
-    errors: list[tuple[str, str]] = []
-    # On eks, absolute paths are read in the trainer's pod, not on this machine.
-    in_pod = v["target"] == "eks"
-    positions = BUILTIN_MODELS.get(v["model"])
-    if v["model"] not in BUILTIN_MODELS and not (in_pod and v["model"].startswith("/")):
-        model_path = resolve_path(v["model"])
-        if model_path.is_dir():
-            if not (model_path / "config.json").is_file():
-                errors.append(("model", f"directory {v['model']!r} has no config.json"))
-            else:
-                positions = _max_positions(model_path / "config.json")
-        elif not _HUB_ID.match(v["model"]) or v["model"].startswith((".", "/", "~")):
-            errors.append(("model", f"{v['model']!r} is not a built-in config ("
-                           + ", ".join(BUILTIN_MODELS) + "), an existing model directory or "
-                           "a hub id (org/name)"))
-    if positions is not None and v["seq_len"] > positions:
-        errors.append(("seq_len", f"{v['seq_len']} exceeds model {v['model']}'s "
-                       f"max_position_embeddings ({positions})"))
-    if v["tokenizer"] and not (in_pod and v["tokenizer"].startswith("/")) \
-            and not resolve_path(v["tokenizer"]).is_dir():
-        errors.append(("tokenizer", f"directory {v['tokenizer']!r} does not exist"))
-    errors.extend(_check_dataset(v, in_pod))
-    if not v["text_field"] and not (v["prompt_field"] and v["response_field"]):
-        errors.append(("text_field", "set text_field, or both prompt_field and response_field"))
-    world = v["nodes"] * v["procs_per_node"]
-    if v["procs_per_node"] % v["tp_degree"]:
-        errors.append(("tp_degree", f"{v['tp_degree']} does not divide procs_per_node = "
-                       f"{v['procs_per_node']} (tensor parallelism stays within a node)"))
-    elif v["seq_len"] % v["tp_degree"]:
-        errors.append(("tp_degree", f"{v['tp_degree']} does not divide seq_len = "
-                       f"{v['seq_len']} (sequence parallelism splits the sequence)"))
-    errors.extend(_check_float8_and_lora(v))
-    if v["activation_checkpointing"] == "selective" and v["selective_ac"] != "op" and not (
-            v["selective_ac"].isdigit() and int(v["selective_ac"]) > 0):
-        errors.append(("selective_ac", f"{v['selective_ac']!r}: allowed: op, or a positive "
-                       "integer k (every k-th block)"))
-    elif v["activation_checkpointing"] != "selective" and v["selective_ac"] != "op":
-        errors.append(("selective_ac", f"{v['selective_ac']!r} applies only to "
-                       "activation_checkpointing selective (it is "
-                       f"{v['activation_checkpointing']!r}): leave it at op"))
-    if v["strategy"] == "HYBRID_SHARD":
-        group = v["shard_group_size"] or v["procs_per_node"]
-        if world % group:
-            errors.append(("shard_group_size", f"{group} does not divide the world size "
-                           f"nodes x procs_per_node = {world} (strategy HYBRID_SHARD)"))
-    elif v["shard_group_size"]:
-        errors.append(("shard_group_size", "applies to strategy HYBRID_SHARD only, "
-                       f"strategy is {v['strategy']}"))
-    if v["rdzv_endpoint"] and not re.match(r"^[\w.-]+:\d{1,5}$", v["rdzv_endpoint"]):
-        errors.append(("rdzv_endpoint", f"{v['rdzv_endpoint']!r} is not host:port"))
-    if v["prometheus_url"] and not re.match(r"^https?://[^/\s]+(/\S*)?$", v["prometheus_url"]):
-        errors.append(("prometheus_url", "is not an http(s)://host[:port][/path] URL"))
-    if v["output_dir"].startswith("s3://") and v["target"] == "local":
-        errors.append(("output_dir", "s3:// output needs target eks; give a local directory"))
-    return errors
-
-
-def validate_params(params: Mapping[str, Any], *, run_id: str, dag_id: str = "llm_finetune",
-                    given: Mapping[str, Any] | None = None) -> RunConfig:
-    """Params (from the trigger form, REST conf or defaults) -> RunConfig, or ConfigError.
-
-    A `preset` in params supplies the values of the fields not set on purpose (`given`: the
-    conf the run was triggered with; see finetune.presets.apply_preset). Checks the target's
-    own constraints too (for example the local machine's CPUs), so that nothing is started for
-    a run that cannot work.
-    """
-    errors: list[tuple[str, str]] = []
-    preset_name = params.get("preset", NO_PRESET)
-    if not isinstance(preset_name, str) or preset_name not in PRESET_NAMES:
-        raise ConfigError([("preset", f"unknown preset {preset_name!r}; known: "
-                            + ", ".join(PRESET_NAMES))])
-    params, preset = apply_preset(params, default_params(), given)
-    unknown = sorted(set(params) - set(SPECS_BY_NAME))
-    if unknown:
-        errors.append((unknown[0], "unknown parameter" + (
-            f"s {', '.join(unknown)}" if len(unknown) > 1 else "") + "; known: "
-            + ", ".join(SPECS_BY_NAME)))
-    values: dict[str, Any] = {}
-    for spec in PARAM_SPECS:
-        value = params.get(spec.name, spec.default)
-        if spec.type == "number" and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if spec.type == "string" and isinstance(value, str):
-            value = value.strip()
-        if value is None and spec.default == "":
-            value = ""  # an optional text field left empty in the form
-        problem = _check_type(spec, value) or _check_bounds(spec, value)
-        if problem:
-            errors.append((spec.name, problem))
-        else:
-            values[spec.name] = value
-    if errors:
-        raise ConfigError(errors)
-    from finetune.targets import get_target
-
-    errors.extend(_check_semantics(values))
-    errors.extend(get_target(values["target"]).check(values))
-    if errors:
-        raise ConfigError(errors)
-    run_name = run_dir_name(run_id)
-    return RunConfig(
-        run_id=run_id,
-        run_name=run_name,
-        rdzv_id=dns_label(dag_id, run_id, max_len=48),
-        run_dir=run_output_dir(values["output_dir"], run_name, values["target"]),
-        preset_version=preset.version if preset else 0,
-        **values,
-    )
 
 
 def run_output_dir(output_dir: str, run_name: str, target: str) -> str:

@@ -10,8 +10,9 @@ from pathlib import Path
 
 from finetune import REPO_ROOT
 
-# What goes into the trainer image: the tag changes exactly when one of these files does.
-IMAGE_CONTEXT = ("trainer", "containers")
+# What goes into the trainer image: the tag changes exactly when one of these files does. The
+# run contract is the trainer's too (it checks its config with it at start).
+IMAGE_CONTEXT = ("trainer", "plugins/finetune_contract", "containers")
 _SKIP_DIRS = {"__pycache__", ".pytest_cache", ".ruff_cache"}
 _SKIP_SUFFIXES = {".pyc", ".pyo"}
 

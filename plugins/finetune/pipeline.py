@@ -37,13 +37,34 @@ def run_conf(context: Mapping[str, Any], base_conf: Mapping[str, Any] | None,
 
     conf = dict(base_conf or {})
     if conf_variable:
-        from_variable = Variable.get(conf_variable, default={}, deserialize_json=True)
-        if not isinstance(from_variable, dict):
-            raise ValueError(f"Airflow Variable {conf_variable!r} must hold a JSON object, got "
-                             f"{type(from_variable).__name__}")
-        conf.update(from_variable)
+        conf.update(variable_conf(conf_variable))
     conf.update(explicit_fields(given, default_params()))
     return conf, conf
+
+
+def variable_conf(name: str) -> dict[str, Any]:
+    """The conf an Airflow Variable holds (a JSON object); {} when there is no such Variable.
+
+    Read raw and parsed here: with deserialize_json, a value that is not JSON is logged by the
+    secrets backend lookup and then reads as missing, and the run would train the DAG file's
+    conf without a word.
+    """
+    import json
+
+    from finetune.config import ConfigError
+
+    raw = Variable.get(name, default=None)
+    if raw is None:
+        return {}
+    try:
+        value = json.loads(raw)
+    except ValueError as exc:
+        raise ConfigError([(f"Variable {name}", f"is not valid JSON ({exc}); it must hold a JSON "
+                            "object of run params")]) from None
+    if not isinstance(value, dict):
+        raise ConfigError([(f"Variable {name}", "must hold a JSON object of run params, got a "
+                            f"JSON {type(value).__name__}")])
+    return value
 
 
 def finetune_pipeline(*, base_conf: Mapping[str, Any] | None = None,
@@ -59,7 +80,7 @@ def finetune_pipeline(*, base_conf: Mapping[str, Any] | None = None,
     @task
     def validate() -> dict:
         """Params -> one typed, immutable run config; every bad value fails here."""
-        from finetune.config import validate_params
+        from finetune.validate import validate_params
 
         context = get_current_context()
         params, given = run_conf(context, base_conf, conf_variable)

@@ -3,9 +3,13 @@ hands the trainer the same JSON."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from finetune.config import BUILTIN_MODELS, EVAL_FRACTION, RunConfig, dataset_kind, resolve_path
+from finetune.config import RunConfig, resolve_path
+from finetune_contract.data import dataset_source
+from finetune_contract.fields import EVAL_FRACTION
+from finetune_contract.models import BUILTIN_MODELS
 
 
 def trainer_config(cfg: RunConfig, *, local_paths: bool = True) -> dict[str, Any]:
@@ -18,11 +22,10 @@ def trainer_config(cfg: RunConfig, *, local_paths: bool = True) -> dict[str, Any
     if not local_paths:
         model, tokenizer, dataset = cfg.model, cfg.tokenizer or None, cfg.dataset
     else:
-        model = cfg.model if cfg.model in BUILTIN_MODELS or not resolve_path(cfg.model).is_dir() \
+        model = cfg.model if cfg.model in BUILTIN_MODELS or not _is_dir(resolve_path(cfg.model)) \
             else str(resolve_path(cfg.model))
         tokenizer = str(resolve_path(cfg.tokenizer)) if cfg.tokenizer else None
-        dataset = str(resolve_path(cfg.dataset)) if dataset_kind(cfg.dataset) == "local" \
-            else cfg.dataset
+        dataset = _dataset_here(cfg.dataset)
     return {
         "model": model,
         "tokenizer": tokenizer,
@@ -64,3 +67,23 @@ def trainer_config(cfg: RunConfig, *, local_paths: bool = True) -> dict[str, Any
         "metrics_port": cfg.metrics_port,
         "output_dir": cfg.run_dir,
     }
+
+
+def _dataset_here(dataset: str) -> str:
+    """A local data set's absolute path (relative ones are from the repository root); an
+    s3:// URI or hub name as given."""
+    if not dataset or dataset.startswith("s3://"):
+        return dataset
+    resolved = resolve_path(dataset)
+    try:
+        exists = resolved.exists()
+    except OSError:
+        exists = False
+    return str(resolved) if exists or dataset_source(dataset) == "local" else dataset
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except OSError:  # a name no file system holds: validate names it
+        return False

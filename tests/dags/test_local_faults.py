@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from finetune.config import validate_params
 from finetune.targets.local import LocalTarget, _alive, _trainer_processes
+from finetune.validate import validate_params
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # 12 short steps, a checkpoint every 4: a kill after step 5 resumes from step 4.

@@ -22,7 +22,7 @@ import kubernetes
 import kubernetes_validate
 import pytest
 
-from finetune.config import ConfigError, RunConfig, validate_params
+from finetune.config import ConfigError, RunConfig
 from finetune.image import context_files, image_tag
 from finetune.image_build import (
     BUILD_CONTAINER,
@@ -40,6 +40,7 @@ from finetune.image_build import (
 from finetune.operators import BuildImageOperator
 from finetune.targets.eks import EksTarget, kube_credentials
 from finetune.triggers import ImageBuildTrigger
+from finetune.validate import validate_params
 from tests.support.deferral import first_event, reloaded, run_deferred
 from tests.support.eks import EKS_PARAMS, eks_config
 from tests.support.kube import Cluster

@@ -10,7 +10,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from finetune.config import RDZV_BACKENDS, STRATEGIES, ConfigError, validate_params
+from finetune.config import RDZV_BACKENDS, STRATEGIES, ConfigError
 from finetune.instance_types import INSTANCE_TYPES
 from finetune.manifests import (
     ETCD_PORT,
@@ -20,6 +20,7 @@ from finetune.manifests import (
     pytorchjob_manifest,
     trainer_configmap_manifest,
 )
+from finetune.validate import validate_params
 from tests.support.eks import EKS_PARAMS, eks_config
 from tests.support.schemas import K8S_VERSION, assert_valid_pytorchjob
 

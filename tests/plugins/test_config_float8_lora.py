@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from finetune.config import ConfigError, validate_params
+from finetune.config import ConfigError
 from finetune.trainer_config import trainer_config
+from finetune.validate import validate_params
 
 EKS = {"target": "eks", "cluster_name": "c", "nodegroup": "g", "image": "r/trainer:1",
        "image_builder": "prebuilt", "procs_per_node": 8, "instance_type": "p5.48xlarge",
@@ -24,7 +25,7 @@ def refusal(params: dict) -> dict[str, str]:
 
 @pytest.mark.parametrize(("params", "field", "words"), [
     ({**EKS, "float8": True, "mixed_precision": "fp32"}, "float8", "mixed_precision bf16"),
-    ({"float8": True, "mixed_precision": "fp16"}, "float8", "mixed_precision is fp16"),
+    ({"float8": True, "mixed_precision": "fp16"}, "float8", "mixed_precision bf16 (got fp16)"),
     ({**EKS, "float8": True, "mixed_precision": "bf16", "cpu_offload": True}, "float8",
      "cpu_offload"),
     ({**EKS, "float8": True, "mixed_precision": "bf16", "tp_degree": 2}, "float8", "tp_degree"),

@@ -257,8 +257,8 @@ def test_the_resource_sampler_records_host_cpu_and_memory_while_it_runs(tmp_path
 def test_eks_collect_metrics_queries_the_jobs_pods_over_the_train_window(scraped):
     import dataclasses
 
-    from finetune.config import validate_params
     from finetune.targets.eks import EksTarget
+    from finetune.validate import validate_params
 
     url, exporter, start, end = scraped
     cfg = dataclasses.replace(validate_params({}, run_id="r"), namespace=NAMESPACE,

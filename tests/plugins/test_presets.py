@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from finetune.config import ConfigError, default_params, validate_params
+from finetune.config import ConfigError, default_params
 from finetune.instance_types import INSTANCE_TYPES
 from finetune.presets import PRESETS, apply_preset
+from finetune.validate import validate_params
 
 # What a deployment adds to an eks preset (its cluster, node group, output and image).
 EKS_SITE = {"cluster_name": "gpu", "nodegroup": "p5", "output_dir": "s3://bucket/runs",

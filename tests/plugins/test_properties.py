@@ -3,6 +3,8 @@ through nothing a later stage rejects; any DAG run id gives valid, distinct Kube
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import re
 
@@ -10,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from finetune.config import PARAM_SPECS, ConfigError, validate_params
+from finetune.config import PARAM_SPECS, ConfigError
 from finetune.manifests import (
     configmap_name,
     job_name,
@@ -20,6 +22,7 @@ from finetune.manifests import (
 )
 from finetune.names import dns_label, run_dir_name
 from finetune.trainer_config import trainer_config
+from finetune.validate import validate_params
 
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -27,15 +30,22 @@ LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 # Values the string fields take in real use, besides arbitrary text.
 PLAUSIBLE = {
     "model": ["tiny-llama", "llama-8b", "meta-llama/Llama-3.1-8B", "/models/llama", "no/such"],
-    "tokenizer": ["", "trainer/demo/tokenizer", "/nope"],
+    "tokenizer": ["", "trainer/demo/tokenizer", "/nope", "trainer/demo"],
     "dataset": ["trainer/demo/instructions.jsonl", "trainer/demo", "s3://bucket/data/",
-                "org/data", "missing.jsonl", ""],
+                "org/data", "missing.jsonl", "", "s3://bucket", "s3://Bad_Bucket/x",
+                "x" * 300 + ".jsonl"],
+    "text_field": ["", "response", "text"], "prompt_field": ["prompt", "question", ""],
+    "response_field": ["response", "answer"],
     "selective_ac": ["op", "2", "0", "x"],
-    "rdzv_endpoint": ["", "127.0.0.1:2379", "etcd:99999", "nohost"],
-    "output_dir": ["runs", "/tmp/finetune-runs", "s3://bucket/runs"],
-    "cluster_name": ["", "train"], "nodegroup": ["", "gpu-p4de"],
+    "rdzv_endpoint": ["", "127.0.0.1:2379", "etcd:99999", "nohost", "[::1]:2379",
+                      "user:pw@etcd:2379"],
+    "prometheus_url": ["", "http://prom:9090", "http://user:pw@prom:9090"],
+    "output_dir": ["runs", "/tmp/finetune-runs", "s3://bucket/runs", "s3://bucket",
+                   "s3://Bad_Bucket/runs", "/tmp/" + "y" * 300],
+    "cluster_name": ["", "train"], "nodegroup": ["", "gpu-p4de", "gpu-"],
     "image": ["", "1234.dkr.ecr.us-east-1.amazonaws.com/ft:abc", "not an image!"],
-    "build_bucket": ["", "bucket", "Bad_Bucket"], "hf_token_secret": ["", "hf", "hf:token", ":"],
+    "build_bucket": ["", "bucket", "Bad_Bucket"],
+    "hf_token_secret": ["", "hf", "hf:token", ":", "hf:bad key", "hf_abcdef123"],
     "namespace": ["default", "ml", "Not_A_Label"], "codebuild_role": ["", "arn:aws:iam::1:role/x"],
 }
 JUNK = st.one_of(st.none(), st.text(max_size=20), st.integers(-10**12, 10**12),
@@ -50,12 +60,14 @@ def valid_values(spec) -> st.SearchStrategy:
     if spec.type == "boolean":
         return st.booleans()
     if spec.type == "integer":
-        low = int(spec.minimum) if spec.minimum is not None else 0
-        high = int(spec.maximum) if spec.maximum is not None else 10**6
+        bounds = spec.bounds
+        low = int(bounds.minimum) if bounds.minimum is not None else 0
+        high = int(bounds.maximum) if bounds.maximum is not None else 10**6
         return st.integers(low, high) | st.integers(low, min(high, low + 16))
     if spec.type == "number":
-        low = spec.exclusive_minimum if spec.exclusive_minimum is not None else spec.minimum
-        return st.floats(low or 0.0, spec.maximum or 1e6, exclude_min=spec.exclusive_minimum
+        bounds = spec.bounds
+        low = bounds.exclusive_minimum if bounds.exclusive_minimum is not None else bounds.minimum
+        return st.floats(low or 0.0, bounds.maximum or 1e6, exclude_min=bounds.exclusive_minimum
                          is not None)
     return st.sampled_from(PLAUSIBLE.get(spec.name, [spec.default])) | st.text(max_size=30)
 
@@ -75,24 +87,52 @@ def params(draw) -> dict:
 
 
 def later_stages(cfg) -> None:
-    """What the stages after validate do with a config: the trainer's TrainConfig and its
-    start-time checks, and on eks the manifests (valid against the CRD and Kubernetes)."""
+    """Every check a later stage makes of a config: the trainer's config parsing, its start
+    checks for its world and (once built) its model, its data loading and sampler for this
+    world, and on eks the manifests (valid against the CRD and Kubernetes)."""
+    import torch
+
+    from finetune_contract.models import BUILTIN_MODELS
     from tests.support.schemas import K8S_VERSION, assert_valid_pytorchjob
     from trainer.config import TrainConfig, resolve
-    from trainer.model import BUILTIN_CONFIGS, builtin_config, check_seq_len
-    from trainer.parallel import check_combinations
+    from trainer.model import builtin_config
+    from trainer.parallel import DistEnv, check_start
 
     local = cfg.target == "local"
     train = resolve(TrainConfig(**trainer_config(cfg, local_paths=local)))
-    device = "cpu" if local else "cuda"
-    check_combinations(train, cfg.world_size, device)
-    if cfg.model in BUILTIN_CONFIGS:
-        check_seq_len(cfg.model, cfg.seq_len, builtin_config(cfg.model))
-    if not local:
+    env = DistEnv(rank=0, world_size=cfg.world_size, local_rank=0,
+                  local_world_size=cfg.procs_per_node,
+                  device=torch.device("cpu" if local else "meta"))
+    check_start(train, env)
+    if cfg.model in BUILTIN_MODELS:
+        check_start(train, env, builtin_config(cfg.model))
+    if local:
+        trainer_data_start(train, cfg.world_size // cfg.tp_degree)
+    else:
         import kubernetes_validate
 
         assert_valid_pytorchjob(pytorchjob_manifest(cfg, cfg.image or "img:1"))
         kubernetes_validate.validate(trainer_configmap_manifest(cfg), K8S_VERSION, strict=True)
+
+
+@functools.lru_cache(maxsize=64)
+def _splits(train):
+    from transformers import AutoTokenizer
+
+    from trainer.data import build_splits
+
+    tokenizer = AutoTokenizer.from_pretrained(train.tokenizer)
+    return build_splits(train, tokenizer)
+
+
+def trainer_data_start(train, data_parallel: int) -> None:
+    """What the trainer does with the data before its first step: load, tokenize, split,
+    pack, and build the sampler of this data-parallel size."""
+    from trainer.data import DistributedSampler
+
+    key = dataclasses.replace(train, output_dir="-", lr=1.0, max_steps=0)
+    splits = _splits(key)
+    DistributedSampler(len(splits.train), train.micro_batch, 0, data_parallel, train.seed)
 
 
 @pytest.mark.slow

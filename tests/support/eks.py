@@ -13,7 +13,7 @@ import boto3
 import kubernetes
 import pytest
 
-from finetune.config import RunConfig, validate_params
+from finetune.config import RunConfig
 from finetune.manifests import (
     LABEL_JOB_NAME,
     LABEL_REPLICA_INDEX,
@@ -26,6 +26,7 @@ from finetune.manifests import (
 )
 from finetune.operators import TrainOperator
 from finetune.targets.eks import EksTarget
+from finetune.validate import validate_params
 from tests.support.kube import Cluster
 
 EKS_PARAMS = {

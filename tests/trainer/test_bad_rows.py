@@ -9,9 +9,10 @@ import pandas as pd
 import pytest
 from transformers import AutoTokenizer
 
+from finetune_contract.data import encode_example
 from tests.support.training import demo_rows, write_jsonl
 from trainer.config import load_config
-from trainer.data import build_splits, encode_example
+from trainer.data import build_splits
 from trainer.demo import DEMO_TOKENIZER
 
 SEQ_LEN = 48
@@ -57,7 +58,7 @@ def test_bad_jsonl_rows_are_skipped_and_counted_by_reason(tmp_path, tokenizer, p
                               "too_long": 1}  # blank lines are no rows
     assert splits.skipped_rows == len(BAD_LINES)
     # every good row is kept, none of the bad: the same tokens
-    good_ids = [encode_example(tokenizer, SEQ_LEN, r["prompt"], r["response"])[0]
+    good_ids = [encode_example(tokenizer, r["prompt"], r["response"])[0]
                 for r in demo_rows(40)]
     kept = list(splits.train["input_ids"]) + list(splits.eval["input_ids"])
     if packing:
@@ -127,5 +128,5 @@ def test_an_edited_jsonl_file_is_read_again_not_taken_from_the_cache(tmp_path, t
 
 
 def test_bad_rows_accepts_skip_or_error_only():
-    with pytest.raises(ValueError, match="bad_rows must be one of skip, error; got 'drop'"):
+    with pytest.raises(ValueError, match="bad_rows: unknown value 'drop'; allowed: skip, error"):
         load_config(None, {"bad_rows": "drop"})

@@ -4,9 +4,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from finetune_contract.data import PROMPT_TEMPLATE
 from trainer.checkpoint import Checkpointer
 from trainer.config import load_config
-from trainer.data import PROMPT_TEMPLATE
 from trainer.demo import DEMO_TOKENIZER
 from trainer.export import export_hf
 from trainer.model import build_model, materialize_weights

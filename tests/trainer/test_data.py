@@ -9,22 +9,21 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
+from finetune_contract.data import IGNORE_INDEX, PROMPT_TEMPLATE, encode_example
+from finetune_contract.models import BUILTIN_MODELS
 from tests.support.training import demo_rows, read_metrics, write_jsonl
 from trainer.config import load_config
 from trainer.data import (
-    IGNORE_INDEX,
-    PROMPT_TEMPLATE,
     DistributedSampler,
     EvalBatches,
     TrainBatches,
     build_splits,
     collate,
-    encode_example,
     pack,
 )
 from trainer.demo import DEMO_DATASET, DEMO_TOKENIZER
 from trainer.demo.make_data import make_rows
-from trainer.model import BUILTIN_CONFIGS, builtin_config
+from trainer.model import builtin_config
 from trainer.train import train
 
 # A minimal chat template in the usual shape: BOS, role-tagged turns, EOS ending the assistant's.
@@ -42,7 +41,7 @@ def tokenizer():
 
 def test_prompt_tokens_carry_no_loss_and_the_response_and_eos_do(tokenizer):
     prompt, response = "Which day comes after Monday?", "Tuesday"
-    input_ids, labels = encode_example(tokenizer, 128, prompt, response)
+    input_ids, labels = encode_example(tokenizer, prompt, response)
     prompt_ids = tokenizer(PROMPT_TEMPLATE.format(prompt=prompt))["input_ids"]
     n = len(prompt_ids)
     assert input_ids[:n] == prompt_ids
@@ -53,18 +52,13 @@ def test_prompt_tokens_carry_no_loss_and_the_response_and_eos_do(tokenizer):
 
 
 def test_plain_text_rows_take_loss_on_every_token(tokenizer):
-    input_ids, labels = encode_example(tokenizer, 128, None, "the sun and the moon")
+    input_ids, labels = encode_example(tokenizer, None, "the sun and the moon")
     assert labels == input_ids and input_ids[-1] == tokenizer.eos_token_id
-
-
-def test_examples_are_truncated_to_seq_len(tokenizer):
-    input_ids, labels = encode_example(tokenizer, 8, "Repeat cat 4 times.", "cat cat cat cat")
-    assert len(input_ids) == len(labels) == 8
 
 
 def test_padding_carries_no_loss(tokenizer):
     rows = [
-        dict(zip(("input_ids", "labels"), encode_example(tokenizer, 128, p, r)))
+        dict(zip(("input_ids", "labels"), encode_example(tokenizer, p, r)))
         for p, r in [("Write in capitals: owl", "OWL"), ("Reverse the list: a b c", "c b a")]
     ]
     batch = collate(rows, pad_id=tokenizer.pad_token_id)
@@ -160,7 +154,7 @@ def test_the_demo_data_is_what_the_generator_makes():
 
 
 def test_the_demo_tokenizer_fills_the_tiny_llama_vocabulary(tokenizer):
-    assert len(tokenizer) == BUILTIN_CONFIGS["tiny-llama"]["vocab_size"]
+    assert len(tokenizer) == BUILTIN_MODELS["tiny-llama"]["vocab_size"]
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +170,7 @@ def chat_tokenizer_dir(tmp_path_factory):
 def test_chat_template_rows_take_loss_on_the_assistant_turn_only(chat_tokenizer_dir):
     tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer_dir)
     prompt, response = "Which day comes after Monday?", "Tuesday"
-    input_ids, labels = encode_example(tokenizer, 128, prompt, response, "chat")
+    input_ids, labels = encode_example(tokenizer, prompt, response, "chat")
     user = [{"role": "user", "content": prompt}]
     prompt_text = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
     prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
@@ -201,7 +195,7 @@ def test_prompt_template_chat_tokenizes_every_row_with_the_chat_template(
     tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer_dir)
     splits = build_splits(config, tokenizer)
     expected = [
-        encode_example(tokenizer, config.seq_len, row["prompt"], row["response"], "chat")
+        encode_example(tokenizer, row["prompt"], row["response"], "chat")
         for row in demo_rows(30)
     ]
     actual = [(row["input_ids"], row["labels"]) for row in (*splits.train, *splits.eval)]
@@ -221,7 +215,7 @@ def test_prompt_template_chat_without_a_chat_template_fails_at_start_naming_both
 
 
 def tokenized_examples(tokenizer, pairs, seq_len=128) -> datasets.Dataset:
-    encoded = [encode_example(tokenizer, seq_len, p, r) for p, r in pairs]
+    encoded = [encode_example(tokenizer, p, r) for p, r in pairs]
     return datasets.Dataset.from_dict(
         {"input_ids": [ids for ids, _ in encoded], "labels": [labels for _, labels in encoded]}
     )

@@ -5,13 +5,13 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from trainer.config import TrainConfig, load_config
-from trainer.data import PROMPT_TEMPLATE
+from finetune_contract.data import PROMPT_TEMPLATE
+from trainer.config import load_config
 from trainer.demo import DEMO_TOKENIZER
 from trainer.float8 import EMULATE_ENV, MIN_CAPABILITY, check_float8_device
 from trainer.model import build_model, materialize_weights
 from trainer.optim import build_optimizer, optimizer_step
-from trainer.parallel import apply_parallelism, check_combinations
+from trainer.parallel import apply_parallelism, check_start
 
 HAS_FLOAT8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= MIN_CAPABILITY
 
@@ -20,26 +20,6 @@ def test_float8_on_a_cpu_fails_at_start_naming_the_option(monkeypatch):
     monkeypatch.delenv(EMULATE_ENV, raising=False)
     with pytest.raises(ValueError, match="float8 needs a CUDA GPU .* runs on cpu: set float8 to"):
         check_float8_device(torch.device("cpu"))
-
-
-@pytest.mark.parametrize(("options", "words"), [
-    ({"mixed_precision": "fp32"}, "float8 needs mixed_precision bf16 \\(got fp32\\)"),
-    ({"mixed_precision": "fp16"}, "float8 needs mixed_precision bf16 \\(got fp16\\)"),
-    ({"mixed_precision": "bf16", "cpu_offload": True},
-     "float8 cannot be combined with cpu_offload True"),
-    ({"mixed_precision": "bf16", "tp_degree": 2}, "float8 cannot be combined with tp_degree 2"),
-    ({"mixed_precision": "bf16", "lora_rank": 8}, "float8 cannot be combined with lora_rank 8"),
-    ({"mixed_precision": "bf16", "seq_len": 100}, "float8 needs seq_len divisible by 16"),
-])  # fmt: skip
-def test_float8_with_an_option_it_cannot_run_with_names_both(options, words):
-    with pytest.raises(ValueError, match=words):
-        check_combinations(TrainConfig(float8=True, **options), 2, "cuda")
-
-
-def test_float8_with_bf16_and_the_memory_options_passes_the_combination_checks():
-    config = TrainConfig(float8=True, mixed_precision="bf16", activation_checkpointing="full",
-                         compile=True, strategy="HYBRID_SHARD")  # fmt: skip
-    check_combinations(config, 8, "cuda")
 
 
 @pytest.mark.parametrize("mode", [
@@ -56,7 +36,7 @@ def test_a_tiny_model_trains_with_float8_linear_layers_in_its_blocks(
         monkeypatch.setenv(EMULATE_ENV, "1")  # torchao's float8 casts, matmuls in bf16
     tokenizer = AutoTokenizer.from_pretrained(DEMO_TOKENIZER)
     config = load_config(None, {"float8": True, "mixed_precision": "bf16", "lr": 3e-3})
-    check_combinations(config, world_of_one.world_size, world_of_one.device.type)
+    check_start(config, world_of_one)
     check_float8_device(world_of_one.device)
     model = build_model(config.model, tokenizer)
     apply_parallelism(model, config, world_of_one)

@@ -10,18 +10,18 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
+from finetune_contract.data import PROMPT_TEMPLATE
 from tests.support import REPO_ROOT
 from tests.support.training import demo_rows, torchrun, write_jsonl
 from trainer.checkpoint import Checkpointer
-from trainer.config import TrainConfig, load_config
-from trainer.data import PROMPT_TEMPLATE
+from trainer.config import load_config
 from trainer.demo import DEMO_TOKENIZER
 from trainer.export import export_hf
 from trainer.lora import apply_lora
 from trainer.metrics import flops_per_token
 from trainer.model import build_model, builtin_config, materialize_weights
 from trainer.optim import build_optimizer
-from trainer.parallel import apply_parallelism, check_combinations
+from trainer.parallel import apply_parallelism
 
 STEPS, CHECKPOINT_AT, RANK = 6, 3, 4  # a short run: loss falls, 2 checkpoints
 PROMPT = PROMPT_TEMPLATE.format(prompt="Which month comes after May?")
@@ -192,10 +192,3 @@ def test_unknown_lora_target_modules_are_refused_naming_the_option_and_the_layer
     with pytest.raises(ValueError, match="lora_target_modules names query") as error:
         apply_lora(build_model(config.model), config)
     assert "gate_proj" in str(error.value)
-    with pytest.raises(ValueError, match="lora_target_modules must name"):
-        TrainConfig(lora_rank=8, lora_target_modules=" , ")
-
-
-def test_lora_with_tensor_parallelism_names_both_options():
-    with pytest.raises(ValueError, match="lora_rank \\(8\\).*tp_degree"):
-        check_combinations(TrainConfig(lora_rank=8, tp_degree=2), 2, "cuda")

@@ -1,9 +1,13 @@
 import warnings
 
 import pytest
+import torch
 
 from trainer.config import TrainConfig
-from trainer.parallel import check_combinations, fsdp_plan
+from trainer.parallel import DistEnv, check_start, fsdp_plan
+
+CPU_WORLD_OF_TWO = DistEnv(rank=0, world_size=2, local_rank=0, local_world_size=2,
+                           device=torch.device("cpu"))
 
 
 def test_full_shard_is_a_1d_mesh_that_reshards_after_forward():
@@ -39,47 +43,14 @@ def test_an_unknown_strategy_is_rejected_with_the_choices():
         fsdp_plan("ZERO3", 8, 8, 0)
 
 
-@pytest.mark.parametrize("selective_ac", ["0", "-2", "1.5", "two", "", "full"])
-def test_selective_checkpointing_with_neither_op_nor_a_block_interval_names_both_options(
-    selective_ac,
-):
-    config = TrainConfig(activation_checkpointing="selective", selective_ac=selective_ac)
-    with pytest.raises(ValueError, match="selective_ac") as error:
-        check_combinations(config, 2, "cuda")
-    assert "activation_checkpointing selective" in str(error.value)
-
-
-@pytest.mark.parametrize("checkpointing", ["none", "full"])
-def test_a_block_interval_without_selective_checkpointing_names_both_options(checkpointing):
-    config = TrainConfig(activation_checkpointing=checkpointing, selective_ac="2")
-    with pytest.raises(ValueError, match="selective_ac") as error:
-        check_combinations(config, 2, "cuda")
-    assert f"activation_checkpointing is {checkpointing!r}" in str(error.value)
-
-
-@pytest.mark.parametrize(
-    "options",
-    [
-        {"activation_checkpointing": "selective", "selective_ac": "op"},
-        {"activation_checkpointing": "selective", "selective_ac": "3"},
-        {"mixed_precision": "fp16", "cpu_offload": True, "activation_offload": True},
-        {"mixed_precision": "bf16", "activation_checkpointing": "full", "activation_offload": True},
-    ],
-)
-def test_working_combinations_pass_silently_on_a_gpu(options):
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        check_combinations(TrainConfig(**options), 8, "cuda")
-
-
 @pytest.mark.parametrize("option", ["activation_offload", "cpu_offload"])
 def test_offloading_on_a_cpu_device_warns_that_it_saves_no_memory(option):
     with pytest.warns(UserWarning, match=f"{option} saves no memory on device cpu"):
-        check_combinations(TrainConfig(**{option: True}), 2, "cpu")
+        check_start(TrainConfig(**{option: True}), CPU_WORLD_OF_TWO)
 
 
 def test_fp16_and_bf16_are_allowed_on_a_cpu_without_a_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for precision in ("fp16", "bf16"):
-            check_combinations(TrainConfig(mixed_precision=precision), 2, "cpu")
+            check_start(TrainConfig(mixed_precision=precision), CPU_WORLD_OF_TWO)

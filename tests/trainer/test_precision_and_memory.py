@@ -10,14 +10,15 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaForCausalLM
 
+from finetune_contract.models import BUILTIN_MODELS
 from trainer.activations import checkpoint_activations
-from trainer.model import BUILTIN_CONFIGS, builtin_config
+from trainer.model import builtin_config
 from trainer.optim import build_grad_scaler, optimizer_step
 from trainer.parallel import mixed_precision_policy
 
 aten = torch.ops.aten
 SDPA = aten._scaled_dot_product_flash_attention_for_cpu.default  # what sdpa runs on a CPU
-LAYERS = BUILTIN_CONFIGS["tiny-llama"]["num_hidden_layers"]
+LAYERS = BUILTIN_MODELS["tiny-llama"]["num_hidden_layers"]
 
 
 def test_an_fp16_step_with_an_inf_gradient_is_skipped_and_the_scale_backs_off(world_of_one):

@@ -7,13 +7,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
+from finetune_contract.data import IGNORE_INDEX
 from tests.support.training import demo_rows, read_metrics, torchrun, write_jsonl
 from tests.trainer.tensor_parallel_worker import CHECKPOINT_AT, EVEN_VOCAB_MODEL_ENV, STEPS
+from trainer.batch import Batch
 from trainer.checkpoint import Checkpointer
 from trainer.config import TrainConfig
-from trainer.data import IGNORE_INDEX, Batch
-from trainer.model import BUILTIN_CONFIGS, builtin_config, check_seq_len
-from trainer.tensor_parallel import check_tensor_parallel, mesh_plan, pad_to_multiple
+from trainer.model import builtin_config
+from trainer.tensor_parallel import mesh_plan, pad_to_multiple
 
 
 @pytest.fixture(scope="module")
@@ -127,55 +128,9 @@ def tiny_config(**overrides):
     return config
 
 
-def test_tp_degree_not_dividing_the_world_size_names_both():
-    with pytest.raises(ValueError, match=r"tp_degree \(4\) must divide the world size \(6\)"):
-        check_tensor_parallel(tp_config(tp_degree=4), 6, tiny_config())
-
-
-def test_a_shard_group_size_not_dividing_the_data_parallel_size_names_it_and_tp_degree():
-    config = tp_config(strategy="HYBRID_SHARD", shard_group_size=4)
-    with pytest.raises(ValueError, match=r"shard_group_size \(4\).*size \(6 = .*tp_degree 2\)"):
-        check_tensor_parallel(config, 12, tiny_config())
-
-
-@pytest.mark.parametrize(
-    "field, value",
-    [("num_attention_heads", 3), ("num_key_value_heads", 3), ("intermediate_size", 351)],
-)
-def test_tp_degree_not_dividing_the_heads_or_mlp_names_both(field, value):
-    with pytest.raises(ValueError, match=rf"tp_degree \(2\).*tiny-llama's {field} \({value}\)"):
-        check_tensor_parallel(tp_config(), 2, tiny_config(**{field: value}))
-
-
-def test_seq_len_not_divisible_by_tp_degree_names_both():
-    with pytest.raises(ValueError, match=r"seq_len \(127\).*tp_degree \(2\)"):
-        check_tensor_parallel(tp_config(seq_len=127), 2, tiny_config())
-
-
-def test_tp_with_cpu_offload_is_refused_naming_both():
-    with pytest.raises(ValueError, match=r"cpu_offload.*tp_degree 2"):
-        check_tensor_parallel(tp_config(cpu_offload=True), 2, tiny_config())
-
-
-def test_a_valid_tp_setup_and_tp_degree_1_pass_the_checks():
-    check_tensor_parallel(tp_config(seq_len=32768), 8, builtin_config("llama-8b"))
-    check_tensor_parallel(TrainConfig(seq_len=127, cpu_offload=True), 3, tiny_config())
-
-
 def test_the_tp_dim_is_innermost_so_a_tp_group_is_consecutive_ranks():
     plan = ((2, 4, 2), ("replicate", "shard", "tp"))
     assert mesh_plan((2, 4), ("replicate", "shard"), 2) == plan
-
-
-@pytest.mark.parametrize("name", ["llama-1b", "llama-3b", "llama-8b"])
-def test_the_builtin_configs_take_sequences_of_32k(name):
-    check_seq_len(name, 32768, builtin_config(name))
-
-
-def test_seq_len_beyond_the_models_positions_names_both():
-    positions = BUILTIN_CONFIGS["tiny-llama"]["max_position_embeddings"]
-    with pytest.raises(ValueError, match=rf"seq_len \(2048\).*tiny-llama.*\({positions}\)"):
-        check_seq_len("tiny-llama", 2048, builtin_config("tiny-llama"))
 
 
 def test_padding_for_sequence_parallelism_adds_pads_without_loss_at_the_end():

@@ -1,0 +1,325 @@
+"""The validate stage: a DAG run's params -> one typed, immutable `RunConfig`, or `ConfigError`
+naming every bad field at once.
+
+Accepted means it runs: besides each field's type and bounds, this runs the contract's rules
+(finetune_contract: the ones the trainer runs at start), reads the data set and the tokenizer as
+the trainer will (fields, formats, chat template, rows too long for seq_len, enough rows for a
+step), and the target's own checks. Nothing here calls a cloud API.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from finetune.config import (
+    PARAM_SPECS,
+    SECRET_FIELDS,
+    SPECS_BY_NAME,
+    ConfigError,
+    RunConfig,
+    check_type,
+    check_value,
+    default_params,
+    resolve_path,
+    run_output_dir,
+)
+from finetune.names import dns_label, run_dir_name
+from finetune.presets import NO_PRESET, PRESET_NAMES, apply_preset
+from finetune.trainer_config import trainer_config
+from finetune_contract import data as contract_data
+from finetune_contract.fields import ContractError, TrainConfig, quoted
+from finetune_contract.models import BUILTIN_MODELS, model_shape
+from finetune_contract.rules import config_problems
+
+log = logging.getLogger(__name__)
+
+Problems = list[tuple[str, str]]
+# Rows validate tokenizes to check lengths and counts; past this the trainer checks at start.
+MAX_ROWS_CHECKED = 200_000
+# torchrun's c10d rendezvous port on worker 0 (the eks target's PyTorchJob).
+C10D_PORT = 29400
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_HOST = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$")
+_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+_SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]{1,253}$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+def validate_params(params: Mapping[str, Any], *, run_id: str, dag_id: str = "llm_finetune",
+                    given: Mapping[str, Any] | None = None) -> RunConfig:
+    """Params (from the trigger form, REST conf or defaults) -> RunConfig, or ConfigError.
+
+    A `preset` in params supplies the values of the fields not set on purpose (`given`: the
+    conf the run was triggered with; see finetune.presets.apply_preset).
+    """
+    errors: Problems = []
+    preset = None
+    preset_name = params.get("preset", NO_PRESET)
+    if not isinstance(preset_name, str) or preset_name not in PRESET_NAMES:
+        errors.append(("preset", f"unknown preset {quoted(preset_name)}; known: "
+                       + ", ".join(PRESET_NAMES)))
+        params = {k: v for k, v in params.items() if k != "preset"}
+    else:
+        params, preset = apply_preset(params, default_params(), given)
+    unknown = sorted(set(params) - set(SPECS_BY_NAME), key=str)
+    if unknown:
+        errors.append((str(unknown[0])[:40], "unknown parameter" + (
+            f"s {', '.join(quoted(u, 40) for u in unknown)}" if len(unknown) > 1 else "")
+            + "; known: " + ", ".join(SPECS_BY_NAME)))
+    values: dict[str, Any] = {}
+    for spec in PARAM_SPECS:
+        value = params.get(spec.name, spec.default)
+        if spec.type == "number" and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if spec.type == "string" and isinstance(value, str):
+            value = value.strip()
+        if value is None and spec.default == "":
+            value = ""  # an optional text field left empty in the form
+        problem = check_type(spec, value) or check_value(spec, value)
+        if problem:
+            errors.append((spec.name, problem))
+        else:
+            values[spec.name] = value
+    if len(values) < len(PARAM_SPECS):  # the rules across fields need every field typed
+        raise ConfigError(errors)
+    run_name = run_dir_name(run_id)
+    cfg = RunConfig(
+        run_id=run_id, run_name=run_name, rdzv_id=dns_label(dag_id, run_id, max_len=48),
+        run_dir=run_output_dir(values["output_dir"], run_name, values["target"]),
+        preset_version=preset.version if preset else 0, **values)
+    from finetune.targets import get_target
+
+    errors += run_problems(cfg)
+    errors += get_target(cfg.target).check(values)
+    if errors:
+        raise ConfigError(errors)
+    return cfg
+
+
+def run_problems(cfg: RunConfig) -> Problems:
+    """Every problem of a well-typed run config: fields, the contract's rules, data, tokenizer."""
+    errors = _field_problems(cfg)
+    # On a cluster, absolute paths are read in the trainer's pod, not on this machine.
+    in_pod = cfg.target != "local"
+    try:
+        train = TrainConfig(**trainer_config(cfg, local_paths=not in_pod))
+    except ContractError as exc:
+        return errors + exc.errors
+    errors += _model_problems(cfg, in_pod)
+    shape = model_shape(cfg.model, _local_dir(cfg.model, in_pod))
+    errors += config_problems(train, world_size=cfg.world_size,
+                              local_world_size=cfg.procs_per_node, shape=shape)
+    if not errors:
+        errors += data_problems(cfg, train, in_pod)
+    return _dedupe(errors)
+
+
+def _dedupe(errors: Problems) -> Problems:
+    return list(dict.fromkeys(errors))
+
+
+def _local_dir(path: str, in_pod: bool) -> Path | None:
+    """A path to read here (None for one only the pod sees, or one no file system can hold)."""
+    if not path or (in_pod and path.startswith("/")) or path.startswith("s3://"):
+        return None
+    try:
+        resolved = resolve_path(path)
+        return resolved if resolved.exists() else None
+    except OSError:
+        return None
+
+
+def _model_problems(cfg: RunConfig, in_pod: bool) -> Problems:
+    if cfg.model in BUILTIN_MODELS or (in_pod and cfg.model.startswith("/")):
+        return []
+    model_dir = _local_dir(cfg.model, in_pod)
+    if model_dir is not None and model_dir.is_dir():
+        if not (model_dir / "config.json").is_file():
+            return [("model", f"directory {quoted(cfg.model)} has no config.json")]
+        return []
+    if _HUB_ID.match(cfg.model) and not cfg.model.startswith((".", "/", "~")):
+        return []
+    return [("model", f"{quoted(cfg.model)} is not a built-in config ("
+             + ", ".join(BUILTIN_MODELS) + "), an existing model directory or a hub id "
+             "(org/name)")]
+
+
+def _field_problems(cfg: RunConfig) -> Problems:
+    """Fields with a form of their own: endpoints, secrets' names, labels, ports."""
+    errors: Problems = []
+    if not cfg.text_field and not (cfg.prompt_field and cfg.response_field):
+        errors.append(("text_field", "set text_field, or both prompt_field and response_field"))
+    rdzv_port = None
+    if cfg.rdzv_endpoint:
+        endpoint = host_port(cfg.rdzv_endpoint)
+        if endpoint is None:
+            errors.append(("rdzv_endpoint", "is not host:port (an IPv6 host in brackets: "
+                           "[::1]:2379), and holds no credentials; the value is not shown"))
+        else:
+            rdzv_port = endpoint[1]
+    if cfg.rdzv_backend == "c10d" and cfg.target != "local":
+        rdzv_port = rdzv_port or C10D_PORT
+    if cfg.metrics_port and cfg.metrics_port == rdzv_port:
+        errors.append(("metrics_port", f"{cfg.metrics_port} is the rendezvous port: rank 0 "
+                       "cannot serve metrics there; choose another port"))
+    if cfg.prometheus_url:
+        errors += _prometheus_problems(cfg.prometheus_url)
+    if cfg.hf_token_secret:
+        name, _, key = cfg.hf_token_secret.partition(":")
+        if not (_DNS_SUBDOMAIN.match(name) and len(name) <= 253) or \
+                (":" in cfg.hf_token_secret and not _SECRET_KEY.match(key)):
+            errors.append(("hf_token_secret", "give the Secret's name, or name:key (a name: "
+                           "lowercase letters, digits, '-' and '.'; a key: letters, digits, "
+                           "'-', '_' and '.'); the value is not shown, as it may be a token"))
+    if cfg.nodegroup and not (_LABEL_VALUE.match(cfg.nodegroup) and len(cfg.nodegroup) <= 63):
+        errors.append(("nodegroup", f"{quoted(cfg.nodegroup)} is not a Kubernetes label value "
+                       "(the nodes' eks.amazonaws.com/nodegroup label): at most 63 letters, "
+                       "digits, '-', '_' and '.', starting and ending with a letter or digit"))
+    if cfg.output_dir.startswith("s3://") and cfg.target == "local":
+        errors.append(("output_dir", "s3:// output needs target eks; give a local directory"))
+    return errors
+
+
+def host_port(endpoint: str) -> tuple[str, int] | None:
+    """(host, port) of `host:port` or `[ipv6]:port`; None when malformed or with userinfo."""
+    match = re.fullmatch(r"\[([0-9A-Fa-f:.]+)\]:(\d{1,5})|([^\s:@/\[\]]+):(\d{1,5})", endpoint)
+    if not match:
+        return None
+    host, port = (match[1], match[2]) if match[1] else (match[3], match[4])
+    try:
+        if match[1]:
+            ipaddress.IPv6Address(host)
+        elif not _HOST.match(host):
+            return None
+    except ValueError:
+        return None
+    return (host, int(port)) if 0 < int(port) <= 65535 else None
+
+
+def _prometheus_problems(url: str) -> Problems:
+    match = re.fullmatch(r"(https?)://([^/\s]+)(/\S*)?", url)
+    if not match:
+        return [("prometheus_url", "is not an http(s)://host[:port][/path] URL (the value is "
+                 "not shown)")]
+    if "@" in match[2]:
+        return [("prometheus_url", "holds credentials (user:password@): they would be stored "
+                 "with the run and shown in its report. Put them in an Airflow HTTP connection "
+                 "and name it in prometheus_conn_id")]
+    return []
+
+
+def data_problems(cfg: RunConfig, train: TrainConfig, in_pod: bool) -> Problems:
+    """The data set and tokenizer as the trainer will read them, where they are visible here."""
+    errors: Problems = []
+    tokenizer_dir = _tokenizer_dir(cfg, in_pod)
+    if tokenizer_dir is not None:
+        errors += contract_data.tokenizer_problems(
+            tokenizer_dir, "tokenizer" if cfg.tokenizer else "model", train)
+    elif cfg.tokenizer and not (in_pod and cfg.tokenizer.startswith("/")):
+        errors.append(("tokenizer", f"directory {quoted(cfg.tokenizer)} does not exist"))
+    if not cfg.dataset:
+        return errors + [("dataset", "is empty; give a data file, directory, s3:// URI or hub "
+                          "name")]
+    source = contract_data.dataset_source(train.dataset)
+    if source in ("s3", "hub") or (in_pod and cfg.dataset.startswith("/")):
+        return errors  # read where the trainer runs (an s3:// one is checked at scale_up)
+    path = Path(train.dataset)
+    try:
+        files = contract_data.data_files(path, cfg.dataset_format)
+        for file in files:
+            contract_data.file_format(file, cfg.dataset_format)
+        rows = contract_data.read_rows(files, cfg.dataset_format, MAX_ROWS_CHECKED)
+    except ValueError as exc:
+        field = "dataset_format" if "dataset_format" in str(exc) else "dataset"
+        return errors + [(field, str(exc))]
+    except OSError as exc:
+        return errors + [("dataset", f"cannot read {quoted(cfg.dataset)}: {exc.strerror}")]
+    if rows is None:  # parquet without pyarrow here: the trainer reads it
+        return errors
+    if not rows.rows and not rows.malformed:
+        return errors + [("dataset", f"{quoted(cfg.dataset)} has no rows")]
+    if rows.rows:
+        errors += contract_data.missing_columns(train, rows.columns, cfg.dataset)
+    if rows.malformed and cfg.bad_rows == "error":
+        place, what = rows.malformed[0]
+        errors.append(("dataset", contract_data.bad_row_error(train, place, what)))
+    if errors or tokenizer_dir is None:
+        return errors
+    return errors + _row_problems(cfg, train, rows, tokenizer_dir)
+
+
+def _tokenizer_dir(cfg: RunConfig, in_pod: bool) -> Path | None:
+    if cfg.tokenizer:
+        found = _local_dir(cfg.tokenizer, in_pod)
+    elif cfg.model in BUILTIN_MODELS:
+        from finetune import REPO_ROOT
+
+        found = REPO_ROOT / "trainer" / "demo" / "tokenizer"
+    else:
+        found = _local_dir(cfg.model, in_pod)
+    return found if found is not None and found.is_dir() else None
+
+
+def _row_problems(cfg: RunConfig, train: TrainConfig, rows: contract_data.FileRows,
+                  tokenizer_dir: Path) -> Problems:
+    """Encode every row as the trainer will: rows too long or empty, enough for a step."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:  # an Airflow without transformers: the trainer checks at start
+        log.info("transformers is not installed here: row lengths are checked at trainer start")
+        return []
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    lengths: list[int] = []
+    bad = len(rows.malformed)
+    for place, row in zip(rows.places, rows.rows):
+        try:
+            problem, input_ids, _ = contract_data.encode_row(tokenizer, train, row)
+        except ValueError as exc:  # a chat template that cannot mask the prompt
+            return [("prompt_template", str(exc))]
+        if problem is None:
+            lengths.append(len(input_ids))
+            continue
+        if cfg.bad_rows == "error":
+            return [("dataset", contract_data.bad_row_error(train, place, problem[1]))]
+        bad += 1
+    if len(rows.rows) + len(rows.malformed) >= MAX_ROWS_CHECKED:
+        return []  # a sample: the trainer counts the whole data set at start
+    try:
+        n_train, _ = contract_data.split_sizes(len(lengths), train)
+        data_parallel = cfg.world_size // cfg.tp_degree
+        contract_data.batches_per_epoch(n_train, cfg.micro_batch, data_parallel)
+        if cfg.packing:
+            packed = contract_data.min_packed_rows(lengths, cfg.seq_len, n_train)
+            try:
+                contract_data.batches_per_epoch(packed, cfg.micro_batch, data_parallel)
+            except ValueError as exc:
+                raise ValueError(f"with packing, {n_train} training rows may pack into as few "
+                                 f"as {packed} sequences: {exc}") from None
+    except ValueError as exc:
+        skipped = f" ({bad} bad rows skipped)" if bad else ""
+        # The eval split takes at least micro_batch rows: a micro_batch that large is the cause.
+        by_micro_batch = "micro_batch (" in str(exc) or cfg.micro_batch >= len(lengths) * 0.5
+        return [("micro_batch" if by_micro_batch else "dataset", f"{exc}{skipped}")]
+    return []
+
+
+def secret_safe(field: str, value: Any) -> str:
+    """How a field's value may appear in a log line."""
+    return "(set, not shown)" if field in SECRET_FIELDS and value else quoted(value)
+
+
+def config_table(cfg: RunConfig) -> str:
+    """The values the run will use, one per line, for the validate task's log."""
+    defaults = default_params()
+    width = max(len(spec.name) for spec in PARAM_SPECS)
+    lines = []
+    for spec in PARAM_SPECS:
+        value = getattr(cfg, spec.name)
+        mark = "" if value == defaults[spec.name] else "  (changed)"
+        lines.append(f"  {spec.name:<{width}}  {secret_safe(spec.name, value)}{mark}")
+    return "\n".join(lines)

@@ -1,0 +1,322 @@
+"""What a data set and a tokenizer must be, from their files, and how one example is encoded.
+
+The trainer reads data with `datasets` and these functions; `validate` reads the same files with
+these functions alone (no torch, no `datasets`), so a typo in a field name, a directory without
+data files or a tokenizer without a chat template is named before anything starts.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from finetune_contract.fields import TrainConfig, quoted
+
+# A data file's format from its extension; jsonl and json are both read by `datasets`' json.
+FORMAT_BY_SUFFIX = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+IGNORE_INDEX = -100  # labels that carry no loss (the prompt, padding)
+PROMPT_TEMPLATE = "### Instruction:\n{prompt}\n\n### Response:\n"
+# Why a row is skipped; summary.json's skipped_rows_by_reason keys.
+MALFORMED, MISSING, NOT_STRING, EMPTY, TOO_LONG = (
+    "malformed", "missing_field", "not_string", "empty", "too_long")
+ROW_PROBLEMS = (MALFORMED, MISSING, NOT_STRING, EMPTY, TOO_LONG)
+# Files one of which a tokenizer directory needs (fast tokenizers, sentencepiece, BPE, WordPiece).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # org/name or name, as the hub allows
+
+
+def dataset_source(dataset: str) -> str:
+    """Where a data set lives: "s3" (an s3:// URI), "local" (a file or directory) or "hub".
+
+    A name that is not on disk is a hub name only if shaped like one and not like a data file, so
+    a mistyped path is reported missing rather than looked up on the hub.
+    """
+    if dataset.startswith("s3://"):
+        return "s3"
+    path = Path(dataset).expanduser()
+    try:
+        exists = path.exists()
+    except OSError:  # a name too long to look up is no file here
+        exists = False
+    if exists or path.suffix.lower() in FORMAT_BY_SUFFIX or not _HUB_NAME.match(dataset) \
+            or dataset.startswith((".", "/", "~")):
+        return "local"
+    return "hub"
+
+
+def file_format(path: str, dataset_format: str) -> str:
+    """jsonl, json, parquet or csv: the configured format, or the one the extension says."""
+    if dataset_format != "auto":
+        return dataset_format
+    suffix = Path(path).suffix.lower()
+    if suffix not in FORMAT_BY_SUFFIX:
+        raise ValueError(
+            f"dataset_format is auto but the extension of {quoted(path)} is not one of "
+            f"{', '.join(FORMAT_BY_SUFFIX)}; set dataset_format"
+        )
+    return FORMAT_BY_SUFFIX[suffix]
+
+
+def builder_name(path: str, dataset_format: str) -> str:
+    """The `datasets` builder that reads a file of this format."""
+    fmt = file_format(path, dataset_format)
+    return "json" if fmt == "jsonl" else fmt
+
+
+def data_files(path: Path, dataset_format: str) -> list[str]:
+    """The file itself, or a directory's data files (recursively, in path order), all one format.
+
+    A directory's data files are those with a data extension (of dataset_format, when set); hidden
+    and `_` files, as Spark and S3 tools leave them, are skipped.
+    """
+    if not path.exists():
+        raise ValueError(f"dataset {str(path)!r} does not exist")
+    if path.is_file():
+        return [str(path)]
+    files = [
+        p for p in sorted(path.rglob("*"))
+        if p.is_file() and p.suffix.lower() in FORMAT_BY_SUFFIX
+        and not any(part.startswith((".", "_")) for part in p.relative_to(path).parts)
+    ]
+    if dataset_format != "auto":
+        wanted = builder_name(str(path), dataset_format)
+        files = [p for p in files if builder_name(str(p), "auto") == wanted]
+    if not files:
+        raise ValueError(f"dataset directory {str(path)!r} holds no data files "
+                         f"({', '.join(FORMAT_BY_SUFFIX)})")
+    formats = sorted({builder_name(str(p), "auto") for p in files})
+    if len(formats) > 1:
+        raise ValueError(
+            f"dataset directory {str(path)!r} holds files of formats {', '.join(formats)}; keep "
+            "one format there or choose one with dataset_format"
+        )
+    return [str(p) for p in files]
+
+
+def row_columns(cfg: TrainConfig) -> dict[str, str]:
+    """The option that names each column the rows need -> the column."""
+    if cfg.text_field:
+        return {"text_field": cfg.text_field}
+    return {"prompt_field": cfg.prompt_field, "response_field": cfg.response_field}
+
+
+def field_problem(columns: dict[str, str], row: dict[str, Any]) -> tuple[str, str] | None:
+    """(reason, what is wrong) for a row whose fields cannot be trained on, else None."""
+    for option, column in columns.items():
+        value = row.get(column)
+        if value is None:
+            return MISSING, f"{option}={column!r} is missing or null"
+        if not isinstance(value, str):
+            return NOT_STRING, f"{option}={column!r} is a {type(value).__name__}, not a string"
+        if not value.strip():
+            return EMPTY, f"{option}={column!r} is empty"
+    return None
+
+
+def missing_columns(cfg: TrainConfig, columns: list[str], where: str) -> list[tuple[str, str]]:
+    """A (field, message) for each column the config names that the data does not have."""
+    return [(option, f"{option}={column!r} is not a column of {where} (columns: "
+             f"{', '.join(columns) or 'none'})")
+            for option, column in row_columns(cfg).items() if column not in columns]
+
+
+def chat_texts(tokenizer: Any, prompt: str, response: str) -> tuple[str, str]:
+    """The chat template's rendering of the user's turn with the assistant's cue, and of both."""
+    user = [{"role": "user", "content": prompt}]
+    prompt_text = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+    full_text = tokenizer.apply_chat_template(
+        [*user, {"role": "assistant", "content": response}], tokenize=False
+    )
+    if not full_text.startswith(prompt_text):
+        raise ValueError(
+            f"prompt_template=chat: the chat template of tokenizer {tokenizer.name_or_path} "
+            "renders a conversation that does not start with its prompt (rendered with "
+            "add_generation_prompt=True), so the prompt cannot be masked from the loss"
+        )
+    return prompt_text, full_text
+
+
+def encode_example(tokenizer: Any, prompt: str | None, response: str,
+                   template: str = "instruction") -> tuple[list[int], list[int]]:
+    """Token ids and labels for one example; with a prompt, only the response carries loss.
+
+    Prompt and response are tokenized separately so the boundary is exact, as at inference time.
+    A chat template ends the assistant's turn itself (with its own end token): no EOS is added.
+    """
+    eos = [tokenizer.eos_token_id]
+    if prompt is None:
+        input_ids = tokenizer(response)["input_ids"] + eos
+        return input_ids, list(input_ids)
+    if template == "chat":
+        prompt_text, full_text = chat_texts(tokenizer, prompt, response)
+        prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+        response_ids = tokenizer(full_text[len(prompt_text):],
+                                 add_special_tokens=False)["input_ids"]
+    else:
+        prompt_ids = tokenizer(PROMPT_TEMPLATE.format(prompt=prompt))["input_ids"]
+        response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + eos
+    return prompt_ids + response_ids, [IGNORE_INDEX] * len(prompt_ids) + response_ids
+
+
+def encode_row(tokenizer: Any, cfg: TrainConfig, row: dict[str, Any]
+               ) -> tuple[tuple[str, str] | None, list[int], list[int]]:
+    """(problem, input_ids, labels) of one row: a row longer than seq_len is bad rather than
+    truncated (that would cut the response and its EOS without anyone noticing)."""
+    columns = row_columns(cfg)
+    problem = field_problem(columns, row)
+    if problem is not None:
+        return problem, [], []
+    fields = list(columns.values())
+    prompt, response = (None, row[fields[0]]) if cfg.text_field else \
+        (row[fields[0]], row[fields[1]])
+    input_ids, labels = encode_example(tokenizer, prompt, response, cfg.prompt_template)
+    if len(input_ids) > cfg.seq_len:
+        return (TOO_LONG, f"{len(input_ids)} tokens, more than seq_len {cfg.seq_len}"), [], []
+    # The first label is never predicted (nothing precedes it): it teaches nothing.
+    if all(label == IGNORE_INDEX for label in labels[1:]):
+        return (EMPTY, "no token to learn (the response is empty once tokenized)"), [], []
+    return None, input_ids, labels
+
+
+def bad_row_error(cfg: TrainConfig, where: str, detail: str) -> str:
+    return (f"bad row in dataset {cfg.dataset}: {where}: {detail} (bad_rows=error; "
+            "bad_rows=skip skips and counts such rows)")
+
+
+def split_sizes(usable_rows: int, cfg: TrainConfig) -> tuple[int, int]:
+    """(train rows, eval rows): the eval split is eval_fraction of the usable rows, at least
+    micro_batch; ValueError when nothing is left to train on."""
+    n_eval = max(math.ceil(cfg.eval_fraction * usable_rows), cfg.micro_batch)
+    if n_eval >= usable_rows:
+        raise ValueError(
+            f"dataset {cfg.dataset} has {usable_rows} usable rows: too few for an eval split of "
+            f"{n_eval} (eval_fraction, at least micro_batch rows) plus training rows")
+    return usable_rows - n_eval, n_eval
+
+
+def batches_per_epoch(train_rows: int, micro_batch: int, data_parallel: int) -> int:
+    """Micro-batches each data-parallel rank draws per epoch (the ragged tail is dropped)."""
+    batches = train_rows // data_parallel // micro_batch
+    if batches == 0:
+        raise ValueError(
+            f"{train_rows} training rows are fewer than micro_batch ({micro_batch}) x "
+            f"data-parallel processes ({data_parallel}): one step needs "
+            f"{micro_batch * data_parallel} rows; lower micro_batch or give more data")
+    return batches
+
+
+def min_packed_rows(lengths: list[int], seq_len: int, train_rows: int) -> int:
+    """The fewest sequences `train_rows` of these examples can pack into (the shortest ones
+    chosen): the split is random, so this is what validate can promise with packing on."""
+    shortest = sorted(lengths)[:train_rows]
+    return math.ceil(sum(shortest) / seq_len)
+
+
+# -- reading files without `datasets` ----------------------------------------------------------
+
+
+@dataclass
+class FileRows:
+    """Rows read from local data files, with where each came from."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    places: list[str] = field(default_factory=list)
+    malformed: list[tuple[str, str]] = field(default_factory=list)  # (place, what)
+    columns: list[str] = field(default_factory=list)  # in first-seen order
+
+
+def read_rows(files: list[str], dataset_format: str, limit: int) -> FileRows | None:
+    """The rows of local data files as the trainer sees them, up to `limit` rows; None for
+    formats this package cannot read alone (parquet without pyarrow). ValueError naming the
+    file when one is not of its format (a JSON file holding one object, say)."""
+    out = FileRows()
+    seen: dict[str, None] = {}
+    for file in files:
+        fmt = file_format(file, dataset_format)
+        rows = _file_rows(file, fmt, out)
+        if rows is None:
+            return None
+        for place, row in rows:
+            out.rows.append(row)
+            out.places.append(place)
+            seen.update(dict.fromkeys(row))
+            if len(out.rows) + len(out.malformed) >= limit:
+                break
+    out.columns = list(seen)
+    return out
+
+
+def _file_rows(file: str, fmt: str, out: FileRows) -> Iterator[tuple[str, dict]] | None:
+    if fmt == "jsonl":
+        return _jsonl(file, out)
+    if fmt == "json":
+        try:
+            data = json.loads(Path(file).read_text())
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+            raise ValueError(f"dataset file {file} is not JSON: {exc}") from None
+        if not isinstance(data, list) or not all(isinstance(row, dict) for row in data):
+            kind = type(data).__name__ if not isinstance(data, list) else "list of non-objects"
+            raise ValueError(f"dataset file {file} holds a JSON {kind}; a .json data file "
+                             "holds a list of objects (one per row), or use jsonl")
+        return ((f"{file} row {i}", row) for i, row in enumerate(data, 1))
+    if fmt == "csv":
+        with open(file, newline="", encoding="utf-8", errors="replace") as f:
+            rows = list(csv.DictReader(f))
+        return ((f"{file} row {i}", row) for i, row in enumerate(rows, 1))
+    if fmt == "parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            return None
+        table = pq.read_table(file)
+        return ((f"{file} row {i}", row) for i, row in enumerate(table.to_pylist(), 1))
+    raise ValueError(f"unknown dataset format {fmt!r}")
+
+
+def _jsonl(file: str, out: FileRows) -> Iterator[tuple[str, dict]]:
+    with open(file, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            place = f"{file} line {number}"
+            try:
+                parsed = json.loads(line)
+            except ValueError as exc:
+                out.malformed.append((place, f"not JSON ({exc})"))
+                continue
+            if isinstance(parsed, dict):
+                yield place, parsed
+            else:
+                out.malformed.append((place, f"a JSON {type(parsed).__name__}, not an object"))
+
+
+def tokenizer_problems(path: Path, field_name: str, cfg: TrainConfig) -> list[tuple[str, str]]:
+    """A tokenizer directory that cannot load (no tokenizer files) or has no chat template
+    when prompt_template is chat."""
+    if not path.is_dir():
+        return [(field_name, f"directory {quoted(str(path))} does not exist")]
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        return [(field_name, f"directory {quoted(str(path))} has no tokenizer files (one of "
+                 f"{', '.join(TOKENIZER_FILES)})")]
+    if cfg.prompt_template == "chat" and not has_chat_template(path):
+        return [("prompt_template", f"chat, but the tokenizer in {quoted(str(path))} has no "
+                 "chat template (tokenizer_config.json chat_template, chat_template.jinja): use "
+                 "prompt_template instruction or a tokenizer with a chat template")]
+    return []
+
+
+def has_chat_template(path: Path) -> bool:
+    if (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file():
+        return True
+    try:
+        config = json.loads((path / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and bool(config.get("chat_template"))

@@ -1,0 +1,222 @@
+"""The trainer's fields: allowed values and bounds (one table each), `TrainConfig`, `ContractError`.
+
+The trigger form's parameter specs (plugins/finetune/config.py) take their choices and bounds
+from here, and `TrainConfig` checks the same tables, so the two cannot drift.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
+MIXED_PRECISION = ("bf16", "fp16", "fp32")
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+PROMPT_TEMPLATES = ("instruction", "chat")
+DATASET_FORMATS = ("auto", "jsonl", "json", "parquet", "csv")
+BAD_ROWS = ("skip", "error")
+# The allowed values of each text field that has a fixed set.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "strategy": STRATEGIES,
+    "mixed_precision": MIXED_PRECISION,
+    "activation_checkpointing": ACTIVATION_CHECKPOINTING,
+    "prompt_template": PROMPT_TEMPLATES,
+    "dataset_format": DATASET_FORMATS,
+    "bad_rows": BAD_ROWS,
+}
+# Every Linear of a Llama block: attention and MLP projections.
+LORA_TARGET_MODULES = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+# The demo data set, relative to the repository root (the trainer's working dir).
+DEMO_DATASET = "trainer/demo/instructions.jsonl"
+# Share of the data set held out for the eval loss.
+EVAL_FRACTION = 0.05
+# Longest value an error message quotes before cutting it.
+MAX_QUOTED = 80
+
+
+@dataclass(frozen=True)
+class Bounds:
+    minimum: float | None = None
+    maximum: float | None = None
+    exclusive_minimum: float | None = None
+
+    def problem(self, value: float) -> str | None:
+        if self.exclusive_minimum is not None and value <= self.exclusive_minimum:
+            return f"must be > {self.exclusive_minimum:g}, got {value!r}"
+        if self.minimum is not None and value < self.minimum:
+            return f"must be >= {self.minimum:g}, got {value!r}"
+        if self.maximum is not None and value > self.maximum:
+            return f"must be <= {self.maximum:g}, got {value!r}"
+        return None
+
+
+_B = Bounds
+# The bounds of every numeric field: the trainer's, and the run's (nodes, deadline, price).
+BOUNDS: dict[str, Bounds] = {
+    "max_nodes": _B(1, 1024),
+    "active_deadline_s": _B(0, 30 * 86400),
+    "node_hourly_price": _B(0, 10_000),
+    "nodes": _B(1, 128),
+    "procs_per_node": _B(1, 64),
+    "shard_group_size": _B(0, 8192),
+    "tp_degree": _B(1, 64),
+    "lora_rank": _B(0, 4096),
+    "lora_alpha": _B(maximum=65536, exclusive_minimum=0),
+    "lora_dropout": _B(0, 0.99),
+    "seq_len": _B(8, 131072),
+    "micro_batch": _B(1, 4096),
+    "grad_accum": _B(1, 4096),
+    "lr": _B(maximum=1, exclusive_minimum=0),
+    "warmup_steps": _B(0, 1_000_000),
+    "min_lr_ratio": _B(0, 1),
+    "weight_decay": _B(0, 10),
+    "max_steps": _B(0, 10_000_000),
+    "epochs": _B(maximum=1000, exclusive_minimum=0),
+    "seed": _B(0, 2**31 - 1),
+    "eval_interval": _B(0, 10_000_000),
+    "eval_fraction": _B(maximum=0.99, exclusive_minimum=0),
+    "checkpoint_interval": _B(0, 10_000_000),
+    "keep_checkpoints": _B(1, 1000),
+    "max_restarts": _B(0, 100),
+    "log_interval": _B(1, 1_000_000),
+    "metrics_port": _B(0, 65535),
+    "max_grad_norm": _B(maximum=1e6, exclusive_minimum=0),
+}
+
+
+def quoted(value: Any, limit: int = MAX_QUOTED) -> str:
+    """repr(value), cut to `limit` characters with the length said, for error messages."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+class ContractError(ValueError):
+    """Values the contract refuses; `errors` holds every (field, message) pair found."""
+
+    def __init__(self, errors: Iterable[tuple[str, str]], what: str = "invalid config"):
+        self.errors = list(errors)
+        lines = "\n".join(f"- {field}: {message}" for field, message in self.errors)
+        super().__init__(f"{what} ({len(self.errors)}):\n{lines}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a run needs. The defaults are the local demo (tiny-llama on the demo data)."""
+
+    model: str = "tiny-llama"
+    tokenizer: str | None = None
+    dataset: str = DEMO_DATASET
+    dataset_format: str = "auto"
+    dataset_split: str = "train"  # for hub data sets
+    text_field: str | None = None
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    prompt_template: str = "instruction"  # chat: the tokenizer's chat template
+    packing: bool = False  # pack examples to seq_len; no attention across documents
+    # Rows that are malformed, miss a field, are empty or exceed seq_len: skipped and counted,
+    # or the first one fails the run at start (file and line in the error).
+    bad_rows: str = "skip"
+    seq_len: int = 128
+    micro_batch: int = 8
+    grad_accum: int = 1
+    lr: float = 3e-3
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    max_steps: int = 150
+    epochs: float = 1.0
+    seed: int = 1234
+    strategy: str = "FULL_SHARD"
+    shard_group_size: int = 0
+    mixed_precision: str = "fp32"
+    activation_checkpointing: str = "none"
+    selective_ac: str = "op"  # selective: "op" (save matmul outputs) or k (every k-th block)
+    activation_offload: bool = False  # saved activations to CPU memory
+    cpu_offload: bool = False  # parameters, gradients and optimizer step on CPU (FSDP2 policy)
+    compile: bool = False  # torch.compile each decoder block
+    tp_degree: int = 1  # tensor (and sequence) parallel degree: a 2-D mesh with FSDP
+    float8: bool = False  # torchao float8 matmuls in the decoder blocks (CUDA capability >= 8.9)
+    lora_rank: int = 0  # LoRA adapters of this rank (peft); 0: full fine-tune
+    lora_alpha: float = 16.0  # adapter output scaled by lora_alpha / lora_rank
+    lora_dropout: float = 0.0
+    lora_target_modules: str = LORA_TARGET_MODULES  # comma-separated Linear names in the blocks
+    eval_interval: int = 50
+    eval_fraction: float = EVAL_FRACTION
+    checkpoint_interval: int = 0
+    keep_checkpoints: int = 2
+    checkpoint_async: bool = False  # write (and upload) checkpoints in the background
+    output_dir: str = "output"
+    log_interval: int = 10
+    metrics_port: int = 0  # rank 0 serves the per-step metrics to Prometheus here; 0: off
+    max_grad_norm: float = 1.0
+
+    def __post_init__(self) -> None:
+        errors: list[tuple[str, str]] = []
+        for field in dataclasses.fields(self):
+            try:
+                value = _coerce(field, getattr(self, field.name))
+            except ValueError as exc:
+                errors.append((field.name, str(exc)))
+                continue
+            object.__setattr__(self, field.name, value)
+            problem = field_problem(field.name, value)
+            if problem:
+                errors.append((field.name, problem))
+        if errors:
+            raise ContractError(errors, "invalid trainer config")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_REQUIRED_STRINGS = ("model", "dataset", "output_dir", "prompt_field", "response_field")
+
+
+def field_problem(name: str, value: Any) -> str | None:
+    """What is wrong with one well-typed field value on its own (choices, bounds, emptiness)."""
+    if name in CHOICES and value not in CHOICES[name]:
+        return f"unknown value {quoted(value)}; allowed: {', '.join(CHOICES[name])}"
+    if name in BOUNDS and not isinstance(value, str):
+        return BOUNDS[name].problem(value)
+    if name in _REQUIRED_STRINGS and not value.strip():
+        return "must not be empty"
+    return None
+
+
+def _coerce(field: dataclasses.Field, value: Any) -> Any:
+    """`value` as the field's type; strings (from the command line) are parsed."""
+    kind = field.type if isinstance(field.type, str) else field.type.__name__
+    if kind == "str | None":
+        if value is None or (isinstance(value, str) and value.lower() in ("", "none", "null")):
+            return None
+        kind = "str"
+    if kind == "bool":
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+            return value.lower() in ("true", "1")
+        if not isinstance(value, bool):
+            raise ValueError(f"must be true or false, got {quoted(value)}")
+        return value
+    if kind == "str":
+        if not isinstance(value, str):
+            raise ValueError(f"must be a string, got {quoted(value)}")
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise ValueError(f"must be a number, got {quoted(value)}") from None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"must be a finite number, got {quoted(value)}")
+    if kind == "int":
+        if value != int(value):
+            raise ValueError(f"must be an integer, got {quoted(value)}")
+        return int(value)
+    return float(value)
+
+
+def field_names() -> tuple[str, ...]:
+    return tuple(field.name for field in dataclasses.fields(TrainConfig))

@@ -1,0 +1,104 @@
+"""Model shapes: the built-in configs as plain data, and the shape of a model directory.
+
+The trainer builds its LlamaConfig from `BUILTIN_MODELS`; `validate` checks sequence length and
+tensor parallelism against the same numbers, or against a model directory's config.json.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+_LLAMA3_ROPE = {"rope_type": "default", "rope_theta": 500000.0}
+
+# LlamaConfig kwargs. tiny-llama is sized for the CPU demo; the others are Llama 3.x shapes.
+BUILTIN_MODELS: dict[str, dict[str, Any]] = {
+    "tiny-llama": {
+        "hidden_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 352,
+        "vocab_size": 725,  # len() of trainer/demo/tokenizer
+        "max_position_embeddings": 1024,
+        "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "rms_norm_eps": 1e-5,
+    },
+    "llama-1b": {
+        "hidden_size": 2048,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 8192,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": True,
+        "rope_parameters": _LLAMA3_ROPE,
+        "rms_norm_eps": 1e-5,
+    },
+    "llama-3b": {
+        "hidden_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 24,
+        "num_key_value_heads": 8,
+        "intermediate_size": 8192,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": True,
+        "rope_parameters": _LLAMA3_ROPE,
+        "rms_norm_eps": 1e-5,
+    },
+    "llama-8b": {
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 14336,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": False,
+        "rope_parameters": _LLAMA3_ROPE,
+        "rms_norm_eps": 1e-5,
+    },
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the rules need of a model: heads, MLP width and positions (None: not stated)."""
+
+    name: str
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    intermediate_size: int | None = None
+    max_position_embeddings: int | None = None
+
+    @classmethod
+    def from_config(cls, name: str, config: Any) -> ModelShape:
+        """From a config mapping (config.json, BUILTIN_MODELS) or a transformers config object."""
+        get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+
+        def number(key: str) -> int | None:
+            value = get(key)
+            return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+        heads = number("num_attention_heads")
+        return cls(name, heads, number("num_key_value_heads") or heads,
+                   number("intermediate_size"), number("max_position_embeddings"))
+
+
+def model_shape(model: str, model_dir: Path | None = None) -> ModelShape | None:
+    """A built-in model's shape, or a model directory's (its config.json); None when unknown
+    here (a hub id, or a path read in the trainer's pod): the trainer checks it at start."""
+    if model in BUILTIN_MODELS:
+        return ModelShape.from_config(model, BUILTIN_MODELS[model])
+    if model_dir is None or not (model_dir / "config.json").is_file():
+        return None
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # loading it names what is wrong with the file
+    return ModelShape.from_config(model, config) if isinstance(config, dict) else None

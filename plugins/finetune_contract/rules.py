@@ -1,0 +1,217 @@
+"""Rules across fields, as functions that return (field, message) pairs: every problem at once.
+
+`validate` calls `config_problems` with the run's TrainConfig, world and model shape before any
+cloud call; the trainer calls it at start with its real world and its model's config. A rule
+that is only here cannot be accepted by one side and refused by the other.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+
+from finetune_contract.fields import TrainConfig, quoted
+from finetune_contract.models import ModelShape
+
+Problems = list[tuple[str, str]]
+S3_SCHEME = "s3://"
+# A file or directory name: most Linux file systems (ext4, xfs) and S3 tools stop at 255 bytes.
+MAX_NAME_BYTES = 255
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_BUCKET_PREFIXES = ("xn--", "sthree-", "amzn-s3-demo-")
+_BUCKET_SUFFIXES = ("-s3alias", "--ol-s3", ".mrap", "--x-s3", "--table-s3")
+_MODULE_NAME = re.compile(r"^[A-Za-z_]\w*$")
+
+
+def selective_every(selective_ac: str) -> int | None:
+    """The k of selective_ac "k" (checkpoint every k-th block), None for "op"; else ValueError."""
+    if selective_ac == "op":
+        return None
+    if selective_ac.isdigit() and int(selective_ac) > 0:
+        return int(selective_ac)
+    raise ValueError(f"{quoted(selective_ac)}: allowed: op, or a positive integer k (checkpoint "
+                     "every k-th block)")
+
+
+def lora_module_names(text: str) -> list[str]:
+    """The module names of a comma-separated `lora_target_modules`, without blanks."""
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def bucket_problem(bucket: str) -> str | None:
+    """Why S3 would refuse this bucket name (its naming rules), or None."""
+    if not _BUCKET.match(bucket):
+        return ("3 to 63 lowercase letters, digits, '.' and '-', starting and ending with a letter "
+                "or digit")
+    if ".." in bucket or ".-" in bucket or "-." in bucket:
+        return "no '..', '.-' or '-.'"
+    try:
+        ipaddress.IPv4Address(bucket)
+        return "not an IP address"
+    except ValueError:
+        pass
+    if bucket.startswith(_BUCKET_PREFIXES) or bucket.endswith(_BUCKET_SUFFIXES):
+        return "no reserved prefix (" + ", ".join(_BUCKET_PREFIXES) + ") or suffix (" + \
+            ", ".join(_BUCKET_SUFFIXES) + ")"
+    return None
+
+
+def split_s3(uri: str) -> tuple[str, str]:
+    """(bucket, key without slashes at either end) of `s3://bucket/key`; ValueError naming what
+    is wrong when S3 would not take it."""
+    bucket, _, key = uri.removeprefix(S3_SCHEME).partition("/")
+    key = key.strip("/")
+    if not bucket:
+        raise ValueError(f"{quoted(uri)}: an s3:// URI needs a bucket (s3://bucket/key)")
+    problem = bucket_problem(bucket)
+    if problem:
+        raise ValueError(f"{quoted(uri)}: bucket {quoted(bucket)} is not a valid S3 bucket name "
+                         f"({problem})")
+    if not key:
+        raise ValueError(f"{quoted(uri)}: give a key or prefix after the bucket "
+                         "(s3://bucket/key)")
+    if "//" in key or len(key.encode()) > 1024:
+        raise ValueError(f"{quoted(uri)}: the key has an empty part ('//') or is over 1024 bytes")
+    return bucket, key
+
+
+def path_problem(path: str) -> str | None:
+    """Why no file system would hold this path (a NUL byte, a name over 255 bytes), or None."""
+    if "\0" in path:
+        return "holds a NUL byte"
+    for part in path.split("/"):
+        if len(part.encode()) > MAX_NAME_BYTES:
+            return (f"has a name of {len(part.encode())} bytes ({quoted(part, 40)}); file systems "
+                    f"allow {MAX_NAME_BYTES}")
+    return None
+
+
+def location_problems(field: str, value: str) -> Problems:
+    """An s3:// URI S3 accepts, or a path a file system can hold."""
+    if value.startswith(S3_SCHEME):
+        try:
+            split_s3(value)
+        except ValueError as exc:
+            return [(field, str(exc))]
+        return []
+    problem = path_problem(value)
+    return [(field, f"{quoted(value, 60)} {problem}")] if problem else []
+
+
+def _name(shape: ModelShape) -> str:
+    return shape.name if len(shape.name) <= 80 else f"{shape.name[:80]}..."
+
+
+def fsdp_group(cfg: TrainConfig, world_size: int, local_world_size: int) -> tuple[int, int]:
+    """(data-parallel size, HYBRID_SHARD shard group size) as the trainer builds its mesh."""
+    tp = cfg.tp_degree
+    return world_size // tp, cfg.shard_group_size or max(1, local_world_size // tp)
+
+
+def config_problems(cfg: TrainConfig, *, world_size: int, local_world_size: int,
+                    shape: ModelShape | None) -> Problems:
+    """Every cross-field problem of a run of `world_size` processes, `local_world_size` per
+    node, on a model of `shape` (None: not known yet; the trainer passes its model's)."""
+    problems: Problems = []
+    problems += _checkpointing(cfg)
+    problems += _float8_and_lora(cfg)
+    problems += _parallelism(cfg, world_size, local_world_size, shape)
+    if shape and shape.max_position_embeddings and cfg.seq_len > shape.max_position_embeddings:
+        problems.append(("seq_len", f"{cfg.seq_len} exceeds model {_name(shape)}'s "
+                         f"max_position_embeddings ({shape.max_position_embeddings}): lower "
+                         "seq_len or choose a model with more positions"))
+    if cfg.prompt_template == "chat" and cfg.text_field:
+        problems.append(("prompt_template", f"chat needs prompt and response fields, but "
+                         f"text_field={quoted(cfg.text_field)} makes every row plain text: "
+                         "unset one of them"))
+    for field in ("output_dir", "dataset", "model", "tokenizer"):
+        value = getattr(cfg, field)
+        if value and (field == "output_dir" or value.startswith(("/", ".", "~", S3_SCHEME))):
+            problems += location_problems(field, value)
+    return problems
+
+
+def _checkpointing(cfg: TrainConfig) -> Problems:
+    if cfg.activation_checkpointing == "selective":
+        try:
+            selective_every(cfg.selective_ac)
+        except ValueError as exc:
+            return [("selective_ac", str(exc))]
+    elif cfg.selective_ac != "op":
+        return [("selective_ac", f"{quoted(cfg.selective_ac)} applies only to "
+                 f"activation_checkpointing selective (it is {cfg.activation_checkpointing!r}): "
+                 "set activation_checkpointing to selective or leave selective_ac at op")]
+    return []
+
+
+def _float8_and_lora(cfg: TrainConfig) -> Problems:
+    """float8 and LoRA against the options they cannot run with; each message names both."""
+    problems: Problems = []
+    if cfg.float8:
+        if cfg.mixed_precision != "bf16":
+            problems.append(("float8", f"needs mixed_precision bf16 (got {cfg.mixed_precision}): "
+                             "its matmuls take bf16 inputs; set mixed_precision to bf16"))
+        if cfg.seq_len % 16:
+            problems.append(("float8", f"needs seq_len divisible by 16 (got {cfg.seq_len}): "
+                             "float8 matmuls take dimensions in multiples of 16"))
+        conflicts = (
+            ("cpu_offload", cfg.cpu_offload, "false",
+             "float8 casts run on the GPU, CPU-offloaded weights are not there"),
+            ("tp_degree", cfg.tp_degree > 1, "1",
+             "the tensor-parallel plan shards nn.Linear, not torchao's Float8Linear"),
+            ("lora_rank", cfg.lora_rank > 0, "0",
+             "LoRA wraps the Linear layers that float8 would swap"),
+        )  # fmt: skip
+        for name, conflicting, working, reason in conflicts:
+            if conflicting:
+                problems.append(("float8", f"cannot be combined with {name} = "
+                                 f"{getattr(cfg, name)}: {reason}; set float8 to false or "
+                                 f"{name} to {working}"))
+    if cfg.lora_rank:
+        if cfg.tp_degree > 1:
+            problems.append(("lora_rank", f"{cfg.lora_rank} with tp_degree = {cfg.tp_degree}: "
+                             "the tensor-parallel plan does not know peft's LoRA layers; set "
+                             "tp_degree to 1 or lora_rank to 0"))
+        names = lora_module_names(cfg.lora_target_modules)
+        if not names or any(not _MODULE_NAME.match(name) for name in names):
+            problems.append(("lora_target_modules", f"{quoted(cfg.lora_target_modules)}: give "
+                             "comma-separated module names such as q_proj,v_proj"))
+    return problems
+
+
+def _parallelism(cfg: TrainConfig, world_size: int, local_world_size: int,
+                 shape: ModelShape | None) -> Problems:
+    problems: Problems = []
+    tp = cfg.tp_degree
+    if tp > 1:
+        if local_world_size % tp:
+            problems.append(("tp_degree", f"{tp} does not divide the processes per node "
+                             f"({local_world_size}): tensor parallelism stays within a node"))
+        elif world_size % tp:
+            problems.append(("tp_degree", f"{tp} does not divide the world size ({world_size})"))
+        if cfg.seq_len % tp:
+            problems.append(("tp_degree", f"{tp} does not divide seq_len = {cfg.seq_len}: "
+                             "sequence parallelism splits every sequence into equal parts"))
+        if cfg.cpu_offload:
+            problems.append(("cpu_offload", f"is not supported with tp_degree > 1 (got {tp}): "
+                             "set cpu_offload to false or tp_degree to 1"))
+        if shape is not None:
+            for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+                count = getattr(shape, name)
+                if count and count % tp:
+                    problems.append(("tp_degree", f"{tp} does not divide model "
+                                     f"{_name(shape)}'s {name} ({count}): each "
+                                     "tensor-parallel rank computes an equal part"))
+    if cfg.strategy == "HYBRID_SHARD":
+        if not problems:
+            data_parallel, group = fsdp_group(cfg, world_size, local_world_size)
+            if data_parallel % group:
+                source = "shard_group_size" if cfg.shard_group_size else \
+                    "processes per node / tp_degree (shard_group_size 0)"
+                problems.append(("shard_group_size", f"the shard group ({group}, {source}) does "
+                                 f"not divide the data-parallel size ({data_parallel} = world "
+                                 f"size {world_size} / tp_degree {tp}) (strategy HYBRID_SHARD)"))
+    elif cfg.shard_group_size:
+        problems.append(("shard_group_size", f"applies to strategy HYBRID_SHARD only, strategy "
+                         f"is {cfg.strategy}: set it to 0"))
+    return problems
