@@ -154,6 +154,7 @@ RUN_IDS = st.text(st.characters(codec="utf-8"), min_size=1, max_size=300) | st.f
     r":[0-5][0-9](\.[0-9]{6})?\+00:00", fullmatch=True)
 
 
+@pytest.mark.slow  # validate tokenizes the demo data set for each of ~400 run ids
 @settings(max_examples=200, deadline=None)
 @given(RUN_IDS, RUN_IDS)
 def test_any_run_id_maps_to_valid_distinct_kubernetes_names_and_labels(run_id, other):

@@ -4,6 +4,7 @@ node group in moto, and the test playing the training operator on the emulated c
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -39,8 +40,14 @@ EKS_PARAMS = {
 
 def eks_config(run_id: str = "manual__2026-11-29T10:00:00+00:00", **changes: Any) -> RunConfig:
     """A validated eks run config; `changes` bypass validation (for sizes the demo data lacks)."""
-    cfg = validate_params(EKS_PARAMS, run_id=run_id)
-    return dataclasses.replace(cfg, **changes)
+    return dataclasses.replace(validated_eks_params(run_id), **changes)
+
+
+@functools.lru_cache(maxsize=1024)
+def validated_eks_params(run_id: str) -> RunConfig:
+    """EKS_PARAMS through validate, once per run id: validate tokenizes the demo data set (about
+    0.3 s a call), and the manifest tests build thousands of configs (RunConfig is frozen)."""
+    return validate_params(EKS_PARAMS, run_id=run_id)
 
 
 NS = "ml"

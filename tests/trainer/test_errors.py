@@ -14,6 +14,7 @@ from tests.support.training import demo_rows, write_jsonl
 from trainer.errors import ERROR_DIR_ENV, read_root_cause, write_root_cause
 
 
+@pytest.mark.slow
 def test_a_training_that_fails_at_start_records_the_trainers_own_message(tmp_path):
     rows = demo_rows(8) + [{"response": "owl"}]  # the prompt field is missing
     dataset = write_jsonl(tmp_path / "rows.jsonl", rows)
