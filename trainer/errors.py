@@ -17,10 +17,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from finetune_contract.errors import ERRORS_DIR, error_file, error_record, root_cause
+from finetune_contract.errors import (
+    ERRORS_DIR,
+    error_file,
+    error_record,
+    root_cause,
+)
 from trainer.storage import S3Prefix, is_s3, staging_dir
-
-ERROR_DIR_ENV = "FINETUNE_ERROR_DIR"
 
 
 def write_root_cause(output_dir: str, error: BaseException, rank: int) -> None:

@@ -21,6 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.optim.lr_scheduler import LambdaLR
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from finetune_contract.errors import ERROR_DIR_ENV
 from trainer.checkpoint import Checkpointer
 from trainer.config import TrainConfig, parse_args
 from trainer.data import (
@@ -32,7 +33,7 @@ from trainer.data import (
     TrainBatches,
     build_splits,
 )
-from trainer.errors import ERROR_DIR_ENV, root_cause_recorded
+from trainer.errors import root_cause_recorded
 from trainer.export import export_hf
 from trainer.float8 import check_float8_device, precompute_float8_scales
 from trainer.lora import apply_lora

@@ -91,18 +91,17 @@ def redact_url(url: str) -> str:
 class PrometheusClient:
     """The two read endpoints of Prometheus's HTTP API the report needs."""
 
-    def __init__(self, url: str, timeout: float = 10.0):
+    def __init__(self, url: str, timeout: float = 10.0,
+                 auth: tuple[str, str] | None = None):
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"prometheus_url {redact_url(url)!r} is not an http(s) URL")
-        # credentials travel in a header, never in a URL that could reach a log
+        # credentials (from an Airflow connection) travel in a header, never in a URL
         self.url, self.timeout = redact_url(url).rstrip("/"), timeout
         self.headers = {"Accept": "application/json"}
-        if parts.username is not None:
-            user_pass = (f"{urllib.parse.unquote(parts.username)}:"
-                         f"{urllib.parse.unquote(parts.password or '')}")
+        if auth is not None:
             self.headers["Authorization"] = "Basic " + base64.b64encode(
-                user_pass.encode()).decode()
+                f"{auth[0]}:{auth[1]}".encode()).decode()
 
     def _get(self, path: str, params: dict[str, str]) -> dict:
         request = urllib.request.Request(
@@ -247,8 +246,25 @@ def _iso(epoch: float) -> str:
 # --- from Prometheus (eks) -------------------------------------------------------------------
 
 
+def prometheus_endpoint(url: str, conn_id: str) -> tuple[str, tuple[str, str] | None]:
+    """(base URL, basic-auth credentials or None): the run's prometheus_url, with the login and
+    password of the Airflow HTTP connection `conn_id` (whose host serves when url is empty)."""
+    if not conn_id:
+        return url, None
+    from airflow.sdk import Connection
+
+    conn = Connection.get(conn_id)
+    if not url:
+        scheme = conn.schema if conn.schema in ("http", "https") else "http"
+        port = f":{conn.port}" if conn.port else ""
+        url = f"{scheme}://{conn.host}{port}" if conn.host else ""
+    auth = (conn.login, conn.password or "") if conn.login else None
+    return url, auth
+
+
 def prometheus_gpu_metrics(url: str, *, namespace: str, pod_regex: str, start: float,
-                           end: float, timeout: float = 10.0) -> dict[str, Any]:
+                           end: float, timeout: float = 10.0,
+                           auth: tuple[str, str] | None = None) -> dict[str, Any]:
     """The job's DCGM series over [start, end] (epoch seconds) -> the report's `gpu` section.
 
     Mean and max are exact over the raw samples (`sum_over_time`, `count_over_time`,
@@ -263,7 +279,7 @@ def prometheus_gpu_metrics(url: str, *, namespace: str, pod_regex: str, start: f
     query = {"url": redact_url(url), "selector": selector, "start": _iso(start),
              "end": _iso(end), "step_s": step}
     try:
-        client = PrometheusClient(url, timeout=timeout)
+        client = PrometheusClient(url, timeout=timeout, auth=auth)
         gpus = _Gpus()
         for series, name in DCGM_SERIES.items():
             parts = {}

@@ -7,12 +7,15 @@ collect_metrics, and teardown, which runs whenever the setup ran.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 from airflow.sdk import Asset, Variable, get_current_context, task
 
 from finetune.operators import BuildImageOperator, ScaleUpOperator, TrainOperator
+
+log = logging.getLogger(__name__)
 
 
 def _target(run_config: dict):
@@ -80,12 +83,13 @@ def finetune_pipeline(*, base_conf: Mapping[str, Any] | None = None,
     @task
     def validate() -> dict:
         """Params -> one typed, immutable run config; every bad value fails here."""
-        from finetune.validate import validate_params
+        from finetune.validate import config_table, validate_params
 
         context = get_current_context()
         params, given = run_conf(context, base_conf, conf_variable)
         cfg = validate_params(params, run_id=context["run_id"],
                               dag_id=context["dag_run"].dag_id, given=given)
+        log.info("the run will use (changed: not the built-in default):\n%s", config_table(cfg))
         return cfg.to_dict()
 
     @task

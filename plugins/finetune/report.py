@@ -165,13 +165,15 @@ def write_report(
     host: dict | None = None,
     node_hourly_price: float | None = None,
     nodes: int | None = None,
+    error: dict | None = None,
 ) -> dict:
     """Build the report for `run_dir`, write `report.json` and `report.html` there, return it.
 
     gpu: the GPU section (finetune.gpu_metrics: DCGM from Prometheus, or NVML samples);
     host: this machine's CPU and memory during training (local target). With
     `node_hourly_price` (USD per node-hour) and `nodes` the report estimates the cost of the
-    training wall time.
+    training wall time. error: why a failed run failed ({"stage", "type", "message", "rank"}:
+    the trainer's own root cause, finetune_contract/errors.py, or the failed stage's error).
     """
     if status not in STATUSES:
         raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
@@ -220,11 +222,21 @@ def write_report(
             "report_html": REPORT_HTML,
         },
         "warnings": warnings,
+        "error": failure_error(error),
     }
     # default=str: a config may carry Paths or datetimes; the report must still be written
     _write_atomic(run_dir / REPORT_JSON, json.dumps(report, indent=2, default=str) + "\n")
     _write_atomic(run_dir / REPORT_HTML, render_html(report))
     return report
+
+
+def failure_error(error: dict | None) -> dict | None:
+    """The report's `error`: stage, type, message (cut) and rank, nothing else."""
+    if not error:
+        return None
+    return {"stage": str(error.get("stage") or "unknown"), "type": str(error.get("type") or ""),
+            "message": str(error.get("message") or "")[:MAX_ERROR_CHARS],
+            "rank": error.get("rank") if isinstance(error.get("rank"), int) else None}
 
 
 def _train_wall_time(stages: dict | None, metrics: dict) -> float | None:
@@ -257,6 +269,8 @@ _CSS = """
 body { font-family: system-ui, sans-serif; margin: 2rem auto; max-width: 70rem; color: #222; }
 h1 .status { font-size: 0.6em; padding: 0.2em 0.6em; border-radius: 0.3em; color: #fff; }
 .status-success { background: #2e7d32; } .status-failed { background: #c62828; }
+.error { border-left: 4px solid #c62828; padding: 0 1rem; background: #fdecea; }
+.error pre { white-space: pre-wrap; }
 .figures { display: flex; flex-wrap: wrap; gap: 1rem; margin: 1rem 0; }
 .figure { border: 1px solid #ddd; border-radius: 0.4rem; padding: 0.6rem 1rem; min-width: 9rem; }
 .figure .label { font-size: 0.8em; color: #666; } .figure .value { font-size: 1.4em; }
@@ -352,6 +366,18 @@ def _points(records: list[dict], x_key: str, y_key: str) -> list[tuple[float, fl
     return [(r[x_key], r[y_key]) for r in records if r.get(y_key) is not None]
 
 
+MAX_ERROR_CHARS = 2000
+
+
+def _error_html(error: dict | None) -> str:
+    if not error:
+        return ""
+    where = f"stage {error['stage']}" + (f", rank {error['rank']}" if error.get("rank") is not
+                                          None else "")
+    return (f'<section class="error"><h2>Why it failed</h2><p>{_esc(where)}: '
+            f"<b>{_esc(error['type'])}</b></p><pre>{_esc(error['message'])}</pre></section>")
+
+
 def render_html(report: dict) -> str:
     """The report dict -> one self-contained HTML page (inline CSS and SVG, no scripts)."""
     train, evals = report["series"]["train"], report["series"]["eval"]
@@ -391,6 +417,7 @@ def render_html(report: dict) -> str:
         f"<style>{_CSS}</style></head><body>",
         f'<h1>Run {run_id} <span class="status status-{status}">{status}</span></h1>',
         f'<p class="muted">generated {_esc(report["generated_at"])}</p>',
+        _error_html(report.get("error")),
         f'<section class="figures">{figures}</section>',
         f'<section class="charts">{"".join(charts)}</section>',
         "<h2>Config</h2>",

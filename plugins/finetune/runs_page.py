@@ -73,7 +73,19 @@ def _row(name: str, run_dir: str, report: dict | None, has_report: bool, mtime: 
             "status": report.get("status", "unknown"),
             "generated_at": report.get("generated_at"),
             "metrics": report.get("metrics") or {}, "config": report.get("config") or {},
-            "gpu": report.get("gpu"), "has_report": has_report, "mtime": mtime}
+            "gpu": report.get("gpu"), "has_report": has_report, "mtime": mtime,
+            "error": report.get("error")}
+
+
+def _error_cell(error: dict | None) -> str:
+    """A failed run's cause under its status: stage and type, the message cut short."""
+    if not error:
+        return ""
+    message = str(error.get("message") or "")
+    short = message if len(message) <= 160 else message[:160] + "..."
+    esc = html.escape
+    return (f'<div class="error" title="{esc(message)}">{esc(str(error.get("stage")))}: '
+            f'{esc(str(error.get("type")))}: {esc(short)}</div>')
 
 
 def _s3_runs(uri: str, s3: Any) -> list[dict[str, Any]]:
@@ -180,6 +192,7 @@ th { background: #f5f5f5; text-align: left; } td.num { text-align: right; }
 .status { padding: 0.1em 0.5em; border-radius: 0.3em; color: #fff; background: #757575; }
 .status-success { background: #2e7d32; } .status-failed { background: #c62828; }
 .status-running { background: #1565c0; } .xid { color: #c62828; font-weight: bold; }
+.error { color: #c62828; font-size: 0.85em; max-width: 28em; }
 .muted { color: #666; }
 """
 
@@ -201,7 +214,7 @@ def render_runs_page(rows: list[dict[str, Any]], dirs: list[RunsDir]) -> str:
         cells = [
             f'<td>{esc(str(row["run_id"]))}</td>',
             f'<td><span class="status status-{esc(row["status"])}">{esc(row["status"])}'
-            "</span></td>",
+            f"</span>{_error_cell(row.get('error'))}</td>",
             f'<td>{esc(str(row["generated_at"] or "n/a"))}</td>',
             f'<td>{esc(str(cfg.get("target", "n/a")))}</td>',
             f'<td>{esc(str(cfg.get("model", "n/a")))}</td>',

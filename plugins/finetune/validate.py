@@ -10,7 +10,9 @@ step), and the target's own checks. Nothing here calls a cloud API.
 from __future__ import annotations
 
 import ipaddress
+import json
 import logging
+import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -34,7 +36,7 @@ from finetune.trainer_config import trainer_config
 from finetune_contract import data as contract_data
 from finetune_contract.fields import ContractError, TrainConfig, quoted
 from finetune_contract.models import BUILTIN_MODELS, model_shape
-from finetune_contract.rules import config_problems
+from finetune_contract.rules import config_problems, location_problems
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +114,11 @@ def run_problems(cfg: RunConfig) -> Problems:
         return errors + exc.errors
     errors += _model_problems(cfg, in_pod)
     shape = model_shape(cfg.model, _local_dir(cfg.model, in_pod))
-    errors += config_problems(train, world_size=cfg.world_size,
-                              local_world_size=cfg.procs_per_node, shape=shape)
+    named = {field for field, _ in errors}
+    # The run dir is output_dir/<run>: a bad output_dir is named once, as the user gave it.
+    errors += [(field, message) for field, message in config_problems(
+        train, world_size=cfg.world_size, local_world_size=cfg.procs_per_node, shape=shape)
+        if not (field == "output_dir" and field in named)]
     if not errors:
         errors += data_problems(cfg, train, in_pod)
     return _dedupe(errors)
@@ -141,6 +146,12 @@ def _model_problems(cfg: RunConfig, in_pod: bool) -> Problems:
     if model_dir is not None and model_dir.is_dir():
         if not (model_dir / "config.json").is_file():
             return [("model", f"directory {quoted(cfg.model)} has no config.json")]
+        try:
+            config = json.loads((model_dir / "config.json").read_text())
+        except (OSError, ValueError) as exc:
+            return [("model", f"{quoted(cfg.model)}: config.json cannot be read as JSON ({exc})")]
+        if not isinstance(config, dict):
+            return [("model", f"{quoted(cfg.model)}: config.json holds no JSON object")]
         return []
     if _HUB_ID.match(cfg.model) and not cfg.model.startswith((".", "/", "~")):
         return []
@@ -180,8 +191,11 @@ def _field_problems(cfg: RunConfig) -> Problems:
         errors.append(("nodegroup", f"{quoted(cfg.nodegroup)} is not a Kubernetes label value "
                        "(the nodes' eks.amazonaws.com/nodegroup label): at most 63 letters, "
                        "digits, '-', '_' and '.', starting and ending with a letter or digit"))
-    if cfg.output_dir.startswith("s3://") and cfg.target == "local":
-        errors.append(("output_dir", "s3:// output needs target eks; give a local directory"))
+    if cfg.output_dir.startswith("s3://"):
+        errors += location_problems("output_dir", cfg.output_dir)
+        if cfg.target == "local":
+            errors.append(("output_dir", "s3:// output needs target eks; give a local "
+                           "directory"))
     return errors
 
 
@@ -289,9 +303,9 @@ def _row_problems(cfg: RunConfig, train: TrainConfig, rows: contract_data.FileRo
         bad += 1
     if len(rows.rows) + len(rows.malformed) >= MAX_ROWS_CHECKED:
         return []  # a sample: the trainer counts the whole data set at start
+    data_parallel = cfg.world_size // cfg.tp_degree
     try:
         n_train, _ = contract_data.split_sizes(len(lengths), train)
-        data_parallel = cfg.world_size // cfg.tp_degree
         contract_data.batches_per_epoch(n_train, cfg.micro_batch, data_parallel)
         if cfg.packing:
             packed = contract_data.min_packed_rows(lengths, cfg.seq_len, n_train)
@@ -302,8 +316,11 @@ def _row_problems(cfg: RunConfig, train: TrainConfig, rows: contract_data.FileRo
                                  f"as {packed} sequences: {exc}") from None
     except ValueError as exc:
         skipped = f" ({bad} bad rows skipped)" if bad else ""
-        # The eval split takes at least micro_batch rows: a micro_batch that large is the cause.
-        by_micro_batch = "micro_batch (" in str(exc) or cfg.micro_batch >= len(lengths) * 0.5
+        # The eval split takes at least micro_batch rows: a micro_batch that large is the cause
+        # when micro_batch 1 would have left rows to train on.
+        usable = len(lengths)
+        fits_one = usable - max(math.ceil(train.eval_fraction * usable), 1) >= data_parallel
+        by_micro_batch = "micro_batch (" in str(exc) or fits_one
         return [("micro_batch" if by_micro_batch else "dataset", f"{exc}{skipped}")]
     return []
 

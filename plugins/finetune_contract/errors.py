@@ -16,6 +16,8 @@ from collections.abc import Iterable
 from typing import Any
 
 ERRORS_DIR = "errors"
+# Where a failure before the output location is known (parsing the config) is recorded.
+ERROR_DIR_ENV = "FINETUNE_ERROR_DIR"
 MAX_MESSAGE_CHARS = 2000
 RECORD_KEYS = ("stage", "type", "message", "rank", "time")
 

@@ -223,12 +223,14 @@ def test_conf_outside_the_form_schema_is_refused_before_the_run_starts(tmp_path)
 
 
 @pytest.mark.slow
-def test_teardown_stops_etcd_and_trainers_when_train_fails(tmp_path):
+def test_teardown_stops_etcd_and_trainers_when_train_fails_and_the_report_says_why(
+        tmp_path, capfd):
     if etcd_binary() is None:
         pytest.skip("needs etcd to check that teardown stops it")
     broken = tmp_path / "broken-model"
     broken.mkdir()
-    (broken / "config.json").write_text("{ this is not json")
+    # Valid JSON validate can read, an architecture only loading it finds unknown.
+    (broken / "config.json").write_text('{"model_type": "no-such-architecture"}')
     out = tmp_path / "runs"
     dag_run = run_dag({**FAST, "model": str(broken), "tokenizer": "trainer/demo/tokenizer",
                        "output_dir": str(out), "procs_per_node": 2})
@@ -240,11 +242,18 @@ def test_teardown_stops_etcd_and_trainers_when_train_fails(tmp_path):
 
     run_dir = run_dir_of(dag_run, out)
     assert_etcd_stopped(run_dir)
-    train_log = (run_dir / "train.log").read_text()
-    assert "config.json" in train_log or "JSON" in train_log
+    assert "no-such-architecture" in (run_dir / "train.log").read_text()
     assert _trainer_processes(str(run_dir / "trainer_config.json")) == []
     report = json.loads((run_dir / "report.json").read_text())
     assert report["status"] == "failed"
+    # The report says why, in the trainer's own words, not torchrun's ChildFailedError.
+    error = report["error"]
+    assert error["stage"] == "train" and error["rank"] in (0, 1)
+    assert "no-such-architecture" in error["message"] and error["type"] != "ChildFailedError"
+    assert "Why it failed" in (run_dir / "report.html").read_text()
+    # and so does the train task's error
+    captured = capfd.readouterr()
+    assert f"raised {error['type']}: " in captured.out + captured.err
 
 
 @pytest.mark.slow

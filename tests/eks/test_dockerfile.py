@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from dockerfile_parse import DockerfileParser
 
+from finetune.image import IMAGE_CONTEXT
+
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "containers" / "trainer" / "Dockerfile"
 _PINNED_REQUIREMENT = re.compile(r"^[A-Za-z0-9][\w.\-\[\],]*==[\w.+!-]+$")
@@ -123,7 +125,8 @@ def test_trainer_image_has_efa_aws_ofi_nccl_a_cuda_base_and_a_non_root_user():
     assert args["TRAINER_UID"] != "0"
     # Ships only what the content hash covers: the image tag changes exactly when it should.
     sources = re.findall(r"^COPY\s+(?!--from)(?:--\S+\s+)*(\S+)\s", content, re.M)
-    assert sources and all(s.startswith(("trainer/", "containers/")) for s in sources)
+    context = tuple(f"{part}/" for part in IMAGE_CONTEXT)
+    assert sources and all(s.startswith(context) for s in sources)
 
 
 def test_dockerignore_sits_beside_the_dockerfile():

@@ -198,9 +198,10 @@ def test_a_window_without_the_jobs_series_says_metrics_are_missing(scraped):
 
 def test_a_prometheus_that_does_not_answer_gives_a_report_that_says_metrics_are_missing(
         tmp_path):
-    url = f"http://user:s3cret@127.0.0.1:{free_port()}/"
+    url = f"http://127.0.0.1:{free_port()}/"
     section = prometheus_gpu_metrics(url, namespace=NAMESPACE, pod_regex=job_pod_regex(JOB),
-                                     start=time.time() - 60, end=time.time(), timeout=2)
+                                     start=time.time() - 60, end=time.time(), timeout=2,
+                                     auth=("user", "s3cret"))
     assert not section["available"]
     assert section["missing"].startswith("GPU metrics missing: Prometheus at http://127.0.0.1:")
     assert "s3cret" not in json.dumps(section)
@@ -270,3 +271,17 @@ def test_eks_collect_metrics_queries_the_jobs_pods_over_the_train_window(scraped
     assert section["xid_errors"][0]["codes"] == [XID_CODE]
     no_url = EksTarget().gpu_metrics(dataclasses.replace(cfg, prometheus_url=""), {"job": JOB})
     assert not no_url["available"] and "no prometheus_url" in no_url["missing"]
+
+
+def test_prometheus_credentials_come_from_an_airflow_connection_and_travel_in_a_header(
+        monkeypatch):
+    from finetune.gpu_metrics import PrometheusClient, prometheus_endpoint
+
+    monkeypatch.setenv("AIRFLOW_CONN_PROM_TEST", "http://grafana:hunter2@prom.example:9090")
+    url, auth = prometheus_endpoint("", "prom_test")
+    assert url == "http://prom.example:9090" and auth == ("grafana", "hunter2")
+    assert prometheus_endpoint("https://other:9090", "prom_test")[0] == "https://other:9090"
+    assert prometheus_endpoint("http://p:9090", "") == ("http://p:9090", None)
+    client = PrometheusClient(url, auth=auth)
+    assert "hunter2" not in client.url
+    assert client.headers["Authorization"] == "Basic Z3JhZmFuYTpodW50ZXIy"

@@ -149,6 +149,34 @@ def test_validate_raises_only_config_errors_and_accepts_only_what_later_stages_a
     later_stages(cfg)
 
 
+# Local runs near the edge of what the data allows: lengths, batch sizes, fields, templates.
+NEAR_VALID_LOCAL = st.fixed_dictionaries({
+    "procs_per_node": st.integers(1, 2),
+    "seq_len": st.integers(8, 96) | st.sampled_from([128, 1024, 1025]),
+    "micro_batch": st.integers(1, 40) | st.sampled_from([700, 1500, 2900]),
+    "packing": st.booleans(),
+    "bad_rows": st.sampled_from(["skip", "error"]),
+    "tp_degree": st.sampled_from([1, 2]),
+    "text_field": st.sampled_from(["", "", "", "response", "text"]),
+    "prompt_field": st.sampled_from(["prompt", "prompt", "prompt", "question"]),
+    "prompt_template": st.sampled_from(["instruction", "instruction", "instruction", "chat"]),
+    "dataset_format": st.sampled_from(["auto", "jsonl"]),
+})
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(NEAR_VALID_LOCAL)
+def test_a_local_run_near_the_limits_of_its_data_is_accepted_only_if_the_trainer_starts(conf):
+    try:
+        cfg = validate_params(conf, run_id="manual__2026-11-29T10:00:00+00:00")
+    except ConfigError as exc:
+        assert exc.errors and all(field and message for field, message in exc.errors)
+        event("rejected")
+        return
+    event("accepted")
+    later_stages(cfg)
+
+
 RUN_IDS = st.text(st.characters(codec="utf-8"), min_size=1, max_size=300) | st.from_regex(
     r"(manual|scheduled|asset_triggered)__20[0-9]{2}-[01][0-9]-[0-3][0-9]T[0-2][0-9]:[0-5][0-9]"
     r":[0-5][0-9](\.[0-9]{6})?\+00:00", fullmatch=True)

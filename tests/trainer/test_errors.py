@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from finetune_contract.errors import MAX_MESSAGE_CHARS, RECORD_KEYS
+from finetune_contract.errors import ERROR_DIR_ENV, MAX_MESSAGE_CHARS, RECORD_KEYS
 from tests.support import REPO_ROOT
 from tests.support.training import demo_rows, write_jsonl
-from trainer.errors import ERROR_DIR_ENV, read_root_cause, write_root_cause
+from trainer.errors import read_root_cause, write_root_cause
 
 
 @pytest.mark.slow

@@ -28,7 +28,12 @@ from typing import Any
 
 from finetune.config import RunConfig
 from finetune.etcd import EtcdError, KeysRequest, delete_rendezvous_keys
-from finetune.gpu_metrics import job_pod_regex, missing_section, prometheus_gpu_metrics
+from finetune.gpu_metrics import (
+    job_pod_regex,
+    missing_section,
+    prometheus_endpoint,
+    prometheus_gpu_metrics,
+)
 from finetune.image_build import finish_image, image_param_errors, provide_image, start_image
 from finetune.instance_types import INSTANCE_TYPES
 from finetune.kube import aws_session, create_or_replace, kube_api_client
@@ -154,10 +159,6 @@ class EksTarget(Target):
             if not _DNS_LABEL.match(values[field]):
                 errors.append((field, f"{values[field]!r} is not a DNS label (lowercase "
                                "letters, digits and '-', at most 63)"))
-        secret = values["hf_token_secret"].partition(":")[0]
-        if values["hf_token_secret"] and not _DNS_SUBDOMAIN.match(secret):
-            errors.append(("hf_token_secret", f"{secret!r} is not a Secret name; give name or "
-                           "name:key"))
         out = values["output_dir"]
         if not (out.startswith("s3://") or out.startswith("/")):
             errors.append(("output_dir", f"{out!r}: on eks give s3://bucket/prefix or an "
@@ -531,12 +532,13 @@ class EksTarget(Target):
 
     def gpu_metrics(self, cfg: RunConfig, trained: dict) -> dict:
         """The job's DCGM GPU metrics from Prometheus over the train stage's time window."""
-        if not cfg.prometheus_url:
-            return missing_section("prometheus", "GPU metrics missing: no prometheus_url was "
-                                   "given for this run", {})
+        url, auth = prometheus_endpoint(cfg.prometheus_url, cfg.prometheus_conn_id)
+        if not url:
+            return missing_section("prometheus", "GPU metrics missing: no prometheus_url or "
+                                   "prometheus_conn_id was given for this run", {})
         end = trained.get("finished") or time.time()
         start = trained.get("started") or end - trained["wall_time_s"]
-        return prometheus_gpu_metrics(cfg.prometheus_url, namespace=cfg.namespace,
+        return prometheus_gpu_metrics(url, namespace=cfg.namespace, auth=auth,
                                       pod_regex=job_pod_regex(trained["job"]), start=start,
                                       end=end)
 

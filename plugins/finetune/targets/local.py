@@ -34,6 +34,7 @@ from finetune.report import write_report
 from finetune.s3_dataset import check_s3_dataset
 from finetune.targets import Target
 from finetune.trainer_config import trainer_config
+from finetune_contract.errors import ERROR_DIR_ENV, ERRORS_DIR, root_cause
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +235,10 @@ class LocalTarget(Target):
             stop_processes(_trainer_processes(str(config_path)))
         if failed:
             node, reason = failed
-            raise RuntimeError(f"training failed: node {node} {reason}; last "
+            cause = trainer_root_cause(run_dir)
+            because = (f"rank {cause['rank']} raised {cause['type']}: {cause['message']}\n"
+                       if cause else "")
+            raise RuntimeError(f"training failed: {because}node {node} {reason}; last "
                                f"{len(follower.tail)} lines of {follower.log_path}:\n"
                                + "\n".join(follower.tail))
         return {"model_dir": str(run_dir / "model"), "train_log": str(follower.log_path),
@@ -307,6 +311,7 @@ class LocalTarget(Target):
             [str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         env["OMP_NUM_THREADS"] = str(res["threads_per_process"])
         env["PYTHONUNBUFFERED"] = "1"
+        env[ERROR_DIR_ENV] = cfg.run_dir  # a config the trainer refuses is recorded there too
         env.update(TORCHRUN_ENV)  # in-place worker restarts get a clean store
         if res["device"] == "cuda":
             first = node * cfg.procs_per_node
@@ -356,10 +361,16 @@ class LocalTarget(Target):
         if run_dir.is_dir() and not (run_dir / "report.json").exists():
             # The run failed before collect_metrics: still leave a report of what it did.
             report = write_report(run_dir, run_id=cfg.run_id, status="failed",
-                                  config=cfg.to_dict())
+                                  config=cfg.to_dict(), error=trainer_root_cause(run_dir))
             stopped["report"] = _summary(cfg, report)
         log.info("teardown: %s; outputs kept in %s", stopped or "nothing was running", run_dir)
         return stopped
+
+
+def trainer_root_cause(run_dir: Path) -> dict | None:
+    """The trainer's record of why it failed (the earliest rank's), if it wrote one."""
+    files = sorted((run_dir / ERRORS_DIR).glob("rank_*.json"))
+    return root_cause(path.read_text(errors="replace") for path in files)
 
 
 def _summary(cfg: RunConfig, report: dict) -> dict:
