@@ -47,15 +47,16 @@ def test_a_config_that_does_not_parse_is_recorded_in_the_error_dir_when_one_is_n
     from trainer.train import main
 
     monkeypatch.setenv(ERROR_DIR_ENV, str(tmp_path / "errors-here"))
-    with pytest.raises(ValueError, match="micro_batch must be a number"):
+    with pytest.raises(ValueError, match="- micro_batch: must be a number"):
         main(["--micro_batch", "lots", "--output_dir", str(tmp_path / "run")])
 
     record = read_root_cause(str(tmp_path / "errors-here"))
-    assert record is not None and record["message"] == "micro_batch must be a number, got 'lots'"
+    assert record is not None and record["type"] == "ContractError"
+    assert "- micro_batch: must be a number, got 'lots'" in record["message"]
     assert not (tmp_path / "run").exists()
 
     monkeypatch.delenv(ERROR_DIR_ENV)
-    with pytest.raises(ValueError, match="micro_batch must be a number"):
+    with pytest.raises(ValueError, match="- micro_batch: must be a number"):
         main(["--micro_batch", "lots", "--output_dir", str(tmp_path / "run")])
     assert not (tmp_path / "run").exists()
 

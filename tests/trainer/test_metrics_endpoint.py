@@ -57,7 +57,7 @@ def test_other_ranks_and_port_0_serve_nothing(tmp_path):
 
 
 def test_metrics_port_out_of_range_is_refused_naming_the_field():
-    with pytest.raises(ValueError, match="metrics_port must be between 0 and 65535"):
+    with pytest.raises(ValueError, match="- metrics_port: must be <= 65535, got 70000"):
         TrainConfig(metrics_port=70000)
 
 
