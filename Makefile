@@ -1,4 +1,5 @@
-# The two commands: `make demo` (the fine-tuning DAG end to end on this machine) and `make test`.
+# The two commands: `make demo` (the fine-tuning DAG end to end on this machine) and `make test`
+# (the whole suite; `make test-fast` leaves out the tests marked slow).
 # Both set up everything they need: a project-local virtualenv, AIRFLOW_HOME and its database,
 # and etcd when it can be installed.
 
@@ -16,7 +17,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # `airflow standalone` starts its components as `airflow ...` from PATH.
 export PATH := $(BIN):$(PATH)
 
-.PHONY: demo test lint airflow run venv system-deps airflow-db clean
+.PHONY: demo test test-fast lint airflow run venv system-deps airflow-db clean
 
 venv: $(VENV)/.installed
 
@@ -51,6 +52,11 @@ demo: venv system-deps airflow-db
 
 test: venv system-deps airflow-db
 	$(BIN)/python -m pytest tests
+
+# The edit-test loop: everything but the tests marked slow (whole Airflow and torchrun runs,
+# Chromium, a real api-server); under 3 minutes on 2 cores.
+test-fast: venv system-deps airflow-db
+	$(BIN)/python -m pytest tests -m "not slow"
 
 lint: venv
 	$(BIN)/ruff check .

@@ -9,6 +9,8 @@ step), and the target's own checks. Nothing here calls a cloud API.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import ipaddress
 import json
 import logging
@@ -264,7 +266,7 @@ def data_problems(cfg: RunConfig, train: TrainConfig, in_pod: bool) -> Problems:
         errors.append(("dataset", contract_data.bad_row_error(train, place, what)))
     if errors or tokenizer_dir is None:
         return errors
-    return errors + _row_problems(cfg, train, rows, tokenizer_dir)
+    return errors + _row_problems(cfg, train, rows, tokenizer_dir, files)
 
 
 def _tokenizer_dir(cfg: RunConfig, in_pod: bool) -> Path | None:
@@ -280,27 +282,20 @@ def _tokenizer_dir(cfg: RunConfig, in_pod: bool) -> Path | None:
 
 
 def _row_problems(cfg: RunConfig, train: TrainConfig, rows: contract_data.FileRows,
-                  tokenizer_dir: Path) -> Problems:
+                  tokenizer_dir: Path, files: list[str]) -> Problems:
     """Encode every row as the trainer will: rows too long or empty, enough for a step."""
-    try:
-        from transformers import AutoTokenizer
-    except ImportError:  # an Airflow without transformers: the trainer checks at start
+    if importlib.util.find_spec("transformers") is None:
+        # an Airflow without transformers (MWAA): the trainer checks the lengths at start
         log.info("transformers is not installed here: row lengths are checked at trainer start")
         return []
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    lengths: list[int] = []
-    bad = len(rows.malformed)
-    for place, row in zip(rows.places, rows.rows):
-        try:
-            problem, input_ids, _ = contract_data.encode_row(tokenizer, train, row)
-        except ValueError as exc:  # a chat template that cannot mask the prompt
-            return [("prompt_template", str(exc))]
-        if problem is None:
-            lengths.append(len(input_ids))
-            continue
-        if cfg.bad_rows == "error":
-            return [("dataset", contract_data.bad_row_error(train, place, problem[1]))]
-        bad += 1
+    stamps = (cfg.dataset_format, *((file, *_stamp(Path(file))) for file in files))
+    try:
+        lengths, bad, first_bad = _encoded(stamps, _stamp(tokenizer_dir), str(tokenizer_dir),
+                                           _encoding_fields(train), rows)
+    except ValueError as exc:  # a chat template that cannot mask the prompt
+        return [("prompt_template", str(exc))]
+    if first_bad is not None and cfg.bad_rows == "error":
+        return [("dataset", contract_data.bad_row_error(train, *first_bad))]
     if len(rows.rows) + len(rows.malformed) >= MAX_ROWS_CHECKED:
         return []  # a sample: the trainer counts the whole data set at start
     data_parallel = cfg.world_size // cfg.tp_degree
@@ -323,6 +318,60 @@ def _row_problems(cfg: RunConfig, train: TrainConfig, rows: contract_data.FileRo
         by_micro_batch = "micro_batch (" in str(exc) or fits_one
         return [("micro_batch" if by_micro_batch else "dataset", f"{exc}{skipped}")]
     return []
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    stat = path.stat()
+    return stat.st_size, stat.st_mtime_ns
+
+
+def _encoding_fields(train: TrainConfig) -> tuple:
+    """What an example's encoding depends on, besides the rows and the tokenizer."""
+    return (train.text_field, train.prompt_field, train.response_field, train.prompt_template,
+            train.seq_len)
+
+
+class _Rows:
+    """FileRows that hash by the files' stamps, so an encoding is cached per data set version."""
+
+    def __init__(self, stamps: tuple, rows: contract_data.FileRows):
+        self.stamps, self.rows = stamps, rows
+
+    def __hash__(self) -> int:
+        return hash(self.stamps)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Rows) and other.stamps == self.stamps
+
+
+def _encoded(stamps: tuple, tokenizer_stamp: tuple, tokenizer_dir: str, fields: tuple,
+             rows: contract_data.FileRows) -> tuple[list[int], int, tuple[str, str] | None]:
+    return _encoded_cached(_Rows(stamps, rows), tokenizer_stamp, tokenizer_dir, fields)
+
+
+@functools.lru_cache(maxsize=16)
+def _encoded_cached(rows: _Rows, tokenizer_stamp: tuple, tokenizer_dir: str, fields: tuple
+                    ) -> tuple[list[int], int, tuple[str, str] | None]:
+    """(lengths of the usable rows, bad rows, the first bad row's (place, what)): every row
+    encoded as the trainer will. Cached: validate runs often on one data set (tests, retries)."""
+    from transformers import AutoTokenizer
+
+    text_field, prompt_field, response_field, prompt_template, seq_len = fields
+    train = TrainConfig(text_field=text_field, prompt_field=prompt_field,
+                        response_field=response_field, prompt_template=prompt_template,
+                        seq_len=seq_len)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    lengths: list[int] = []
+    bad = len(rows.rows.malformed)
+    first_bad = rows.rows.malformed[0] if rows.rows.malformed else None
+    for place, row in zip(rows.rows.places, rows.rows.rows):
+        problem, input_ids, _ = contract_data.encode_row(tokenizer, train, row)
+        if problem is None:
+            lengths.append(len(input_ids))
+            continue
+        bad += 1
+        first_bad = first_bad or (place, problem[1])
+    return lengths, bad, first_bad
 
 
 def secret_safe(field: str, value: Any) -> str:

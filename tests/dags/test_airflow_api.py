@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import importlib.util
 import json
 import os
 import secrets
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -31,24 +29,18 @@ from pathlib import Path
 
 import pytest
 
+from finetune.etcd import free_port
 from finetune.presets import PRESET_DISPLAY, PRESET_NAMES
+from tests.support import REPO_ROOT
+from tests.support.system import system_binary_or_skip
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("root_conftest", REPO_ROOT / "tests" / "conftest.py")
-_root_conftest = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_root_conftest)
-system_binary_or_skip = _root_conftest.system_binary_or_skip
+pytestmark = pytest.mark.slow  # a real api-server, scheduler, dag-processor; DAG runs; Chromium
+
 AIRFLOW = str(Path(sys.executable).with_name("airflow"))
 STAGES = {"validate", "snapshot", "scale_up", "build_image", "reset_etcd", "train",
           "collect_metrics", "teardown"}
 # Few steps on top of the tiny-local preset: a run finishes in well under a minute.
 SHORT = {"max_steps": 6, "eval_interval": 3, "checkpoint_interval": 0, "warmup_steps": 2}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Api:

@@ -115,6 +115,7 @@ def full_run(tmp_path_factory, request):
     return dag_run, output_dir, task_log.lines
 
 
+@pytest.mark.slow
 def test_full_local_run_trains_a_model_transformers_loads_and_writes_the_report(full_run):
     dag_run, tmp_path, _ = full_run
     states = task_results(dag_run)
@@ -164,6 +165,7 @@ def metadata_rows_of_run(run_id: str) -> dict[str, list[str]]:
     return rows
 
 
+@pytest.mark.slow
 def test_no_secret_in_task_logs_xcom_rendered_fields_or_run_dir_of_a_full_run(full_run,
                                                                              request):
     from airflow.configuration import conf
@@ -220,6 +222,7 @@ def test_conf_outside_the_form_schema_is_refused_before_the_run_starts(tmp_path)
         run_dag({"nodes": 0, "output_dir": str(tmp_path)})
 
 
+@pytest.mark.slow
 def test_teardown_stops_etcd_and_trainers_when_train_fails_and_the_report_says_why(
         tmp_path, capfd):
     if etcd_binary() is None:
@@ -253,6 +256,7 @@ def test_teardown_stops_etcd_and_trainers_when_train_fails_and_the_report_says_w
     assert f"raised {error['type']}: " in captured.out + captured.err
 
 
+@pytest.mark.slow
 def test_a_training_past_its_deadline_is_stopped_and_the_run_gives_everything_back(tmp_path):
     out = tmp_path / "runs"
     dag_run = run_dag({**FAST, "max_steps": 100000, "active_deadline_s": 2,

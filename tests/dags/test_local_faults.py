@@ -129,6 +129,7 @@ def assert_resumed_to_the_uninterrupted_losses(run_dir: Path, uninterrupted: dic
     assert summary["final_eval_loss"] == pytest.approx(uninterrupted["final_eval_loss"], rel=1e-3)
 
 
+@pytest.mark.slow
 def test_a_killed_rank_is_restarted_by_torchrun_and_resumes_to_the_uninterrupted_losses(
         tmp_path, uninterrupted):
     # The deadline turns a hung restart into a failure instead of a hung suite.
@@ -147,6 +148,7 @@ def test_a_killed_rank_is_restarted_by_torchrun_and_resumes_to_the_uninterrupted
     assert_resumed_to_the_uninterrupted_losses(run_dir, uninterrupted)
 
 
+@pytest.mark.slow
 def test_a_killed_node_is_started_again_and_both_nodes_resume_to_the_uninterrupted_losses(
         tmp_path, uninterrupted):
     target, cfg, rdzv = start(tmp_path, "killed-node", nodes=2, procs_per_node=1)
@@ -207,6 +209,7 @@ def uninterrupted(lost_worker_run) -> dict:
     return {**last_losses(run_dir), "final_eval_loss": summary["final_eval_loss"]}
 
 
+@pytest.mark.slow
 def test_a_retry_after_the_worker_died_reattaches_to_the_running_training(lost_worker_run):
     result, run_dir, agents = lost_worker_run
     assert result["reattached"] is True

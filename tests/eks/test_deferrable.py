@@ -10,37 +10,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import kubernetes
 import pytest
 from airflow.sdk.exceptions import TaskDeferred
-from eks_support import (
-    FAST,
-    IMAGE,
-    NS,
-    RDZV,
-    SCALING,
-    TrainingOperator,
-    add_nodes,
-    eks_config,
-    first_event,
-    jobs_of_run,
-    reloaded,
-    run_deferred,
-    scaling,
-    stage_operator,
-    target,
-)
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from finetune.operators import StageOperator
 from finetune.targets.eks.clients import kube_credentials
 from finetune.targets.eks.job import pytorchjob_state
 from finetune.targets.eks.manifests import (
-    PYTORCHJOB_GROUP,
-    PYTORCHJOB_PLURAL,
-    PYTORCHJOB_VERSION,
     job_name,
-    pytorchjob_manifest,
 )
 from finetune.targets.eks.target import EksTarget
 from finetune.targets.eks.triggers import (
@@ -48,24 +26,22 @@ from finetune.targets.eks.triggers import (
     NodesReadyTrigger,
     PyTorchJobTrigger,
 )
-
-
-def train_operator(cfg: Any) -> StageOperator:
-    return stage_operator("train", cfg, image=IMAGE, rendezvous=RDZV)
-
-
-def set_condition(cluster: Any, name: str, condition: str) -> None:
-    kubernetes.client.CustomObjectsApi(cluster.api()).patch_namespaced_custom_object_status(
-        PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, NS, PYTORCHJOB_PLURAL, name,
-        {"status": {"conditions": [{"type": condition, "status": "True",
-                                    "message": f"PyTorchJob {name} is {condition}"}]}})
-
-
-def create_job(cluster: Any, cfg: Any) -> str:
-    manifest = pytorchjob_manifest(cfg, IMAGE["image"])
-    kubernetes.client.CustomObjectsApi(cluster.api()).create_namespaced_custom_object(
-        PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, NS, PYTORCHJOB_PLURAL, manifest)
-    return manifest["metadata"]["name"]
+from tests.support.deferral import first_event, reloaded, run_deferred
+from tests.support.eks import (
+    FAST,
+    NS,
+    SCALING,
+    TrainingOperator,
+    create_job,
+    eks_config,
+    jobs_of_run,
+    scaling,
+    set_condition,
+    stage_operator,
+    target,
+    train_operator,
+)
+from tests.support.kube import add_nodes
 
 
 def test_pytorchjob_trigger_wakes_while_restarting_and_fires_when_succeeded(cluster):
@@ -149,6 +125,7 @@ def scale_up_operator(cfg: Any) -> StageOperator:
     return stage_operator("scale_up", cfg, options={"nodes_timeout": 1.0})
 
 
+@pytest.mark.slow
 def test_scale_up_defers_until_the_nodegroup_is_active_and_the_nodes_ready(nodegroup, cluster):
     cfg = eks_config(nodes=2)
     snap = target().snapshot(cfg)

@@ -15,22 +15,6 @@ from typing import Any
 import kubernetes
 import pytest
 from airflow.sdk.exceptions import TaskDeferred
-from eks_support import (
-    IMAGE,
-    NS,
-    RDZV,
-    SCALING,
-    TrainingOperator,
-    add_nodes,
-    eks_config,
-    first_event,
-    jobs_of_run,
-    reloaded,
-    run_stage,
-    scaling,
-    target,
-)
-from test_deferrable import create_job, set_condition, train_operator
 
 from finetune.targets.eks.clients import kube_credentials
 from finetune.targets.eks.manifests import (
@@ -40,6 +24,23 @@ from finetune.targets.eks.manifests import (
 )
 from finetune.targets.eks.reservations import live_reservations
 from finetune.targets.eks.triggers import NodesReadyTrigger, PyTorchJobTrigger
+from tests.support.deferral import first_event, reloaded
+from tests.support.eks import (
+    IMAGE,
+    NS,
+    RDZV,
+    SCALING,
+    TrainingOperator,
+    create_job,
+    eks_config,
+    jobs_of_run,
+    run_stage,
+    scaling,
+    set_condition,
+    target,
+    train_operator,
+)
+from tests.support.kube import add_nodes
 
 
 async def restarted(trigger: Any, change_after_restart: Any, waiting_for: float = 0.4) -> dict:
@@ -129,6 +130,7 @@ def fail_at(stage: str, cluster: Any, cfg: Any) -> None:
 
 
 @pytest.mark.parametrize("stage", ["scale_up", "build_image", "reset_etcd", "train"])
+@pytest.mark.slow
 def test_teardown_after_a_failure_at_each_stage_gives_everything_back(
         stage, nodegroup, cluster, etcd_server):
     cfg = eks_config(nodes=2)

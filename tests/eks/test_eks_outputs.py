@@ -7,9 +7,9 @@ import json
 
 import boto3
 import pytest
-from eks_support import SCALING, eks_config, scaling, target
 
 from finetune.outputs import ReportUnavailable
+from tests.support.eks import SCALING, eks_config, scaling, target
 
 TRAIN = [
     {"type": "eval", "step": 0, "eval_loss": 4.0, "time": 1.0},

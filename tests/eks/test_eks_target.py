@@ -12,19 +12,6 @@ import boto3
 import botocore.exceptions
 import kubernetes
 import pytest
-from eks_support import (
-    IMAGE,
-    NS,
-    RDZV,
-    SCALING,
-    TrainingOperator,
-    add_nodes,
-    eks_config,
-    jobs_of_run,
-    run_stage,
-    scaling,
-    target,
-)
 
 from finetune.targets import get_target
 from finetune.targets.eks.clients import eks_api_client, eks_token
@@ -36,12 +23,26 @@ from finetune.targets.eks.manifests import (
 )
 from finetune.targets.eks.nodegroup import current_scaling, node_readiness, update_scaling
 from finetune.targets.eks.target import EksTarget
+from tests.support.eks import (
+    IMAGE,
+    NS,
+    RDZV,
+    SCALING,
+    TrainingOperator,
+    eks_config,
+    jobs_of_run,
+    run_stage,
+    scaling,
+    target,
+)
+from tests.support.kube import add_nodes
 
 
 def test_get_target_eks_is_the_eks_target():
     assert isinstance(get_target("eks"), EksTarget)
 
 
+@pytest.mark.slow
 def test_successful_run_scales_up_trains_streams_the_log_and_teardown_restores(
         nodegroup, cluster, task_log):
     cfg, t = eks_config(nodes=2), target()
@@ -69,6 +70,7 @@ def test_successful_run_scales_up_trains_streams_the_log_and_teardown_restores(
     assert f"pytorchjob/{job_name(cfg)}" in done["deleted"]
 
 
+@pytest.mark.slow
 def test_failed_job_names_the_oomkilled_pod_and_teardown_restores_the_nodegroup(
         nodegroup, cluster):
     cfg, t = eks_config(nodes=2), target()
@@ -108,6 +110,7 @@ def test_retry_adopts_the_running_job_instead_of_creating_a_second(nodegroup, cl
     assert [j["metadata"]["name"] for j in jobs] == [first["metadata"]["name"]]
 
 
+@pytest.mark.slow
 def test_scale_up_times_out_with_node_conditions_and_teardown_still_restores(
         nodegroup, cluster):
     cfg, t = eks_config(nodes=2), target()

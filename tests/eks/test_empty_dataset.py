@@ -7,11 +7,12 @@ import re
 
 import boto3
 import pytest
-from eks_support import SCALING, add_nodes, eks_config, run_stage, scaling, target
 
 from finetune.config import ConfigError
 from finetune.s3_dataset import s3_dataset_problem
 from finetune.targets.local import LocalTarget
+from tests.support.eks import SCALING, eks_config, run_stage, scaling, target
+from tests.support.kube import add_nodes
 
 ROWS = b'{"prompt": "Name a bird", "response": "owl"}\n'
 # Objects in the bucket, and what scale_up says of a data set URI.

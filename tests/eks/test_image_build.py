@@ -21,17 +21,6 @@ import kmock
 import kubernetes
 import kubernetes_validate
 import pytest
-from eks_support import (
-    EKS_PARAMS,
-    FAST,
-    Cluster,
-    eks_config,
-    first_event,
-    reloaded,
-    run_deferred,
-    run_stage,
-    stage_operator,
-)
 
 from finetune.config import ConfigError, RunConfig
 from finetune.image import context_files, image_tag
@@ -49,11 +38,14 @@ from finetune.targets.eks.image_build import (
 )
 from finetune.targets.eks.target import EksTarget
 from finetune.validate import validate_params
+from tests.support.deferral import first_event, reloaded, run_deferred
+from tests.support.eks import EKS_PARAMS, FAST, eks_config, run_stage, stage_operator
+from tests.support.kube import Cluster
+from tests.support.schemas import K8S_VERSION
 
 NS = "ml"
 REPO_NAME = "finetune-trainer"
 BUCKET = "ctx-bucket"
-K8S_VERSION = "1.33"
 ROLE = "arn:aws:iam::123456789012:role/codebuild-finetune"
 MANIFEST = json.dumps({"schemaVersion": 2,
                        "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
@@ -183,6 +175,7 @@ def test_build_job_is_a_valid_kubernetes_job_with_the_context_and_secret_wired()
     assert "AWS_" not in json.dumps(job)  # no credentials in the manifest
 
 
+@pytest.mark.slow
 def test_buildkit_build_pushes_verifies_and_deletes_the_secret(session, kube):
     controller = JobController(kube, session)
     controller.start()
@@ -326,6 +319,7 @@ def build_operator(cfg: RunConfig) -> Any:
     return stage_operator("build_image", cfg)
 
 
+@pytest.mark.slow
 def test_build_image_task_defers_until_the_buildkit_job_completes_then_verifies(session, kube):
     controller = JobController(kube, session)
     controller.start()
@@ -375,6 +369,7 @@ def test_a_build_past_its_deadline_is_stopped_and_its_secret_deleted(session, ku
     assert batch.list_namespaced_job(NS).items == [] and secret_names(kube) == []
 
 
+@pytest.mark.slow
 def test_codebuild_failure_is_reported_from_its_phases(session, monkeypatch):
     """moto reports every build SUCCEEDED: the failed status is the test's, the report ours."""
     from finetune.targets.eks import image_build

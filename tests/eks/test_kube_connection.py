@@ -9,9 +9,9 @@ import json
 
 import kubernetes
 import pytest
-from eks_support import add_nodes
 
 from finetune.targets.eks.clients import async_kube_api_client, kube_api_client
+from tests.support.kube import add_nodes
 
 CONN_ID = "emulated_cluster"
 

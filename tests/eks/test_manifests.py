@@ -4,14 +4,11 @@ what the run needs (sizes, rendezvous, resources, secrets only by reference)."""
 from __future__ import annotations
 
 import json
-from functools import cache
 from pathlib import Path
 
-import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from eks_support import EKS_PARAMS, eks_config
 
 from finetune.config import RDZV_BACKENDS, STRATEGIES, ConfigError
 from finetune.instance_types import INSTANCE_TYPES
@@ -24,23 +21,8 @@ from finetune.targets.eks.manifests import (
     trainer_configmap_manifest,
 )
 from finetune.validate import validate_params
-
-SCHEMAS = Path(__file__).resolve().parents[3] / "shared" / "k8s-schemas"
-K8S_VERSION = "1.33"
-
-
-@cache
-def pytorchjob_validator() -> jsonschema.protocols.Validator:
-    crd = yaml.safe_load((SCHEMAS / "kubeflow.org_pytorchjobs.yaml").read_text())
-    version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
-    schema = version["schema"]["openAPIV3Schema"]
-    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft7Validator)
-    return cls(schema)
-
-
-def assert_valid_pytorchjob(manifest: dict) -> None:
-    errors = sorted(pytorchjob_validator().iter_errors(manifest), key=str)
-    assert not errors, "\n".join(f"{list(e.path)}: {e.message}" for e in errors[:5])
+from tests.support.eks import EKS_PARAMS, eks_config
+from tests.support.schemas import K8S_VERSION, assert_valid_pytorchjob
 
 
 def test_schema_check_rejects_a_malformed_pytorchjob():

@@ -12,14 +12,14 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
-from eks_support import eks_config
 
 from finetune.gpu_metrics import DCGM_SERIES
 from finetune.targets.eks.manifests import APP, METRICS_PORT_NAME, pytorchjob_manifest
+from tests.support.eks import eks_config
+from tests.support.schemas import K8S_VERSION
 from trainer.metrics_endpoint import EVAL_GAUGE, MAX_STEPS_GAUGE, TRAIN_GAUGES
 
 OBSERVABILITY = Path(__file__).resolve().parents[2] / "containers" / "observability"
-K8S_VERSION = "1.33"
 TRAINER_SERIES = {name for name, _ in TRAIN_GAUGES.values()} | {EVAL_GAUGE[0],
                                                                  MAX_STEPS_GAUGE[0]}
 

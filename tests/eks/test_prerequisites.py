@@ -12,9 +12,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tests.support.schemas import K8S_VERSION
+
 ROOT = Path(__file__).resolve().parents[2]
 K8S_DIR = ROOT / "containers" / "k8s"
-K8S_VERSION = "1.33"
 CODE = {p: p.read_text() for p in sorted((ROOT / "plugins" / "finetune").rglob("*.py"))}
 
 # The Kubernetes client's method verbs and resources -> RBAC verbs and (apiGroup, resource).

@@ -12,7 +12,6 @@ from typing import Any
 import boto3
 import kubernetes
 import pytest
-from eks_support import NS, SCALING, add_nodes, eks_config, run_stage, scaling, target
 
 from finetune.targets.eks.manifests import run_labels
 from finetune.targets.eks.nodegroup import busy_node_names, instance_id
@@ -24,6 +23,8 @@ from finetune.targets.eks.reservations import (
     reserve,
     wanted_scaling,
 )
+from tests.support.eks import NS, SCALING, eks_config, run_stage, scaling, target
+from tests.support.kube import add_nodes
 
 BASELINE = {"minSize": 0, "maxSize": 2, "desiredSize": 1}
 
@@ -69,6 +70,7 @@ def test_desired_size_is_the_baseline_plus_the_live_reservations():
     assert record_baseline(emptied, {**BASELINE, "desiredSize": 0})["baseline"]["desiredSize"] == 0
 
 
+@pytest.mark.slow
 def test_concurrent_runs_never_scale_down_each_others_nodes(nodegroup, cluster):
     t = target()
     a, b, c = (eks_config(run_id=f"run-{x}", nodes=n, max_nodes=4)
@@ -89,6 +91,7 @@ def test_concurrent_runs_never_scale_down_each_others_nodes(nodegroup, cluster):
     assert store(cluster).read()[0]["reservations"] == {}
 
 
+@pytest.mark.slow
 def test_a_later_run_restores_the_baseline_not_the_size_it_found(nodegroup, cluster):
     t = target()
     first, second = eks_config(run_id="first", nodes=2), eks_config(run_id="second", nodes=1)
@@ -171,6 +174,7 @@ def run_pod(cluster: Any, cfg: Any, node: str, phase: str = "Running") -> None:
         "status": {"phase": phase}})
 
 
+@pytest.mark.slow
 def test_a_run_shrinking_the_node_group_protects_the_nodes_other_runs_train_on(
     nodegroup, cluster
 ):

@@ -61,6 +61,7 @@ def test_local_etcd_starts_healthy_on_loopback_and_stops_cleanly(tmp_path, etcd_
     assert not Path(etcd_server.data_dir).exists()
 
 
+@pytest.mark.slow
 def test_second_run_with_the_same_rendezvous_id_needs_the_reset(etcd_server):
     first = torchrun(etcd_server.endpoint, "job-a")
     assert first.returncode == 0, first.stderr[-3000:]
@@ -76,6 +77,7 @@ def test_second_run_with_the_same_rendezvous_id_needs_the_reset(etcd_server):
     assert after_reset.returncode == 0, after_reset.stderr[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["etcd-v2", "c10d"])
 def test_torchrun_restarts_a_failed_worker_in_place_and_the_new_round_forms_its_group(
         etcd_server, backend):

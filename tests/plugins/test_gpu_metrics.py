@@ -5,7 +5,6 @@ equal what the exporter served."""
 from __future__ import annotations
 
 import http.server
-import importlib.util
 import json
 import subprocess
 import threading
@@ -25,13 +24,7 @@ from finetune.gpu_metrics import (
     sampled_gpu_metrics,
 )
 from finetune.report import write_report
-
-# tests/conftest.py by path: another folder's conftest may hold the name `conftest`
-_spec = importlib.util.spec_from_file_location(
-    "root_conftest", Path(__file__).resolve().parents[1] / "conftest.py")
-_root_conftest = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_root_conftest)
-system_binary_or_skip = _root_conftest.system_binary_or_skip
+from tests.support.system import system_binary_or_skip
 
 NAMESPACE = "ml"
 JOB = "llm-finetune-run1"
@@ -148,6 +141,7 @@ def scraped(tmp_path_factory):
         exporter.shutdown()
 
 
+@pytest.mark.slow
 def test_per_gpu_and_per_node_figures_equal_what_the_exporter_served(scraped):
     url, exporter, start, end = scraped
     section = prometheus_gpu_metrics(url, namespace=NAMESPACE, pod_regex=job_pod_regex(JOB),
@@ -179,6 +173,7 @@ def test_per_gpu_and_per_node_figures_equal_what_the_exporter_served(scraped):
     assert all(start - 1 <= t <= end + 1 for t, _ in util["node-a/gpu0"])
 
 
+@pytest.mark.slow
 def test_an_xid_error_is_flagged_on_its_gpu_and_in_the_report(scraped, tmp_path):
     url, _, start, end = scraped
     section = prometheus_gpu_metrics(url, namespace=NAMESPACE, pod_regex=job_pod_regex(JOB),
@@ -192,6 +187,7 @@ def test_an_xid_error_is_flagged_on_its_gpu_and_in_the_report(scraped, tmp_path)
     assert 'class="xid"' in page and "XID 79" in page
 
 
+@pytest.mark.slow
 def test_a_window_without_the_jobs_series_says_metrics_are_missing(scraped):
     url, _, start, end = scraped
     section = prometheus_gpu_metrics(url, namespace=NAMESPACE,
@@ -258,6 +254,7 @@ def test_the_resource_sampler_records_host_cpu_and_memory_while_it_runs(tmp_path
     assert [t for t, _ in host["series"]["cpu_percent"]] == sorted(r["time"] for r in samples)
 
 
+@pytest.mark.slow
 def test_eks_collect_metrics_queries_the_jobs_pods_over_the_train_window(scraped):
     import dataclasses
 

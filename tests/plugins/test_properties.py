@@ -7,9 +7,8 @@ import dataclasses
 import functools
 import math
 import re
-import sys
-from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -24,11 +23,6 @@ from finetune.targets.eks.manifests import (
 )
 from finetune.trainer_config import trainer_config
 from finetune.validate import validate_params
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-for path in (REPO_ROOT / "tests" / "eks", REPO_ROOT):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
 
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -97,9 +91,9 @@ def later_stages(cfg) -> None:
     checks for its world and (once built) its model, its data loading and sampler for this
     world, and on eks the manifests (valid against the CRD and Kubernetes)."""
     import torch
-    from test_manifests import K8S_VERSION, assert_valid_pytorchjob
 
     from finetune_contract.models import BUILTIN_MODELS
+    from tests.support.schemas import K8S_VERSION, assert_valid_pytorchjob
     from trainer.config import TrainConfig, resolve
     from trainer.model import builtin_config
     from trainer.parallel import DistEnv, check_start
@@ -141,6 +135,7 @@ def trainer_data_start(train, data_parallel: int) -> None:
     DistributedSampler(len(splits.train), train.micro_batch, 0, data_parallel, train.seed)
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(params())
 def test_validate_raises_only_config_errors_and_accepts_only_what_later_stages_accept(conf):
@@ -187,10 +182,11 @@ RUN_IDS = st.text(st.characters(codec="utf-8"), min_size=1, max_size=300) | st.f
     r":[0-5][0-9](\.[0-9]{6})?\+00:00", fullmatch=True)
 
 
+@pytest.mark.slow  # validate tokenizes the demo data set for each of ~400 run ids
 @settings(max_examples=200, deadline=None)
 @given(RUN_IDS, RUN_IDS)
 def test_any_run_id_maps_to_valid_distinct_kubernetes_names_and_labels(run_id, other):
-    from eks_support import eks_config
+    from tests.support.eks import eks_config
 
     cfg = eks_config(run_id=run_id)
     name = job_name(cfg)

@@ -3,7 +3,6 @@ module) with this project's plugins, opened in headless Chromium."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -18,14 +17,10 @@ import pytest
 from finetune.etcd import free_port
 from finetune.gpu_metrics import sampled_gpu_metrics
 from finetune.report import write_report
+from tests.support import REPO_ROOT
+from tests.support.system import system_binary_or_skip
 
-# tests/conftest.py by path: another folder's conftest may hold the name `conftest`
-_spec = importlib.util.spec_from_file_location(
-    "root_conftest", Path(__file__).resolve().parents[1] / "conftest.py")
-_root_conftest = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_root_conftest)
-system_binary_or_skip = _root_conftest.system_binary_or_skip
-REPO_ROOT = _root_conftest.REPO_ROOT
+pytestmark = pytest.mark.slow  # a real api-server, and Chromium
 
 RUN_ID = "manual__2026-01-02T03:04:05+00:00"
 RUN_NAME = "manual__2026-01-02T03-04-05-00-00-0123abcd"

@@ -7,10 +7,10 @@ import re
 import datasets
 import pandas as pd
 import pytest
-from conftest import demo_rows, write_jsonl
 from transformers import AutoTokenizer
 
 from finetune_contract.data import encode_example
+from tests.support.training import demo_rows, write_jsonl
 from trainer.config import load_config
 from trainer.data import build_splits
 from trainer.demo import DEMO_TOKENIZER

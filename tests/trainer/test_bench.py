@@ -7,7 +7,11 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO_ROOT
+
+from tests.support import REPO_ROOT
+from tests.support.training import torchrun
+
+pytestmark = pytest.mark.slow  # each test runs the benchmark in a subprocess or under torchrun
 
 RUN_KEYS = {
     "run", "model", "options", "micro_batch", "seq_len", "steps_timed", "step_time_s",
@@ -70,8 +74,6 @@ def test_the_benchmark_imports_neither_trainer_data_nor_datasets():
 
 
 def test_the_benchmark_under_torchrun_prints_one_per_gpu_line_from_rank_0():
-    from conftest import torchrun
-
     result = torchrun(["-m", "trainer.bench", "--models", "tiny", "--seq-len", "64",
                        "--micro-batch", "2", "--steps", "2", "--warmup", "1", "--no-hf",
                        "--strategy", "HYBRID_SHARD", "--shard-group-size", "1"])
@@ -84,8 +86,6 @@ def test_the_benchmark_under_torchrun_prints_one_per_gpu_line_from_rank_0():
 
 
 def test_with_tensor_parallelism_each_gpu_is_credited_a_tp_th_of_the_tokens():
-    from conftest import torchrun
-
     result = torchrun(["-m", "trainer.bench", "--models", "tiny", "--seq-len", "64",
                        "--micro-batch", "2", "--steps", "2", "--warmup", "1", "--no-hf",
                        "--strategy", "FULL_SHARD", "--tp-degree", "2"])

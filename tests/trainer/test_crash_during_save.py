@@ -7,9 +7,13 @@ import signal
 import subprocess
 import sys
 
-from conftest import REPO_ROOT, read_metrics
+import pytest
 
+from tests.support import REPO_ROOT
+from tests.support.training import read_metrics
 from trainer.checkpoint import Checkpointer
+
+pytestmark = pytest.mark.slow  # trainer runs killed and restarted
 
 STEPS, INTERVAL = 6, 2
 

@@ -5,9 +5,9 @@ import json
 import datasets
 import pandas as pd
 import pytest
-from conftest import demo_rows, write_jsonl
 from transformers import AutoTokenizer
 
+from tests.support.training import demo_rows, write_jsonl
 from trainer.config import dataset_source, load_config
 from trainer.data import S3_CACHE_DIR, build_splits, download_s3
 from trainer.demo import DEMO_TOKENIZER

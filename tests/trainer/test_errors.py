@@ -7,12 +7,14 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO_ROOT, demo_rows, write_jsonl
 
 from finetune_contract.errors import ERROR_DIR_ENV, MAX_MESSAGE_CHARS, RECORD_KEYS
+from tests.support import REPO_ROOT
+from tests.support.training import demo_rows, write_jsonl
 from trainer.errors import read_root_cause, write_root_cause
 
 
+@pytest.mark.slow
 def test_a_training_that_fails_at_start_records_the_trainers_own_message(tmp_path):
     rows = demo_rows(8) + [{"response": "owl"}]  # the prompt field is missing
     dataset = write_jsonl(tmp_path / "rows.jsonl", rows)
@@ -45,15 +47,16 @@ def test_a_config_that_does_not_parse_is_recorded_in_the_error_dir_when_one_is_n
     from trainer.train import main
 
     monkeypatch.setenv(ERROR_DIR_ENV, str(tmp_path / "errors-here"))
-    with pytest.raises(ValueError, match="micro_batch must be a number"):
+    with pytest.raises(ValueError, match="- micro_batch: must be a number"):
         main(["--micro_batch", "lots", "--output_dir", str(tmp_path / "run")])
 
     record = read_root_cause(str(tmp_path / "errors-here"))
-    assert record is not None and record["message"] == "micro_batch must be a number, got 'lots'"
+    assert record is not None and record["type"] == "ContractError"
+    assert "- micro_batch: must be a number, got 'lots'" in record["message"]
     assert not (tmp_path / "run").exists()
 
     monkeypatch.delenv(ERROR_DIR_ENV)
-    with pytest.raises(ValueError, match="micro_batch must be a number"):
+    with pytest.raises(ValueError, match="- micro_batch: must be a number"):
         main(["--micro_batch", "lots", "--output_dir", str(tmp_path / "run")])
     assert not (tmp_path / "run").exists()
 

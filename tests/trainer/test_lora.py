@@ -7,11 +7,12 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO_ROOT, demo_rows, torchrun, write_jsonl
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from finetune_contract.data import PROMPT_TEMPLATE
+from tests.support import REPO_ROOT
+from tests.support.training import demo_rows, torchrun, write_jsonl
 from trainer.checkpoint import Checkpointer
 from trainer.config import load_config
 from trainer.demo import DEMO_TOKENIZER
@@ -61,6 +62,7 @@ def logits(model, tokenizer):
         return model.eval()(input_ids=input_ids).logits
 
 
+@pytest.mark.slow
 def test_lora_trains_only_the_adapters_and_leaves_the_base_weights_as_loaded(lora_run, base_dir):
     output_dir, _ = lora_run
     summary = json.loads((output_dir / "summary.json").read_text())
@@ -83,6 +85,7 @@ def test_lora_trains_only_the_adapters_and_leaves_the_base_weights_as_loaded(lor
     assert len(lora_b) == 4 * 7 and all(t.abs().sum() > 0 for t in lora_b)  # all of them learnt
 
 
+@pytest.mark.slow
 def test_lora_flops_count_no_weight_gradients_for_the_frozen_base(lora_run, base_dir):
     output_dir, _ = lora_run
     summary = json.loads((output_dir / "summary.json").read_text())
@@ -94,6 +97,7 @@ def test_lora_flops_count_no_weight_gradients_for_the_frozen_base(lora_run, base
     assert summary["flops_per_token"] < flops_per_token(config, 128)
 
 
+@pytest.mark.slow
 def test_the_merged_export_gives_the_lora_models_logits_and_the_adapter_loads_with_peft(
     lora_run, base_dir
 ):
@@ -111,6 +115,7 @@ def test_the_merged_export_gives_the_lora_models_logits_and_the_adapter_loads_wi
     assert not torch.allclose(logits(merged, tokenizer), base_logits, atol=1e-3)
 
 
+@pytest.mark.slow
 def test_exporting_the_last_checkpoint_by_command_gives_the_runs_exported_model(
     lora_run, tmp_path
 ):

@@ -3,21 +3,15 @@
 from __future__ import annotations
 
 import math
-import socket
 import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from finetune.etcd import free_port
 from trainer.config import TrainConfig
 from trainer.metrics import MetricsLog
 from trainer.metrics_endpoint import EVAL_GAUGE, TRAIN_GAUGES
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -63,7 +57,7 @@ def test_other_ranks_and_port_0_serve_nothing(tmp_path):
 
 
 def test_metrics_port_out_of_range_is_refused_naming_the_field():
-    with pytest.raises(ValueError, match="metrics_port must be between 0 and 65535"):
+    with pytest.raises(ValueError, match="- metrics_port: must be <= 65535, got 70000"):
         TrainConfig(metrics_port=70000)
 
 

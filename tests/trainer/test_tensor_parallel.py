@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import demo_rows, read_metrics, torchrun, write_jsonl
-from tensor_parallel_worker import CHECKPOINT_AT, EVEN_VOCAB_MODEL_ENV, STEPS
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from finetune_contract.data import IGNORE_INDEX
+from tests.support.training import demo_rows, read_metrics, torchrun, write_jsonl
+from tests.trainer.tensor_parallel_worker import CHECKPOINT_AT, EVEN_VOCAB_MODEL_ENV, STEPS
 from trainer.batch import Batch
 from trainer.checkpoint import Checkpointer
 from trainer.config import TrainConfig
@@ -46,10 +46,12 @@ def assert_same_training(actual_dir, expected_dir, steps) -> None:
     assert all(math.isfinite(r["loss"]) for r in actual.values())
 
 
+@pytest.mark.slow
 def test_tp2_trains_to_the_same_losses_as_fsdp_without_tp(two_ranks):
     assert_same_training(two_ranks / "tp2_dp1", two_ranks / "fsdp_dp2", range(1, STEPS + 1))
 
 
+@pytest.mark.slow
 def test_a_vocabulary_split_over_tp_ranks_trains_to_the_same_losses_as_fsdp(
     dataset, tmp_path, monkeypatch
 ):
@@ -70,6 +72,7 @@ def test_a_vocabulary_split_over_tp_ranks_trains_to_the_same_losses_as_fsdp(
     assert int((out / "tp2_dp1_even_vocab" / "sequence_parallel_loss_calls").read_text()) > 0
 
 
+@pytest.mark.slow
 def test_the_tp_loss_runs_on_each_ranks_part_of_the_sequence_never_whole_logits(two_ranks):
     """TP runs take the sequence-parallel loss (every step's forward and the evals), FSDP runs
     the plain chunked one; the equal losses above show its value and gradients are right."""
@@ -80,11 +83,13 @@ def test_the_tp_loss_runs_on_each_ranks_part_of_the_sequence_never_whole_logits(
     assert calls("fsdp_dp2") == 0
 
 
+@pytest.mark.slow
 def test_a_tp_run_resumed_from_its_checkpoint_reproduces_the_uninterrupted_losses(two_ranks):
     steps = range(CHECKPOINT_AT + 1, STEPS + 1)
     assert_same_training(two_ranks / "tp2_dp1_resumed", two_ranks / "tp2_dp1", steps)
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP read by one process
 def test_the_model_exported_from_a_tp_run_matches_its_checkpoint_and_the_run_without_tp(
     two_ranks,
@@ -106,6 +111,7 @@ def test_the_model_exported_from_a_tp_run_matches_its_checkpoint_and_the_run_wit
         torch.testing.assert_close(logits, without_tp(**inputs).logits, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.slow
 def test_dp2_x_tp2_trains_to_the_same_losses_as_fsdp_over_2_ranks(two_ranks, dataset, tmp_path):
     torchrun(["tests/trainer/tensor_parallel_worker.py", str(dataset), str(tmp_path), "tp2_dp2"], 4)
     assert_same_training(tmp_path / "tp2_dp2", two_ranks / "fsdp_dp2", range(1, STEPS + 1))

@@ -3,8 +3,8 @@
 import json
 
 import pytest
-from conftest import demo_rows, read_metrics, write_jsonl
 
+from tests.support.training import demo_rows, read_metrics, write_jsonl
 from trainer.config import load_config
 from trainer.train import Trainer, TrainState
 

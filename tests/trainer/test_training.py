@@ -8,13 +8,16 @@ import time
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import demo_rows, new_bucket, read_metrics, torchrun, write_jsonl
-from strategy_worker import GROUPS, SETUPS
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
+from tests.support.aws import new_bucket
+from tests.support.training import demo_rows, read_metrics, torchrun, write_jsonl
+from tests.trainer.strategy_worker import GROUPS, SETUPS
 from trainer.checkpoint import Checkpointer
 from trainer.demo import DEMO_TOKENIZER
 from trainer.model import builtin_config
+
+pytestmark = pytest.mark.slow  # every test reads runs torchrun made (module fixtures)
 
 STEPS, CHECKPOINT_AT = 6, 3
 TRAIN_KEYS = {

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from conftest import torchrun
 from transformers import LlamaForCausalLM
-from weights_worker import SETUPS
 
+from tests.support.training import torchrun
+from tests.trainer.weights_worker import SETUPS
 from trainer.model import build_model, builtin_config, init_random_weights, materialize_weights
 
 
@@ -68,6 +68,7 @@ def test_the_same_seed_gives_the_same_model_and_another_seed_another():
                            other["model.layers.0.mlp.up_proj.weight"])  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in SETUPS if n.startswith("random")])
 def test_sharded_random_init_is_the_same_on_every_rank_and_for_one_process(two_ranks, name):
     reference = unsharded_init(7)
@@ -78,6 +79,7 @@ def test_sharded_random_init_is_the_same_on_every_rank_and_for_one_process(two_r
             assert torch.equal(result["state"][key], tensor), key
 
 
+@pytest.mark.slow
 def test_pretrained_weights_load_into_shards_equal_to_the_checkpoint(pretrained, two_ranks):
     _, expected = pretrained
     rotary = LlamaForCausalLM(builtin_config("tiny-llama")).model.rotary_emb.inv_freq

@@ -1,48 +1,17 @@
-"""What the eks tests share: an eks run config, and kmock's KubernetesEmulator (a real HTTP
-server) fixed where the eks target relies on the API server, served from its own thread."""
+"""Kubernetes for the tests: kmock's KubernetesEmulator (a real HTTP server the official client
+talks to) fixed where the eks target relies on the API server, served from its own thread."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import functools
-import importlib
-import json
 import re
 import threading
-import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import kubernetes
-from airflow.sdk.exceptions import TaskDeferred
-
-from finetune.config import RunConfig
-from finetune.operators import StageOperator
-from finetune.targets.eks.manifests import (
-    LABEL_JOB_NAME,
-    LABEL_REPLICA_INDEX,
-    LABEL_REPLICA_TYPE,
-    PYTORCHJOB_GROUP,
-    PYTORCHJOB_PLURAL,
-    PYTORCHJOB_VERSION,
-    run_selector,
-)
-from finetune.targets.eks.target import EksTarget
-from finetune.validate import validate_params
-
-EKS_PARAMS = {
-    "target": "eks", "cluster_name": "train", "nodegroup": "gpu-p4de",
-    "instance_type": "p4de.24xlarge", "namespace": "ml", "image": "1234.dkr.ecr/ft:abc",
-    "procs_per_node": 8, "micro_batch": 1, "output_dir": "s3://bucket/runs",
-    "hf_token_secret": "hf:token",
-}
-
-
-def eks_config(run_id: str = "manual__2026-11-29T10:00:00+00:00", **changes: Any) -> RunConfig:
-    """A validated eks run config; `changes` bypass validation (for sizes the demo data lacks)."""
-    cfg = validate_params(EKS_PARAMS, run_id=run_id)
-    return dataclasses.replace(cfg, **changes)
+import pytest
 
 
 def _selector_matches(selector: str, labels: dict[str, str]) -> bool:
@@ -234,24 +203,6 @@ class Cluster:
         return kubernetes.config.new_client_from_config(config_file=str(self.kubeconfig))
 
 
-NS = "ml"
-SCALING = {"minSize": 0, "maxSize": 2, "desiredSize": 0}
-
-
-def scaling(eks: Any) -> dict[str, int]:
-    return eks.describe_nodegroup(clusterName="train",
-                                  nodegroupName="gpu-p4de")["nodegroup"]["scalingConfig"]
-
-
-# The eks target's pace in tests: fast polls, short limits.
-FAST = {"poll_interval": 0.05, "nodes_timeout": 3.0, "etcd_timeout": 3.0, "update_retries": 3,
-        "wake_after": 0.2}
-
-
-def target() -> EksTarget:
-    return EksTarget(**FAST)
-
-
 def add_nodes(cluster: Cluster, count: int, ready: bool = True, gpus: int = 8) -> None:
     core = kubernetes.client.CoreV1Api(cluster.api())
     for i in range(count):
@@ -268,116 +219,10 @@ def add_nodes(cluster: Cluster, count: int, ready: bool = True, gpus: int = 8) -
         })
 
 
-class TrainingOperator(threading.Thread):
-    """Plays the training operator: waits for the run's PyTorchJob, makes its pods, writes the
-    leader's log and moves the job to `outcome`."""
-
-    def __init__(self, cluster: Cluster, cfg: RunConfig, outcome: str = "Succeeded",
-                 oom_worker: int | None = None):
-        super().__init__(daemon=True)
-        self.cluster, self.cfg, self.outcome, self.oom_worker = cluster, cfg, outcome, oom_worker
-        self.created: list[str] = []
-
-    def run(self) -> None:
-        api = self.cluster.api()
-        custom, core = kubernetes.client.CustomObjectsApi(api), kubernetes.client.CoreV1Api(api)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            jobs = custom.list_namespaced_custom_object(
-                PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, NS, PYTORCHJOB_PLURAL,
-                label_selector=run_selector(self.cfg))["items"]
-            if jobs:
-                break
-            time.sleep(0.02)
-        else:
-            return
-        name = jobs[0]["metadata"]["name"]
-        workers = jobs[0]["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"]
-        for i in range(workers):
-            pod = f"{name}-worker-{i}"
-            core.create_namespaced_pod(NS, {
-                "apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": pod, "namespace": NS, "labels": {
-                    LABEL_JOB_NAME: name, LABEL_REPLICA_TYPE: "worker",
-                    LABEL_REPLICA_INDEX: str(i)}},
-                "spec": {"containers": [{"name": "pytorch", "image": "img"}]},
-                "status": {"phase": "Running"}})
-            self.created.append(pod)
-        self._set(custom, name, "Running")
-        logs = self.cluster.emulator.pod_logs
-        logs[NS, f"{name}-worker-0"] = []
-        for step in range(1, 4):
-            logs[NS, f"{name}-worker-0"].append(
-                (f"2026-11-29T10:00:0{step}.000000000Z", f"step {step} loss {4 - step}.0"))
-            time.sleep(0.15)
-        if self.oom_worker is not None:
-            pod = f"{name}-worker-{self.oom_worker}"
-            logs[NS, pod] = [("2026-11-29T10:00:05.000000000Z", "allocating activations")]
-            core.patch_namespaced_pod_status(pod, NS, {"status": {
-                "phase": "Failed", "containerStatuses": [{
-                    "name": "pytorch", "ready": False, "restartCount": 0, "image": "img",
-                    "imageID": "", "state": {"terminated": {"exitCode": 137,
-                                                            "reason": "OOMKilled"}}}]}})
-        time.sleep(0.15)
-        self._set(custom, name, self.outcome)
-
-    def _set(self, custom: Any, name: str, condition: str) -> None:
-        custom.patch_namespaced_custom_object_status(
-            PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, NS, PYTORCHJOB_PLURAL, name,
-            {"status": {"conditions": [{"type": condition, "status": "True",
-                                        "message": f"PyTorchJob {name} is {condition}"}]}})
-
-
-def jobs_of_run(cluster: Cluster, cfg: RunConfig) -> list[dict]:
-    custom = kubernetes.client.CustomObjectsApi(cluster.api())
-    return custom.list_namespaced_custom_object(
-        PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, NS, PYTORCHJOB_PLURAL,
-        label_selector=run_selector(cfg))["items"]
-
-
-IMAGE = {"image": "1234.dkr.ecr/ft:abc", "image_tag": "abc"}
-RDZV = {"backend": "etcd-v2", "rdzv_id": "x"}
-
-
-# -- driving deferrable operators as Airflow does ------------------------------------------
-
-
-def reloaded(trigger: Any) -> Any:
-    """The trigger as the triggerer gets it: serialised to JSON and built again."""
-    classpath, kwargs = trigger.serialize()
-    module, _, name = classpath.rpartition(".")
-    return getattr(importlib.import_module(module), name)(**json.loads(json.dumps(kwargs)))
-
-
-async def first_event(trigger: Any) -> dict:
-    async for event in trigger.run():
-        return event.payload
-    raise AssertionError("the trigger ended without an event")
-
-
-def run_deferred(operator: Any, max_defers: int = 200) -> tuple[Any, list[dict]]:
-    """Run an operator to the end, each deferral's trigger inline: (result, events). The
-    trigger and the resume kwargs go through JSON, as they go through the metadata DB."""
-    call, events = functools.partial(operator.execute, {}), []
-    for _ in range(max_defers):
-        try:
-            return call(), events
-        except TaskDeferred as deferred:
-            event = asyncio.run(first_event(reloaded(deferred.trigger)))
-            events.append(event)
-            kwargs = json.loads(json.dumps(deferred.kwargs or {}))
-            call = functools.partial(getattr(operator, deferred.method_name), {}, event=event,
-                                     **kwargs)
-    raise AssertionError(f"still deferring after {max_defers} deferrals")
-
-
-def stage_operator(stage: str, cfg: RunConfig, options: dict[str, Any] | None = None,
-                   **inputs: Any) -> StageOperator:
-    """The DAG's task for a long stage of the eks target, at the tests' pace."""
-    return StageOperator(task_id=stage, stage=stage, run_config=cfg.to_dict(), inputs=inputs,
-                         target_options={**FAST, **(options or {})})
-
-
-def run_stage(stage: str, cfg: RunConfig, **inputs: Any) -> dict:
-    """A long stage run as the DAG runs it: its task to the end, every trigger inline."""
-    return run_deferred(stage_operator(stage, cfg, **inputs))[0]
+@pytest.fixture
+def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster]:
+    """The emulator, reached by the eks target through FINETUNE_KUBECONFIG."""
+    c = Cluster(tmp_path)
+    monkeypatch.setenv("FINETUNE_KUBECONFIG", str(c.kubeconfig))
+    yield c
+    c.close()

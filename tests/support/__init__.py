@@ -1,0 +1,23 @@
+"""What the tests share, imported as `tests.support.<module>` (never copied into a test module,
+never imported from another test module):
+
+- `system`: the Debian programs the tests need (etcd, prometheus, chromium), or a skip.
+- `aws`: moto in server mode; fixtures `moto_endpoint`, `aws`, `s3`.
+- `etcd`: fixture `etcd_server`, a real etcd.
+- `kube`: kmock's Kubernetes emulator fixed where the eks target relies on the API server,
+  served from its own thread (`Cluster`); fixture `cluster`; the test playing the training
+  operator (`TrainingOperator`, `create_job`, `set_condition`).
+- `eks`: an eks run config (`eks_config`), the eks target with short timeouts; fixtures
+  `nodegroup`, `task_log`.
+- `deferral`: driving deferrable operators and triggers as Airflow does.
+- `schemas`: manifests checked against the Kubernetes and PyTorchJob CRD schemas.
+- `training`: torchrun, demo rows and metrics files for the trainer tests; fixture `world_of_one`.
+
+Fixtures reach the tests through conftest.py files: tests/conftest.py lists the light modules in
+`pytest_plugins`; the folders that need the heavy ones (Airflow, kmock) import their fixtures.
+A free loopback port is `finetune.etcd.free_port`, the one the local target uses.
+"""
+
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -1,0 +1,29 @@
+"""Manifests checked against the real schemas: Kubernetes' (kubernetes-validate, at the
+cluster's version) and the PyTorchJob CRD of the training operator (shared/k8s-schemas)."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import jsonschema
+import yaml
+
+from tests.support import REPO_ROOT
+
+SCHEMAS = REPO_ROOT.parent / "shared" / "k8s-schemas"
+# The Kubernetes version kubernetes-validate checks manifests against (the EKS cluster's).
+K8S_VERSION = "1.33"
+
+
+@cache
+def pytorchjob_validator() -> jsonschema.protocols.Validator:
+    crd = yaml.safe_load((SCHEMAS / "kubeflow.org_pytorchjobs.yaml").read_text())
+    version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
+    schema = version["schema"]["openAPIV3Schema"]
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft7Validator)
+    return cls(schema)
+
+
+def assert_valid_pytorchjob(manifest: dict) -> None:
+    errors = sorted(pytorchjob_validator().iter_errors(manifest), key=str)
+    assert not errors, "\n".join(f"{list(e.path)}: {e.message}" for e in errors[:5])

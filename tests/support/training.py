@@ -1,0 +1,60 @@
+"""The trainer tests' helpers: torchrun in the repo root, demo rows and JSONL files, the metrics a
+run wrote; fixture `world_of_one`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support import REPO_ROOT
+
+
+def demo_rows(n: int) -> list[dict[str, str]]:
+    from trainer.demo import DEMO_DATASET
+
+    with open(DEMO_DATASET) as f:
+        return [json.loads(line) for _, line in zip(range(n), f)]
+
+
+def write_jsonl(path: Path, rows: list[dict[str, object]]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def torchrun(args: list[str], nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
+    """torchrun `args` (`-m module ...` or `script ...`) in the repo root; fail with its output."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={nproc}", *args,
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    if result.returncode != 0:
+        pytest.fail(
+            f"{' '.join(command)} failed:\n{result.stdout[-5000:]}\n{result.stderr[-5000:]}"
+        )
+    return result
+
+
+def read_metrics(output_dir: Path) -> list[dict[str, object]]:
+    with open(output_dir / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    """A one-process gloo (or NCCL) group in this process, as `python -m trainer.train` makes."""
+    import torch.distributed as dist
+
+    from trainer.parallel import init_distributed
+
+    env = init_distributed()
+    yield env
+    dist.destroy_process_group()
