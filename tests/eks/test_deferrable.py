@@ -109,6 +109,7 @@ def test_a_retry_of_train_adopts_the_job_of_the_first_try(cluster):
     assert [j["metadata"]["name"] for j in jobs_of_run(cluster, cfg)] == [job_name(cfg)]
 
 
+@pytest.mark.slow
 def test_a_retry_after_the_job_failed_starts_it_again(cluster):
     cfg = eks_config()
     name = create_job(cluster, cfg)
@@ -172,6 +173,7 @@ def test_a_long_wait_re_mints_the_eks_token(nodegroup, cluster, monkeypatch):
     assert set(used) <= set(minted)
 
 
+@pytest.mark.slow
 def test_trigger_deadlines_are_wall_clock_and_a_restarted_triggerer_does_not_extend_them(
         nodegroup, cluster, monkeypatch):
     """Each deadline is computed once, when the task defers, and carried in the trigger's
