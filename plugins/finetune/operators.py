@@ -8,9 +8,11 @@ resumes with the method the Wait names, which returns the result or the next Wai
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from airflow.sdk import BaseOperator
@@ -19,6 +21,20 @@ log = logging.getLogger(__name__)
 
 # The framework's timeout backstops a trigger's own deadline (whose event says more).
 DEFERRAL_GRACE_S = 300
+
+
+@contextlib.contextmanager
+def _no_retry_when_the_training_failed() -> Iterator[None]:
+    """Retries are for lost tries (a worker, the scheduler, Airflow restarted), not for a
+    training that failed by itself."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from finetune.targets import TrainingFailed
+
+    try:
+        yield
+    except TrainingFailed as exc:
+        raise AirflowFailException(str(exc)) from exc
 
 
 class StageOperator(BaseOperator):
@@ -44,13 +60,15 @@ class StageOperator(BaseOperator):
 
     def execute(self, context: Any) -> dict:
         target, cfg = self._target()
-        return self._result_or_defer(getattr(target, self.stage)(cfg, **self.inputs))
+        with _no_retry_when_the_training_failed():
+            return self._result_or_defer(getattr(target, self.stage)(cfg, **self.inputs))
 
     def resume(self, context: Any, event: dict, resume: str, state: dict) -> dict:
         """Back from a trigger: the target's `resume` method takes its event."""
         self._state = state
         target, cfg = self._target()
-        return self._result_or_defer(getattr(target, resume)(cfg, event, state))
+        with _no_retry_when_the_training_failed():
+            return self._result_or_defer(getattr(target, resume)(cfg, event, state))
 
     def _result_or_defer(self, outcome: Any) -> dict:
         from finetune.targets import Wait

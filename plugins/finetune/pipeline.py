@@ -7,7 +7,9 @@ collect_metrics, and teardown, which runs whenever the setup ran.
 
 from __future__ import annotations
 
+import datetime
 import logging
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,6 +18,18 @@ from airflow.sdk import Asset, Variable, get_current_context, task
 from finetune.operators import StageOperator
 
 log = logging.getLogger(__name__)
+
+# The stages a new try resumes instead of repeating, retried when a try is lost with its
+# worker, scheduler or the whole of Airflow (Airflow's default is no retry): scale_up (the
+# reservation and the node group's size are set, not added), build_image (content-addressed:
+# a tag in ECR is skipped, a running build Job adopted), train (reattaches to the running
+# training or takes a finished one's result), collect_metrics (rewrites the report) and
+# teardown (every step is idempotent). validate and snapshot are retried by no one: they fail
+# the same way again. reset_etcd neither: it clears the rendezvous a running training uses.
+# A training that itself failed is not retried (`targets.TrainingFailed`).
+# FINETUNE_RETRY_DELAY_S: another delay (the restart tests' shorter one).
+RESUMABLE = {"retries": 3, "retry_delay": datetime.timedelta(
+    seconds=float(os.environ.get("FINETUNE_RETRY_DELAY_S", "30")))}
 
 
 def _target(run_config: dict):
@@ -103,7 +117,7 @@ def finetune_pipeline(*, base_conf: Mapping[str, Any] | None = None,
         target, cfg = _target(run_config)
         return target.reset_etcd(cfg)
 
-    @task(outlets=[model_asset] if model_asset is not None else [])
+    @task(outlets=[model_asset] if model_asset is not None else [], **RESUMABLE)
     def collect_metrics(run_config: dict, trained: dict) -> dict:
         target, cfg = _target(run_config)
         summary = target.collect_metrics(cfg, trained)
@@ -114,7 +128,7 @@ def finetune_pipeline(*, base_conf: Mapping[str, Any] | None = None,
             events[model_asset].extra.update(model_event_extra(cfg, summary))
         return summary
 
-    @task
+    @task(**RESUMABLE)
     def teardown(run_config: dict, snapshot_result: dict) -> dict:
         target, cfg = _target(run_config)
         return target.teardown(cfg, snapshot_result)
@@ -122,13 +136,14 @@ def finetune_pipeline(*, base_conf: Mapping[str, Any] | None = None,
     cfg = validate()
     snap = snapshot(cfg)
     # The long stages: a target that waits (eks) defers them, no worker slot held.
-    up = StageOperator(task_id="scale_up", stage="scale_up", run_config=cfg)
+    up = StageOperator(task_id="scale_up", stage="scale_up", run_config=cfg, **RESUMABLE)
     snap >> up
-    image = StageOperator(task_id="build_image", stage="build_image", run_config=cfg)
+    image = StageOperator(task_id="build_image", stage="build_image", run_config=cfg,
+                          **RESUMABLE)
     rendezvous = reset_etcd(cfg)
     up >> [image, rendezvous]
     trained = StageOperator(task_id="train", stage="train", run_config=cfg,
                             inputs={"image": image.output, "rendezvous": rendezvous},
-                            **({"pool": pool} if pool else {}))
+                            **RESUMABLE, **({"pool": pool} if pool else {}))
     metrics = collect_metrics(cfg, trained.output)
     metrics >> teardown(cfg, snap).as_teardown(setups=snap)

@@ -82,6 +82,17 @@ def test_dag_wires_the_stages_with_a_guaranteed_teardown():
     assert dag.get_task("teardown").is_teardown
 
 
+def test_the_stages_a_new_try_resumes_are_retried_after_a_delay_and_no_others():
+    dag = load_dag()
+    resumable = {"scale_up", "build_image", "train", "collect_metrics", "teardown"}
+    for task_id in STAGES:
+        task = dag.get_task(task_id)
+        if task_id in resumable:
+            assert task.retries >= 1 and task.retry_delay.total_seconds() > 0, task_id
+        else:  # they would fail the same way again, or break a running training
+            assert not task.retries, task_id
+
+
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory, request):
     """One full local run of the DAG, with a Hugging Face token and AWS credentials in the
@@ -237,6 +248,8 @@ def test_teardown_stops_etcd_and_trainers_when_train_fails_and_the_report_says_w
     states = task_results(dag_run)
     assert str(dag_run.state) == "failed"
     assert states["train"] == "failed"
+    # A training that failed by itself is not retried (a retry would fail the same way).
+    assert {ti.task_id: ti.try_number for ti in dag_run.get_task_instances()}["train"] == 1
     assert states["collect_metrics"] == "upstream_failed"
     assert states["teardown"] == "success"
 

@@ -17,7 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from finetune.targets.local import LocalTarget, _alive, _trainer_processes
+from finetune.targets.local import (
+    LocalTarget,
+    _alive,
+    _trainer_processes,
+    training_finished,
+)
 from finetune.validate import validate_params
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -223,11 +228,14 @@ def test_a_retry_after_the_worker_died_reattaches_to_the_running_training(lost_w
         assert train_log.count(line) == 1, (line, train_log)
 
 
+@pytest.mark.slow
 def test_a_reattached_retry_fails_when_the_training_it_follows_fails(tmp_path):
     target, cfg, rdzv = start(tmp_path, "lost-worker-then-failure", max_restarts=0)
     run_dir = Path(cfg.run_dir)
     (run_dir / "trainer_config.json").write_text("{}")
-    agent = subprocess.Popen(["sleep", "1"])  # an agent of the lost try, about to end
+    # An agent of the lost try (its command line names the run's config), about to end.
+    agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)",
+                              str(run_dir / "trainer_config.json")])
     (run_dir / "state" / "train.json").write_text(json.dumps(
         {"agents": [agent.pid], "started": time.time(),
          "config": str(run_dir / "trainer_config.json")}))
@@ -240,3 +248,61 @@ def test_a_reattached_retry_fails_when_the_training_it_follows_fails(tmp_path):
         agent.wait(5)
         assert_nothing_left(target, cfg)
     assert "worker 1 exited with -9" in str(err.value)
+
+
+def lost_try_record(cfg, started: float, agents: list[int]) -> Path:
+    """The state an earlier try left: its agents, when it started them, the config."""
+    run_dir = Path(cfg.run_dir)
+    config = run_dir / "trainer_config.json"
+    config.write_text("{}")
+    (run_dir / "state" / "train.json").write_text(json.dumps(
+        {"agents": agents, "started": started, "config": str(config)}))
+    (run_dir / "logs").mkdir(exist_ok=True)
+    return run_dir
+
+
+def test_a_retry_takes_the_result_of_a_training_that_finished_while_no_try_ran(tmp_path):
+    target, cfg, rdzv = start(tmp_path, "finished-during-outage")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    run_dir = lost_try_record(cfg, time.time() - 60, [dead.pid])
+    (run_dir / "logs" / "torchrun-node-0.log").write_text(
+        "step 12/12 loss 1.0\ndone: 12 steps, eval loss 5.0 -> 4.0\n")
+    (run_dir / "summary.json").write_text(json.dumps({"steps": 12, "final_eval_loss": 4.0}))
+    try:
+        result = target.train(cfg, IMAGE, rdzv)
+    finally:
+        assert_nothing_left(target, cfg)
+    assert result["reattached"] is True
+    # Nothing was started: the record still names the earlier try's agent and start.
+    state = json.loads((run_dir / "state" / "train.json").read_text())
+    assert state["agents"] == [dead.pid] and state["started"] < time.time() - 50
+    assert (run_dir / "train.log").read_text().count("done: 12 steps") == 1
+
+
+def test_only_a_complete_summary_newer_than_the_start_is_a_finished_training(tmp_path):
+    summary = tmp_path / "summary.json"
+    assert not training_finished(tmp_path, 0)  # none
+    summary.write_text('{"steps": 12, "final_')  # being written
+    assert not training_finished(tmp_path, 0)
+    summary.write_text(json.dumps({"steps": 12, "final_eval_loss": 4.0}))
+    assert training_finished(tmp_path, summary.stat().st_mtime - 1)
+    assert not training_finished(tmp_path, summary.stat().st_mtime + 1)  # an earlier run's
+
+
+@pytest.mark.slow
+def test_a_retry_starts_again_a_training_that_ended_unfinished_on_a_fresh_rendezvous(
+        tmp_path):
+    """An earlier training ended with no summary (its rendezvous closed, its etcd keys left):
+    the new try starts it again, and torchrun does not meet RendezvousClosedError."""
+    target, cfg, rdzv = start(tmp_path, "ended-unfinished", max_steps=2, checkpoint_interval=0)
+    run_dir = Path(cfg.run_dir)
+    try:
+        target.train(cfg, IMAGE, rdzv)  # a training that ran to its end: rendezvous closed
+        (run_dir / "summary.json").unlink()  # as if it had ended without finishing
+        result = target.train(cfg, IMAGE, rdzv)
+    finally:
+        assert_nothing_left(target, cfg)
+    assert result["reattached"] is False
+    assert (run_dir / "summary.json").is_file()
+    assert "RendezvousClosedError" not in (run_dir / "train.log").read_text()

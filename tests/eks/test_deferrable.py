@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from airflow.sdk.exceptions import TaskDeferred
+from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from finetune.operators import StageOperator
@@ -74,7 +74,7 @@ def test_train_fails_naming_the_oomkilled_pod(cluster):
     cfg = eks_config(nodes=2)
     operator = TrainingOperator(cluster, cfg, outcome="Failed", oom_worker=1)
     operator.start()
-    with pytest.raises(RuntimeError) as err:
+    with pytest.raises(AirflowFailException) as err:
         run_deferred(train_operator(cfg))
     operator.join(5)
     assert f"{job_name(cfg)}-worker-1: container pytorch OOMKilled (exit code 137)" in str(

@@ -14,7 +14,7 @@ from typing import Any
 
 import kubernetes
 import pytest
-from airflow.sdk.exceptions import TaskDeferred
+from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
 
 from finetune.targets.eks.clients import kube_credentials
 from finetune.targets.eks.manifests import (
@@ -124,7 +124,7 @@ def fail_at(stage: str, cluster: Any, cfg: Any) -> None:
     t.reset_etcd(cfg)
     operator = TrainingOperator(cluster, cfg, outcome="Failed", oom_worker=0)
     operator.start()
-    with pytest.raises(RuntimeError, match="OOMKilled"):
+    with pytest.raises(AirflowFailException, match="OOMKilled"):
         run_stage("train", cfg, image=IMAGE, rendezvous=RDZV)
     operator.join(5)
 
@@ -178,7 +178,7 @@ def test_aws_credentials_and_the_hf_token_appear_nowhere_the_eks_run_writes(
     written.append(api.sanitize_for_serialization(core.list_namespaced_config_map(NS)))
     operator = TrainingOperator(cluster, cfg, outcome="Failed", oom_worker=0)
     operator.start()
-    with pytest.raises(RuntimeError) as failed:
+    with pytest.raises(AirflowFailException) as failed:
         run_stage("train", cfg, image=IMAGE, rendezvous=RDZV)
     operator.join(5)
     written.append(str(failed.value))

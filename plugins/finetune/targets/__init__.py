@@ -45,6 +45,11 @@ class Wait:
 Outcome = dict | Wait
 
 
+class TrainingFailed(RuntimeError):
+    """The training itself failed (a worker's error, its deadline): the stage fails without a
+    retry, which would only spend the nodes' time again; a lost try is retried instead."""
+
+
 class Target(ABC):
     name: str
 

@@ -33,7 +33,7 @@ from finetune.image import image_tag, local_environment
 from finetune.outputs import summary
 from finetune.report import write_report
 from finetune.s3_dataset import check_s3_dataset
-from finetune.targets import TORCHRUN_ENV, Target
+from finetune.targets import TORCHRUN_ENV, Target, TrainingFailed
 from finetune.trainer_config import trainer_config
 from finetune_contract.errors import ERROR_DIR_ENV, ERRORS_DIR, root_cause
 
@@ -89,9 +89,14 @@ def _state_dir(cfg: RunConfig) -> Path:
 
 
 def _write_state(cfg: RunConfig, name: str, data: dict) -> None:
+    """Atomic: a reader (a later try, teardown) sees the old record or the new, never a part;
+    the temporary file is this process's own, so a stale try writing at once cannot mix in."""
     path = _state_dir(cfg) / f"{name}.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
+    tmp = path.with_name(f".{name}.{os.getpid()}.tmp")
+    with tmp.open("w") as f:
+        f.write(json.dumps(data, indent=2))
+        f.flush()
+        os.fsync(f.fileno())
     tmp.replace(path)
 
 
@@ -114,6 +119,37 @@ def _trainer_processes(config_path: str) -> list[int]:
         if needle in cmdline:
             pids.append(int(entry.name))
     return pids
+
+
+def _start_ticks(pid: int) -> int | None:
+    """The process's start time (clock ticks after boot): with the pid, it names one process
+    even after the pid is reused."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _is_agent(pid: int, config_path: str) -> bool:
+    """`pid` runs (not a zombie) with this run's trainer config: an agent it started."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return config_path.encode() in cmdline and _alive(pid)
+
+
+def training_finished(run_dir: Path, started: float) -> bool:
+    """The training started at `started` wrote its complete summary.json (rank 0 writes it
+    last, before it exits; it is not written atomically, so it must parse)."""
+    path = run_dir / "summary.json"
+    try:
+        if path.stat().st_mtime < started:
+            return False
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(summary, dict) and {"steps", "final_eval_loss"} <= summary.keys()
 
 
 def stop_processes(pids: list[int], timeout: float = 15.0) -> list[int]:
@@ -215,46 +251,72 @@ class LocalTarget(Target):
                 "started_etcd": started, "deleted_keys": len(deleted)}
 
     def train(self, cfg: RunConfig, image: dict, rendezvous: dict) -> dict:
+        """Follow the run's training to its end: the one an earlier try started when it runs
+        on (reattach) or finished (its result), else a new one.
+
+        `state/train.json` is what was started: written before the agents start and after,
+        so a try lost at any point leaves a record a retry reads. Only a failure of the
+        training itself stops it here; a try that is killed or lost leaves it running for
+        the retry, and teardown stops it when the run ends.
+        """
         run_dir = Path(cfg.run_dir)
         config_path = run_dir / "trainer_config.json"
         res = local_resources(cfg.nodes, cfg.procs_per_node)
         state = _read_state(cfg, "train")
-        agents: list[Agent]
-        if state and any(_alive(pid) for pid in state["agents"]):
-            # An earlier try's task process died (worker lost) while its training ran on.
-            log.info("reattaching to the training an earlier try started: torchrun agents %s",
-                     state["agents"])
+        if state:
+            _stop_earlier_try(state)
+        running = state and [pid for pid in state["agents"] if _is_agent(pid, state["config"])]
+        if state and (running or training_finished(run_dir, state["started"])):
+            if running:  # an earlier try's task process died (worker lost) while it trained
+                log.info("reattaching to the training an earlier try started: torchrun agents "
+                         "%s", state["agents"])
+            else:
+                log.info("the training an earlier try started has finished (summary.json "
+                         "written, its agents gone): taking its result")
             agents = [Agent(node, pid=pid) for node, pid in enumerate(state["agents"])]
             started, reattached = state["started"], True
         else:
-            config_path.write_text(json.dumps(trainer_config(cfg), indent=2))
+            if state:  # started, then ended unfinished with no try to see it (or cleared)
+                log.warning("the training an earlier try started ended without finishing: "
+                            "starting it again (it resumes from its newest checkpoint)")
+                self._clear_earlier_training(state, rendezvous)
             started, reattached = time.time(), False
-            agents = [Agent(node, self._start_agent(cfg, node, res, rendezvous, config_path))
-                      for node in range(cfg.nodes)]
-        _write_state(cfg, "train", {"agents": [a.pid for a in agents], "started": started,
-                                    "config": str(config_path)})
+            config_path.write_text(json.dumps(trainer_config(cfg), indent=2))
+            agents = []
+            _write_train_state(cfg, agents, started, config_path)  # before anything starts
+            for node in range(cfg.nodes):
+                agents.append(Agent(node, self._start_agent(cfg, node, res, rendezvous,
+                                                            config_path)))
+                _write_train_state(cfg, agents, started, config_path)
+        _write_train_state(cfg, agents, started, config_path)  # this try follows it now
         follower = _LogFollower(cfg, agents)
-        try:
-            with ResourceSampler(Path(cfg.run_dir)):
-                failed = self._wait(cfg, agents, follower, res, rendezvous, config_path, started)
-        finally:
-            follower.copy_new_lines()
-            # On failure or when this task is killed, no torchrun agent or worker outlives it.
-            stop_processes([a.pid for a in agents if a.alive()])
-            stop_processes(_trainer_processes(str(config_path)))
+        with ResourceSampler(Path(cfg.run_dir)):
+            # Killed or interrupted here, the training runs on (see above).
+            failed = self._wait(cfg, agents, follower, res, rendezvous, config_path, started)
+        follower.copy_new_lines()
+        # Ended or failed: no torchrun agent or worker outlives it.
+        stop_processes([a.pid for a in agents if a.alive()])
+        stop_processes(_trainer_processes(str(config_path)))
         if failed:
             node, reason = failed
             cause = trainer_root_cause(run_dir)
             because = (f"rank {cause['rank']} raised {cause['type']}: {cause['message']}\n"
                        if cause else "")
-            raise RuntimeError(f"training failed: {because}node {node} {reason}; last "
-                               f"{len(follower.tail)} lines of {follower.log_path}:\n"
-                               + "\n".join(follower.tail))
+            raise TrainingFailed(f"training failed: {because}node {node} {reason}; last "
+                                 f"{len(follower.tail)} lines of {follower.log_path}:\n"
+                                 + "\n".join(follower.tail))
         return {"model_dir": str(run_dir / "model"), "train_log": str(follower.log_path),
                 "wall_time_s": round(time.time() - started, 1), "image_tag": image["image_tag"],
                 "rendezvous": {k: rendezvous[k] for k in ("backend", "rdzv_id")},
                 "resources": res, "reattached": reattached,
                 "node_restarts": max(a.restarts for a in agents)}
+
+    def _clear_earlier_training(self, state: dict, rendezvous: dict) -> None:
+        """Before starting again: what is left of the earlier training (processes the record
+        missed) stopped, its closed rendezvous deleted (else RendezvousClosedError)."""
+        stop_processes(_trainer_processes(state["config"]))
+        if rendezvous["backend"] == "etcd-v2":
+            delete_rendezvous_keys(rendezvous["endpoint"], rendezvous["rdzv_id"])
 
     def _wait(self, cfg: RunConfig, agents: list[Agent], follower: _LogFollower, res: dict,
               rendezvous: dict, config_path: Path, started: float) -> tuple[int, str] | None:
@@ -288,15 +350,13 @@ class LocalTarget(Target):
                     agent.proc = self._start_agent(cfg, agent.node, res, rendezvous,
                                                    config_path)
                     agent.pid, agent.restarts = agent.proc.pid, agent.restarts + 1
-                _write_state(cfg, "train", {"agents": [a.pid for a in agents],
-                                            "started": started, "config": str(config_path)})
+                _write_train_state(cfg, agents, started, config_path)
             codes = [a.exit_code() for a in agents]
             if any(a.proc is None for a in agents):  # reattached: no exit codes to read
                 if any(a.alive() for a in agents):
                     time.sleep(0.5)
                     continue
-                summary = Path(cfg.run_dir) / "summary.json"
-                if summary.is_file() and summary.stat().st_mtime >= started:
+                if training_finished(Path(cfg.run_dir), started):
                     return None
                 return 0, "ended without writing summary.json (its exit code is unknown)"
             if all(c == 0 for c in codes):
@@ -374,6 +434,27 @@ class LocalTarget(Target):
             stopped["report"] = _summary(cfg, report)
         log.info("teardown: %s; outputs kept in %s", stopped or "nothing was running", run_dir)
         return stopped
+
+
+def _write_train_state(cfg: RunConfig, agents: list[Agent], started: float,
+                       config_path: Path) -> None:
+    """What was started (the agents, when, with which config) and which try follows it."""
+    _write_state(cfg, "train", {"agents": [a.pid for a in agents], "started": started,
+                                "config": str(config_path),
+                                "task": {"pid": os.getpid(), "ticks": _start_ticks(os.getpid())}})
+
+
+def _stop_earlier_try(state: dict) -> None:
+    """An earlier try's task process that outlived its supervisor (Airflow stopped as a whole:
+    the task runs in a process group of its own) would follow the training beside this try:
+    Airflow runs one try at a time, so it is stopped."""
+    task = state.get("task") or {}
+    pid = task.get("pid")
+    if not pid or pid == os.getpid() or _start_ticks(pid) != task.get("ticks"):
+        return
+    log.warning("stopping the task process of an earlier try (pid %d) that outlived its "
+                "supervisor", pid)
+    stop_processes([pid], timeout=5.0)
 
 
 def trainer_root_cause(run_dir: Path) -> dict | None:

@@ -34,7 +34,7 @@ from finetune.gpu_metrics import (
 from finetune.instance_types import INSTANCE_TYPES
 from finetune.outputs import build_report, has_outputs, report_exists
 from finetune.s3_dataset import check_s3_dataset
-from finetune.targets import Target, Wait
+from finetune.targets import Target, TrainingFailed, Wait
 from finetune.targets.eks import job, nodegroup
 from finetune.targets.eks.clients import (
     TOKEN_REFRESH_S,
@@ -266,7 +266,7 @@ class EksTarget(Target):
                 log.warning("could not renew the node reservation: %s", exc)
             return self._wait_for_job(cfg, state)
         if event["status"] == "failed":
-            raise RuntimeError(job.failure_report(api, cfg.namespace, name, event["message"]))
+            raise TrainingFailed(job.failure_report(api, cfg.namespace, name, event["message"]))
         return job.train_result(cfg, state["job"], state["image"], state["rendezvous"])
 
     def cancel(self, cfg: RunConfig, state: dict) -> None:
