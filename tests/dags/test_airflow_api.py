@@ -1,6 +1,6 @@
 """The three ways to start the pipeline, against a real Airflow: api-server, scheduler and
-dag-processor started once for this module (LocalExecutor, SQLite, a project-local
-AIRFLOW_HOME in tmp, SimpleAuthManager with a real password).
+dag-processor started once for this module (`tests.support.airflow`: LocalExecutor, SQLite, a
+project-local AIRFLOW_HOME in tmp, SimpleAuthManager with a real password).
 
 - REST/CLI: `python -m finetune.cli run --preset tiny-local --set ...` triggers llm_finetune
   and follows it to success; bad confs are refused with the reason.
@@ -15,10 +15,6 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
-import os
-import secrets
-import signal
-import sqlite3
 import subprocess
 import sys
 import time
@@ -29,61 +25,16 @@ from pathlib import Path
 
 import pytest
 
-from finetune.etcd import free_port
 from finetune.presets import PRESET_DISPLAY, PRESET_NAMES
-from tests.support import REPO_ROOT
+from tests.support.airflow import Airflow, Api, wait_for
 from tests.support.system import system_binary_or_skip
 
 pytestmark = pytest.mark.slow  # a real api-server, scheduler, dag-processor; DAG runs; Chromium
 
-AIRFLOW = str(Path(sys.executable).with_name("airflow"))
 STAGES = {"validate", "snapshot", "scale_up", "build_image", "reset_etcd", "train",
           "collect_metrics", "teardown"}
 # Few steps on top of the tiny-local preset: a run finishes in well under a minute.
 SHORT = {"max_steps": 6, "eval_interval": 3, "checkpoint_interval": 0, "warmup_steps": 2}
-
-
-class Api:
-    """Just enough of a REST client for the assertions (the CLI under test has its own)."""
-
-    def __init__(self, url: str, token: str):
-        self.url, self.token = url, token
-
-    def call(self, method: str, path: str, body=None) -> tuple[int, dict]:
-        req = urllib.request.Request(
-            self.url + path, method=method,
-            data=None if body is None else json.dumps(body).encode(),
-            headers={"Authorization": f"Bearer {self.token}",
-                     "Content-Type": "application/json"})
-        try:
-            # Generous: the api-server waits up to 60 s for SQLite locks the scheduler holds.
-            with urllib.request.urlopen(req, timeout=120) as r:
-                return r.status, json.loads(r.read() or b"{}")
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read() or b"{}")
-
-    def get(self, path: str) -> dict:
-        status, data = self.call("GET", path)
-        assert status == 200, (path, status, data)
-        return data
-
-    def xcom(self, dag_id: str, run_id: str, task_id: str):
-        run = urllib.parse.quote(run_id, safe="")
-        return self.get(f"/api/v2/dags/{dag_id}/dagRuns/{run}/taskInstances/{task_id}/"
-                        "xcomEntries/return_value?deserialize=true&stringify=false")["value"]
-
-
-def wait_for(what: str, check, timeout: float, logs: Path, interval: float = 1.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = check()
-        if result:
-            return result
-        time.sleep(interval)
-    tails = "\n".join(f"--- {p.name}\n" + "\n".join(p.read_text(errors="replace")
-                                                      .splitlines()[-30:])
-                      for p in sorted(logs.glob("*.log")))
-    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}\n{tails}")
 
 
 @dataclasses.dataclass
@@ -101,61 +52,11 @@ def airflow(tmp_path_factory):
     Variable."""
     home = tmp_path_factory.mktemp("airflow-home")
     out = tmp_path_factory.mktemp("runs")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    password = secrets.token_urlsafe(12)
-    (home / "passwords.json").write_text(json.dumps({"admin": password}))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW__")}
-    env.update({
-        "AIRFLOW_HOME": str(home),
-        "AIRFLOW__CORE__DAGS_FOLDER": str(REPO_ROOT / "dags"),
-        "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO_ROOT / "plugins"),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
-        "AIRFLOW__CORE__PARALLELISM": "4",
-        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
-        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{url}/execution/",
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(home / "passwords.json"),
-        # SQLite shared by four processes: wait for a lock rather than fail (WAL: below).
-        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db?timeout=60",
-        "AIRFLOW__API__BASE_URL": url,
-        "AIRFLOW__API__WORKERS": "1",
-        "AIRFLOW__API__SECRET_KEY": secrets.token_hex(16),
-        "AIRFLOW__API_AUTH__JWT_SECRET": secrets.token_hex(32),
-        "AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": "2",
-        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "plugins"), str(REPO_ROOT)]),
-    })
-    subprocess.run([AIRFLOW, "db", "migrate"], env=env, check=True, capture_output=True,
-                   timeout=300)
-    with sqlite3.connect(home / "airflow.db") as db:  # readers do not block the writer
-        db.execute("PRAGMA journal_mode=WAL")
-    procs = []
-    for name, args in (("api-server", ["api-server", "--port", str(port), "--host",
-                                       "127.0.0.1"]),
-                       ("scheduler", ["scheduler"]), ("dag-processor", ["dag-processor"])):
-        log = (home / f"{name}.log").open("w")
-        procs.append(subprocess.Popen([AIRFLOW, *args], env=env, stdout=log,
-                                      stderr=subprocess.STDOUT, start_new_session=True))
+    server = Airflow(home)
     try:
-        def token():
-            req = urllib.request.Request(
-                f"{url}/auth/token", method="POST",
-                data=json.dumps({"username": "admin", "password": password}).encode(),
-                headers={"Content-Type": "application/json"})
-            try:
-                with urllib.request.urlopen(req, timeout=10) as r:
-                    return json.loads(r.read())["access_token"]
-            except OSError:
-                return None
-
-        api = Api(url, wait_for("the api-server", token, 180, home, interval=2))
-
-        def dags_parsed():
-            status, data = api.call("GET", "/api/v2/dags")
-            ids = {d["dag_id"] for d in data.get("dags", [])} if status == 200 else set()
-            return {"llm_finetune", "llm_finetune_scheduled"} <= ids
-        wait_for("the DAGs to be parsed", dags_parsed, 180, home, interval=2)
+        server.start("api-server", "scheduler", "dag-processor")
+        server.wait_for_dags("llm_finetune", "llm_finetune_scheduled")
+        api = server.api
         status, data = api.call("POST", "/api/v2/pools", {
             "name": "finetune_cluster", "slots": 1, "include_deferred": True})
         assert status == 201, data
@@ -163,15 +64,9 @@ def airflow(tmp_path_factory):
         status, data = api.call("POST", "/api/v2/variables", {
             "key": "llm_finetune_scheduled", "value": json.dumps(conf)})
         assert status == 201, data
-        yield Server(api, env, password, home, out)
+        yield Server(api, server.env, server.password, home, out)
     finally:
-        for proc in procs:
-            os.killpg(proc.pid, signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        server.stop()
 
 
 @pytest.fixture(scope="module")

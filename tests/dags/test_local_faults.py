@@ -20,6 +20,7 @@ import pytest
 from finetune.targets.local import (
     LocalTarget,
     _alive,
+    _is_agent,
     _trainer_processes,
     training_finished,
 )
@@ -228,19 +229,33 @@ def test_a_retry_after_the_worker_died_reattaches_to_the_running_training(lost_w
         assert train_log.count(line) == 1, (line, train_log)
 
 
+AGENT_ENDING_WHEN_FOLLOWED = """
+import os, sys, time
+deadline = time.monotonic() + 60
+while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
+    time.sleep(0.05)
+time.sleep(0.5)
+"""
+
+
 @pytest.mark.slow
 def test_a_reattached_retry_fails_when_the_training_it_follows_fails(tmp_path):
     target, cfg, rdzv = start(tmp_path, "lost-worker-then-failure", max_restarts=0)
     run_dir = Path(cfg.run_dir)
     (run_dir / "trainer_config.json").write_text("{}")
-    # An agent of the lost try (its command line names the run's config), about to end.
-    agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)",
-                              str(run_dir / "trainer_config.json")])
+    # An agent of the lost try (its command line names the run's config) that ends once the
+    # retry follows it (train.log is then created).
+    agent = subprocess.Popen([sys.executable, "-c", AGENT_ENDING_WHEN_FOLLOWED,
+                              str(run_dir / "train.log"), str(run_dir / "trainer_config.json")])
     (run_dir / "state" / "train.json").write_text(json.dumps(
         {"agents": [agent.pid], "started": time.time(),
          "config": str(run_dir / "trainer_config.json")}))
     (run_dir / "logs").mkdir(exist_ok=True)
     (run_dir / "logs" / "torchrun-node-0.log").write_text("worker 1 exited with -9\n")
+    deadline = time.monotonic() + 30
+    while not _is_agent(agent.pid, str(run_dir / "trainer_config.json")):  # its exec done
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     try:
         with pytest.raises(RuntimeError, match="ended without writing summary.json") as err:
             target.train(cfg, IMAGE, rdzv)

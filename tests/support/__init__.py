@@ -10,6 +10,9 @@ never imported from another test module):
 - `eks`: an eks run config (`eks_config`), the eks target with short timeouts; fixtures
   `nodegroup`, `task_log`.
 - `deferral`: driving deferrable operators and triggers as Airflow does.
+- `airflow`: a real Airflow (api-server, scheduler, dag-processor, triggerer as separate
+  processes, each killed and started again on its own, `Airflow`), a REST client (`Api`) and a
+  bounded wait (`wait_for`).
 - `schemas`: manifests checked against the Kubernetes and PyTorchJob CRD schemas.
 - `training`: torchrun, demo rows and metrics files for the trainer tests; fixture `world_of_one`.
 

@@ -131,12 +131,13 @@ def _start_ticks(pid: int) -> int | None:
 
 
 def _is_agent(pid: int, config_path: str) -> bool:
-    """`pid` runs (not a zombie) with this run's trainer config: an agent it started."""
+    """`pid` runs (not a zombie) with this run's trainer config: an agent it started (a pid
+    reused by another program has another command line; one read while it execs is empty)."""
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
-    return config_path.encode() in cmdline and _alive(pid)
+    return (not cmdline or config_path.encode() in cmdline) and _alive(pid)
 
 
 def training_finished(run_dir: Path, started: float) -> bool:

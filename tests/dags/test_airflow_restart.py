@@ -1,0 +1,126 @@
+"""A run survives Airflow itself: the scheduler, then every component, killed during `train`
+on the local target, with the training finishing during the outage or still running after it.
+
+A real Airflow (api-server, scheduler, dag-processor, triggerer as separate processes, each in
+a session of its own), a real torchrun training of the tiny model. Killing the scheduler's
+process group (a crashed scheduler, `make airflow` stopped) leaves the train task's process
+running without its supervisor; killing every component's whole session (a lost machine or
+container) takes the task processes too. Either way the run succeeds, the training ran once,
+and nothing of the run is left running.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.parse
+from pathlib import Path
+
+import pytest
+
+from finetune.names import run_dir_name
+from finetune.targets.local import _alive, _trainer_processes, training_finished
+from tests.support.airflow import COMPONENTS, Airflow, wait_for
+
+pytestmark = pytest.mark.slow  # a real Airflow, killed and started again; torchrun trainings
+
+DAG_ID = "llm_finetune"
+RUN = {"preset": "tiny-local", "procs_per_node": 1, "eval_interval": 0,
+       "checkpoint_interval": 0, "warmup_steps": 2}
+SHORT_STEPS = 20  # ends during the outage
+LONG_STEPS = 400  # still training when Airflow is back
+# Short enough for a test: a dead scheduler's tasks are reset 10 s after its last heartbeat,
+# a retry waits 3 s (the DAG's own 30 s).
+ENV = {
+    "FINETUNE_RETRY_DELAY_S": "3",
+    "AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_THRESHOLD": "10",
+    "AIRFLOW__SCHEDULER__ORPHANED_TASKS_CHECK_INTERVAL": "5",
+}
+
+
+@pytest.fixture(scope="module")
+def airflow(tmp_path_factory):
+    server = Airflow(tmp_path_factory.mktemp("airflow-home"), ENV)
+    try:
+        server.start()
+        server.wait_for_dags(DAG_ID)
+        yield server
+    finally:
+        server.stop()
+
+
+def steps_done(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    steps = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line being written
+        if record.get("type") == "train":
+            steps.append(record["step"])
+    return steps
+
+
+def train_state(run_dir: Path) -> dict:
+    path = run_dir / "state" / "train.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def task_instances(airflow: Airflow, run_id: str) -> dict[str, dict]:
+    run = urllib.parse.quote(run_id, safe="")
+    data = airflow.api.get(f"/api/v2/dags/{DAG_ID}/dagRuns/{run}/taskInstances")
+    return {ti["task_id"]: ti for ti in data["task_instances"]}
+
+
+@pytest.mark.parametrize("ends", ["during the outage", "after it"])
+@pytest.mark.parametrize("killed", ["scheduler", "everything"])
+def test_a_run_survives_airflow_killed_during_train(airflow, tmp_path, killed, ends):
+    max_steps = SHORT_STEPS if ends == "during the outage" else LONG_STEPS
+    status, run = airflow.api.call("POST", f"/api/v2/dags/{DAG_ID}/dagRuns", {
+        "logical_date": None,
+        "conf": {**RUN, "max_steps": max_steps, "output_dir": str(tmp_path)}})
+    assert status == 200, run
+    run_id = run["dag_run_id"]
+    run_dir = tmp_path / run_dir_name(run_id)
+    wait_for("the training's step 2", lambda: len(steps_done(run_dir)) >= 2, 300, airflow.home)
+    first_try = train_state(run_dir)
+
+    if killed == "scheduler":  # its process group: the task process lives on, unsupervised
+        down = ("scheduler",)
+        airflow.kill("scheduler")
+    else:  # every process Airflow started, task processes too
+        down = COMPONENTS
+        airflow.kill(whole_session=True)
+    agents = first_try["agents"]
+    assert all(_alive(pid) for pid in agents)  # the training runs on without Airflow
+    if ends == "during the outage":
+        wait_for("the training to finish", lambda: training_finished(
+            run_dir, first_try["started"]) and not any(_alive(p) for p in agents), 300,
+            airflow.home)
+    airflow.start(*down)
+    if ends == "after it":
+        assert len(steps_done(run_dir)) < max_steps  # still training when Airflow is back
+
+    def finished() -> str | None:
+        state = airflow.api.get(f"/api/v2/dags/{DAG_ID}/dagRuns/"
+                                f"{urllib.parse.quote(run_id, safe='')}")["state"]
+        return state if state in ("success", "failed") else None
+
+    assert wait_for("the run to end", finished, 600, airflow.home, interval=2) == "success", (
+        task_instances(airflow, run_id))
+    tis = task_instances(airflow, run_id)
+    assert tis["train"]["try_number"] >= 2  # the lost try was retried
+    assert all(ti["state"] == "success" for ti in tis.values()), tis
+    # The training ran once: the same agents, every step once, one `done:` line, no resume.
+    assert train_state(run_dir)["agents"] == agents
+    assert steps_done(run_dir) == list(range(1, max_steps + 1))
+    assert json.loads((run_dir / "summary.json").read_text())["resumed_from_step"] is None
+    for log in (run_dir / "train.log", run_dir / "logs" / "torchrun-node-0.log"):
+        assert log.read_text().count("done: ") == 1, log
+    assert Path(run_dir, "model", "config.json").is_file()
+    # Nothing of the run left: no trainer, no earlier try's task process, no etcd.
+    assert _trainer_processes(str(run_dir / "trainer_config.json")) == []
+    assert not _alive(first_try["task"]["pid"])
+    etcd = run_dir / "state" / "etcd.json"
+    if etcd.is_file():
+        assert not _alive(json.loads(etcd.read_text())["pid"])
