@@ -12,6 +12,7 @@ and nothing of the run is left running.
 from __future__ import annotations
 
 import json
+import time
 import urllib.parse
 from pathlib import Path
 
@@ -27,7 +28,8 @@ DAG_ID = "llm_finetune"
 RUN = {"preset": "tiny-local", "procs_per_node": 1, "eval_interval": 0,
        "checkpoint_interval": 0, "warmup_steps": 2}
 SHORT_STEPS = 20  # ends during the outage
-LONG_STEPS = 400  # still training when Airflow is back
+LONG_STEPS = 2500  # still training when the retry comes (about 25 steps/s on 2 CPU cores)
+API_SERVER_LATE_S = 30
 # Short enough for a test: a dead scheduler's tasks are reset 10 s after its last heartbeat,
 # a retry waits 3 s (the DAG's own 30 s).
 ENV = {
@@ -72,6 +74,12 @@ def task_instances(airflow: Airflow, run_id: str) -> dict[str, dict]:
     return {ti["task_id"]: ti for ti in data["task_instances"]}
 
 
+def task_log(airflow: Airflow, run_id: str, task_id: str, try_number: int) -> str:
+    path = (airflow.home / "logs" / f"dag_id={DAG_ID}" / f"run_id={run_id}" /
+            f"task_id={task_id}" / f"attempt={try_number}.log")
+    return path.read_text(errors="replace")
+
+
 @pytest.mark.parametrize("ends", ["during the outage", "after it"])
 @pytest.mark.parametrize("killed", ["scheduler", "everything"])
 def test_a_run_survives_airflow_killed_during_train(airflow, tmp_path, killed, ends):
@@ -97,7 +105,13 @@ def test_a_run_survives_airflow_killed_during_train(airflow, tmp_path, killed, e
         wait_for("the training to finish", lambda: training_finished(
             run_dir, first_try["started"]) and not any(_alive(p) for p in agents), 300,
             airflow.home)
-    airflow.start(*down)
+    if killed == "scheduler":
+        airflow.start(*down)
+    else:  # the api-server last, as it comes up last: the scheduler queues the lost try's
+        # retry while tasks cannot reach the execution API
+        airflow.start("scheduler", "dag-processor", "triggerer")
+        time.sleep(API_SERVER_LATE_S)
+        airflow.start("api-server")
     if ends == "after it":
         assert len(steps_done(run_dir)) < max_steps  # still training when Airflow is back
 
@@ -110,6 +124,10 @@ def test_a_run_survives_airflow_killed_during_train(airflow, tmp_path, killed, e
         task_instances(airflow, run_id))
     tis = task_instances(airflow, run_id)
     assert tis["train"]["try_number"] >= 2  # the lost try was retried
+    retry_log = task_log(airflow, run_id, "train", tis["train"]["try_number"])
+    assert ("reattaching to the training" if ends == "after it" else
+            "has finished (summary.json written, its agents gone)") in retry_log
+    assert "starting torchrun agent" not in retry_log
     assert all(ti["state"] == "success" for ti in tis.values()), tis
     # The training ran once: the same agents, every step once, one `done:` line, no resume.
     assert train_state(run_dir)["agents"] == agents
@@ -124,3 +142,32 @@ def test_a_run_survives_airflow_killed_during_train(airflow, tmp_path, killed, e
     etcd = run_dir / "state" / "etcd.json"
     if etcd.is_file():
         assert not _alive(json.loads(etcd.read_text())["pid"])
+
+
+def test_a_run_marked_failed_during_train_still_stops_the_training(airflow, tmp_path):
+    """A person's "mark failed" is not a lost try: train is not retried and teardown stops
+    the training (the same teardown that leaves alone a training a pending retry follows)."""
+    status, run = airflow.api.call("POST", f"/api/v2/dags/{DAG_ID}/dagRuns", {
+        "logical_date": None,
+        "conf": {**RUN, "max_steps": LONG_STEPS, "output_dir": str(tmp_path)}})
+    assert status == 200, run
+    run_id = run["dag_run_id"]
+    run_dir = tmp_path / run_dir_name(run_id)
+    wait_for("the training's step 2", lambda: len(steps_done(run_dir)) >= 2, 300, airflow.home)
+    agents = train_state(run_dir)["agents"]
+    path = f"/api/v2/dags/{DAG_ID}/dagRuns/{urllib.parse.quote(run_id, safe='')}"
+    status, data = airflow.api.call("PATCH", path, {"state": "failed"})
+    assert status == 200, data
+
+    def torn_down() -> dict | None:
+        tis = task_instances(airflow, run_id)
+        return tis if tis["teardown"]["state"] in ("success", "failed") else None
+
+    tis = wait_for("teardown", torn_down, 300, airflow.home, interval=2)
+    assert tis["teardown"]["state"] == "success"
+    assert tis["train"]["state"] == "failed" and tis["train"]["try_number"] == 1
+    wait_for("the training to stop", lambda: not any(_alive(p) for p in agents), 30,
+             airflow.home)
+    assert _trainer_processes(str(run_dir / "trainer_config.json")) == []
+    assert len(steps_done(run_dir)) < LONG_STEPS
+    assert airflow.api.get(path)["state"] == "failed"

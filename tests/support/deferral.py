@@ -40,3 +40,33 @@ def run_deferred(operator: Any, max_defers: int = 200) -> tuple[Any, list[dict]]
             call = functools.partial(getattr(operator, deferred.method_name), {}, event=event,
                                      **kwargs)
     raise AssertionError(f"still deferring after {max_defers} deferrals")
+
+
+def through_the_metadata_db(deferred: TaskDeferred) -> tuple[Any, str, dict]:
+    """A deferral as it survives every Airflow process: the task runner's serialisation of the
+    trigger and the resume kwargs, the trigger's row written to the metadata DB (Airflow's own
+    `Trigger` model, committed), then read back in a new session and built as the triggerer
+    builds it; the resume kwargs as the task runner gets them back (the TI's JSON column).
+    Returns (trigger, method name, resume kwargs); nothing else of the deferring process is
+    kept."""
+    from airflow._shared.module_loading import import_string
+    from airflow.models.trigger import Trigger
+    from airflow.sdk.serde import deserialize, serialize
+    from airflow.serialization.decoders import smart_decode_trigger_kwargs
+    from airflow.utils.session import create_session
+
+    classpath, trigger_kwargs = deferred.trigger.serialize()
+    next_kwargs = json.dumps(serialize(deferred.kwargs or {}))  # the TI's next_kwargs column
+    with create_session() as session:
+        row = Trigger(classpath=classpath, kwargs=serialize(trigger_kwargs))
+        session.add(row)
+        session.flush()
+        trigger_id = row.id
+    with create_session() as session:  # as the triggerer reads it
+        row = session.get(Trigger, trigger_id)
+        stored_classpath, encrypted = row.classpath, row.encrypted_kwargs
+        session.delete(row)
+    kwargs = {k: smart_decode_trigger_kwargs(v)
+              for k, v in Trigger._decrypt_kwargs(encrypted).items()}
+    trigger = import_string(stored_classpath)(**kwargs)
+    return trigger, deferred.method_name, deserialize(json.loads(next_kwargs))

@@ -8,6 +8,7 @@ State that later tasks need (etcd's pid, the trainer processes) is kept in <run_
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import os
@@ -455,7 +456,9 @@ def _stop_earlier_try(state: dict) -> None:
         return
     log.warning("stopping the task process of an earlier try (pid %d) that outlived its "
                 "supervisor", pid)
-    stop_processes([pid], timeout=5.0)
+    # SIGKILL: a task process takes SIGTERM as on_kill, and lives on.
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
 
 
 def trainer_root_cause(run_dir: Path) -> dict | None:
