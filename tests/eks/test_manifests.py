@@ -157,7 +157,7 @@ def test_shipped_etcd_yaml_is_what_the_function_builds():
     ({"rdzv_backend": "zookeeper"}, "rdzv_backend", "etcd-v2"),
     ({"etcd_reset": "wipe"}, "etcd_reset", "keys, restart"),
     ({"instance_type": "m5.large"}, "instance_type", "p4de.24xlarge"),
-    ({"hf_token_secret": "Bad_Name"}, "hf_token_secret", "Secret name"),
+    ({"hf_token_secret": "Bad_Name"}, "hf_token_secret", "give the Secret's name"),
 ])
 def test_bad_eks_param_is_refused_naming_the_field(conf, field, needle):
     with pytest.raises(ConfigError) as err:

@@ -106,7 +106,9 @@ def later_stages(cfg) -> None:
     check_start(train, env)
     if cfg.model in BUILTIN_MODELS:
         check_start(train, env, builtin_config(cfg.model))
-    if local:
+    # A hub tokenizer (a hub model's own) needs the network the trainer's pods have, not this
+    # test: its data start is checked for local tokenizers.
+    if local and Path(train.tokenizer).is_dir():
         trainer_data_start(train, cfg.world_size // cfg.tp_degree)
     else:
         import kubernetes_validate

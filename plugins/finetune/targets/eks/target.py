@@ -32,7 +32,7 @@ from finetune.gpu_metrics import (
     prometheus_gpu_metrics,
 )
 from finetune.instance_types import INSTANCE_TYPES
-from finetune.outputs import build_report, has_outputs, report_exists
+from finetune.outputs import build_report, has_outputs, report_exists, trainer_root_cause
 from finetune.s3_dataset import check_s3_dataset
 from finetune.targets import Target, Wait
 from finetune.targets.eks import job, nodegroup
@@ -312,7 +312,7 @@ class EksTarget(Target):
         if report_exists(cfg.run_dir, s3) or not has_outputs(cfg.run_dir, s3):
             return None
         return build_report(cfg.run_dir, s3, run_id=cfg.run_id, status="failed",
-                            config=cfg.to_dict())
+                            config=cfg.to_dict(), error=trainer_root_cause(cfg.run_dir, s3))
 
     def teardown(self, cfg: RunConfig, snapshot: dict) -> dict:
         """Delete the run's job and ConfigMap, restore the node group; every step is tried."""
