@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import math
 import re
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -108,8 +109,9 @@ def later_stages(cfg) -> None:
         check_start(train, env, builtin_config(cfg.model))
     # A hub tokenizer (a hub model's own) needs the network the trainer's pods have, not this
     # test: its data start is checked for local tokenizers.
-    if local and Path(train.tokenizer).is_dir():
-        trainer_data_start(train, cfg.world_size // cfg.tp_degree)
+    if local:
+        if Path(train.tokenizer).is_dir():
+            trainer_data_start(train, cfg.world_size // cfg.tp_degree)
     else:
         import kubernetes_validate
 
