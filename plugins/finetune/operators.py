@@ -53,7 +53,7 @@ class StageOperator(BaseOperator):
         return self._result_or_defer(getattr(target, resume)(cfg, event, state))
 
     def _result_or_defer(self, outcome: Any) -> dict:
-        from finetune.targets import Wait
+        from finetune.targets.base import Wait
 
         if not isinstance(outcome, Wait):
             return outcome

@@ -33,7 +33,7 @@ from finetune.image import image_tag, local_environment
 from finetune.outputs import summary, trainer_root_cause
 from finetune.report import write_report
 from finetune.s3_dataset import check_s3_dataset
-from finetune.targets import TORCHRUN_ENV, Target
+from finetune.targets.base import TORCHRUN_ENV, Target
 from finetune.trainer_config import trainer_config
 from finetune_contract.errors import ERROR_DIR_ENV
 

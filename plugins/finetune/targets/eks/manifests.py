@@ -15,7 +15,7 @@ from typing import Any
 from finetune.config import RunConfig
 from finetune.instance_types import INSTANCE_TYPES
 from finetune.names import dns_label
-from finetune.targets import TORCHRUN_ENV
+from finetune.targets.base import TORCHRUN_ENV
 from finetune.trainer_config import trainer_config
 
 PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, PYTORCHJOB_PLURAL = "kubeflow.org", "v1", "pytorchjobs"

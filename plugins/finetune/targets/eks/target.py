@@ -34,7 +34,7 @@ from finetune.gpu_metrics import (
 from finetune.instance_types import INSTANCE_TYPES
 from finetune.outputs import build_report, has_outputs, report_exists, trainer_root_cause
 from finetune.s3_dataset import check_s3_dataset
-from finetune.targets import Target, Wait
+from finetune.targets.base import Target, Wait
 from finetune.targets.eks import job, nodegroup
 from finetune.targets.eks.clients import (
     TOKEN_REFRESH_S,
