@@ -92,6 +92,38 @@ def test_failed_job_names_the_oomkilled_pod_and_teardown_restores_the_nodegroup(
     assert jobs_of_run(cluster, cfg) == []
 
 
+@pytest.mark.slow
+def test_a_failed_job_leads_with_the_trainers_root_cause_and_the_failed_report_carries_it(
+        nodegroup, cluster):
+    import json
+
+    import boto3
+
+    from finetune_contract.errors import error_file, error_record
+
+    cfg, t = eks_config(nodes=2), target()
+    snap = t.snapshot(cfg)
+    add_nodes(cluster, 2)
+    run_stage("scale_up", cfg)
+    s3 = boto3.client("s3")
+    s3.create_bucket(Bucket="bucket")
+    prefix = cfg.run_dir.removeprefix("s3://bucket/")
+    cause = error_record(ValueError("prompt_field='promt' is not a column of s3://d/x"), rank=9)
+    s3.put_object(Bucket="bucket", Key=f"{prefix}/{error_file(9)}", Body=json.dumps(cause))
+    operator = TrainingOperator(cluster, cfg, outcome="Failed", oom_worker=1)
+    operator.start()
+    with pytest.raises(RuntimeError) as err:
+        run_stage("train", cfg, image=IMAGE, rendezvous=RDZV)
+    operator.join(5)
+    assert str(err.value).startswith("rank 9 raised ValueError: prompt_field='promt'")
+    assert "OOMKilled" in str(err.value)  # and still the pods' reasons
+
+    t.teardown(cfg, snap)
+    report = json.loads(s3.get_object(Bucket="bucket", Key=f"{prefix}/report.json")["Body"].read())
+    assert report["status"] == "failed" and report["error"]["rank"] == 9
+    assert report["error"]["message"].startswith("prompt_field='promt'")
+
+
 def test_retry_adopts_the_running_job_instead_of_creating_a_second(nodegroup, cluster):
     cfg = eks_config(nodes=1)
     custom = kubernetes.client.CustomObjectsApi(cluster.api())

@@ -266,7 +266,16 @@ class EksTarget(Target):
                 log.warning("could not renew the node reservation: %s", exc)
             return self._wait_for_job(cfg, state)
         if event["status"] == "failed":
-            raise RuntimeError(job.failure_report(api, cfg.namespace, name, event["message"]))
+            report = job.failure_report(api, cfg.namespace, name, event["message"])
+            try:
+                cause = trainer_root_cause(cfg.run_dir, lambda: self._s3(cfg))
+            except Exception as exc:  # the pods' reasons still say what happened
+                log.warning("could not read the trainer's error records: %s", exc)
+                cause = None
+            if cause:
+                report = (f"rank {cause['rank']} raised {cause['type']}: {cause['message']}\n"
+                          + report)
+            raise RuntimeError(report)
         return job.train_result(cfg, state["job"], state["image"], state["rendezvous"])
 
     def cancel(self, cfg: RunConfig, state: dict) -> None:
