@@ -243,6 +243,11 @@ PARAM_SPECS: tuple[ParamSpec, ...] = (
        "The training is stopped after this many seconds and the run fails (teardown gives the "
        "nodes back): eks, the PyTorchJob's activeDeadlineSeconds; local, the torchrun agents. "
        "0: no deadline."),
+    _S("schedule_timeout_s", 600, "integer", "Resources", "Scheduling timeout (s)",
+       "eks: a training pod the Kubernetes scheduler cannot place for this long (a wrong "
+       "instance type, EFA or GPUs not advertised, a taint, too little CPU or memory) fails "
+       "train with the scheduler's reason, and teardown gives the nodes back. 0: wait until "
+       "active_deadline_s."),
     _S("metrics_port", 0, "integer", "Metrics", "Trainer metrics port",
        "Port of the Prometheus endpoint the trainer's rank 0 serves its per-step metrics on "
        "(loss, lr, grad norm, tokens/s, TFLOPs, MFU, memory); on eks the pods are annotated "
@@ -336,6 +341,7 @@ class RunConfig:
     rdzv_backend: str
     hf_token_secret: str
     active_deadline_s: int
+    schedule_timeout_s: int = 600
     metrics_port: int = 0
     prometheus_url: str = ""
     prometheus_conn_id: str = ""

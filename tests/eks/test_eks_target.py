@@ -4,6 +4,7 @@ the test plays the training operator (pods, logs, job conditions) and the cluste
 from __future__ import annotations
 
 import base64
+import time
 import urllib.parse
 import urllib.request
 from typing import Any
@@ -122,6 +123,28 @@ def test_a_failed_job_leads_with_the_trainers_root_cause_and_the_failed_report_c
     report = json.loads(s3.get_object(Bucket="bucket", Key=f"{prefix}/report.json")["Body"].read())
     assert report["status"] == "failed" and report["error"]["rank"] == 9
     assert report["error"]["message"].startswith("prompt_field='promt'")
+
+
+@pytest.mark.slow
+def test_pods_the_scheduler_cannot_place_fail_train_in_time_naming_its_reason(
+        nodegroup, cluster):
+    cfg, t = eks_config(nodes=2, schedule_timeout_s=600), target()
+    snap = t.snapshot(cfg)
+    add_nodes(cluster, 2)
+    run_stage("scale_up", cfg)
+    reason = "0/2 nodes are available: 2 Insufficient vpc.amazonaws.com/efa."
+    operator = TrainingOperator(cluster, cfg, unschedulable=reason)
+    operator.start()
+    started = time.monotonic()
+    with pytest.raises(RuntimeError) as err:
+        run_stage("train", cfg, image=IMAGE, rendezvous=RDZV)
+    operator.join(5)
+    assert time.monotonic() - started < 30  # the first wake-up, not active_deadline_s
+    message = str(err.value)
+    assert "could not be scheduled for 600 s or more (schedule_timeout_s)" in message
+    assert f"{job_name(cfg)}-worker-1 (" in message and reason in message
+    t.teardown(cfg, snap)
+    assert scaling(nodegroup) == SCALING and jobs_of_run(cluster, cfg) == []
 
 
 def test_retry_adopts_the_running_job_instead_of_creating_a_second(nodegroup, cluster):

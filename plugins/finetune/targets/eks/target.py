@@ -260,6 +260,15 @@ class EksTarget(Target):
                                                          state["after"])}
         log.info("PyTorchJob %s: %s %s", name, event["state"], event["message"])
         if event["status"] == "running":
+            stuck = [(pod, seconds, why) for pod, seconds, why in
+                     job.unschedulable_pods(api, cfg.namespace, name)
+                     if cfg.schedule_timeout_s and seconds >= cfg.schedule_timeout_s]
+            if stuck:
+                raise RuntimeError(
+                    f"{len(stuck)} pod(s) of PyTorchJob {name} could not be scheduled for "
+                    f"{cfg.schedule_timeout_s} s or more (schedule_timeout_s); the scheduler "
+                    "says:\n" + "\n".join(f"{pod} ({seconds} s): {why}"
+                                          for pod, seconds, why in stuck))
             try:
                 self._renew_reservation(cfg)
             except Exception as exc:  # the reservation outlives a few missed renewals
