@@ -24,6 +24,7 @@ from finetune.targets.eks.manifests import (
 )
 from finetune.targets.eks.nodegroup import current_scaling, node_readiness, update_scaling
 from finetune.targets.eks.target import EksTarget
+from tests.support.deferral import run_deferred
 from tests.support.eks import (
     IMAGE,
     NS,
@@ -34,6 +35,7 @@ from tests.support.eks import (
     jobs_of_run,
     run_stage,
     scaling,
+    stage_operator,
     target,
 )
 from tests.support.kube import add_nodes
@@ -145,6 +147,20 @@ def test_pods_the_scheduler_cannot_place_fail_train_in_time_naming_its_reason(
     assert f"{job_name(cfg)}-worker-1 (" in message and reason in message
     t.teardown(cfg, snap)
     assert scaling(nodegroup) == SCALING and jobs_of_run(cluster, cfg) == []
+
+
+@pytest.mark.parametrize(("gpus", "efa", "plugin"), [
+    (8, 0, "the EFA device plugin"), (0, 4, "the NVIDIA device plugin")])
+def test_ready_nodes_without_their_gpus_or_efa_fail_scale_up_naming_the_device_plugin(
+        nodegroup, cluster, gpus, efa, plugin):
+    cfg = eks_config(nodes=2)
+    add_nodes(cluster, 2, gpus=gpus, efa=efa, ready_for=600)
+    with pytest.raises(RuntimeError) as err:
+        run_deferred(stage_operator("scale_up", cfg, {"nodes_timeout": 60.0,
+                                                      "devices_grace_s": 300.0}))
+    message = str(err.value)
+    assert "are Ready but cannot take a worker" in message and plugin in message
+    assert "has been Ready for 6" in message  # about 600 s, from the Ready condition
 
 
 def test_retry_adopts_the_running_job_instead_of_creating_a_second(nodegroup, cluster):
@@ -293,3 +309,24 @@ def test_a_throttled_read_of_the_nodegroup_is_retried(nodegroup):
          "ResponseMetadata": {"HTTPStatusCode": 400}}, "DescribeNodegroup")
     flaky = Flaky(nodegroup, describe_nodegroup=[throttled])
     assert current_scaling(flaky, eks_config()) == SCALING
+
+
+def test_a_node_lacking_devices_is_named_only_after_the_grace_time_from_its_ready_condition():
+    from finetune.targets.eks.nodegroup import missing_devices
+
+    def node(ready_since: str, efa: int) -> dict:
+        return {"metadata": {"name": "n1", "labels": {
+                    "node.kubernetes.io/instance-type": "p4de.24xlarge"}},
+                "status": {"conditions": [{"type": "Ready", "status": "True",
+                                           "lastTransitionTime": ready_since}],
+                           "allocatable": {"nvidia.com/gpu": "8",
+                                           "vpc.amazonaws.com/efa": str(efa)}}}
+
+    now = 1_800_000_000.0
+    at = lambda seconds_ago: time.strftime(  # noqa: E731
+        "%Y-%m-%dT%H:%M:%SZ", time.gmtime(now - seconds_ago))
+    assert missing_devices([node(at(100), 0)], 8, 4, "p4de.24xlarge", 300, now) is None
+    assert "EFA device plugin" in missing_devices([node(at(400), 0)], 8, 4, "p4de.24xlarge",
+                                                  300, now)
+    assert missing_devices([node(at(400), 4)], 8, 4, "p4de.24xlarge", 300, now) is None
+    assert missing_devices([node(at(400), 0)], 8, 0, "p4de.24xlarge", 300, now) is None

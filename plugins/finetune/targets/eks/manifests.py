@@ -39,6 +39,9 @@ C10D_PORT = 29400
 ETCD_IMAGE = "quay.io/coreos/etcd:v3.4.35"
 GPU_RESOURCE = "nvidia.com/gpu"
 EFA_RESOURCE = "vpc.amazonaws.com/efa"
+# The taint key the EFA device plugin tolerates (not the resource name): a node tainted with
+# the resource name never gets the plugin, so never advertises EFA.
+EFA_TAINT = "aws.amazon.com/efa"
 NODEGROUP_LABEL = "eks.amazonaws.com/nodegroup"
 INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
 HF_TOKEN_DEFAULT_KEY = "token"
@@ -150,9 +153,11 @@ def pytorchjob_manifest(cfg: RunConfig, image: str, *,
         container["ports"] = [{"name": METRICS_PORT_NAME, "containerPort": cfg.metrics_port}]
         template_metadata["annotations"] = {"prometheus.io/scrape": "true",
                                             "prometheus.io/port": str(cfg.metrics_port)}
+    # The GPU nodes' taint (containers/k8s/eksctl-cluster.yaml), and the EFA device plugin's
+    # own taint key, should a cluster taint its EFA nodes with it.
     tolerations = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
     if efa:
-        tolerations.append({"key": EFA_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
+        tolerations.append({"key": EFA_TAINT, "operator": "Exists", "effect": "NoSchedule"})
     run_policy: dict[str, Any] = {
         # Finished pods stay (until the TTL) so a failure's reasons and logs can be read.
         "cleanPodPolicy": "Running",

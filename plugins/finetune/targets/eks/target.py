@@ -77,8 +77,10 @@ def _required(values: dict[str, Any], field: str, what: str) -> list[tuple[str, 
 
 class EksTarget(Target):
     """poll_interval: the triggers' pace; nodes_timeout: scale_up's limit per wait (ACTIVE,
-    then Ready); wake_after: how often train comes back to stream the log; etcd_timeout:
-    etcd's restart; update_retries: node group updates while another is in progress."""
+    then Ready); devices_grace_s: how long a Ready node may lack its GPUs or EFA before
+    scale_up names the device plugin; wake_after: how often train comes back to stream the
+    log; etcd_timeout: etcd's restart; update_retries: node group updates while another is in
+    progress."""
 
     name = "eks"
 
@@ -86,8 +88,9 @@ class EksTarget(Target):
                  wake_after: float = 60.0, etcd_timeout: float = 300.0,
                  update_retries: int = 20, reservation_ttl: float = RESERVATION_TTL_S,
                  build_timeout: float = BUILD_TIMEOUT_S,
-                 refresh_interval: float = TOKEN_REFRESH_S):
+                 refresh_interval: float = TOKEN_REFRESH_S, devices_grace_s: float = 300.0):
         self.poll_interval, self.nodes_timeout = poll_interval, nodes_timeout
+        self.devices_grace_s = devices_grace_s
         self.wake_after, self.etcd_timeout = wake_after, etcd_timeout
         self.update_retries, self.reservation_ttl = update_retries, reservation_ttl
         self.build_timeout, self.refresh_interval = build_timeout, refresh_interval
@@ -189,11 +192,15 @@ class EksTarget(Target):
             credentials=kube_credentials(cfg), nodegroup=cfg.nodegroup, nodes=cfg.nodes,
             gpus=cfg.procs_per_node, deadline=deadline,
             efa=state["efa"],
-            instance_type=state["instance_type"], poll_interval=self.poll_interval,
+            instance_type=state["instance_type"], devices_grace_s=self.devices_grace_s,
+            poll_interval=self.poll_interval,
             refresh_interval=self.refresh_interval),
             resume="nodes_ready", deadline=deadline, state=state)
 
     def nodes_ready(self, cfg: RunConfig, event: dict, state: dict) -> dict:
+        if event["status"] == "devices":
+            raise RuntimeError(f"node group {cfg.nodegroup}'s nodes are Ready but cannot take "
+                               f"a worker: {event['message']}")
         if event["status"] != "success":
             raise TimeoutError(
                 f"only {len(event['nodes'])} of {cfg.nodes} node(s) of node group "
