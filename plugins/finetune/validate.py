@@ -32,7 +32,7 @@ from finetune.config import (
     resolve_path,
     run_output_dir,
 )
-from finetune.names import dns_label, run_dir_name
+from finetune.names import DNS_SUBDOMAIN, LABEL_VALUE, dns_label, run_dir_name
 from finetune.presets import NO_PRESET, PRESET_NAMES, apply_preset
 from finetune.trainer_config import trainer_config
 from finetune_contract import data as contract_data
@@ -49,9 +49,7 @@ MAX_ROWS_CHECKED = 200_000
 C10D_PORT = 29400
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _HOST = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$")
-_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 _SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]{1,253}$")
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
 def validate_params(params: Mapping[str, Any], *, run_id: str, dag_id: str = "llm_finetune",
@@ -184,12 +182,12 @@ def _field_problems(cfg: RunConfig) -> Problems:
         errors += _prometheus_problems(cfg.prometheus_url)
     if cfg.hf_token_secret:
         name, _, key = cfg.hf_token_secret.partition(":")
-        if not (_DNS_SUBDOMAIN.match(name) and len(name) <= 253) or \
+        if not DNS_SUBDOMAIN.match(name) or \
                 (":" in cfg.hf_token_secret and not _SECRET_KEY.match(key)):
             errors.append(("hf_token_secret", "give the Secret's name, or name:key (a name: "
                            "lowercase letters, digits, '-' and '.'; a key: letters, digits, "
                            "'-', '_' and '.'); the value is not shown, as it may be a token"))
-    if cfg.nodegroup and not (_LABEL_VALUE.match(cfg.nodegroup) and len(cfg.nodegroup) <= 63):
+    if cfg.nodegroup and not LABEL_VALUE.match(cfg.nodegroup):
         errors.append(("nodegroup", f"{quoted(cfg.nodegroup)} is not a Kubernetes label value "
                        "(the nodes' eks.amazonaws.com/nodegroup label): at most 63 letters, "
                        "digits, '-', '_' and '.', starting and ending with a letter or digit"))
