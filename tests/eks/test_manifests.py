@@ -63,7 +63,8 @@ def test_pytorchjob_carries_rendezvous_resources_and_placement_for_p4de():
     elastic = manifest["spec"]["elasticPolicy"]
     assert elastic == {"rdzvBackend": "etcd-v2", "rdzvHost": "etcd.ml.svc",
                        "rdzvPort": ETCD_PORT, "rdzvId": cfg.rdzv_id, "minReplicas": 4,
-                       "maxReplicas": 4, "maxRestarts": 2, "nProcPerNode": 8}
+                       "maxReplicas": 4, "maxRestarts": 2}
+    assert manifest["spec"]["nprocPerNode"] == "8"
     run_policy = manifest["spec"]["runPolicy"]
     assert run_policy["activeDeadlineSeconds"] == cfg.active_deadline_s
     assert {"cleanPodPolicy", "ttlSecondsAfterFinished", "backoffLimit"} <= set(run_policy)
