@@ -35,7 +35,7 @@ TARGETS = ("local", "eks")
 # torchrun rendezvous backends the training operator passes on (elasticPolicy.rdzvBackend).
 RDZV_BACKENDS = ("etcd-v2", "etcd", "c10d")
 ETCD_RESETS = ("keys", "restart")
-# How the eks target provides the trainer image (plugins/finetune/image_build.py).
+# How the eks target provides the trainer image (plugins/finetune/targets/eks/image_build.py).
 IMAGE_BUILDERS = ("buildkit", "codebuild", "prebuilt")
 # Fields whose value is never quoted in an error message: it may be (or hold) a credential.
 SECRET_FIELDS = frozenset({"hf_token_secret", "rdzv_endpoint", "prometheus_url"})
