@@ -29,7 +29,7 @@ def _no_retry_when_the_training_failed() -> Iterator[None]:
     training that failed by itself."""
     from airflow.sdk.exceptions import AirflowFailException
 
-    from finetune.targets import TrainingFailed
+    from finetune.targets.base import TrainingFailed
 
     try:
         yield
@@ -71,7 +71,7 @@ class StageOperator(BaseOperator):
             return self._result_or_defer(getattr(target, resume)(cfg, event, state))
 
     def _result_or_defer(self, outcome: Any) -> dict:
-        from finetune.targets import Wait
+        from finetune.targets.base import Wait
 
         if not isinstance(outcome, Wait):
             return outcome

@@ -21,6 +21,7 @@ from finetune.report import (
     SUMMARY_FILE,
     write_report,
 )
+from finetune_contract.errors import ERRORS_DIR, root_cause
 
 
 class ReportUnavailable(RuntimeError):
@@ -47,6 +48,20 @@ def has_outputs(run_dir: str, s3_client: Callable[[], Any]) -> bool:
     s3 = s3_client()
     found = s3.list_objects_v2(Bucket=bucket, Prefix=prefix + "/", MaxKeys=1)
     return found.get("KeyCount", 0) > 0
+
+
+def trainer_root_cause(run_dir: str, s3_client: Callable[[], Any]) -> dict | None:
+    """The trainer's record of why it failed (finetune_contract/errors.py), from the run
+    directory (a path or an S3 prefix); None when no rank wrote one."""
+    if not run_dir.startswith("s3://"):
+        files = sorted((Path(run_dir) / ERRORS_DIR).glob("rank_*.json"))
+        return root_cause(path.read_text(errors="replace") for path in files)
+    bucket, prefix = split_s3(run_dir)
+    s3 = s3_client()
+    listed = s3.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/{ERRORS_DIR}/", MaxKeys=1000)
+    keys = [obj["Key"] for obj in listed.get("Contents", []) if obj["Key"].endswith(".json")]
+    return root_cause(s3.get_object(Bucket=bucket, Key=key)["Body"].read().decode(
+        errors="replace") for key in keys)
 
 
 def report_exists(run_dir: str, s3_client: Callable[[], Any]) -> bool:

@@ -59,6 +59,7 @@ _B = Bounds
 BOUNDS: dict[str, Bounds] = {
     "max_nodes": _B(1, 1024),
     "active_deadline_s": _B(0, 30 * 86400),
+    "schedule_timeout_s": _B(0, 86400),
     "node_hourly_price": _B(0, 10_000),
     "nodes": _B(1, 128),
     "procs_per_node": _B(1, 64),

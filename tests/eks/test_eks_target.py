@@ -4,6 +4,7 @@ the test plays the training operator (pods, logs, job conditions) and the cluste
 from __future__ import annotations
 
 import base64
+import time
 import urllib.parse
 import urllib.request
 from typing import Any
@@ -23,6 +24,7 @@ from finetune.targets.eks.manifests import (
 )
 from finetune.targets.eks.nodegroup import current_scaling, node_readiness, update_scaling
 from finetune.targets.eks.target import EksTarget
+from tests.support.deferral import run_deferred
 from tests.support.eks import (
     IMAGE,
     NS,
@@ -33,6 +35,7 @@ from tests.support.eks import (
     jobs_of_run,
     run_stage,
     scaling,
+    stage_operator,
     target,
 )
 from tests.support.kube import add_nodes
@@ -90,6 +93,74 @@ def test_failed_job_names_the_oomkilled_pod_and_teardown_restores_the_nodegroup(
     t.teardown(cfg, snap)
     assert scaling(nodegroup) == SCALING
     assert jobs_of_run(cluster, cfg) == []
+
+
+@pytest.mark.slow
+def test_a_failed_job_leads_with_the_trainers_root_cause_and_the_failed_report_carries_it(
+        nodegroup, cluster):
+    import json
+
+    import boto3
+
+    from finetune_contract.errors import error_file, error_record
+
+    cfg, t = eks_config(nodes=2), target()
+    snap = t.snapshot(cfg)
+    add_nodes(cluster, 2)
+    run_stage("scale_up", cfg)
+    s3 = boto3.client("s3")
+    s3.create_bucket(Bucket="bucket")
+    prefix = cfg.run_dir.removeprefix("s3://bucket/")
+    cause = error_record(ValueError("prompt_field='promt' is not a column of s3://d/x"), rank=9)
+    s3.put_object(Bucket="bucket", Key=f"{prefix}/{error_file(9)}", Body=json.dumps(cause))
+    operator = TrainingOperator(cluster, cfg, outcome="Failed", oom_worker=1)
+    operator.start()
+    with pytest.raises(RuntimeError) as err:
+        run_stage("train", cfg, image=IMAGE, rendezvous=RDZV)
+    operator.join(5)
+    assert str(err.value).startswith("rank 9 raised ValueError: prompt_field='promt'")
+    assert "OOMKilled" in str(err.value)  # and still the pods' reasons
+
+    t.teardown(cfg, snap)
+    report = json.loads(s3.get_object(Bucket="bucket", Key=f"{prefix}/report.json")["Body"].read())
+    assert report["status"] == "failed" and report["error"]["rank"] == 9
+    assert report["error"]["message"].startswith("prompt_field='promt'")
+
+
+@pytest.mark.slow
+def test_pods_the_scheduler_cannot_place_fail_train_in_time_naming_its_reason(
+        nodegroup, cluster):
+    cfg, t = eks_config(nodes=2, schedule_timeout_s=600), target()
+    snap = t.snapshot(cfg)
+    add_nodes(cluster, 2)
+    run_stage("scale_up", cfg)
+    reason = "0/2 nodes are available: 2 Insufficient vpc.amazonaws.com/efa."
+    operator = TrainingOperator(cluster, cfg, unschedulable=reason)
+    operator.start()
+    started = time.monotonic()
+    with pytest.raises(RuntimeError) as err:
+        run_stage("train", cfg, image=IMAGE, rendezvous=RDZV)
+    operator.join(5)
+    assert time.monotonic() - started < 30  # the first wake-up, not active_deadline_s
+    message = str(err.value)
+    assert "could not be scheduled for 600 s or more (schedule_timeout_s)" in message
+    assert f"{job_name(cfg)}-worker-1 (" in message and reason in message
+    t.teardown(cfg, snap)
+    assert scaling(nodegroup) == SCALING and jobs_of_run(cluster, cfg) == []
+
+
+@pytest.mark.parametrize(("gpus", "efa", "plugin"), [
+    (8, 0, "the EFA device plugin"), (0, 4, "the NVIDIA device plugin")])
+def test_ready_nodes_without_their_gpus_or_efa_fail_scale_up_naming_the_device_plugin(
+        nodegroup, cluster, gpus, efa, plugin):
+    cfg = eks_config(nodes=2)
+    add_nodes(cluster, 2, gpus=gpus, efa=efa, ready_for=600)
+    with pytest.raises(RuntimeError) as err:
+        run_deferred(stage_operator("scale_up", cfg, {"nodes_timeout": 60.0,
+                                                      "devices_grace_s": 300.0}))
+    message = str(err.value)
+    assert "are Ready but cannot take a worker" in message and plugin in message
+    assert "has been Ready for 6" in message  # about 600 s, from the Ready condition
 
 
 def test_retry_adopts_the_running_job_instead_of_creating_a_second(nodegroup, cluster):
@@ -238,3 +309,24 @@ def test_a_throttled_read_of_the_nodegroup_is_retried(nodegroup):
          "ResponseMetadata": {"HTTPStatusCode": 400}}, "DescribeNodegroup")
     flaky = Flaky(nodegroup, describe_nodegroup=[throttled])
     assert current_scaling(flaky, eks_config()) == SCALING
+
+
+def test_a_node_lacking_devices_is_named_only_after_the_grace_time_from_its_ready_condition():
+    from finetune.targets.eks.nodegroup import missing_devices
+
+    def node(ready_since: str, efa: int) -> dict:
+        return {"metadata": {"name": "n1", "labels": {
+                    "node.kubernetes.io/instance-type": "p4de.24xlarge"}},
+                "status": {"conditions": [{"type": "Ready", "status": "True",
+                                           "lastTransitionTime": ready_since}],
+                           "allocatable": {"nvidia.com/gpu": "8",
+                                           "vpc.amazonaws.com/efa": str(efa)}}}
+
+    now = 1_800_000_000.0
+    at = lambda seconds_ago: time.strftime(  # noqa: E731
+        "%Y-%m-%dT%H:%M:%SZ", time.gmtime(now - seconds_ago))
+    assert missing_devices([node(at(100), 0)], 8, 4, "p4de.24xlarge", 300, now) is None
+    assert "EFA device plugin" in missing_devices([node(at(400), 0)], 8, 4, "p4de.24xlarge",
+                                                  300, now)
+    assert missing_devices([node(at(400), 4)], 8, 4, "p4de.24xlarge", 300, now) is None
+    assert missing_devices([node(at(400), 0)], 8, 0, "p4de.24xlarge", 300, now) is None

@@ -20,7 +20,7 @@ from finetune.etcd import (
     is_healthy,
     rendezvous_keys,
 )
-from finetune.targets import TORCHRUN_ENV
+from finetune.targets.base import TORCHRUN_ENV
 
 WORKER = Path(__file__).with_name("rdzv_worker.py")
 

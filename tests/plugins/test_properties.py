@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import math
 import re
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -106,8 +107,11 @@ def later_stages(cfg) -> None:
     check_start(train, env)
     if cfg.model in BUILTIN_MODELS:
         check_start(train, env, builtin_config(cfg.model))
+    # A hub tokenizer (a hub model's own) needs the network the trainer's pods have, not this
+    # test: its data start is checked for local tokenizers.
     if local:
-        trainer_data_start(train, cfg.world_size // cfg.tp_degree)
+        if Path(train.tokenizer).is_dir():
+            trainer_data_start(train, cfg.world_size // cfg.tp_degree)
     else:
         import kubernetes_validate
 
@@ -139,6 +143,11 @@ def trainer_data_start(train, data_parallel: int) -> None:
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(params())
 def test_validate_raises_only_config_errors_and_accepts_only_what_later_stages_accept(conf):
+    accepted_only_if_later_stages_accept(conf)
+
+
+def accepted_only_if_later_stages_accept(conf: dict) -> None:
+    """validate refuses with its own error only, or later_stages accepts what it accepted."""
     try:
         cfg = validate_params(conf, run_id="manual__2026-11-29T10:00:00+00:00")
     except ConfigError as exc:
@@ -164,17 +173,11 @@ NEAR_VALID_LOCAL = st.fixed_dictionaries({
 })
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(NEAR_VALID_LOCAL)
 def test_a_local_run_near_the_limits_of_its_data_is_accepted_only_if_the_trainer_starts(conf):
-    try:
-        cfg = validate_params(conf, run_id="manual__2026-11-29T10:00:00+00:00")
-    except ConfigError as exc:
-        assert exc.errors and all(field and message for field, message in exc.errors)
-        event("rejected")
-        return
-    event("accepted")
-    later_stages(cfg)
+    accepted_only_if_later_stages_accept(conf)
 
 
 RUN_IDS = st.text(st.characters(codec="utf-8"), min_size=1, max_size=300) | st.from_regex(

@@ -74,9 +74,11 @@ class TrainingOperator(threading.Thread):
     leader's log and moves the job to `outcome`."""
 
     def __init__(self, cluster: Cluster, cfg: RunConfig, outcome: str = "Succeeded",
-                 oom_worker: int | None = None):
+                 oom_worker: int | None = None, unschedulable: str | None = None):
         super().__init__(daemon=True)
         self.cluster, self.cfg, self.outcome, self.oom_worker = cluster, cfg, outcome, oom_worker
+        # The scheduler's message for pods it cannot place (they stay Pending, the job Created).
+        self.unschedulable = unschedulable
         self.created: list[str] = []
 
     def run(self) -> None:
@@ -102,8 +104,11 @@ class TrainingOperator(threading.Thread):
                     LABEL_JOB_NAME: name, LABEL_REPLICA_TYPE: "worker",
                     LABEL_REPLICA_INDEX: str(i)}},
                 "spec": {"containers": [{"name": "pytorch", "image": "img"}]},
-                "status": {"phase": "Running"}})
+                "status": self._pod_status()})
             self.created.append(pod)
+        if self.unschedulable:
+            self._set(custom, name, "Created")
+            return
         self._set(custom, name, "Running")
         logs = self.cluster.emulator.pod_logs
         logs[NS, f"{name}-worker-0"] = []
@@ -121,6 +126,14 @@ class TrainingOperator(threading.Thread):
                                                             "reason": "OOMKilled"}}}]}})
         time.sleep(0.15)
         self._set(custom, name, self.outcome)
+
+    def _pod_status(self) -> dict[str, Any]:
+        if not self.unschedulable:
+            return {"phase": "Running"}
+        since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 700))
+        return {"phase": "Pending", "conditions": [{
+            "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+            "message": self.unschedulable, "lastTransitionTime": since}]}
 
     def _set(self, custom: Any, name: str, condition: str) -> None:
         custom.patch_namespaced_custom_object_status(

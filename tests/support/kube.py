@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -203,8 +204,11 @@ class Cluster:
         return kubernetes.config.new_client_from_config(config_file=str(self.kubeconfig))
 
 
-def add_nodes(cluster: Cluster, count: int, ready: bool = True, gpus: int = 8) -> None:
+def add_nodes(cluster: Cluster, count: int, ready: bool = True, gpus: int = 8, efa: int = 4,
+              ready_for: float = 0.0) -> None:
+    """`count` nodes of the p4de node group; `ready_for`: seconds since they became Ready."""
     core = kubernetes.client.CoreV1Api(cluster.api())
+    since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - ready_for))
     for i in range(count):
         core.create_node({
             "apiVersion": "v1", "kind": "Node",
@@ -214,8 +218,9 @@ def add_nodes(cluster: Cluster, count: int, ready: bool = True, gpus: int = 8) -
             "status": {
                 "conditions": [{"type": "Ready", "status": "True" if ready else "False",
                                 "reason": "KubeletReady" if ready else "KubeletNotReady",
-                                "message": "" if ready else "container runtime not ready"}],
-                "allocatable": {"nvidia.com/gpu": str(gpus), "vpc.amazonaws.com/efa": "4"}},
+                                "message": "" if ready else "container runtime not ready",
+                                "lastTransitionTime": since}],
+                "allocatable": {"nvidia.com/gpu": str(gpus), "vpc.amazonaws.com/efa": str(efa)}},
         })
 
 

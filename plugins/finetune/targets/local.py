@@ -31,12 +31,12 @@ from finetune.gpu_metrics import (
     sampled_gpu_metrics,
 )
 from finetune.image import image_tag, local_environment
-from finetune.outputs import summary
+from finetune.outputs import summary, trainer_root_cause
 from finetune.report import write_report
 from finetune.s3_dataset import check_s3_dataset
-from finetune.targets import TORCHRUN_ENV, Target, TrainingFailed
+from finetune.targets.base import TORCHRUN_ENV, Target, TrainingFailed
 from finetune.trainer_config import trainer_config
-from finetune_contract.errors import ERROR_DIR_ENV, ERRORS_DIR, root_cause
+from finetune_contract.errors import ERROR_DIR_ENV
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +196,9 @@ class LocalTarget(Target):
         if values["float8"] and res["device"] != "cuda":
             errors.append(("float8", "needs GPUs with compute capability >= 8.9; this machine "
                            "has none (the trainer would run on the CPU)"))
+        if values["output_dir"].startswith("s3://"):
+            errors.append(("output_dir", "s3:// output needs target eks; give a local "
+                           "directory"))
         if res["fits"]:
             return errors
         unit = "GPUs" if res["device"] == "cuda" else "CPU cores"
@@ -301,7 +304,7 @@ class LocalTarget(Target):
         stop_processes(_trainer_processes(str(config_path)))
         if failed:
             node, reason = failed
-            cause = trainer_root_cause(run_dir)
+            cause = trainer_root_cause(str(run_dir), _no_s3)
             because = (f"rank {cause['rank']} raised {cause['type']}: {cause['message']}\n"
                        if cause else "")
             raise TrainingFailed(f"training failed: {because}node {node} {reason}; last "
@@ -431,8 +434,9 @@ class LocalTarget(Target):
                             cfg.rdzv_id, cfg.rdzv_endpoint, exc)
         if run_dir.is_dir() and not (run_dir / "report.json").exists():
             # The run failed before collect_metrics: still leave a report of what it did.
+            cause = trainer_root_cause(str(run_dir), _no_s3)
             report = write_report(run_dir, run_id=cfg.run_id, status="failed",
-                                  config=cfg.to_dict(), error=trainer_root_cause(run_dir))
+                                  config=cfg.to_dict(), error=cause)
             stopped["report"] = _summary(cfg, report)
         log.info("teardown: %s; outputs kept in %s", stopped or "nothing was running", run_dir)
         return stopped
@@ -459,12 +463,6 @@ def _stop_earlier_try(state: dict) -> None:
     # SIGKILL: a task process takes SIGTERM as on_kill, and lives on.
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
-
-
-def trainer_root_cause(run_dir: Path) -> dict | None:
-    """The trainer's record of why it failed (the earliest rank's), if it wrote one."""
-    files = sorted((run_dir / ERRORS_DIR).glob("rank_*.json"))
-    return root_cause(path.read_text(errors="replace") for path in files)
 
 
 def _summary(cfg: RunConfig, report: dict) -> dict:
@@ -526,3 +524,7 @@ class _LogFollower:
                 copied = True
         if copied:
             _write_state(self.cfg, "train_log", {"offsets": self.offsets})
+
+
+def _no_s3() -> None:
+    raise AssertionError("the local target's run directories are on this machine")

@@ -179,6 +179,23 @@ def _pods(api: Any, namespace: str, selector: str) -> list[dict[str, Any]]:
         namespace, label_selector=selector))["items"]
 
 
+def unschedulable_pods(api: Any, namespace: str, name: str) -> list[tuple[str, int, str]]:
+    """(pod, seconds, the scheduler's message) of the job's pods the scheduler could not place
+    (PodScheduled False, reason Unschedulable: what a FailedScheduling event also says)."""
+    found = []
+    for pod in _pods(api, namespace, f"{LABEL_JOB_NAME}={name}"):
+        if (pod.get("status") or {}).get("phase") != "Pending":
+            continue
+        for condition in (pod.get("status") or {}).get("conditions") or []:
+            if condition.get("type") == "PodScheduled" and condition.get("status") == "False" \
+                    and condition.get("reason") == "Unschedulable":
+                since = condition.get("lastTransitionTime") or \
+                    pod["metadata"].get("creationTimestamp")
+                seconds = _seconds_since(since) - 30 if since else 0
+                found.append((pod["metadata"]["name"], seconds, condition.get("message", "")))
+    return sorted(found)
+
+
 def stream_leader_log(api: Any, namespace: str, name: str, after: str) -> str:
     """Copy worker 0's log lines newer than timestamp `after` into the task log; the newest."""
     import kubernetes

@@ -8,6 +8,7 @@ protection of the nodes other runs train on.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import time
 from typing import Any
@@ -134,6 +135,42 @@ def usable_nodes(nodes: list[dict[str, Any]], gpus: int, efa: int,
     states = [node_readiness(n, gpus, efa, instance_type) for n in nodes]
     usable = [s.split(":", 1)[0] for ok, s in states if ok]
     return usable, "; ".join(s for _, s in states) or "no nodes registered"
+
+
+# The device plugins that advertise each resource, as a missing one is named.
+DEVICE_PLUGINS = {
+    GPU_RESOURCE: "the NVIDIA device plugin (kube-system daemonset nvidia-device-plugin-daemonset)",
+    EFA_RESOURCE: "the EFA device plugin (kube-system daemonset "
+                  "aws-efa-k8s-device-plugin-daemonset; see containers/k8s/"
+                  "efa-device-plugin-patch.yaml for GPU-tainted nodes)",
+}
+
+
+def missing_devices(nodes: list[dict[str, Any]], gpus: int, efa: int, instance_type: str,
+                    grace_s: float, now: float) -> str | None:
+    """Why nodes Ready for `grace_s` or more still cannot take a worker: the GPUs or EFA they
+    do not advertise, and the device plugin that should; None while none is like that. The
+    time comes from the Ready condition's lastTransitionTime, so a restarted trigger agrees."""
+    problems = []
+    for node in nodes:
+        status = node.get("status") or {}
+        ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {})
+        labels = (node.get("metadata") or {}).get("labels") or {}
+        since = ready.get("lastTransitionTime")
+        if ready.get("status") != "True" or not since or \
+                labels.get(INSTANCE_TYPE_LABEL, instance_type) != instance_type:
+            continue
+        ready_for = now - datetime.datetime.fromisoformat(since.replace("Z", "+00:00")).timestamp()
+        if ready_for < grace_s:
+            continue
+        allocatable = status.get("allocatable") or {}
+        for resource, needed in ((GPU_RESOURCE, gpus), (EFA_RESOURCE, efa)):
+            have = int(allocatable.get(resource, 0))
+            if needed and have < needed:
+                problems.append(f"node {node['metadata']['name']} has been Ready for "
+                                f"{ready_for:.0f} s but advertises {resource}={have} (a worker "
+                                f"needs {needed}): is {DEVICE_PLUGINS[resource]} running there?")
+    return "; ".join(problems) or None
 
 
 def instance_id(node: dict[str, Any]) -> str | None:

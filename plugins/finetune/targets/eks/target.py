@@ -20,7 +20,6 @@ returns its result or a `Wait` on one of the triggers.
 from __future__ import annotations
 
 import logging
-import re
 import time
 from typing import Any
 
@@ -32,9 +31,10 @@ from finetune.gpu_metrics import (
     prometheus_gpu_metrics,
 )
 from finetune.instance_types import INSTANCE_TYPES
-from finetune.outputs import build_report, has_outputs, report_exists
+from finetune.names import DNS_LABEL, DNS_SUBDOMAIN
+from finetune.outputs import build_report, has_outputs, report_exists, trainer_root_cause
 from finetune.s3_dataset import check_s3_dataset
-from finetune.targets import Target, TrainingFailed, Wait
+from finetune.targets.base import Target, TrainingFailed, Wait
 from finetune.targets.eks import job, nodegroup
 from finetune.targets.eks.clients import (
     TOKEN_REFRESH_S,
@@ -48,7 +48,12 @@ from finetune.targets.eks.image_build import (
     image_param_errors,
     start_image,
 )
-from finetune.targets.eks.manifests import EFA_RESOURCE, GPU_RESOURCE
+from finetune.targets.eks.manifests import (
+    C10D_PORT,
+    EFA_RESOURCE,
+    GPU_RESOURCE,
+    parse_volumes,
+)
 from finetune.targets.eks.rendezvous import delete_run_keys, reset_rendezvous
 from finetune.targets.eks.reservations import (
     RESERVATION_TTL_S,
@@ -68,26 +73,51 @@ from finetune.targets.eks.triggers import (
 
 log = logging.getLogger(__name__)
 
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
 def _required(values: dict[str, Any], field: str, what: str) -> list[tuple[str, str]]:
     return [] if values[field] else [(field, f"is required for target eks: {what}")]
 
 
+def _pod_problems(values: dict[str, Any]) -> list[tuple[str, str]]:
+    """The pods' service account, Kueue queue and volumes; an absolute path the pods read or
+    write must lie on a mounted volume (the image holds only /app)."""
+    errors = []
+    for field in ("service_account", "queue_name"):
+        if values[field] and not DNS_SUBDOMAIN.match(values[field]):
+            errors.append((field, f"{values[field][:80]!r} is not a Kubernetes name (lowercase "
+                           "letters, digits, '-' and '.')"))
+    try:
+        mounts = [path for _, path in parse_volumes(values["volumes"])]
+    except ValueError as exc:
+        return errors + [("volumes", str(exc))]
+    for field in ("model", "tokenizer", "dataset", "output_dir"):
+        path = values[field]
+        if path.startswith("/") and not path.startswith("/app/") and not any(
+                path == m or path.startswith(m + "/") for m in mounts):
+            errors.append((field, f"{path[:80]!r} is on no volume the pods mount ("
+                           + (", ".join(mounts) or "volumes is empty") + "): mount its "
+                           "PersistentVolumeClaim with volumes, or use s3://"))
+    return errors
+
+
 class EksTarget(Target):
     """poll_interval: the triggers' pace; nodes_timeout: scale_up's limit per wait (ACTIVE,
-    then Ready); wake_after: how often train comes back to stream the log; etcd_timeout:
-    etcd's restart; update_retries: node group updates while another is in progress."""
+    then Ready); devices_grace_s: how long a Ready node may lack its GPUs or EFA before
+    scale_up names the device plugin; wake_after: how often train comes back to stream the
+    log; etcd_timeout: etcd's restart; update_retries: node group updates while another is in
+    progress."""
 
     name = "eks"
+    paths_are_local = False
 
     def __init__(self, poll_interval: float = 15.0, nodes_timeout: float = 1800.0,
                  wake_after: float = 60.0, etcd_timeout: float = 300.0,
                  update_retries: int = 20, reservation_ttl: float = RESERVATION_TTL_S,
                  build_timeout: float = BUILD_TIMEOUT_S,
-                 refresh_interval: float = TOKEN_REFRESH_S):
+                 refresh_interval: float = TOKEN_REFRESH_S, devices_grace_s: float = 300.0):
         self.poll_interval, self.nodes_timeout = poll_interval, nodes_timeout
+        self.devices_grace_s = devices_grace_s
         self.wake_after, self.etcd_timeout = wake_after, etcd_timeout
         self.update_retries, self.reservation_ttl = update_retries, reservation_ttl
         self.build_timeout, self.refresh_interval = build_timeout, refresh_interval
@@ -110,14 +140,17 @@ class EksTarget(Target):
                            "capability < 8.9); choose a p5, p5e, p5en or g6 instance_type or set "
                            "float8 to false"))
         for field in ("namespace", "etcd_service"):
-            if not _DNS_LABEL.match(values[field]):
+            if not DNS_LABEL.match(values[field]):
                 errors.append((field, f"{values[field]!r} is not a DNS label (lowercase "
                                "letters, digits and '-', at most 63)"))
         out = values["output_dir"]
         if not (out.startswith("s3://") or out.startswith("/")):
-            errors.append(("output_dir", f"{out!r}: on eks give s3://bucket/prefix or an "
-                           "absolute path the pods mount"))
-        return errors
+            errors.append(("output_dir", f"{out[:80]!r}: on eks give s3://bucket/prefix or an "
+                           "absolute path the pods mount (volumes)"))
+        if values["rdzv_backend"] == "c10d" and values["metrics_port"] == C10D_PORT:
+            errors.append(("metrics_port", f"{C10D_PORT} is the c10d rendezvous port on worker "
+                           "0, where rank 0 serves its metrics; choose another port"))
+        return errors + _pod_problems(values)
 
     # -- clients ----------------------------------------------------------------------------
 
@@ -189,11 +222,15 @@ class EksTarget(Target):
             credentials=kube_credentials(cfg), nodegroup=cfg.nodegroup, nodes=cfg.nodes,
             gpus=cfg.procs_per_node, deadline=deadline,
             efa=state["efa"],
-            instance_type=state["instance_type"], poll_interval=self.poll_interval,
+            instance_type=state["instance_type"], devices_grace_s=self.devices_grace_s,
+            poll_interval=self.poll_interval,
             refresh_interval=self.refresh_interval),
             resume="nodes_ready", deadline=deadline, state=state)
 
     def nodes_ready(self, cfg: RunConfig, event: dict, state: dict) -> dict:
+        if event["status"] == "devices":
+            raise RuntimeError(f"node group {cfg.nodegroup}'s nodes are Ready but cannot take "
+                               f"a worker: {event['message']}")
         if event["status"] != "success":
             raise TimeoutError(
                 f"only {len(event['nodes'])} of {cfg.nodes} node(s) of node group "
@@ -260,13 +297,31 @@ class EksTarget(Target):
                                                          state["after"])}
         log.info("PyTorchJob %s: %s %s", name, event["state"], event["message"])
         if event["status"] == "running":
+            stuck = [(pod, seconds, why) for pod, seconds, why in
+                     job.unschedulable_pods(api, cfg.namespace, name)
+                     if cfg.schedule_timeout_s and seconds >= cfg.schedule_timeout_s]
+            if stuck:
+                raise RuntimeError(
+                    f"{len(stuck)} pod(s) of PyTorchJob {name} could not be scheduled for "
+                    f"{cfg.schedule_timeout_s} s or more (schedule_timeout_s); the scheduler "
+                    "says:\n" + "\n".join(f"{pod} ({seconds} s): {why}"
+                                          for pod, seconds, why in stuck))
             try:
                 self._renew_reservation(cfg)
             except Exception as exc:  # the reservation outlives a few missed renewals
                 log.warning("could not renew the node reservation: %s", exc)
             return self._wait_for_job(cfg, state)
         if event["status"] == "failed":
-            raise TrainingFailed(job.failure_report(api, cfg.namespace, name, event["message"]))
+            report = job.failure_report(api, cfg.namespace, name, event["message"])
+            try:
+                cause = trainer_root_cause(cfg.run_dir, lambda: self._s3(cfg))
+            except Exception as exc:  # the pods' reasons still say what happened
+                log.warning("could not read the trainer's error records: %s", exc)
+                cause = None
+            if cause:
+                report = (f"rank {cause['rank']} raised {cause['type']}: {cause['message']}\n"
+                          + report)
+            raise TrainingFailed(report)
         return job.train_result(cfg, state["job"], state["image"], state["rendezvous"])
 
     def cancel(self, cfg: RunConfig, state: dict) -> None:
@@ -312,7 +367,7 @@ class EksTarget(Target):
         if report_exists(cfg.run_dir, s3) or not has_outputs(cfg.run_dir, s3):
             return None
         return build_report(cfg.run_dir, s3, run_id=cfg.run_id, status="failed",
-                            config=cfg.to_dict())
+                            config=cfg.to_dict(), error=trainer_root_cause(cfg.run_dir, s3))
 
     def teardown(self, cfg: RunConfig, snapshot: dict) -> dict:
         """Delete the run's job and ConfigMap, restore the node group; every step is tried."""

@@ -38,7 +38,7 @@ from finetune.targets.eks.manifests import (
     PYTORCHJOB_PLURAL,
     PYTORCHJOB_VERSION,
 )
-from finetune.targets.eks.nodegroup import usable_nodes
+from finetune.targets.eks.nodegroup import missing_devices, usable_nodes
 
 # Node group states from which it does not become ACTIVE by itself.
 NODEGROUP_FAILED = ("CREATE_FAILED", "DELETE_FAILED", "DEGRADED", "DELETING")
@@ -90,10 +90,12 @@ class NodegroupActiveTrigger(BaseTrigger):
 class NodesReadyTrigger(BaseTrigger):
     def __init__(self, *, credentials: dict[str, str], nodegroup: str, nodes: int, gpus: int,
                  deadline: float, efa: int = 0, instance_type: str = "",
-                 poll_interval: float = 15.0, refresh_interval: float = TOKEN_REFRESH_S):
+                 devices_grace_s: float = 300.0, poll_interval: float = 15.0,
+                 refresh_interval: float = TOKEN_REFRESH_S):
         super().__init__()
         self.credentials, self.nodegroup, self.nodes = credentials, nodegroup, nodes
         self.gpus, self.efa, self.instance_type = gpus, efa, instance_type
+        self.devices_grace_s = devices_grace_s
         self.deadline, self.poll_interval = deadline, poll_interval
         self.refresh_interval = refresh_interval
 
@@ -101,7 +103,8 @@ class NodesReadyTrigger(BaseTrigger):
         return f"{__name__}.NodesReadyTrigger", {
             "credentials": self.credentials, "nodegroup": self.nodegroup, "nodes": self.nodes,
             "gpus": self.gpus, "deadline": self.deadline, "efa": self.efa,
-            "instance_type": self.instance_type, "poll_interval": self.poll_interval,
+            "instance_type": self.instance_type, "devices_grace_s": self.devices_grace_s,
+            "poll_interval": self.poll_interval,
             "refresh_interval": self.refresh_interval}
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
@@ -118,10 +121,16 @@ class NodesReadyTrigger(BaseTrigger):
 
         try:
             while True:
-                usable, summary = usable_nodes(await list_nodes(), self.gpus, self.efa,
-                                               self.instance_type)
+                nodes = await list_nodes()
+                usable, summary = usable_nodes(nodes, self.gpus, self.efa, self.instance_type)
                 if len(usable) >= self.nodes:
                     yield TriggerEvent({"status": "success", "nodes": usable})
+                    return
+                missing = missing_devices(nodes, self.gpus, self.efa, self.instance_type,
+                                          self.devices_grace_s, time.time())
+                if missing:  # waiting on would only wait out the deadline
+                    yield TriggerEvent({"status": "devices", "nodes": usable,
+                                        "message": missing})
                     return
                 if _passed(self.deadline):
                     yield TriggerEvent({"status": "timeout", "nodes": usable,

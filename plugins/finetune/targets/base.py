@@ -1,0 +1,88 @@
+"""What every target is: the `Target` interface, a stage's `Wait`, and what every target gives
+torchrun (`TORCHRUN_ENV`). Targets import this module; `finetune.targets` finds them by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+from finetune.config import RunConfig
+
+if TYPE_CHECKING:
+    from airflow.triggers.base import BaseTrigger
+
+# torchrun's environment on every target. The etcd-v2 and c10d rendezvous otherwise hand every
+# restart round's workers the same TCPStore (the agent's, since torch 2.5), where the restarted
+# workers read the previous round's keys: their peers' dead gloo/NCCL addresses (pytorch#135712).
+# With it each round's rank-0 worker hosts a new store on a new port (as before torch 2.5).
+TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Wait:
+    """A stage that is not done yet: defer on `trigger`, then call the target's method named
+    `resume` as `resume(cfg, event, state)`; it returns the stage's result or another Wait.
+
+    `state` is JSON-able (it is stored with the deferred task); `deadline` (epoch seconds, the
+    trigger's own) lets the operator give the framework a timeout too.
+    """
+
+    trigger: BaseTrigger
+    resume: str
+    state: dict[str, Any]
+    deadline: float | None = None
+
+
+Outcome = dict | Wait
+
+
+class TrainingFailed(RuntimeError):
+    """The training itself failed (a worker's error, its deadline, a Failed job): the stage
+    fails without a retry, which would only spend the nodes' time again; a lost try is
+    retried instead."""
+
+
+class Target(ABC):
+    name: str
+    # Whether this machine (the Airflow worker) sees the paths the trainer reads, so validate
+    # can read the model, tokenizer and data: yes locally; on a cluster absolute paths are the
+    # pods' (mounted volumes).
+    paths_are_local: bool = True
+
+    @abstractmethod
+    def check(self, values: dict[str, Any]) -> list[tuple[str, str]]:
+        """Validate-time checks of this target's constraints: (field, message) per problem."""
+
+    @abstractmethod
+    def snapshot(self, cfg: RunConfig) -> dict:
+        """Setup: record what teardown must restore. Must not fail in practice."""
+
+    @abstractmethod
+    def scale_up(self, cfg: RunConfig) -> Outcome:
+        """Make the run's nodes available."""
+
+    @abstractmethod
+    def build_image(self, cfg: RunConfig) -> Outcome:
+        """Provide the trainer image (or environment) the run uses."""
+
+    @abstractmethod
+    def reset_etcd(self, cfg: RunConfig) -> dict:
+        """Give the run a clean rendezvous: its endpoint, backend and id."""
+
+    @abstractmethod
+    def train(self, cfg: RunConfig, image: dict, rendezvous: dict) -> Outcome:
+        """Run the trainer on every node; fail with the reason when it fails."""
+
+    @abstractmethod
+    def collect_metrics(self, cfg: RunConfig, trained: dict) -> dict:
+        """Write report.json and report.html beside the model; return a small summary."""
+
+    @abstractmethod
+    def teardown(self, cfg: RunConfig, snapshot: dict) -> dict:
+        """Stop and delete what the run started, give the nodes back. Runs after any failure."""
+
+    def cancel(self, cfg: RunConfig, state: dict) -> None:  # noqa: B027 (most have nothing)
+        """The task of a stage was killed on a worker: stop what the stage started (`state`
+        is the last Wait's). The trigger's on_kill does it while the task is deferred."""
