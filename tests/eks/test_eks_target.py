@@ -13,6 +13,7 @@ import boto3
 import botocore.exceptions
 import kubernetes
 import pytest
+from airflow.sdk.exceptions import AirflowFailException
 
 from finetune.targets import get_target
 from finetune.targets.eks.clients import eks_api_client, eks_token
@@ -82,7 +83,7 @@ def test_failed_job_names_the_oomkilled_pod_and_teardown_restores_the_nodegroup(
     run_stage("scale_up", cfg)
     operator = TrainingOperator(cluster, cfg, outcome="Failed", oom_worker=1)
     operator.start()
-    with pytest.raises(RuntimeError) as err:
+    with pytest.raises(AirflowFailException) as err:
         run_stage("train", cfg, image=IMAGE, rendezvous=RDZV)
     operator.join(5)
     message = str(err.value)
@@ -115,7 +116,7 @@ def test_a_failed_job_leads_with_the_trainers_root_cause_and_the_failed_report_c
     s3.put_object(Bucket="bucket", Key=f"{prefix}/{error_file(9)}", Body=json.dumps(cause))
     operator = TrainingOperator(cluster, cfg, outcome="Failed", oom_worker=1)
     operator.start()
-    with pytest.raises(RuntimeError) as err:
+    with pytest.raises(AirflowFailException) as err:
         run_stage("train", cfg, image=IMAGE, rendezvous=RDZV)
     operator.join(5)
     assert str(err.value).startswith("rank 9 raised ValueError: prompt_field='promt'")
