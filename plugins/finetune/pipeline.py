@@ -26,10 +26,14 @@ log = logging.getLogger(__name__)
 # training or takes a finished one's result), collect_metrics (rewrites the report) and
 # teardown (every step is idempotent). validate and snapshot are retried by no one: they fail
 # the same way again. reset_etcd neither: it clears the rendezvous a running training uses.
-# A training that itself failed is not retried (`targets.TrainingFailed`).
-# FINETUNE_RETRY_DELAY_S: another delay (the restart tests' shorter one).
-RESUMABLE = {"retries": 3, "retry_delay": datetime.timedelta(
-    seconds=float(os.environ.get("FINETUNE_RETRY_DELAY_S", "30")))}
+# A training that itself failed is not retried (`targets.base.TrainingFailed`).
+# Five retries, 30 s doubling to at most 10 minutes: about 15 minutes of Airflow coming back,
+# during which a try whose start meets no api-server is killed by its supervisor.
+# FINETUNE_RETRY_DELAY_S: another first delay (the restart tests' shorter one).
+RESUMABLE = {"retries": 5, "retry_exponential_backoff": 2.0,
+             "retry_delay": datetime.timedelta(
+                 seconds=float(os.environ.get("FINETUNE_RETRY_DELAY_S", "30"))),
+             "max_retry_delay": datetime.timedelta(minutes=10)}
 
 
 def _target(run_config: dict):

@@ -31,7 +31,7 @@ SHORT_STEPS = 20  # ends during the outage
 LONG_STEPS = 2500  # still training when the retry comes (about 25 steps/s on 2 CPU cores)
 API_SERVER_LATE_S = 30
 # Short enough for a test: a dead scheduler's tasks are reset 10 s after its last heartbeat,
-# a retry waits 3 s (the DAG's own 30 s).
+# a retry waits 3 s, doubling (the DAG's own 30 s).
 ENV = {
     "FINETUNE_RETRY_DELAY_S": "3",
     "AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_THRESHOLD": "10",
@@ -172,4 +172,3 @@ def test_a_run_marked_failed_during_train_still_stops_the_training(airflow, tmp_
              airflow.home)
     assert _trainer_processes(str(run_dir / "trainer_config.json")) == []
     assert len(steps_done(run_dir)) < LONG_STEPS
-    assert airflow.api.get(path)["state"] == "failed"
