@@ -35,6 +35,9 @@ TARGETS = ("local", "eks")
 # torchrun rendezvous backends the training operator passes on (elasticPolicy.rdzvBackend).
 RDZV_BACKENDS = ("etcd-v2", "etcd", "c10d")
 ETCD_RESETS = ("keys", "restart")
+# What runs the trainer on eks: Kubeflow's training operator v1 (PyTorchJob) or Kubeflow Trainer
+# v2 (TrainJob on a ClusterTrainingRuntime, on JobSet).
+LAUNCHERS = ("pytorchjob", "trainjob")
 # How the eks target provides the trainer image (plugins/finetune/image_build.py).
 IMAGE_BUILDERS = ("buildkit", "codebuild", "prebuilt")
 # Fields whose value is never quoted in an error message: it may be (or hold) a credential.
@@ -236,6 +239,13 @@ PARAM_SPECS: tuple[ParamSpec, ...] = (
     _S("rdzv_backend", "etcd-v2", "string", "EKS", "Rendezvous backend",
        "torchrun rendezvous: etcd-v2 or etcd (the etcd service), or c10d (on worker 0).",
        enum=RDZV_BACKENDS),
+    _S("launcher", "pytorchjob", "string", "EKS", "Launcher",
+       "pytorchjob: a Kubeflow PyTorchJob (training operator v1). trainjob: a Kubeflow Trainer "
+       "v2 TrainJob on the project's ClusterTrainingRuntime (containers/k8s/"
+       "trainjob-runtime.yaml): a static c10d rendezvous on node 0 (rdzv_backend c10d), "
+       "restarts by JobSet's failure policy (max_restarts 0).",
+       enum=LAUNCHERS, values_display={"pytorchjob": "PyTorchJob (training operator v1)",
+                                       "trainjob": "TrainJob (Kubeflow Trainer v2)"}),
     _S("service_account", "", "string", "EKS", "Service account",
        "Kubernetes service account of the training pods, e.g. one bound to an IAM role (IRSA) "
        "that reads the data set and writes the outputs on S3. Empty: the namespace's default."),
@@ -362,6 +372,7 @@ class RunConfig:
     preset: str = NO_PRESET
     preset_version: int = 0  # the preset's version; 0 without a preset
     bad_rows: str = "skip"
+    launcher: str = "pytorchjob"
 
     @property
     def world_size(self) -> int:

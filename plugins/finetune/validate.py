@@ -97,6 +97,7 @@ def validate_params(params: Mapping[str, Any], *, run_id: str, dag_id: str = "ll
     from finetune.targets import get_target
 
     errors += run_problems(cfg)
+    errors += launcher_problems(cfg)
     errors += get_target(cfg.target).check(values)
     if errors:
         raise ConfigError(errors)
@@ -196,6 +197,36 @@ def _field_problems(cfg: RunConfig) -> Problems:
         if cfg.target == "local":
             errors.append(("output_dir", "s3:// output needs target eks; give a local "
                            "directory"))
+    return errors
+
+
+def launcher_problems(cfg: RunConfig) -> Problems:
+    """Combinations the trainjob launcher cannot run: Kubeflow Trainer v2 gives torchrun a
+    static c10d rendezvous on node 0 (no etcd, no elastic policy) and restarts a run only as a
+    whole group (JobSet's failurePolicy.maxRestarts, in the ClusterTrainingRuntime)."""
+    if cfg.launcher != "trainjob":
+        return []
+    what = "launcher trainjob (Kubeflow Trainer v2)"
+    if cfg.target != "eks":
+        return [("launcher", f"{what} runs on target eks only; target is {cfg.target}: set "
+                 "launcher pytorchjob (the default), which the local target ignores")]
+    errors: Problems = []
+    if cfg.rdzv_backend != "c10d":
+        errors.append(("rdzv_backend", f"{cfg.rdzv_backend} cannot work with {what}: torchrun "
+                       "gets a static c10d rendezvous on node 0 from the trainer; set "
+                       "rdzv_backend c10d"))
+    if cfg.etcd_reset == "restart":
+        errors.append(("etcd_reset", f"restart cannot work with {what}: there is no etcd "
+                       "rendezvous to reset; set etcd_reset keys (reset_etcd does nothing)"))
+    if cfg.max_restarts:
+        errors.append(("max_restarts", f"{cfg.max_restarts}: {what} has no elastic policy, "
+                       "so torchrun cannot restart workers in place; JobSet restarts the whole "
+                       "run (failurePolicy.maxRestarts of the ClusterTrainingRuntime). Set "
+                       "max_restarts 0"))
+    if cfg.metrics_port:
+        errors.append(("metrics_port", f"{cfg.metrics_port}: {what} cannot add a port or the "
+                       "scrape annotations to its pods (Trainer v2.0's TrainJob has no pod "
+                       "metadata override); set metrics_port 0 or launcher pytorchjob"))
     return errors
 
 
