@@ -10,7 +10,10 @@ never imported from another test module):
 - `eks`: an eks run config (`eks_config`), the eks target with short timeouts; fixtures
   `nodegroup`, `task_log`.
 - `deferral`: driving deferrable operators and triggers as Airflow does.
-- `schemas`: manifests checked against the Kubernetes and PyTorchJob CRD schemas.
+- `schemas`: manifests checked against the Kubernetes, PyTorchJob and Kubeflow Trainer v2 CRD
+  schemas.
+- `trainer`: the test playing Kubeflow Trainer v2 and JobSet for a TrainJob
+  (`TrainerController`, `trainjob_config`, `set_trainjob_status`).
 - `training`: torchrun, demo rows and metrics files for the trainer tests; fixture `world_of_one`.
 
 Fixtures reach the tests through conftest.py files: tests/conftest.py lists the light modules in

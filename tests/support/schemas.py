@@ -32,7 +32,9 @@ def assert_valid_pytorchjob(manifest: dict) -> None:
 
 @cache
 def crd_validator(file: str, version: str) -> jsonschema.protocols.Validator:
-    crd = yaml.safe_load((SCHEMAS / file).read_text())
+    # libyaml's loader where built: the CRDs are thousands of lines.
+    crd = yaml.load((SCHEMAS / file).read_text(), Loader=getattr(yaml, "CSafeLoader",
+                                                                yaml.SafeLoader))
     schema = next(v for v in crd["spec"]["versions"] if v["name"] == version)["schema"][
         "openAPIV3Schema"]
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft7Validator)
