@@ -37,7 +37,7 @@ TARGETS = ("local", "eks")
 # torchrun rendezvous backends the training operator passes on (elasticPolicy.rdzvBackend).
 RDZV_BACKENDS = ("etcd-v2", "etcd", "c10d")
 ETCD_RESETS = ("keys", "restart")
-# How the eks target provides the trainer image (plugins/finetune/image_build.py).
+# How the eks target provides the trainer image (plugins/finetune/targets/eks/image_build.py).
 IMAGE_BUILDERS = ("buildkit", "codebuild", "prebuilt")
 # Fields whose value is never quoted in an error message: it may be (or hold) a credential.
 SECRET_FIELDS = frozenset({"hf_token_secret", "rdzv_endpoint", "prometheus_url"})
@@ -247,6 +247,16 @@ PARAM_SPECS: tuple[ParamSpec, ...] = (
     _S("rdzv_backend", "etcd-v2", "string", "EKS", "Rendezvous backend",
        "torchrun rendezvous: etcd-v2 or etcd (the etcd service), or c10d (on worker 0).",
        enum=RDZV_BACKENDS),
+    _S("service_account", "", "string", "EKS", "Service account",
+       "Kubernetes service account of the training pods, e.g. one bound to an IAM role (IRSA) "
+       "that reads the data set and writes the outputs on S3. Empty: the namespace's default."),
+    _S("volumes", "", "string", "EKS", "Volumes",
+       "PersistentVolumeClaims mounted in every training pod, as claim:/mount/path pairs "
+       "separated by commas (FSx for Lustre, EFS): absolute model, tokenizer, data set and "
+       "output paths must lie under one of them."),
+    _S("queue_name", "", "string", "EKS", "Kueue queue",
+       "A Kueue LocalQueue: the job is created suspended with the kueue.x-k8s.io/queue-name "
+       "label, and starts when Kueue admits it. Empty: no Kueue."),
     _S("hf_token_secret", "", "string", "EKS", "Hugging Face token secret",
        "Kubernetes Secret with a Hugging Face token, as name or name:key (key default: token); "
        "the trainer gets it as HF_TOKEN. Empty: no token."),
@@ -353,6 +363,9 @@ class RunConfig:
     hf_token_secret: str
     active_deadline_s: int
     schedule_timeout_s: int = 600
+    service_account: str = ""
+    volumes: str = ""
+    queue_name: str = ""
     metrics_port: int = 0
     prometheus_url: str = ""
     prometheus_conn_id: str = ""

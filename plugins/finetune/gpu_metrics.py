@@ -24,6 +24,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from finetune.names import DNS_LABEL
+
 log = logging.getLogger(__name__)
 
 # DCGM exporter series -> the name the report uses (unit in the name).
@@ -44,7 +46,6 @@ PLOTTED = ("gpu_util_pct", "fb_used_mib", "power_w", "temperature_c")
 MAX_POINTS = 300
 HOST_SAMPLES_FILE = "resource_samples.jsonl"
 
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
 class PrometheusError(RuntimeError):
@@ -68,7 +69,7 @@ def job_pod_regex(job_name: str) -> str:
 
 def pod_selector(namespace: str, pod_regex: str) -> str:
     """`{namespace="...",pod=~"..."}`: the DCGM exporter's pod labels of the job's GPUs."""
-    if not _DNS_LABEL.match(namespace):
+    if not DNS_LABEL.match(namespace):
         raise ValueError(f"namespace {namespace!r} is not a Kubernetes namespace name")
     try:
         re.compile(pod_regex)

@@ -3,6 +3,12 @@
 import hashlib
 import re
 
+# Kubernetes names: a DNS label (namespaces, services) and a DNS subdomain (most objects).
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+DNS_SUBDOMAIN = re.compile(
+    r"^(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+# A label value: at most 63 characters, alphanumerics at either end.
+LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$")
 _UNSAFE_PATH = re.compile(r"[^A-Za-z0-9._-]+")
 _UNSAFE_DNS = re.compile(r"[^a-z0-9-]+")
 

@@ -32,8 +32,9 @@ from finetune.config import (
     resolve_path,
     run_output_dir,
 )
-from finetune.names import dns_label, run_dir_name
+from finetune.names import DNS_SUBDOMAIN, LABEL_VALUE, dns_label, run_dir_name
 from finetune.presets import NO_PRESET, PRESET_NAMES, apply_preset
+from finetune.targets import get_target
 from finetune.trainer_config import trainer_config
 from finetune_contract import data as contract_data
 from finetune_contract.fields import ContractError, TrainConfig, quoted
@@ -45,13 +46,9 @@ log = logging.getLogger(__name__)
 Problems = list[tuple[str, str]]
 # Rows validate tokenizes to check lengths and counts; past this the trainer checks at start.
 MAX_ROWS_CHECKED = 200_000
-# torchrun's c10d rendezvous port on worker 0 (the eks target's PyTorchJob).
-C10D_PORT = 29400
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _HOST = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$")
-_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 _SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]{1,253}$")
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
 def validate_params(params: Mapping[str, Any], *, run_id: str, dag_id: str = "llm_finetune",
@@ -96,20 +93,21 @@ def validate_params(params: Mapping[str, Any], *, run_id: str, dag_id: str = "ll
         run_id=run_id, run_name=run_name, rdzv_id=dns_label(dag_id, run_id, max_len=48),
         run_dir=run_output_dir(values["output_dir"], run_name, values["target"]),
         preset_version=preset.version if preset else 0, **values)
-    from finetune.targets import get_target
-
-    errors += run_problems(cfg)
-    errors += get_target(cfg.target).check(values)
+    target = get_target(cfg.target)
+    errors += run_problems(cfg, paths_are_local=target.paths_are_local)
+    errors += target.check(values)
     if errors:
         raise ConfigError(errors)
     return cfg
 
 
-def run_problems(cfg: RunConfig) -> Problems:
-    """Every problem of a well-typed run config: fields, the contract's rules, data, tokenizer."""
+def run_problems(cfg: RunConfig, paths_are_local: bool = True) -> Problems:
+    """Every problem of a well-typed run config: fields, the contract's rules, data, tokenizer.
+
+    paths_are_local: the target's (finetune.targets.base.Target): whether the trainer reads
+    paths on this machine, or absolute ones in its pods."""
     errors = _field_problems(cfg)
-    # On a cluster, absolute paths are read in the trainer's pod, not on this machine.
-    in_pod = cfg.target != "local"
+    in_pod = not paths_are_local
     try:
         train = TrainConfig(**trainer_config(cfg, local_paths=not in_pod))
     except ContractError as exc:
@@ -175,8 +173,6 @@ def _field_problems(cfg: RunConfig) -> Problems:
                            "[::1]:2379), and holds no credentials; the value is not shown"))
         else:
             rdzv_port = endpoint[1]
-    if cfg.rdzv_backend == "c10d" and cfg.target != "local":
-        rdzv_port = rdzv_port or C10D_PORT
     if cfg.metrics_port and cfg.metrics_port == rdzv_port:
         errors.append(("metrics_port", f"{cfg.metrics_port} is the rendezvous port: rank 0 "
                        "cannot serve metrics there; choose another port"))
@@ -184,20 +180,17 @@ def _field_problems(cfg: RunConfig) -> Problems:
         errors += _prometheus_problems(cfg.prometheus_url)
     if cfg.hf_token_secret:
         name, _, key = cfg.hf_token_secret.partition(":")
-        if not (_DNS_SUBDOMAIN.match(name) and len(name) <= 253) or \
+        if not DNS_SUBDOMAIN.match(name) or \
                 (":" in cfg.hf_token_secret and not _SECRET_KEY.match(key)):
             errors.append(("hf_token_secret", "give the Secret's name, or name:key (a name: "
                            "lowercase letters, digits, '-' and '.'; a key: letters, digits, "
                            "'-', '_' and '.'); the value is not shown, as it may be a token"))
-    if cfg.nodegroup and not (_LABEL_VALUE.match(cfg.nodegroup) and len(cfg.nodegroup) <= 63):
+    if cfg.nodegroup and not LABEL_VALUE.match(cfg.nodegroup):
         errors.append(("nodegroup", f"{quoted(cfg.nodegroup)} is not a Kubernetes label value "
                        "(the nodes' eks.amazonaws.com/nodegroup label): at most 63 letters, "
                        "digits, '-', '_' and '.', starting and ending with a letter or digit"))
     if cfg.output_dir.startswith("s3://"):
         errors += location_problems("output_dir", cfg.output_dir)
-        if cfg.target == "local":
-            errors.append(("output_dir", "s3:// output needs target eks; give a local "
-                           "directory"))
     return errors
 
 

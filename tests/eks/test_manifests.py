@@ -63,7 +63,8 @@ def test_pytorchjob_carries_rendezvous_resources_and_placement_for_p4de():
     elastic = manifest["spec"]["elasticPolicy"]
     assert elastic == {"rdzvBackend": "etcd-v2", "rdzvHost": "etcd.ml.svc",
                        "rdzvPort": ETCD_PORT, "rdzvId": cfg.rdzv_id, "minReplicas": 4,
-                       "maxReplicas": 4, "maxRestarts": 2, "nProcPerNode": 8}
+                       "maxReplicas": 4, "maxRestarts": 2}
+    assert manifest["spec"]["nprocPerNode"] == "8"
     run_policy = manifest["spec"]["runPolicy"]
     assert run_policy["activeDeadlineSeconds"] == cfg.active_deadline_s
     assert {"cleanPodPolicy", "ttlSecondsAfterFinished", "backoffLimit"} <= set(run_policy)
@@ -164,3 +165,45 @@ def test_bad_eks_param_is_refused_naming_the_field(conf, field, needle):
         validate_params({**EKS_PARAMS, **conf}, run_id="r")
     message = dict(err.value.errors).get(field, "")
     assert needle in message, err.value
+
+
+def test_pods_take_a_service_account_volumes_and_a_kueue_queue_and_never_run_as_root():
+    cfg = validate_params({**EKS_PARAMS, "service_account": "trainer-irsa",
+                           "volumes": "fsx-claim:/fsx, efs-claim:/efs/",
+                           "queue_name": "gpu-queue", "model": "/fsx/models/llama",
+                           "output_dir": "/efs/runs"}, run_id="manual__vol")
+    job = pytorchjob_manifest(cfg, "img:1")
+    assert_valid_pytorchjob(job)
+    pod = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "trainer-irsa"
+    claims = {v["persistentVolumeClaim"]["claimName"]: v["name"] for v in pod["volumes"]
+              if "persistentVolumeClaim" in v}
+    mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+    assert {claim: mounts[name] for claim, name in claims.items()} == {
+        "fsx-claim": "/fsx", "efs-claim": "/efs"}
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    assert pod["containers"][0]["securityContext"]["allowPrivilegeEscalation"] is False
+    assert job["spec"]["nprocPerNode"] == "8" and "nProcPerNode" not in job["spec"][
+        "elasticPolicy"]
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-queue"
+    assert job["spec"]["runPolicy"]["suspend"] is True
+
+
+@pytest.mark.parametrize(("changes", "field", "words"), [
+    ({"model": "/fsx/models/llama"}, "model", "on no volume the pods mount"),
+    ({"volumes": "fsx-claim:/data", "dataset": "/fsx/train.jsonl"}, "dataset", "(/data)"),
+    ({"volumes": "fsx-claim:/data", "output_dir": "/data-other/runs"}, "output_dir",
+     "on no volume"),
+    ({"volumes": "Bad_Claim:/data"}, "volumes", "claim:/mount/path"),
+    ({"volumes": "claim:relative"}, "volumes", "claim:/mount/path"),
+    ({"volumes": "claim:/dev/shm"}, "volumes", "claim:/mount/path"),
+    ({"volumes": "a:/data,b:/data"}, "volumes", "share a mount path"),
+    ({"service_account": "Not Valid"}, "service_account", "not a Kubernetes name"),
+    ({"queue_name": "q_1"}, "queue_name", "not a Kubernetes name"),
+])
+def test_volumes_and_absolute_paths_outside_them_are_refused_naming_the_field(changes, field,
+                                                                             words):
+    with pytest.raises(ConfigError) as err:
+        validate_params({**EKS_PARAMS, **changes}, run_id="manual__vol")
+    assert any(f == field and words in m for f, m in err.value.errors), err.value.errors

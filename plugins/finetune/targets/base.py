@@ -40,6 +40,10 @@ Outcome = dict | Wait
 
 class Target(ABC):
     name: str
+    # Whether this machine (the Airflow worker) sees the paths the trainer reads, so validate
+    # can read the model, tokenizer and data: yes locally; on a cluster absolute paths are the
+    # pods' (mounted volumes).
+    paths_are_local: bool = True
 
     @abstractmethod
     def check(self, values: dict[str, Any]) -> list[tuple[str, str]]:

@@ -14,7 +14,7 @@ from typing import Any
 
 from finetune.config import RunConfig
 from finetune.instance_types import INSTANCE_TYPES
-from finetune.names import dns_label
+from finetune.names import DNS_SUBDOMAIN, dns_label
 from finetune.targets.base import TORCHRUN_ENV
 from finetune.trainer_config import trainer_config
 
@@ -118,11 +118,38 @@ def _env(cfg: RunConfig, efa: bool) -> list[dict[str, Any]]:
     return env
 
 
+# The image's user (containers/trainer/Dockerfile TRAINER_UID): the pods run as it, never root.
+TRAINER_UID = 1000
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+# Mount paths the pod already uses: a volume may not take one.
+RESERVED_MOUNTS = (TRAINER_CONFIG_DIR, "/dev/shm", "/app")
+
+
+def parse_volumes(text: str) -> list[tuple[str, str]]:
+    """`claim:/path,claim2:/path2` -> [(claim, path)]; ValueError naming what is wrong."""
+    volumes = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        claim, sep, path = part.partition(":")
+        if not sep or not DNS_SUBDOMAIN.match(claim) or not path.startswith("/") \
+                or path.rstrip("/") in ("", *RESERVED_MOUNTS) or ".." in path.split("/"):
+            raise ValueError(f"{part[:80]!r} is not claim:/mount/path (a PersistentVolumeClaim "
+                             "name and an absolute path other than /, /app, /dev/shm and "
+                             f"{TRAINER_CONFIG_DIR})")
+        volumes.append((claim, path.rstrip("/")))
+    paths = [path for _, path in volumes]
+    if len(set(paths)) != len(paths):
+        raise ValueError("two volumes share a mount path")
+    return volumes
+
+
 def pytorchjob_manifest(cfg: RunConfig, image: str, *,
                         ttl_after_finished_s: int = TTL_AFTER_FINISHED_S,
                         backoff_limit: int = BACKOFF_LIMIT) -> dict[str, Any]:
     """The PyTorchJob for this run: one Worker per node, torchrun with nProcPerNode GPUs each."""
     itype = INSTANCE_TYPES[cfg.instance_type]
+    volumes = parse_volumes(cfg.volumes)
     host, port = rendezvous_host(cfg)
     efa = itype.efa > 0
     accelerators = {GPU_RESOURCE: cfg.procs_per_node, **({EFA_RESOURCE: itype.efa} if efa else {})}
@@ -144,7 +171,9 @@ def pytorchjob_manifest(cfg: RunConfig, image: str, *,
         "volumeMounts": [
             {"name": "trainer-config", "mountPath": TRAINER_CONFIG_DIR, "readOnly": True},
             {"name": "dshm", "mountPath": "/dev/shm"},
+            *({"name": f"data-{i}", "mountPath": path} for i, (_, path) in enumerate(volumes)),
         ],
+        "securityContext": {"allowPrivilegeEscalation": False},
     }
     template_metadata: dict[str, Any] = {"labels": run_labels(cfg)}
     if cfg.metrics_port:
@@ -166,11 +195,31 @@ def pytorchjob_manifest(cfg: RunConfig, image: str, *,
     }
     if cfg.active_deadline_s:
         run_policy["activeDeadlineSeconds"] = cfg.active_deadline_s
+    job_labels = run_labels(cfg)
+    if cfg.queue_name:
+        # Kueue admits suspended jobs of its queues; it unsuspends the job when it fits.
+        job_labels[KUEUE_QUEUE_LABEL] = cfg.queue_name
+        run_policy["suspend"] = True
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "nodeSelector": {NODEGROUP_LABEL: cfg.nodegroup, INSTANCE_TYPE_LABEL: cfg.instance_type},
+        "tolerations": tolerations,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": TRAINER_UID,
+                            "runAsGroup": TRAINER_UID, "fsGroup": TRAINER_UID},
+        "volumes": [
+            {"name": "trainer-config", "configMap": {"name": configmap_name(cfg)}},
+            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{itype.shm_gib}Gi"}},
+            *({"name": f"data-{i}", "persistentVolumeClaim": {"claimName": claim}}
+              for i, (claim, _) in enumerate(volumes)),
+        ],
+    }
+    if cfg.service_account:
+        pod_spec["serviceAccountName"] = cfg.service_account
     return {
         "apiVersion": PYTORCHJOB_API_VERSION,
         "kind": "PyTorchJob",
         "metadata": {"name": job_name(cfg), "namespace": cfg.namespace,
-                     "labels": run_labels(cfg),
+                     "labels": job_labels,
                      "annotations": {"finetune.airflow.apache.org/run-id": cfg.run_id}},
         "spec": {
             "elasticPolicy": {
@@ -181,28 +230,15 @@ def pytorchjob_manifest(cfg: RunConfig, image: str, *,
                 "minReplicas": cfg.nodes,
                 "maxReplicas": cfg.nodes,
                 "maxRestarts": cfg.max_restarts,
-                "nProcPerNode": cfg.procs_per_node,
             },
+            # Not elasticPolicy.nProcPerNode, deprecated since the operator's v1.7.
+            "nprocPerNode": str(cfg.procs_per_node),
             "runPolicy": run_policy,
             "pytorchReplicaSpecs": {
                 "Worker": {
                     "replicas": cfg.nodes,
                     "restartPolicy": "OnFailure",
-                    "template": {
-                        "metadata": template_metadata,
-                        "spec": {
-                            "containers": [container],
-                            "nodeSelector": {NODEGROUP_LABEL: cfg.nodegroup,
-                                             INSTANCE_TYPE_LABEL: cfg.instance_type},
-                            "tolerations": tolerations,
-                            "volumes": [
-                                {"name": "trainer-config",
-                                 "configMap": {"name": configmap_name(cfg)}},
-                                {"name": "dshm", "emptyDir": {"medium": "Memory",
-                                                              "sizeLimit": f"{itype.shm_gib}Gi"}},
-                            ],
-                        },
-                    },
+                    "template": {"metadata": template_metadata, "spec": pod_spec},
                 },
             },
         },

@@ -20,7 +20,6 @@ returns its result or a `Wait` on one of the triggers.
 from __future__ import annotations
 
 import logging
-import re
 import time
 from typing import Any
 
@@ -32,6 +31,7 @@ from finetune.gpu_metrics import (
     prometheus_gpu_metrics,
 )
 from finetune.instance_types import INSTANCE_TYPES
+from finetune.names import DNS_LABEL, DNS_SUBDOMAIN
 from finetune.outputs import build_report, has_outputs, report_exists, trainer_root_cause
 from finetune.s3_dataset import check_s3_dataset
 from finetune.targets.base import Target, Wait
@@ -48,7 +48,12 @@ from finetune.targets.eks.image_build import (
     image_param_errors,
     start_image,
 )
-from finetune.targets.eks.manifests import EFA_RESOURCE, GPU_RESOURCE
+from finetune.targets.eks.manifests import (
+    C10D_PORT,
+    EFA_RESOURCE,
+    GPU_RESOURCE,
+    parse_volumes,
+)
 from finetune.targets.eks.rendezvous import delete_run_keys, reset_rendezvous
 from finetune.targets.eks.reservations import (
     RESERVATION_TTL_S,
@@ -68,11 +73,32 @@ from finetune.targets.eks.triggers import (
 
 log = logging.getLogger(__name__)
 
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
 def _required(values: dict[str, Any], field: str, what: str) -> list[tuple[str, str]]:
     return [] if values[field] else [(field, f"is required for target eks: {what}")]
+
+
+def _pod_problems(values: dict[str, Any]) -> list[tuple[str, str]]:
+    """The pods' service account, Kueue queue and volumes; an absolute path the pods read or
+    write must lie on a mounted volume (the image holds only /app)."""
+    errors = []
+    for field in ("service_account", "queue_name"):
+        if values[field] and not DNS_SUBDOMAIN.match(values[field]):
+            errors.append((field, f"{values[field][:80]!r} is not a Kubernetes name (lowercase "
+                           "letters, digits, '-' and '.')"))
+    try:
+        mounts = [path for _, path in parse_volumes(values["volumes"])]
+    except ValueError as exc:
+        return errors + [("volumes", str(exc))]
+    for field in ("model", "tokenizer", "dataset", "output_dir"):
+        path = values[field]
+        if path.startswith("/") and not path.startswith("/app/") and not any(
+                path == m or path.startswith(m + "/") for m in mounts):
+            errors.append((field, f"{path[:80]!r} is on no volume the pods mount ("
+                           + (", ".join(mounts) or "volumes is empty") + "): mount its "
+                           "PersistentVolumeClaim with volumes, or use s3://"))
+    return errors
 
 
 class EksTarget(Target):
@@ -83,6 +109,7 @@ class EksTarget(Target):
     progress."""
 
     name = "eks"
+    paths_are_local = False
 
     def __init__(self, poll_interval: float = 15.0, nodes_timeout: float = 1800.0,
                  wake_after: float = 60.0, etcd_timeout: float = 300.0,
@@ -113,14 +140,17 @@ class EksTarget(Target):
                            "capability < 8.9); choose a p5, p5e, p5en or g6 instance_type or set "
                            "float8 to false"))
         for field in ("namespace", "etcd_service"):
-            if not _DNS_LABEL.match(values[field]):
+            if not DNS_LABEL.match(values[field]):
                 errors.append((field, f"{values[field]!r} is not a DNS label (lowercase "
                                "letters, digits and '-', at most 63)"))
         out = values["output_dir"]
         if not (out.startswith("s3://") or out.startswith("/")):
-            errors.append(("output_dir", f"{out!r}: on eks give s3://bucket/prefix or an "
-                           "absolute path the pods mount"))
-        return errors
+            errors.append(("output_dir", f"{out[:80]!r}: on eks give s3://bucket/prefix or an "
+                           "absolute path the pods mount (volumes)"))
+        if values["rdzv_backend"] == "c10d" and values["metrics_port"] == C10D_PORT:
+            errors.append(("metrics_port", f"{C10D_PORT} is the c10d rendezvous port on worker "
+                           "0, where rank 0 serves its metrics; choose another port"))
+        return errors + _pod_problems(values)
 
     # -- clients ----------------------------------------------------------------------------
 
