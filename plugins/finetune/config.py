@@ -22,9 +22,11 @@ from finetune_contract.fields import (
     BOUNDS,
     DATASET_FORMATS,
     DEMO_DATASET,
+    HANG_TIMEOUT_S,
     LORA_TARGET_MODULES,
     MIXED_PRECISION,
     PROMPT_TEMPLATES,
+    STRAGGLER_THRESHOLD,
     STRATEGIES,
     Bounds,
     quoted,
@@ -38,7 +40,7 @@ ETCD_RESETS = ("keys", "restart")
 # What runs the trainer on eks: Kubeflow's training operator v1 (PyTorchJob) or Kubeflow Trainer
 # v2 (TrainJob on a ClusterTrainingRuntime, on JobSet).
 LAUNCHERS = ("pytorchjob", "trainjob")
-# How the eks target provides the trainer image (plugins/finetune/image_build.py).
+# How the eks target provides the trainer image (plugins/finetune/targets/eks/image_build.py).
 IMAGE_BUILDERS = ("buildkit", "codebuild", "prebuilt")
 # Fields whose value is never quoted in an error message: it may be (or hold) a credential.
 SECRET_FIELDS = frozenset({"hf_token_secret", "rdzv_endpoint", "prometheus_url"})
@@ -194,6 +196,15 @@ PARAM_SPECS: tuple[ParamSpec, ...] = (
        "each is made complete (uploaded, for S3) when written, before the next one starts."),
     _S("max_restarts", 0, "integer", "Checkpoints", "Max restarts",
        "How often torchrun restarts failed workers before the run fails."),
+    _S("hang_timeout_s", HANG_TIMEOUT_S, "integer", "Checkpoints", "Hang timeout (s)",
+       "A rank with no training step, eval or checkpoint for this long (a hung collective, a "
+       "stuck rank) writes its stacks and collective traces to hangs/, records a TrainingHang "
+       "naming the rank that stopped, and exits: torchrun restarts the workers from the newest "
+       "checkpoint (max_restarts). Longer than the slowest step, eval, save or export. 0: off."),
+    _S("straggler_threshold", STRAGGLER_THRESHOLD, "number", "Metrics", "Straggler threshold",
+       "A rank whose median step time (without its wait for the others at the step's start) "
+       "exceeds the median of all ranks by this fraction is flagged in the report (0.2: 20% "
+       "slower)."),
     _S("output_dir", "runs", "string", "Output", "Output location",
        "Directory for the run's outputs (relative paths are from the repository root); each "
        "run writes to <output>/<run id>/."),
@@ -372,6 +383,8 @@ class RunConfig:
     preset: str = NO_PRESET
     preset_version: int = 0  # the preset's version; 0 without a preset
     bad_rows: str = "skip"
+    hang_timeout_s: int = HANG_TIMEOUT_S
+    straggler_threshold: float = STRAGGLER_THRESHOLD
     launcher: str = "pytorchjob"
 
     @property

@@ -34,6 +34,7 @@ from finetune.config import (
 )
 from finetune.names import DNS_SUBDOMAIN, LABEL_VALUE, dns_label, run_dir_name
 from finetune.presets import NO_PRESET, PRESET_NAMES, apply_preset
+from finetune.targets import get_target
 from finetune.trainer_config import trainer_config
 from finetune_contract import data as contract_data
 from finetune_contract.fields import ContractError, TrainConfig, quoted
@@ -45,8 +46,6 @@ log = logging.getLogger(__name__)
 Problems = list[tuple[str, str]]
 # Rows validate tokenizes to check lengths and counts; past this the trainer checks at start.
 MAX_ROWS_CHECKED = 200_000
-# torchrun's c10d rendezvous port on worker 0 (the eks target's PyTorchJob).
-C10D_PORT = 29400
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _HOST = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$")
 _SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]{1,253}$")
@@ -94,21 +93,22 @@ def validate_params(params: Mapping[str, Any], *, run_id: str, dag_id: str = "ll
         run_id=run_id, run_name=run_name, rdzv_id=dns_label(dag_id, run_id, max_len=48),
         run_dir=run_output_dir(values["output_dir"], run_name, values["target"]),
         preset_version=preset.version if preset else 0, **values)
-    from finetune.targets import get_target
-
-    errors += run_problems(cfg)
-    errors += launcher_problems(cfg)
-    errors += get_target(cfg.target).check(values)
+    target = get_target(cfg.target)
+    errors += run_problems(cfg, paths_are_local=target.paths_are_local)
+    errors += launcher_problems(cfg, target.launchers)
+    errors += target.check(values)
     if errors:
         raise ConfigError(errors)
     return cfg
 
 
-def run_problems(cfg: RunConfig) -> Problems:
-    """Every problem of a well-typed run config: fields, the contract's rules, data, tokenizer."""
+def run_problems(cfg: RunConfig, paths_are_local: bool = True) -> Problems:
+    """Every problem of a well-typed run config: fields, the contract's rules, data, tokenizer.
+
+    paths_are_local: the target's (finetune.targets.base.Target): whether the trainer reads
+    paths on this machine, or absolute ones in its pods."""
     errors = _field_problems(cfg)
-    # On a cluster, absolute paths are read in the trainer's pod, not on this machine.
-    in_pod = cfg.target != "local"
+    in_pod = not paths_are_local
     try:
         train = TrainConfig(**trainer_config(cfg, local_paths=not in_pod))
     except ContractError as exc:
@@ -174,8 +174,6 @@ def _field_problems(cfg: RunConfig) -> Problems:
                            "[::1]:2379), and holds no credentials; the value is not shown"))
         else:
             rdzv_port = endpoint[1]
-    if cfg.rdzv_backend == "c10d" and cfg.target != "local":
-        rdzv_port = rdzv_port or C10D_PORT
     if cfg.metrics_port and cfg.metrics_port == rdzv_port:
         errors.append(("metrics_port", f"{cfg.metrics_port} is the rendezvous port: rank 0 "
                        "cannot serve metrics there; choose another port"))
@@ -194,40 +192,16 @@ def _field_problems(cfg: RunConfig) -> Problems:
                        "digits, '-', '_' and '.', starting and ending with a letter or digit"))
     if cfg.output_dir.startswith("s3://"):
         errors += location_problems("output_dir", cfg.output_dir)
-        if cfg.target == "local":
-            errors.append(("output_dir", "s3:// output needs target eks; give a local "
-                           "directory"))
     return errors
 
 
-def launcher_problems(cfg: RunConfig) -> Problems:
-    """Combinations the trainjob launcher cannot run: Kubeflow Trainer v2 gives torchrun a
-    static c10d rendezvous on node 0 (no etcd, no elastic policy) and restarts a run only as a
-    whole group (JobSet's failurePolicy.maxRestarts, in the ClusterTrainingRuntime)."""
-    if cfg.launcher != "trainjob":
+def launcher_problems(cfg: RunConfig, launchers: tuple[str, ...]) -> Problems:
+    """A launcher the target has not (`launchers`: the target's, finetune.targets.base.Target);
+    the target checks which combinations its launchers can run."""
+    if cfg.launcher in launchers:
         return []
-    what = "launcher trainjob (Kubeflow Trainer v2)"
-    if cfg.target != "eks":
-        return [("launcher", f"{what} runs on target eks only; target is {cfg.target}: set "
-                 "launcher pytorchjob (the default), which the local target ignores")]
-    errors: Problems = []
-    if cfg.rdzv_backend != "c10d":
-        errors.append(("rdzv_backend", f"{cfg.rdzv_backend} cannot work with {what}: torchrun "
-                       "gets a static c10d rendezvous on node 0 from the trainer; set "
-                       "rdzv_backend c10d"))
-    if cfg.etcd_reset == "restart":
-        errors.append(("etcd_reset", f"restart cannot work with {what}: there is no etcd "
-                       "rendezvous to reset; set etcd_reset keys (reset_etcd does nothing)"))
-    if cfg.max_restarts:
-        errors.append(("max_restarts", f"{cfg.max_restarts}: {what} has no elastic policy, "
-                       "so torchrun cannot restart workers in place; JobSet restarts the whole "
-                       "run (failurePolicy.maxRestarts of the ClusterTrainingRuntime). Set "
-                       "max_restarts 0"))
-    if cfg.metrics_port:
-        errors.append(("metrics_port", f"{cfg.metrics_port}: {what} cannot add a port or the "
-                       "scrape annotations to its pods (Trainer v2.0's TrainJob has no pod "
-                       "metadata override); set metrics_port 0 or launcher pytorchjob"))
-    return errors
+    return [("launcher", f"{cfg.launcher} is not a launcher of target {cfg.target} (it has "
+             + ", ".join(launchers) + "); trainjob runs on target eks only")]
 
 
 def host_port(endpoint: str) -> tuple[str, int] | None:

@@ -169,7 +169,7 @@ def test_the_default_launcher_is_pytorchjob_and_trainjob_params_validate():
     ({"etcd_reset": "restart"}, "etcd_reset", "launcher trainjob"),
     ({"max_restarts": 2}, "max_restarts", "failurePolicy.maxRestarts"),
     ({"metrics_port": 9400}, "metrics_port", "launcher trainjob"),
-    ({"target": "local", "output_dir": "runs"}, "launcher", "target is local"),
+    ({"target": "local", "output_dir": "runs"}, "launcher", "not a launcher of target local"),
 ])
 def test_combinations_the_trainjob_launcher_cannot_run_are_refused_naming_both_fields(
         changes, field, words):

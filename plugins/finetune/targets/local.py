@@ -158,6 +158,9 @@ class LocalTarget(Target):
         if values["float8"] and res["device"] != "cuda":
             errors.append(("float8", "needs GPUs with compute capability >= 8.9; this machine "
                            "has none (the trainer would run on the CPU)"))
+        if values["output_dir"].startswith("s3://"):
+            errors.append(("output_dir", "s3:// output needs target eks; give a local "
+                           "directory"))
         if res["fits"]:
             return errors
         unit = "GPUs" if res["device"] == "cuda" else "CPU cores"

@@ -140,3 +140,31 @@ LAUNCHERS = {launcher.name: launcher for launcher in (PYTORCHJOB, TRAINJOB)}
 
 def launcher_for(cfg: RunConfig) -> Launcher:
     return LAUNCHERS[cfg.launcher]
+
+
+def launcher_problems(values: dict[str, Any]) -> list[tuple[str, str]]:
+    """Validate: combinations the trainjob launcher cannot run, naming the field and the
+    launcher. Kubeflow Trainer v2 gives torchrun a static c10d rendezvous on node 0 (no etcd,
+    no elastic policy) and restarts a run only as a whole group (JobSet's
+    failurePolicy.maxRestarts, in the ClusterTrainingRuntime)."""
+    if values["launcher"] != TRAINJOB.name:
+        return []
+    what = "launcher trainjob (Kubeflow Trainer v2)"
+    errors = []
+    if values["rdzv_backend"] != "c10d":
+        errors.append(("rdzv_backend", f"{values['rdzv_backend']} cannot work with {what}: "
+                       "torchrun gets a static c10d rendezvous on node 0 from the trainer; set "
+                       "rdzv_backend c10d"))
+    if values["etcd_reset"] == "restart":
+        errors.append(("etcd_reset", f"restart cannot work with {what}: there is no etcd "
+                       "rendezvous to reset; set etcd_reset keys (reset_etcd does nothing)"))
+    if values["max_restarts"]:
+        errors.append(("max_restarts", f"{values['max_restarts']}: {what} has no elastic "
+                       "policy, so torchrun cannot restart workers in place; JobSet restarts "
+                       "the whole run (failurePolicy.maxRestarts of the ClusterTrainingRuntime)."
+                       " Set max_restarts 0"))
+    if values["metrics_port"]:
+        errors.append(("metrics_port", f"{values['metrics_port']}: {what} cannot add a port or "
+                       "the scrape annotations to its pods (Trainer v2.0's TrainJob has no pod "
+                       "metadata override); set metrics_port 0 or launcher pytorchjob"))
+    return errors

@@ -49,8 +49,13 @@ from finetune.targets.eks.image_build import (
     image_param_errors,
     start_image,
 )
-from finetune.targets.eks.launchers import launcher_for
-from finetune.targets.eks.manifests import EFA_RESOURCE, GPU_RESOURCE, parse_volumes
+from finetune.targets.eks.launchers import LAUNCHERS, launcher_for, launcher_problems
+from finetune.targets.eks.manifests import (
+    C10D_PORT,
+    EFA_RESOURCE,
+    GPU_RESOURCE,
+    parse_volumes,
+)
 from finetune.targets.eks.rendezvous import delete_run_keys, reset_rendezvous
 from finetune.targets.eks.reservations import (
     RESERVATION_TTL_S,
@@ -106,6 +111,8 @@ class EksTarget(Target):
     progress."""
 
     name = "eks"
+    paths_are_local = False
+    launchers = tuple(LAUNCHERS)
 
     def __init__(self, poll_interval: float = 15.0, nodes_timeout: float = 1800.0,
                  wake_after: float = 60.0, etcd_timeout: float = 300.0,
@@ -143,7 +150,10 @@ class EksTarget(Target):
         if not (out.startswith("s3://") or out.startswith("/")):
             errors.append(("output_dir", f"{out[:80]!r}: on eks give s3://bucket/prefix or an "
                            "absolute path the pods mount (volumes)"))
-        return errors + _pod_problems(values)
+        if values["rdzv_backend"] == "c10d" and values["metrics_port"] == C10D_PORT:
+            errors.append(("metrics_port", f"{C10D_PORT} is the c10d rendezvous port on worker "
+                           "0, where rank 0 serves its metrics; choose another port"))
+        return errors + _pod_problems(values) + launcher_problems(values)
 
     # -- clients ----------------------------------------------------------------------------
 
