@@ -201,7 +201,7 @@ def launcher_problems(cfg: RunConfig, launchers: tuple[str, ...]) -> Problems:
     if cfg.launcher in launchers:
         return []
     return [("launcher", f"{cfg.launcher} is not a launcher of target {cfg.target} (it has "
-             + ", ".join(launchers) + "); trainjob runs on target eks only")]
+             + ", ".join(launchers) + ")")]
 
 
 def host_port(endpoint: str) -> tuple[str, int] | None:
