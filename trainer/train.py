@@ -22,6 +22,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from finetune_contract.errors import ERROR_DIR_ENV
+from finetune_contract.stragglers import RANK_STEP_TIMES, stragglers
 from trainer.checkpoint import Checkpointer
 from trainer.config import TrainConfig, parse_args
 from trainer.data import (
@@ -57,6 +58,7 @@ from trainer.parallel import (
 )
 from trainer.storage import RunOutput
 from trainer.tensor_parallel import SequenceParallelBatches, data_parallel_rank
+from trainer.watchdog import HangWatchdog, watchdog_env_defaults
 
 
 @record  # torchrun's error file, and so its ChildFailedError, carries this rank's exception
@@ -66,6 +68,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     with root_cause_recorded(os.environ.get(ERROR_DIR_ENV), rank):
         config = parse_args(argv)
     with root_cause_recorded(config.output_dir, rank):
+        if config.hang_timeout_s:  # before the process group: NCCL reads them at its start
+            os.environ.update(watchdog_env_defaults(config.output_dir, torch.cuda.is_available()))
         env = init_distributed()
         try:
             train(config, env, started)
@@ -76,10 +80,18 @@ def main(argv: Sequence[str] | None = None) -> None:
 def train(config: TrainConfig, env: DistEnv, started: float) -> dict[str, Any] | None:
     """The whole run; returns the summary on rank 0."""
     trainer = Trainer.setup(config, env, started)
-    state = trainer.resume()
-    while state.step < trainer.max_steps:
-        trainer.step(state)
-    return trainer.finish(state)
+    if config.hang_timeout_s:  # here, not in resume(): it ends the process it runs in
+        trainer.watchdog = HangWatchdog(
+            config.output_dir, trainer.output.dir, env.rank, config.hang_timeout_s
+        ).start()
+    try:
+        state = trainer.resume()
+        while state.step < trainer.max_steps:
+            trainer.step(state)
+        return trainer.finish(state)
+    finally:
+        if trainer.watchdog is not None:
+            trainer.watchdog.stop()
 
 
 @dataclass
@@ -121,6 +133,8 @@ class Trainer:
     peak_source: str
     # Opened by resume(): a resumed run's log keeps its records up to the checkpoint.
     log: MetricsLog = field(init=False)
+    # Started by train() when hang_timeout_s is set: ends this rank when it stops progressing.
+    watchdog: HangWatchdog | None = field(init=False, default=None)
 
     @classmethod
     def setup(cls, config: TrainConfig, env: DistEnv, started: float) -> Trainer:
@@ -226,7 +240,8 @@ class Trainer:
         config, env, scaler = self.config, self.env, self.scaler
         step_start = time.perf_counter()
         micro_batches = [next(self.batches) for _ in range(config.grad_accum)]
-        loss, tokens = train_step(self.model, micro_batches, env, scaler)
+        waits: list[float] = []
+        loss, tokens = train_step(self.model, micro_batches, env, scaler, waits)
         tokens //= config.tp_degree  # every rank of a TP group counted the same tokens
         grad_norm, skipped = optimizer_step(
             self.model, self.optimizer, config.max_grad_norm, scaler
@@ -240,6 +255,9 @@ class Trainer:
             self.scheduler.step()
         state.step += 1
         step_time = time.perf_counter() - step_start
+        # Without the wait for the others at the step's first collective: a rank slow to get
+        # its batches or to finish its previous step shows; the others would report its delay.
+        rank_times = gather_floats(step_time - sum(waits), env)
         tflops = self.token_flops * tokens / step_time / env.world_size / 1e12
         # fp16: the steps skipped so far on inf/NaN gradients, and the loss scale now.
         scaling = (
@@ -258,6 +276,7 @@ class Trainer:
             mfu=tflops * 1e12 / self.peak,
             step_time_s=step_time,
             peak_memory_bytes=peak_memory_bytes(env.device),
+            **{RANK_STEP_TIMES: rank_times},
             **scaling,
         )
         if config.eval_interval and state.step % config.eval_interval == 0:
@@ -268,6 +287,7 @@ class Trainer:
         if config.checkpoint_interval and state.step % config.checkpoint_interval == 0:
             self.save_checkpoint(state)
             self.output.sync(METRICS_FILE)
+        self.progressed(state)
 
     def finish(self, state: TrainState) -> dict[str, Any] | None:
         """Complete the last checkpoint, evaluate, export the model; rank 0 writes the summary
@@ -286,6 +306,7 @@ class Trainer:
             self.compute_dtype,
         )
         output.sync_tree("model")
+        self.progressed(state)
 
         memory = torch.tensor(peak_memory_bytes(env.device), device=env.device)
         dist.all_reduce(memory, op=dist.ReduceOp.MAX)
@@ -307,6 +328,12 @@ class Trainer:
         state.eval_loss = evaluate(self.model, self.evals, self.env.device)
         state.last_eval_step = state.step
         self.log.log_eval(state.step, state.eval_loss)
+        self.progressed(state)
+
+    def progressed(self, state: TrainState) -> None:
+        """A step, eval, save or export completed: the hang watchdog's clock restarts."""
+        if self.watchdog is not None:
+            self.watchdog.progress(state.step)
 
     def save_checkpoint(self, state: TrainState) -> None:
         """Model, optimizer and what restore_checkpoint() needs to continue from this step."""
@@ -349,6 +376,9 @@ class Trainer:
             "skipped_rows": splits.skipped_rows,
             "skipped_rows_by_reason": splits.skipped,
             "skipped_steps": state.skipped_steps,
+            "stragglers": stragglers(
+                [r[RANK_STEP_TIMES] for r in self.log.train], self.config.straggler_threshold
+            ),
             "train_rows": len(splits.train),
             "eval_rows": len(splits.eval),
             "flops_per_token": self.token_flops,
@@ -403,12 +433,13 @@ def train_step(
     micro_batches: list[Batch],
     env: DistEnv,
     scaler: torch.amp.GradScaler | None = None,
+    waits: list[float] | None = None,
 ) -> tuple[float, int]:
     """Forward and backward over the micro batches; returns (mean loss per token, global tokens).
 
     The loss is normalised by the labelled tokens of the whole global batch, so every token weighs
     the same whatever its micro batch or rank; FSDP averages gradients over ranks, hence the
-    factor world_size.
+    factor world_size. `waits` gets the seconds this rank waited in the first collective.
     """
     counts = torch.tensor(
         [
@@ -418,7 +449,10 @@ def train_step(
         dtype=torch.float64,
         device=env.device,
     )
+    waited = time.perf_counter()
     dist.all_reduce(counts)
+    if waits is not None:
+        waits.append(time.perf_counter() - waited)
     labelled_tokens, tokens = counts.tolist()
     loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
     for batch in micro_batches:
@@ -429,6 +463,14 @@ def train_step(
         loss_sum += loss.detach()
     dist.all_reduce(loss_sum)
     return loss_sum.item() / labelled_tokens, int(tokens)
+
+
+def gather_floats(value: float, env: DistEnv) -> list[float]:
+    """`value` of every rank, by rank (one small all_gather)."""
+    mine = torch.tensor([value], dtype=torch.float64, device=env.device)
+    every = [torch.zeros_like(mine) for _ in range(env.world_size)]
+    dist.all_gather(every, mine)
+    return [t.item() for t in every]
 
 
 @torch.no_grad()

@@ -22,9 +22,11 @@ from finetune_contract.fields import (
     BOUNDS,
     DATASET_FORMATS,
     DEMO_DATASET,
+    HANG_TIMEOUT_S,
     LORA_TARGET_MODULES,
     MIXED_PRECISION,
     PROMPT_TEMPLATES,
+    STRAGGLER_THRESHOLD,
     STRATEGIES,
     Bounds,
     quoted,
@@ -35,6 +37,9 @@ TARGETS = ("local", "eks")
 # torchrun rendezvous backends the training operator passes on (elasticPolicy.rdzvBackend).
 RDZV_BACKENDS = ("etcd-v2", "etcd", "c10d")
 ETCD_RESETS = ("keys", "restart")
+# What runs the trainer on eks: Kubeflow's training operator v1 (PyTorchJob) or Kubeflow Trainer
+# v2 (TrainJob on a ClusterTrainingRuntime, on JobSet).
+LAUNCHERS = ("pytorchjob", "trainjob")
 # How the eks target provides the trainer image (plugins/finetune/targets/eks/image_build.py).
 IMAGE_BUILDERS = ("buildkit", "codebuild", "prebuilt")
 # Fields whose value is never quoted in an error message: it may be (or hold) a credential.
@@ -191,6 +196,15 @@ PARAM_SPECS: tuple[ParamSpec, ...] = (
        "each is made complete (uploaded, for S3) when written, before the next one starts."),
     _S("max_restarts", 0, "integer", "Checkpoints", "Max restarts",
        "How often torchrun restarts failed workers before the run fails."),
+    _S("hang_timeout_s", HANG_TIMEOUT_S, "integer", "Checkpoints", "Hang timeout (s)",
+       "A rank with no training step, eval or checkpoint for this long (a hung collective, a "
+       "stuck rank) writes its stacks and collective traces to hangs/, records a TrainingHang "
+       "naming the rank that stopped, and exits: torchrun restarts the workers from the newest "
+       "checkpoint (max_restarts). Longer than the slowest step, eval, save or export. 0: off."),
+    _S("straggler_threshold", STRAGGLER_THRESHOLD, "number", "Metrics", "Straggler threshold",
+       "A rank whose median step time (without its wait for the others at the step's start) "
+       "exceeds the median of all ranks by this fraction is flagged in the report (0.2: 20% "
+       "slower)."),
     _S("output_dir", "runs", "string", "Output", "Output location",
        "Directory for the run's outputs (relative paths are from the repository root); each "
        "run writes to <output>/<run id>/."),
@@ -236,6 +250,13 @@ PARAM_SPECS: tuple[ParamSpec, ...] = (
     _S("rdzv_backend", "etcd-v2", "string", "EKS", "Rendezvous backend",
        "torchrun rendezvous: etcd-v2 or etcd (the etcd service), or c10d (on worker 0).",
        enum=RDZV_BACKENDS),
+    _S("launcher", "pytorchjob", "string", "EKS", "Launcher",
+       "pytorchjob: a Kubeflow PyTorchJob (training operator v1). trainjob: a Kubeflow Trainer "
+       "v2 TrainJob on the project's ClusterTrainingRuntime (containers/k8s/"
+       "trainjob-runtime.yaml): a static c10d rendezvous on node 0 (rdzv_backend c10d), "
+       "restarts by JobSet's failure policy (max_restarts 0).",
+       enum=LAUNCHERS, values_display={"pytorchjob": "PyTorchJob (training operator v1)",
+                                       "trainjob": "TrainJob (Kubeflow Trainer v2)"}),
     _S("service_account", "", "string", "EKS", "Service account",
        "Kubernetes service account of the training pods, e.g. one bound to an IAM role (IRSA) "
        "that reads the data set and writes the outputs on S3. Empty: the namespace's default."),
@@ -362,6 +383,9 @@ class RunConfig:
     preset: str = NO_PRESET
     preset_version: int = 0  # the preset's version; 0 without a preset
     bad_rows: str = "skip"
+    hang_timeout_s: int = HANG_TIMEOUT_S
+    straggler_threshold: float = STRAGGLER_THRESHOLD
+    launcher: str = "pytorchjob"
 
     @property
     def world_size(self) -> int:

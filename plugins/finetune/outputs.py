@@ -102,6 +102,14 @@ def build_report(run_dir: str, s3_client: Callable[[], Any], **report_args: Any)
             except Exception as error:
                 if not _not_found(error):
                     raise  # no access, no bucket: not something the report may hide
+        # The trainer's error records (root causes, hangs a restart survived) for the report.
+        errors = s3.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/{ERRORS_DIR}/")
+        for obj in errors.get("Contents", []):
+            name = obj["Key"].rsplit("/", 1)[-1]
+            if name.startswith("rank_") and name.endswith(".json"):
+                (work / ERRORS_DIR).mkdir(exist_ok=True)
+                (work / ERRORS_DIR / name).write_bytes(
+                    s3.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read())
         listed = s3.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/{MODEL_DIR}/", MaxKeys=1)
         model = listed.get("KeyCount", 0) > 0
         if model:

@@ -14,6 +14,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from finetune_contract.errors import ERRORS_DIR
+from finetune_contract.fields import STRAGGLER_THRESHOLD
+from finetune_contract.stragglers import RANK_STEP_TIMES, rank_medians, stragglers
+
 SCHEMA_VERSION = 1
 STATUSES = ("success", "failed")
 
@@ -197,6 +201,14 @@ def write_report(
     if diverged:
         warnings.append(f"{diverged} train steps with a non-finite loss")
 
+    warnings.extend(hang_notes(run_dir))
+    ranks = rank_step_times(train, config)
+    warnings.extend(
+        f"rank {s['rank']} is a straggler: median step time {s['median_step_time_s']:.3g} s, "
+        f"{s['slower']:.0%} slower than the ranks' median {s['ranks_median_s']:.3g} s"
+        for s in (ranks or {}).get("stragglers", [])
+    )
+
     metrics = summarize(train, evals, summary)
     cost = cost_estimate(node_hourly_price, nodes, _train_wall_time(stages, metrics))
     metrics["cost_usd"] = cost["usd"] if cost else None
@@ -223,11 +235,48 @@ def write_report(
         },
         "warnings": warnings,
         "error": failure_error(error),
+        "rank_step_times": ranks,
     }
     # default=str: a config may carry Paths or datetimes; the report must still be written
     _write_atomic(run_dir / REPORT_JSON, json.dumps(report, indent=2, default=str) + "\n")
     _write_atomic(run_dir / REPORT_HTML, render_html(report))
     return report
+
+
+def hang_notes(run_dir: Path) -> list[str]:
+    """The TrainingHang records (trainer/watchdog.py) the run left, also when a restart went on
+    to succeed: which rank hung, and where the dumps are."""
+    notes = []
+    for path in sorted((Path(run_dir) / ERRORS_DIR).glob("rank_*.json")):
+        try:
+            record = json.loads(path.read_text(encoding="utf-8", errors="replace"))
+        except (OSError, json.JSONDecodeError):
+            continue
+        if isinstance(record, dict) and record.get("type") == "TrainingHang":
+            notes.append(f"{record.get('message')} (stacks and collective traces in hangs/)")
+    return notes
+
+
+def rank_step_times(train: list[dict], config: dict) -> dict | None:
+    """Each rank's median step time (the trainer's `rank_step_time_s`) and the stragglers:
+    ranks slower than the ranks' median by more than the run's straggler_threshold."""
+    per_step = [r[RANK_STEP_TIMES] for r in train if isinstance(r.get(RANK_STEP_TIMES), list)
+                and all(_finite(t) is not None for t in r[RANK_STEP_TIMES])]
+    if not per_step:
+        return None
+    threshold = _finite(config.get("straggler_threshold")) or STRAGGLER_THRESHOLD
+    return {"threshold": threshold, "median_step_time_s": rank_medians(per_step),
+            "stragglers": stragglers(per_step, threshold)}
+
+
+def _rank_times_html(ranks: dict | None) -> list[str]:
+    if not ranks:
+        return []
+    flagged = {s["rank"] for s in ranks["stragglers"]}
+    rows = [(f"rank {rank}" + (" (straggler)" if rank in flagged else ""), _fmt(t, ".3g", " s"))
+            for rank, t in enumerate(ranks["median_step_time_s"])]
+    return [f"<h2>Per-rank step time (median; stragglers: > {ranks['threshold']:.0%} slower)</h2>",
+            _table(rows, "no per-rank step times")]
 
 
 def failure_error(error: dict | None) -> dict | None:
@@ -425,6 +474,7 @@ def render_html(report: dict) -> str:
     ]
     parts += _gpu_html(report.get("gpu"), report.get("cost"))
     parts += _host_html(report.get("host"))
+    parts += _rank_times_html(report.get("rank_step_times"))
     if report["stages"]:
         parts += ["<h2>Stages</h2>", _table(_flatten(report["stages"]), "no stages")]
     parts += [

@@ -65,6 +65,8 @@ def trainer_config(cfg: RunConfig, *, local_paths: bool = True) -> dict[str, Any
         "checkpoint_interval": cfg.checkpoint_interval,
         "checkpoint_async": cfg.checkpoint_async,
         "metrics_port": cfg.metrics_port,
+        "hang_timeout_s": cfg.hang_timeout_s,
+        "straggler_threshold": cfg.straggler_threshold,
         "output_dir": cfg.run_dir,
     }
 

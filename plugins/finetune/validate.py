@@ -95,6 +95,7 @@ def validate_params(params: Mapping[str, Any], *, run_id: str, dag_id: str = "ll
         preset_version=preset.version if preset else 0, **values)
     target = get_target(cfg.target)
     errors += run_problems(cfg, paths_are_local=target.paths_are_local)
+    errors += launcher_problems(cfg, target.launchers)
     errors += target.check(values)
     if errors:
         raise ConfigError(errors)
@@ -192,6 +193,15 @@ def _field_problems(cfg: RunConfig) -> Problems:
     if cfg.output_dir.startswith("s3://"):
         errors += location_problems("output_dir", cfg.output_dir)
     return errors
+
+
+def launcher_problems(cfg: RunConfig, launchers: tuple[str, ...]) -> Problems:
+    """A launcher the target has not (`launchers`: the target's, finetune.targets.base.Target);
+    the target checks which combinations its launchers can run."""
+    if cfg.launcher in launchers:
+        return []
+    return [("launcher", f"{cfg.launcher} is not a launcher of target {cfg.target} (it has "
+             + ", ".join(launchers) + ")")]
 
 
 def host_port(endpoint: str) -> tuple[str, int] | None:

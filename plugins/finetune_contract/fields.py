@@ -34,6 +34,10 @@ LORA_TARGET_MODULES = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 DEMO_DATASET = "trainer/demo/instructions.jsonl"
 # Share of the data set held out for the eval loss.
 EVAL_FRACTION = 0.05
+# Seconds without progress before a rank's watchdog ends it (0: no watchdog); the form's default.
+HANG_TIMEOUT_S = 1800
+# 0.2: a rank 20% slower than the median rank is flagged.
+STRAGGLER_THRESHOLD = 0.2
 # Longest value an error message quotes before cutting it.
 MAX_QUOTED = 80
 
@@ -86,6 +90,8 @@ BOUNDS: dict[str, Bounds] = {
     "log_interval": _B(1, 1_000_000),
     "metrics_port": _B(0, 65535),
     "max_grad_norm": _B(maximum=1e6, exclusive_minimum=0),
+    "hang_timeout_s": _B(0, 7 * 86400),
+    "straggler_threshold": _B(maximum=100, exclusive_minimum=0),
 }
 
 
@@ -154,6 +160,11 @@ class TrainConfig:
     log_interval: int = 10
     metrics_port: int = 0  # rank 0 serves the per-step metrics to Prometheus here; 0: off
     max_grad_norm: float = 1.0
+    # A rank with no step, eval or checkpoint for this long dumps its stacks and collective
+    # traces, records a TrainingHang and exits, so torchrun restarts from the newest checkpoint.
+    hang_timeout_s: int = HANG_TIMEOUT_S
+    # A rank whose median step time exceeds the ranks' median by this fraction is a straggler.
+    straggler_threshold: float = STRAGGLER_THRESHOLD
 
     def __post_init__(self) -> None:
         errors: list[tuple[str, str]] = []

@@ -118,3 +118,15 @@ def test_teardown_writes_no_report_without_outputs_or_over_collect_metrics_one(
     t.collect_metrics(cfg, {})
     assert "report" not in t.teardown(cfg, snap)
     assert read_json(bucket, f"{prefix}/report.json")["status"] == "success"
+
+
+def test_a_hang_a_restart_survived_reaches_the_report_of_an_s3_run(bucket):
+    cfg = eks_config()
+    prefix = put_outputs(bucket, cfg)
+    hang = {"stage": "train", "type": "TrainingHang", "rank": 3, "time": 5.0,
+            "message": "training hang: rank 3 made no progress for 1800 s after step 2"}
+    bucket.put_object(Bucket="bucket", Key=f"{prefix}/errors/rank_3.json",
+                      Body=json.dumps(hang).encode())
+    target().collect_metrics(cfg, {"job": "the-job"})
+    report = read_json(bucket, f"{prefix}/report.json")
+    assert any(w.startswith(hang["message"]) for w in report["warnings"]), report["warnings"]

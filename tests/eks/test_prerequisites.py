@@ -12,6 +12,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from finetune.targets.eks.launchers import LAUNCHERS
 from tests.support.schemas import K8S_VERSION
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,7 +30,7 @@ RESOURCES = {
     "namespaced_service": ("", "services"),
     "namespaced_secret": ("", "secrets"),
     "namespaced_job": ("batch", "jobs"),
-    "namespaced_custom_object": ("kubeflow.org", "pytorchjobs"),  # checked below: only these
+    "namespaced_custom_object": None,  # the launchers' jobs: checked below
 }
 CLUSTER_SCOPED = {("", "nodes")}
 # A call, or a bound method handed on (create_or_replace(core.create_namespaced_secret, ...)).
@@ -66,8 +67,12 @@ def kubernetes_calls() -> set[tuple[str, str, str]]:
             verb, what = match[1], match[2].removesuffix("_status")
             assert what in RESOURCES, f"{path.name}: add {match[0]} to RESOURCES and rbac.yaml"
             if what == "namespaced_custom_object":
-                assert "PYTORCHJOB_GROUP" in text[match.end():match.end() + 120], (
-                    f"{path.name}: a custom object other than a PyTorchJob: {match[0]}")
+                # Every custom object call is on the run's launcher's job: either one.
+                assert "launcher.group" in text[match.end():match.end() + 120], (
+                    f"{path.name}: a custom object other than a launcher's job: {match[0]}")
+                used |= {(launcher.group, launcher.plural, VERBS[verb])
+                         for launcher in LAUNCHERS.values()}
+                continue
             used.add((*RESOURCES[what], VERBS[verb]))
     proxy_methods = re.findall(r"request\(\"([A-Z]+)\"", CODE[ROOT / "plugins" / "finetune" /
                                                               "etcd.py"])

@@ -456,3 +456,53 @@ def test_report_without_gpu_metrics_says_they_are_missing_and_has_no_cost(tmp_pa
     assert report["gpu"] is None and report["cost"] is None
     assert report["metrics"]["cost_usd"] is None
     assert "GPU metrics missing" in (run_dir / "report.html").read_text(encoding="utf-8")
+
+
+# --- hangs and stragglers (trainer/watchdog.py, finetune_contract/stragglers.py) -------------
+
+
+def test_a_hang_a_restart_survived_is_named_in_the_warnings(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path / "run", NORMAL_RECORDS, summary=SUMMARY)
+    (run_dir / "errors").mkdir()
+    message = ("training hang: rank 0 made no progress for 9 s after step 5 (hang_timeout_s); "
+               "rank 1 (pid 42 on node-a) stopped responding")
+    (run_dir / "errors" / "rank_0.json").write_text(json.dumps(
+        {"stage": "train", "type": "TrainingHang", "message": message, "rank": 0, "time": 1.0}))
+    (run_dir / "errors" / "rank_1.json").write_text(json.dumps(
+        {"stage": "train", "type": "ValueError", "message": "other", "rank": 1, "time": 2.0}))
+
+    report = write_report(run_dir, run_id="r", status="success", config={})
+
+    assert report["warnings"] == [f"{message} (stacks and collective traces in hangs/)"]
+    assert "rank 1 (pid 42 on node-a) stopped responding" in (run_dir / "report.html").read_text()
+
+
+def test_a_rank_slower_than_the_median_by_more_than_the_threshold_is_a_straggler(
+    tmp_path: Path,
+) -> None:
+    times = [[0.50, 0.52, 0.49, 0.70], [0.51, 0.50, 0.50, 0.66], [0.9, 0.5, 0.5, 0.5]]
+    records = [train_record(step, 2.0, rank_step_time_s=t) for step, t in enumerate(times, 1)]
+    run_dir = make_run(tmp_path / "run", records, summary=SUMMARY)
+
+    report = write_report(run_dir, run_id="r", status="success",
+                          config={"straggler_threshold": 0.25})
+
+    ranks = report["rank_step_times"]
+    assert ranks["median_step_time_s"] == [0.51, 0.5, 0.5, 0.66]  # rank 0's one slow step
+    assert [s["rank"] for s in ranks["stragglers"]] == [3]  # 0.66 / 0.505: 31% slower
+    assert report["warnings"] == [
+        "rank 3 is a straggler: median step time 0.66 s, 31% slower than the ranks' median "
+        "0.505 s"]
+    html = (run_dir / "report.html").read_text()
+    assert "rank 3 (straggler)" in html and "rank 0 (straggler)" not in html
+
+    lenient = write_report(run_dir, run_id="r", status="success",
+                           config={"straggler_threshold": 0.35})
+    assert lenient["rank_step_times"]["stragglers"] == [] and lenient["warnings"] == []
+
+
+def test_a_run_without_per_rank_step_times_has_no_straggler_section(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path / "run", NORMAL_RECORDS, summary=SUMMARY)
+    report = write_report(run_dir, run_id="r", status="success", config={})
+    assert report["rank_step_times"] is None
+    assert "Per-rank step time" not in (run_dir / "report.html").read_text()

@@ -13,7 +13,10 @@ never imported from another test module):
 - `airflow`: a real Airflow (api-server, scheduler, dag-processor, triggerer as separate
   processes, each killed and started again on its own, `Airflow`), a REST client (`Api`) and a
   bounded wait (`wait_for`).
-- `schemas`: manifests checked against the Kubernetes and PyTorchJob CRD schemas.
+- `schemas`: manifests checked against the Kubernetes, PyTorchJob and Kubeflow Trainer v2 CRD
+  schemas.
+- `trainer`: the test playing Kubeflow Trainer v2 and JobSet for a TrainJob
+  (`TrainerController`, `trainjob_config`, `set_trainjob_status`).
 - `training`: torchrun, demo rows and metrics files for the trainer tests; fixture `world_of_one`.
 
 Fixtures reach the tests through conftest.py files: tests/conftest.py lists the light modules in

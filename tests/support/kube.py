@@ -165,7 +165,8 @@ class Cluster:
         self.emulator = make_emulator_class()()
         for res, namespaced in (("v1/pods", True), ("v1/configmaps", True),
                                 ("v1/services", True), ("v1/nodes", False),
-                                ("kubeflow.org/v1/pytorchjobs", True)):
+                                ("kubeflow.org/v1/pytorchjobs", True),
+                                ("trainer.kubeflow.org/v1alpha1/trainjobs", True)):
             self.emulator.resources[res] = kmock.ResourceInfo(namespaced=namespaced)
         self.loop = asyncio.new_event_loop()
         self._stop = asyncio.Event()

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow  # every test reads runs torchrun made (module fix
 STEPS, CHECKPOINT_AT = 6, 3
 TRAIN_KEYS = {
     "type", "step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "tflops_per_device",
-    "mfu", "step_time_s", "peak_memory_bytes", "time",
+    "mfu", "step_time_s", "rank_step_time_s", "peak_memory_bytes", "time",
 }  # fmt: skip
 SUMMARY_KEYS = {
     "initial_eval_loss", "final_eval_loss", "steps", "tokens_per_s", "tflops_per_device", "mfu",
@@ -174,7 +174,8 @@ def test_an_s3_output_gets_the_local_layout_and_async_checkpoints_train_the_same
     local = local_files(full_dir)
     shards = {f.split("/", 2)[2] for f in local if f.startswith("checkpoints/step_00000003/")}
     assert shards == {".metadata", "__0_0.distcp", "__1_0.distcp", "trainer_state.json"}
-    expected = {f for f in local if not f.startswith("checkpoints/")} | {
+    # Heartbeats are for the ranks of a node (trainer/watchdog.py): never uploaded.
+    expected = {f for f in local if not f.startswith(("checkpoints/", "heartbeats/"))} | {
         f"checkpoints/step_0000000{step}/{name}" for step in (4, 6) for name in shards
     }
     assert set(files) == expected  # step 2 pruned from S3, nothing of the staging dir

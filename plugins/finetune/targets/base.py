@@ -50,6 +50,9 @@ class Target(ABC):
     # can read the model, tokenizer and data: yes locally; on a cluster absolute paths are the
     # pods' (mounted volumes).
     paths_are_local: bool = True
+    # The `launcher` values this target runs; the default one (pytorchjob) is ignored by a
+    # target that launches torchrun itself.
+    launchers: tuple[str, ...] = ("pytorchjob",)
 
     @abstractmethod
     def check(self, values: dict[str, Any]) -> list[tuple[str, str]]:

@@ -1,9 +1,9 @@
-"""The run's PyTorchJob, from creation to its end: create (or, on a retry, adopt) it with the
-trainer's ConfigMap, read its state and its pods' failures, stream the leader's log, report a
-failure with each failed pod's reason and log tail, delete it.
+"""The run's job (a PyTorchJob or a TrainJob: `launchers`), from creation to its end: create (or,
+on a retry, adopt) it with the trainer's ConfigMap, read its state and its pods' failures, stream
+the leader's log, report a failure with each failed pod's reason and log tail, delete it.
 
-The readers (`pytorchjob_state`, `pod_failure`, `split_log`) are pure functions on the API's
-JSON; the trigger that waits for the job uses `pytorchjob_state` too.
+The readers (the launcher's `state`, `pod_failure`, `split_log`) are pure functions on the API's
+JSON; the trigger that waits for the job uses the launcher's `state` too.
 """
 
 from __future__ import annotations
@@ -21,22 +21,23 @@ from finetune.targets.eks.clients import (
     delete_object,
     retry_transient,
 )
+from finetune.targets.eks.launchers import (
+    LAUNCHERS,
+    PYTORCHJOB,
+    TERMINAL,
+    Launcher,
+    launcher_for,
+    pytorchjob_state,
+)
 from finetune.targets.eks.manifests import (
-    CONTAINER_NAME,
-    LABEL_JOB_NAME,
-    LABEL_REPLICA_INDEX,
-    LABEL_REPLICA_TYPE,
-    PYTORCHJOB_GROUP,
-    PYTORCHJOB_PLURAL,
-    PYTORCHJOB_VERSION,
-    pytorchjob_manifest,
+    LABEL_RESTART_ATTEMPT,
     run_selector,
     trainer_configmap_manifest,
 )
 
 log = logging.getLogger(__name__)
 
-TERMINAL = ("Succeeded", "Failed")
+__all__ = ["LAUNCHERS", "TERMINAL", "pytorchjob_state"]
 # Waiting reasons that mean the container will not start by itself.
 STUCK_REASONS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CrashLoopBackOff",
                  "CreateContainerConfigError", "CreateContainerError")
@@ -45,19 +46,6 @@ DELETE_TIMEOUT_S = 300.0
 
 
 # -- reading the job and its pods (pure) -----------------------------------------------------
-
-
-def pytorchjob_state(job: dict[str, Any]) -> tuple[str, str]:
-    """(state, message): Succeeded or Failed once finished, else the newest true condition."""
-    conditions = (job.get("status") or {}).get("conditions") or []
-    true = [c for c in conditions if c.get("status") == "True"]
-    for terminal in TERMINAL:
-        for c in true:
-            if c.get("type") == terminal:
-                return terminal, c.get("message") or c.get("reason") or ""
-    if true:
-        return true[-1].get("type", "Unknown"), true[-1].get("message") or ""
-    return "Pending", ""
 
 
 def pod_failure(pod: dict[str, Any]) -> str | None:
@@ -116,42 +104,60 @@ def _apis(api: Any) -> tuple[Any, Any]:
     return kubernetes.client.CustomObjectsApi(api), kubernetes.client.CoreV1Api(api)
 
 
+def _list_jobs(custom: Any, launcher: Launcher, cfg: RunConfig) -> list[dict[str, Any]]:
+    return custom.list_namespaced_custom_object(
+        launcher.group, launcher.version, cfg.namespace, launcher.plural,
+        label_selector=run_selector(cfg))["items"]
+
+
 def start_job(api: Any, cfg: RunConfig, image: str) -> dict[str, Any]:
-    """The trainer's ConfigMap and the run's PyTorchJob, created or (on a retry) adopted."""
+    """The trainer's ConfigMap and the run's job (PyTorchJob or TrainJob), created or (on a
+    retry) adopted."""
     started = time.time()
+    launcher = launcher_for(cfg)
     custom, core = _apis(api)
     create_or_replace(core.create_namespaced_config_map, core.replace_namespaced_config_map,
                       trainer_configmap_manifest(cfg))
-    manifest = pytorchjob_manifest(cfg, image)
+    manifest = launcher.manifest(cfg, image)
     name = manifest["metadata"]["name"]
-    existing = custom.list_namespaced_custom_object(
-        PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, cfg.namespace, PYTORCHJOB_PLURAL,
-        label_selector=run_selector(cfg))["items"]
-    live = [j for j in existing if not j["metadata"].get("deletionTimestamp")]
+    live = [j for j in _list_jobs(custom, launcher, cfg)
+            if not j["metadata"].get("deletionTimestamp")]
     found = live[0] if live else None
     # A retry of a failed job runs it again (from its last checkpoint).
-    failed = found is not None and pytorchjob_state(found)[0] == "Failed"
+    failed = found is not None and launcher.state(found)[0] == "Failed"
     adopted = adopt_or_create(
-        f"PyTorchJob {cfg.namespace}/{name}", found, failed,
+        f"{launcher.kind} {cfg.namespace}/{name}", found, failed,
         create=lambda: custom.create_namespaced_custom_object(
-            PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, cfg.namespace, PYTORCHJOB_PLURAL, manifest),
-        delete=lambda old: delete_job(api, cfg.namespace, old, wait=True))
+            launcher.group, launcher.version, cfg.namespace, launcher.plural, manifest),
+        delete=lambda old: delete_job(api, cfg.namespace, old, wait=True, launcher=launcher))
+    created = started
     if adopted and found is not None and not failed:  # else the one of the manifest's name
         name = found["metadata"]["name"]
+        created = _epoch(found["metadata"].get("creationTimestamp")) or started
     if not adopted:
-        log.info("created PyTorchJob %s/%s: %d node(s) x %d GPU(s), image %s", cfg.namespace,
-                 name, cfg.nodes, cfg.procs_per_node, image)
-    return {"job": name, "adopted": adopted, "started": started}
+        log.info("created %s %s/%s: %d node(s) x %d GPU(s), image %s", launcher.kind,
+                 cfg.namespace, name, cfg.nodes, cfg.procs_per_node, image)
+    return {"job": name, "adopted": adopted, "started": started, "created": created}
+
+
+def _epoch(timestamp: str | None) -> float | None:
+    """Epoch seconds of an RFC 3339 timestamp of the API (None when absent or unreadable)."""
+    try:
+        return datetime.datetime.fromisoformat(str(timestamp).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
 
 
 @retry_transient
-def read_job(api: Any, namespace: str, name: str) -> dict[str, Any]:
+def read_job(api: Any, namespace: str, name: str,
+             launcher: Launcher = PYTORCHJOB) -> dict[str, Any]:
     custom, _ = _apis(api)
-    return custom.get_namespaced_custom_object(PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, namespace,
-                                               PYTORCHJOB_PLURAL, name)
+    return custom.get_namespaced_custom_object(launcher.group, launcher.version, namespace,
+                                               launcher.plural, name)
 
 
-def delete_job(api: Any, namespace: str, name: str, wait: bool = False) -> bool:
+def delete_job(api: Any, namespace: str, name: str, wait: bool = False,
+               launcher: Launcher = PYTORCHJOB) -> bool:
     """Delete the job and (Foreground) its pods; False when it was not there. With `wait`,
     return once it is gone."""
     import kubernetes
@@ -159,15 +165,16 @@ def delete_job(api: Any, namespace: str, name: str, wait: bool = False) -> bool:
     custom, _ = _apis(api)
     return delete_object(
         lambda: custom.delete_namespaced_custom_object(
-            PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, namespace, PYTORCHJOB_PLURAL, name,
+            launcher.group, launcher.version, namespace, launcher.plural, name,
             body=kubernetes.client.V1DeleteOptions(propagation_policy="Foreground")),
-        lambda: read_job(api, namespace, name), wait=wait, timeout=DELETE_TIMEOUT_S)
+        lambda: read_job(api, namespace, name, launcher), wait=wait, timeout=DELETE_TIMEOUT_S)
 
 
-def pod_log(core: Any, pod: str, namespace: str, **options: Any) -> str:
+def pod_log(core: Any, pod: str, namespace: str, container: str = PYTORCHJOB.container,
+            **options: Any) -> str:
     """The training container's log as text."""
     # Raw body: the client (36.x) turns a non-JSON text answer into the repr of its bytes.
-    resp = core.read_namespaced_pod_log(pod, namespace, container=CONTAINER_NAME,
+    resp = core.read_namespaced_pod_log(pod, namespace, container=container,
                                         _preload_content=False, **options)
     return resp.data.decode("utf-8", errors="replace")
 
@@ -179,11 +186,12 @@ def _pods(api: Any, namespace: str, selector: str) -> list[dict[str, Any]]:
         namespace, label_selector=selector))["items"]
 
 
-def unschedulable_pods(api: Any, namespace: str, name: str) -> list[tuple[str, int, str]]:
+def unschedulable_pods(api: Any, namespace: str, name: str,
+                       launcher: Launcher = PYTORCHJOB) -> list[tuple[str, int, str]]:
     """(pod, seconds, the scheduler's message) of the job's pods the scheduler could not place
     (PodScheduled False, reason Unschedulable: what a FailedScheduling event also says)."""
     found = []
-    for pod in _pods(api, namespace, f"{LABEL_JOB_NAME}={name}"):
+    for pod in _pods(api, namespace, launcher.pod_selector(name)):
         if (pod.get("status") or {}).get("phase") != "Pending":
             continue
         for condition in (pod.get("status") or {}).get("conditions") or []:
@@ -196,35 +204,44 @@ def unschedulable_pods(api: Any, namespace: str, name: str) -> list[tuple[str, i
     return sorted(found)
 
 
-def stream_leader_log(api: Any, namespace: str, name: str, after: str) -> str:
-    """Copy worker 0's log lines newer than timestamp `after` into the task log; the newest."""
+def _restart_attempt(pod: dict[str, Any]) -> int:
+    value = ((pod.get("metadata") or {}).get("labels") or {}).get(LABEL_RESTART_ATTEMPT, "0")
+    return int(value) if value.isdigit() else 0
+
+
+def stream_leader_log(api: Any, namespace: str, name: str, after: str,
+                      launcher: Launcher = PYTORCHJOB) -> str:
+    """Copy rank 0's log lines newer than timestamp `after` into the task log; the newest."""
     import kubernetes
 
-    pods = _pods(api, namespace, f"{LABEL_JOB_NAME}={name},{LABEL_REPLICA_TYPE}=worker,"
-                                 f"{LABEL_REPLICA_INDEX}=0")
+    pods = _pods(api, namespace, launcher.leader_selector(name))
     if not pods:
         return after
+    # After a JobSet restart the newest attempt's pod leads (the old one may still be there).
+    leader = max(pods, key=lambda p: (_restart_attempt(p),
+                                      p["metadata"].get("creationTimestamp") or ""))
     _, core = _apis(api)
     try:
-        text = pod_log(core, pods[0]["metadata"]["name"], namespace, timestamps=True,
-                       since_seconds=_seconds_since(after) if after else None)
+        text = pod_log(core, leader["metadata"]["name"], namespace, launcher.container,
+                       timestamps=True, since_seconds=_seconds_since(after) if after else None)
     except kubernetes.client.ApiException as exc:
         if exc.status in (400, 404):  # not started yet, or gone
             return after
         raise
     lines, after = split_log(text, after)
     for line in lines:
-        log.info("[worker 0] %s", line)
+        log.info("[rank 0] %s", line)
     return after
 
 
-def failure_report(api: Any, namespace: str, name: str, message: str) -> str:
+def failure_report(api: Any, namespace: str, name: str, message: str,
+                   launcher: Launcher = PYTORCHJOB) -> str:
     """The job's failure with each failed pod's reason and the tail of its log."""
     import kubernetes
 
     _, core = _apis(api)
-    parts = [f"PyTorchJob {namespace}/{name} failed: {message}"]
-    pods = _pods(api, namespace, f"{LABEL_JOB_NAME}={name}")
+    parts = [f"{launcher.kind} {namespace}/{name} failed: {message}"]
+    pods = _pods(api, namespace, launcher.pod_selector(name))
     for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
         reason = pod_failure(pod)
         if reason is None:
@@ -232,7 +249,8 @@ def failure_report(api: Any, namespace: str, name: str, message: str) -> str:
         pod_name = pod["metadata"]["name"]
         parts.append(f"pod {pod_name}: {reason}")
         try:
-            tail = pod_log(core, pod_name, namespace, tail_lines=LOG_TAIL_LINES)
+            tail = pod_log(core, pod_name, namespace, launcher.container,
+                           tail_lines=LOG_TAIL_LINES)
         except kubernetes.client.ApiException:
             tail = ""
         if tail.strip():
@@ -253,16 +271,16 @@ def train_result(cfg: RunConfig, job: dict, image: dict, rendezvous: dict) -> di
 
 
 def delete_run_objects(api: Any, cfg: RunConfig) -> list[str]:
-    """Delete the run's PyTorchJob(s) and ConfigMap(s), found by the run's label."""
+    """Delete the run's job(s) (PyTorchJob or TrainJob) and ConfigMap(s), found by the run's
+    label."""
     import kubernetes
 
+    launcher = launcher_for(cfg)
     custom, core = _apis(api)
     deleted = []
-    for job in custom.list_namespaced_custom_object(
-            PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, cfg.namespace, PYTORCHJOB_PLURAL,
-            label_selector=run_selector(cfg))["items"]:
-        if delete_job(api, cfg.namespace, job["metadata"]["name"]):
-            deleted.append(f"pytorchjob/{job['metadata']['name']}")
+    for job in _list_jobs(custom, launcher, cfg):
+        if delete_job(api, cfg.namespace, job["metadata"]["name"], launcher=launcher):
+            deleted.append(f"{launcher.name}/{job['metadata']['name']}")
     for cm in core.list_namespaced_config_map(cfg.namespace,
                                               label_selector=run_selector(cfg)).items:
         try:

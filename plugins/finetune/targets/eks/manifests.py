@@ -4,7 +4,10 @@ ports and resource names they share with the parts that find those objects: pure
 - `pytorchjob_manifest`: the Kubeflow PyTorchJob (kubeflow.org/v1) that runs the FSDP trainer
   with torchrun on every node (elasticPolicy: the operator sets torchrun's PET_* variables);
 - `trainer_configmap_manifest`: the trainer's JSON config, mounted into every worker;
-- `etcd_manifests`: the etcd (v2 API) Deployment and Service torchrun's etcd rendezvous uses.
+- `etcd_manifests`: the etcd (v2 API) Deployment and Service torchrun's etcd rendezvous uses;
+- `trainjob_manifest`: the Kubeflow Trainer v2 TrainJob (trainer.kubeflow.org/v1alpha1) that
+  references the project's ClusterTrainingRuntime and sets what the run decides;
+- `training_runtime_manifest`: that ClusterTrainingRuntime (containers/k8s/trainjob-runtime.yaml).
 """
 
 from __future__ import annotations
@@ -20,6 +23,24 @@ from finetune.trainer_config import trainer_config
 
 PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, PYTORCHJOB_PLURAL = "kubeflow.org", "v1", "pytorchjobs"
 PYTORCHJOB_API_VERSION = f"{PYTORCHJOB_GROUP}/{PYTORCHJOB_VERSION}"
+TRAINER_GROUP, TRAINER_VERSION = "trainer.kubeflow.org", "v1alpha1"
+TRAINJOB_PLURAL = "trainjobs"
+TRAINER_API_VERSION = f"{TRAINER_GROUP}/{TRAINER_VERSION}"
+# The ClusterTrainingRuntime the project ships (containers/k8s/trainjob-runtime.yaml).
+TRAINING_RUNTIME = "llm-finetune-torch"
+# Kubeflow Trainer's names: the trainer's replicated job (its pods are <job>-node-0-<rank>-*),
+# the trainer container, and the label that marks the replicated job as the trainer.
+TRAINER_REPLICATED_JOB = "node"
+TRAINER_CONTAINER = "node"
+TRAINER_ANCESTOR_LABEL = "trainer.kubeflow.org/trainjob-ancestor-step"
+# JobSet's whole-group restarts (failurePolicy.maxRestarts): each recreates every pod, which
+# resumes from the newest checkpoint.
+JOBSET_MAX_RESTARTS = 3
+# Labels JobSet and the Job controller put on a TrainJob's pods (the JobSet is named after it).
+LABEL_JOBSET_NAME = "jobset.sigs.k8s.io/jobset-name"
+LABEL_REPLICATED_JOB = "jobset.sigs.k8s.io/replicatedjob-name"
+LABEL_COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
+LABEL_RESTART_ATTEMPT = "jobset.sigs.k8s.io/restart-attempt"
 
 # Labels tying the cluster's objects to the DAG run (values are DNS-safe, at most 63 chars).
 LABEL_RUN = "finetune.airflow.apache.org/run"
@@ -90,7 +111,12 @@ def hf_token_ref(secret: str) -> tuple[str, str]:
 
 
 def rendezvous_host(cfg: RunConfig) -> tuple[str, int]:
-    """Where torchrun's rendezvous lives: the etcd service, or worker 0's service for c10d."""
+    """Where torchrun's rendezvous lives: the etcd service, or worker 0's service for c10d;
+    with a TrainJob, node 0's host in the JobSet's headless service (Kubeflow Trainer's
+    PET_MASTER_ADDR and PET_MASTER_PORT)."""
+    if cfg.launcher == "trainjob":
+        name = job_name(cfg)
+        return f"{name}-{TRAINER_REPLICATED_JOB}-0-0.{name}", C10D_PORT
     if cfg.rdzv_backend == "c10d":
         return f"{job_name(cfg)}-worker-0", C10D_PORT
     return f"{cfg.etcd_service}.{cfg.namespace}.svc", ETCD_PORT
@@ -107,9 +133,13 @@ def trainer_configmap_manifest(cfg: RunConfig) -> dict[str, Any]:
     }
 
 
-def _env(cfg: RunConfig, efa: bool) -> list[dict[str, Any]]:
-    plain = {"PYTHONUNBUFFERED": "1", "FINETUNE_RUN_ID": cfg.run_id, **TORCHRUN_ENV,
-             **NCCL_ENV, **(EFA_ENV if efa else {})}
+# What every training pod gets, whatever the run (the ClusterTrainingRuntime holds it).
+COMMON_ENV = {"PYTHONUNBUFFERED": "1", **TORCHRUN_ENV, **NCCL_ENV}
+
+
+def _env(cfg: RunConfig, efa: bool, common: bool = True) -> list[dict[str, Any]]:
+    plain = {**(COMMON_ENV if common else {}), "FINETUNE_RUN_ID": cfg.run_id,
+             **(EFA_ENV if efa else {})}
     env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in plain.items()]
     if cfg.hf_token_secret:
         name, key = hf_token_ref(cfg.hf_token_secret)
@@ -290,3 +320,119 @@ def etcd_manifests(namespace: str, name: str = "etcd",
                  "ports": [{"name": "client", "port": ETCD_PORT, "targetPort": ETCD_PORT}]},
     }
     return [deployment, service]
+
+
+# -- Kubeflow Trainer v2 ------------------------------------------------------------------------
+
+TRAINER_COMMAND = ["python", "-m", "torch.distributed.run"]
+
+
+def _trainer_args() -> list[str]:
+    return ["-m", "trainer.train", "--config", f"{TRAINER_CONFIG_DIR}/{TRAINER_CONFIG_FILE}"]
+
+
+def training_runtime_manifest(name: str = TRAINING_RUNTIME,
+                              max_restarts: int = JOBSET_MAX_RESTARTS) -> dict[str, Any]:
+    """The ClusterTrainingRuntime every TrainJob of the project references: torch distributed
+    (Kubeflow Trainer sets torchrun's PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK and a static
+    rendezvous on node 0 with PET_MASTER_ADDR/PORT), on nodes tainted for GPUs (and EFA), with
+    a memory-backed /dev/shm, the NCCL environment, never root.
+
+    A pod that fails fails its Job (backoffLimit 0, restartPolicy Never): a static rendezvous
+    cannot take one restarted node back into a running group, so JobSet restarts the whole
+    group (failurePolicy.maxRestarts), and the trainer resumes from its newest checkpoint.
+    """
+    container = {
+        "name": TRAINER_CONTAINER,
+        "command": list(TRAINER_COMMAND),
+        "args": _trainer_args(),
+        "env": [{"name": k, "value": v} for k, v in COMMON_ENV.items()],
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+        "securityContext": {"allowPrivilegeEscalation": False},
+    }
+    pod_spec = {
+        "restartPolicy": "Never",
+        "containers": [container],
+        # The GPU nodes' taint (eksctl-cluster.yaml), and the EFA device plugin's own key.
+        "tolerations": [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"},
+                        {"key": EFA_TAINT, "operator": "Exists", "effect": "NoSchedule"}],
+        "securityContext": {"runAsNonRoot": True, "runAsUser": TRAINER_UID,
+                            "runAsGroup": TRAINER_UID, "fsGroup": TRAINER_UID},
+        # No sizeLimit: one runtime serves every instance type; the pod's memory bounds it.
+        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}],
+    }
+    return {
+        "apiVersion": TRAINER_API_VERSION,
+        "kind": "ClusterTrainingRuntime",
+        "metadata": {"name": name, "labels": {LABEL_APP: APP,
+                                              "trainer.kubeflow.org/framework": "torch"}},
+        "spec": {
+            "mlPolicy": {"numNodes": 1, "torch": {"numProcPerNode": "auto"}},
+            "template": {"spec": {
+                "failurePolicy": {"maxRestarts": max_restarts},
+                "replicatedJobs": [{
+                    "name": TRAINER_REPLICATED_JOB,
+                    "template": {
+                        "metadata": {"labels": {TRAINER_ANCESTOR_LABEL: "trainer"}},
+                        "spec": {"backoffLimit": 0, "template": {"spec": pod_spec}},
+                    },
+                }],
+            }},
+        },
+    }
+
+
+def trainjob_manifest(cfg: RunConfig, image: str,
+                      runtime: str = TRAINING_RUNTIME) -> dict[str, Any]:
+    """The run's TrainJob: the runtime's template with what this run sets (nodes, processes
+    per node, image, resources, environment, placement, volumes, service account)."""
+    itype = INSTANCE_TYPES[cfg.instance_type]
+    volumes = parse_volumes(cfg.volumes)
+    efa = itype.efa > 0
+    accelerators = {GPU_RESOURCE: cfg.procs_per_node, **({EFA_RESOURCE: itype.efa} if efa else {})}
+    override: dict[str, Any] = {
+        "targetJobs": [{"name": TRAINER_REPLICATED_JOB}],
+        "nodeSelector": {NODEGROUP_LABEL: cfg.nodegroup, INSTANCE_TYPE_LABEL: cfg.instance_type},
+        "volumes": [
+            {"name": "trainer-config", "configMap": {"name": configmap_name(cfg)}},
+            *({"name": f"data-{i}", "persistentVolumeClaim": {"claimName": claim}}
+              for i, (claim, _) in enumerate(volumes)),
+        ],
+        "containers": [{"name": TRAINER_CONTAINER, "volumeMounts": [
+            {"name": "trainer-config", "mountPath": TRAINER_CONFIG_DIR, "readOnly": True},
+            *({"name": f"data-{i}", "mountPath": path} for i, (_, path) in enumerate(volumes)),
+        ]}],
+    }
+    if cfg.service_account:
+        override["serviceAccountName"] = cfg.service_account
+    labels = run_labels(cfg)
+    spec: dict[str, Any] = {
+        "runtimeRef": {"name": runtime, "apiGroup": TRAINER_GROUP,
+                       "kind": "ClusterTrainingRuntime"},
+        "labels": run_labels(cfg),  # onto the JobSet and its Jobs
+        "trainer": {
+            "image": image,
+            "command": list(TRAINER_COMMAND),
+            "args": _trainer_args(),
+            "numNodes": cfg.nodes,
+            "numProcPerNode": cfg.procs_per_node,
+            "resourcesPerNode": {
+                "requests": {"cpu": str(itype.cpu_request),
+                             "memory": f"{itype.memory_request_gib}Gi", **accelerators},
+                "limits": dict(accelerators),
+            },
+            # Merged with the runtime's: EFA only on instance types that have it.
+            "env": _env(cfg, efa, common=False),
+        },
+        "podSpecOverrides": [override],
+    }
+    if cfg.queue_name:
+        labels[KUEUE_QUEUE_LABEL] = cfg.queue_name
+        spec["suspend"] = True  # Kueue unsuspends it when admitted
+    return {
+        "apiVersion": TRAINER_API_VERSION,
+        "kind": "TrainJob",
+        "metadata": {"name": job_name(cfg), "namespace": cfg.namespace, "labels": labels,
+                     "annotations": {"finetune.airflow.apache.org/run-id": cfg.run_id}},
+        "spec": spec,
+    }

@@ -60,6 +60,12 @@ def reset_rendezvous(api_client: Any, cfg: RunConfig, poll_interval: float,
     host, port = rendezvous_host(cfg)
     result = {"backend": cfg.rdzv_backend, "endpoint": f"{host}:{port}",
               "rdzv_id": cfg.rdzv_id, "deleted_keys": 0}
+    if cfg.launcher == "trainjob":
+        # Kubeflow Trainer gives torchrun PET_MASTER_ADDR/PORT: a static rendezvous whose
+        # store lives and dies with node 0's pod. Nothing is kept between runs or restarts.
+        log.info("launcher trainjob: Kubeflow Trainer gives torchrun a static c10d rendezvous "
+                 "on node 0 (%s:%d); nothing to reset", host, port)
+        return {**result, "launcher": "trainjob"}
     if cfg.rdzv_backend == "c10d":
         log.info("c10d rendezvous on worker 0 (%s): no etcd to reset", host)
         return result

@@ -1,4 +1,5 @@
-"""The `eks` target: Amazon EKS with the Kubeflow training operator. A thin class: each stage
+"""The `eks` target: Amazon EKS with Kubeflow's training operator (PyTorchJob) or Kubeflow
+Trainer v2 (TrainJob), as the run's `launcher` says (`launchers`). A thin class: each stage
 calls the part that owns the work (node group, reservations, image build, rendezvous, job) and
 returns its result or a `Wait` on one of the triggers.
 
@@ -12,9 +13,10 @@ returns its result or a `Wait` on one of the triggers.
 - build_image starts the build unless the image is prebuilt or in ECR, and waits for it
   (`build_done`);
 - reset_etcd deletes the run's rendezvous keys through the service proxy (or restarts etcd);
-- train creates (or, on a retry, adopts) the run's PyTorchJob and waits for it, waking up
+- train creates (or, on a retry, adopts) the run's job and waits for it, waking up
   (`job_wake`) to stream the leader's log and renew the reservation; a failure names each
-  failed pod's reason.
+  failed pod's reason; a TrainJob past active_deadline_s is deleted by the task (Trainer v2.0
+  has no activeDeadlineSeconds).
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from typing import Any
 
 from finetune.config import RunConfig
 from finetune.gpu_metrics import (
-    job_pod_regex,
     missing_section,
     prometheus_endpoint,
     prometheus_gpu_metrics,
@@ -48,6 +49,7 @@ from finetune.targets.eks.image_build import (
     image_param_errors,
     start_image,
 )
+from finetune.targets.eks.launchers import LAUNCHERS, launcher_for, launcher_problems
 from finetune.targets.eks.manifests import (
     C10D_PORT,
     EFA_RESOURCE,
@@ -66,9 +68,9 @@ from finetune.targets.eks.reservations import (
 )
 from finetune.targets.eks.triggers import (
     ImageBuildTrigger,
+    JobTrigger,
     NodegroupActiveTrigger,
     NodesReadyTrigger,
-    PyTorchJobTrigger,
 )
 
 log = logging.getLogger(__name__)
@@ -110,6 +112,7 @@ class EksTarget(Target):
 
     name = "eks"
     paths_are_local = False
+    launchers = tuple(LAUNCHERS)
 
     def __init__(self, poll_interval: float = 15.0, nodes_timeout: float = 1800.0,
                  wake_after: float = 60.0, etcd_timeout: float = 300.0,
@@ -150,7 +153,7 @@ class EksTarget(Target):
         if values["rdzv_backend"] == "c10d" and values["metrics_port"] == C10D_PORT:
             errors.append(("metrics_port", f"{C10D_PORT} is the c10d rendezvous port on worker "
                            "0, where rank 0 serves its metrics; choose another port"))
-        return errors + _pod_problems(values)
+        return errors + _pod_problems(values) + launcher_problems(values)
 
     # -- clients ----------------------------------------------------------------------------
 
@@ -275,34 +278,45 @@ class EksTarget(Target):
     # -- train ------------------------------------------------------------------------------
 
     def train(self, cfg: RunConfig, image: dict, rendezvous: dict) -> Wait:
-        """Create (or adopt) the run's PyTorchJob and wait for it."""
+        """Create (or adopt) the run's job and wait for it."""
         started = job.start_job(self._kube(cfg), cfg, image["image"])
+        deadline = 0.0
+        if not launcher_for(cfg).own_deadline and cfg.active_deadline_s:
+            # From the job's creation (a retry keeps it); computed once, wall-clock.
+            deadline = started["created"] + cfg.active_deadline_s
         return self._wait_for_job(cfg, {
-            "job": started, "after": "",
+            "job": started, "after": "", "deadline": deadline,
             "image": {k: image.get(k) for k in ("image", "image_tag")},
             "rendezvous": {k: rendezvous[k] for k in ("backend", "rdzv_id")}})
 
     def _wait_for_job(self, cfg: RunConfig, state: dict) -> Wait:
-        return Wait(PyTorchJobTrigger(
+        return Wait(JobTrigger(
             credentials=kube_credentials(cfg), namespace=cfg.namespace,
             name=state["job"]["job"], wake_at=time.time() + self.wake_after,
-            poll_interval=self.poll_interval, refresh_interval=self.refresh_interval),
+            poll_interval=self.poll_interval, refresh_interval=self.refresh_interval,
+            launcher=cfg.launcher, deadline=state.get("deadline", 0.0)),
             resume="job_wake", state=state)
 
     def job_wake(self, cfg: RunConfig, event: dict, state: dict) -> dict | Wait:
         """Each wake-up: the leader's new log lines into the task log; then wait again (the
         reservation renewed), fail with the pods' reasons, or return the result."""
-        name, api = state["job"]["job"], self._kube(cfg)
+        name, api, launcher = state["job"]["job"], self._kube(cfg), launcher_for(cfg)
         state = {**state, "after": job.stream_leader_log(api, cfg.namespace, name,
-                                                         state["after"])}
-        log.info("PyTorchJob %s: %s %s", name, event["state"], event["message"])
+                                                         state["after"], launcher)}
+        log.info("%s %s: %s %s", launcher.kind, name, event["state"], event["message"])
+        if event["status"] == "deadline":
+            job.delete_job(api, cfg.namespace, name, launcher=launcher)
+            raise TimeoutError(
+                f"{launcher.kind} {cfg.namespace}/{name} ran past active_deadline_s = "
+                f"{cfg.active_deadline_s} s (from its creation): deleted it; teardown gives the "
+                "nodes back")
         if event["status"] == "running":
             stuck = [(pod, seconds, why) for pod, seconds, why in
-                     job.unschedulable_pods(api, cfg.namespace, name)
+                     job.unschedulable_pods(api, cfg.namespace, name, launcher)
                      if cfg.schedule_timeout_s and seconds >= cfg.schedule_timeout_s]
             if stuck:
                 raise RuntimeError(
-                    f"{len(stuck)} pod(s) of PyTorchJob {name} could not be scheduled for "
+                    f"{len(stuck)} pod(s) of {launcher.kind} {name} could not be scheduled for "
                     f"{cfg.schedule_timeout_s} s or more (schedule_timeout_s); the scheduler "
                     "says:\n" + "\n".join(f"{pod} ({seconds} s): {why}"
                                           for pod, seconds, why in stuck))
@@ -312,7 +326,7 @@ class EksTarget(Target):
                 log.warning("could not renew the node reservation: %s", exc)
             return self._wait_for_job(cfg, state)
         if event["status"] == "failed":
-            report = job.failure_report(api, cfg.namespace, name, event["message"])
+            report = job.failure_report(api, cfg.namespace, name, event["message"], launcher)
             try:
                 cause = trainer_root_cause(cfg.run_dir, lambda: self._s3(cfg))
             except Exception as exc:  # the pods' reasons still say what happened
@@ -326,9 +340,10 @@ class EksTarget(Target):
 
     def cancel(self, cfg: RunConfig, state: dict) -> None:
         """train's task killed on a worker: delete the job it created or adopted."""
+        launcher = launcher_for(cfg)
         if "job" in state and job.delete_job(self._kube(cfg), cfg.namespace,
-                                             state["job"]["job"]):
-            log.info("deleted PyTorchJob %s/%s", cfg.namespace, state["job"]["job"])
+                                             state["job"]["job"], launcher=launcher):
+            log.info("deleted %s %s/%s", launcher.kind, cfg.namespace, state["job"]["job"])
 
     def _renew_reservation(self, cfg: RunConfig) -> None:
         """Heartbeat: a live run's reservation must not expire while it trains."""
@@ -356,7 +371,8 @@ class EksTarget(Target):
         end = trained.get("finished") or time.time()
         start = trained.get("started") or end - trained["wall_time_s"]
         return prometheus_gpu_metrics(url, namespace=cfg.namespace, auth=auth,
-                                      pod_regex=job_pod_regex(trained["job"]), start=start,
+                                      pod_regex=launcher_for(cfg).pod_regex(trained["job"]),
+                                      start=start,
                                       end=end)
 
     # -- teardown ---------------------------------------------------------------------------

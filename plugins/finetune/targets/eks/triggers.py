@@ -3,8 +3,10 @@ serialise to plain kwargs.
 
 - `NodegroupActiveTrigger`: the EKS node group is ACTIVE again after a scaling update;
 - `NodesReadyTrigger`: N nodes of the node group are Ready with the GPUs (and EFA) a worker asks;
-- `PyTorchJobTrigger`: the PyTorchJob reached Succeeded or Failed, or its wake-up time came (the
-  task then streams the leader's new log lines and defers again);
+- `JobTrigger` (alias `PyTorchJobTrigger`): the run's job (a PyTorchJob or a TrainJob, named by
+  its launcher) reached Succeeded or Failed, or its deadline passed (where the task enforces
+  it), or its wake-up time came (the task then streams the leader's new log lines and defers
+  again);
 - `ImageBuildTrigger`: the trainer image's build (BuildKit Job or CodeBuild) ended.
 
 Every deadline (and the job's wake-up time) is wall-clock epoch seconds in the kwargs, computed
@@ -31,13 +33,8 @@ from finetune.targets.eks.clients import (
     retry_transient,
 )
 from finetune.targets.eks.image_build import build_job_state, codebuild_state
-from finetune.targets.eks.job import TERMINAL, pytorchjob_state
-from finetune.targets.eks.manifests import (
-    NODEGROUP_LABEL,
-    PYTORCHJOB_GROUP,
-    PYTORCHJOB_PLURAL,
-    PYTORCHJOB_VERSION,
-)
+from finetune.targets.eks.launchers import LAUNCHERS, TERMINAL
+from finetune.targets.eks.manifests import NODEGROUP_LABEL
 from finetune.targets.eks.nodegroup import missing_devices, usable_nodes
 
 # Node group states from which it does not become ACTIVE by itself.
@@ -141,38 +138,48 @@ class NodesReadyTrigger(BaseTrigger):
             await kube.close()
 
 
-class PyTorchJobTrigger(BaseTrigger):
+class JobTrigger(BaseTrigger):
+    """`launcher`: pytorchjob or trainjob (launchers.LAUNCHERS); `deadline`: epoch seconds after
+    which the event says so (0: none, the job ends itself at its activeDeadlineSeconds)."""
+
     def __init__(self, *, credentials: dict[str, str], namespace: str, name: str,
                  wake_at: float, poll_interval: float = 15.0,
-                 refresh_interval: float = TOKEN_REFRESH_S):
+                 refresh_interval: float = TOKEN_REFRESH_S, launcher: str = "pytorchjob",
+                 deadline: float = 0.0):
         super().__init__()
         self.credentials, self.namespace, self.name = credentials, namespace, name
         self.wake_at, self.poll_interval = wake_at, poll_interval
         self.refresh_interval = refresh_interval
+        self.launcher, self.deadline = launcher, deadline
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        return f"{__name__}.PyTorchJobTrigger", {
+        return f"{__name__}.JobTrigger", {
             "credentials": self.credentials, "namespace": self.namespace, "name": self.name,
             "wake_at": self.wake_at, "poll_interval": self.poll_interval,
-            "refresh_interval": self.refresh_interval}
+            "refresh_interval": self.refresh_interval, "launcher": self.launcher,
+            "deadline": self.deadline}
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         from kubernetes_asyncio import client
 
         kube = KubeClient(self.credentials, self.refresh_interval)
+        launcher = LAUNCHERS[self.launcher]
 
         @retry_transient
         async def read_job() -> dict[str, Any]:
             api = await kube.get()
             return await client.CustomObjectsApi(api).get_namespaced_custom_object(
-                PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, self.namespace, PYTORCHJOB_PLURAL,
-                self.name)
+                launcher.group, launcher.version, self.namespace, launcher.plural, self.name)
 
         try:
             while True:
-                state, message = pytorchjob_state(await read_job())
+                state, message = launcher.state(await read_job())
                 if state in TERMINAL:
                     yield TriggerEvent({"status": state.lower(), "state": state,
+                                        "message": message})
+                    return
+                if self.deadline and _passed(self.deadline):  # the task stops the job
+                    yield TriggerEvent({"status": "deadline", "state": state,
                                         "message": message})
                     return
                 if time.time() >= self.wake_at:  # back to the task: it streams the log
@@ -188,14 +195,19 @@ class PyTorchJobTrigger(BaseTrigger):
         from kubernetes_asyncio import client
         from kubernetes_asyncio.client.exceptions import ApiException
 
+        launcher = LAUNCHERS[self.launcher]
         async with async_kube_api_client(**self.credentials) as api:
             try:
                 await client.CustomObjectsApi(api).delete_namespaced_custom_object(
-                    PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, self.namespace, PYTORCHJOB_PLURAL,
+                    launcher.group, launcher.version, self.namespace, launcher.plural,
                     self.name, body=client.V1DeleteOptions(propagation_policy="Foreground"))
             except ApiException as exc:
                 if exc.status != 404:
                     raise
+
+
+# The name earlier versions serialised (a trigger row stored then still loads).
+PyTorchJobTrigger = JobTrigger
 
 
 class ImageBuildTrigger(BaseTrigger):
