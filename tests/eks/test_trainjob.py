@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from airflow.sdk.exceptions import TaskDeferred
+from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
 
 from finetune.config import ConfigError
 from finetune.instance_types import INSTANCE_TYPES
@@ -218,7 +218,7 @@ def test_a_failed_trainjob_names_the_oomkilled_pod_and_its_last_lines(cluster):
     cfg = trainjob_config(nodes=2)
     controller = TrainerController(cluster, cfg, outcome="Failed", oom_rank=1)
     controller.start()
-    with pytest.raises(RuntimeError) as err:
+    with pytest.raises(AirflowFailException) as err:  # a training failure: no retry
         run_deferred(train(cfg))
     controller.join(5)
     message = str(err.value)
