@@ -51,7 +51,6 @@ class StageOperator(BaseOperator):
         super().__init__(**kwargs)
         self.stage, self.run_config = stage, run_config
         self.inputs, self.target_options = inputs or {}, target_options or {}
-        self._state: dict[str, Any] | None = None
 
     def _target(self) -> tuple[Any, Any]:
         from finetune.targets import run_target
@@ -65,7 +64,6 @@ class StageOperator(BaseOperator):
 
     def resume(self, context: Any, event: dict, resume: str, state: dict) -> dict:
         """Back from a trigger: the target's `resume` method takes its event."""
-        self._state = state
         target, cfg = self._target()
         with _no_retry_when_the_training_failed():
             return self._result_or_defer(getattr(target, resume)(cfg, event, state))
@@ -75,7 +73,6 @@ class StageOperator(BaseOperator):
 
         if not isinstance(outcome, Wait):
             return outcome
-        self._state = outcome.state
         timeout = None
         if outcome.deadline is not None:
             timeout = datetime.timedelta(
@@ -84,9 +81,9 @@ class StageOperator(BaseOperator):
                    kwargs={"resume": outcome.resume, "state": outcome.state})
 
     def on_kill(self) -> None:
-        """Killed while on a worker: the target stops what the stage started (a trigger's
-        on_kill does it while the task is deferred)."""
-        if self._state is None:
-            return
-        target, cfg = self._target()
-        target.cancel(cfg, self._state)
+        """Killed on a worker: what the stage started is left as it is. A SIGTERM from a
+        deployment or a lost heartbeat looks the same as a person's mark-failed here; the
+        retry reattaches to (or adopts) what runs, and after a mark-failed teardown stops and
+        deletes it. (While deferred, a mark-failed reaches the trigger's on_kill.)"""
+        log.info("%s killed on its worker: what it started is left to its retry or to teardown",
+                 self.task_id)

@@ -82,14 +82,26 @@ def test_train_fails_naming_the_oomkilled_pod(cluster):
     assert "allocating activations" in str(err.value)
 
 
-def test_killing_the_train_task_deletes_the_job_on_a_worker_and_while_deferred(cluster):
+def test_a_kill_on_the_worker_leaves_the_job_to_the_retry_and_teardown_deletes_it(
+        nodegroup, cluster):
+    """A SIGTERM on the worker (a deployment, a lost heartbeat) must not lose the training:
+    the retry adopts the same job. After a person's mark-failed, teardown deletes it."""
     cfg = eks_config()
+    snap = target().snapshot(cfg)
     op = train_operator(cfg)
     with pytest.raises(TaskDeferred):
         op.execute({})
-    assert len(jobs_of_run(cluster, cfg)) == 1
     op.on_kill()
+    assert [j["metadata"]["name"] for j in jobs_of_run(cluster, cfg)] == [job_name(cfg)]
+    with pytest.raises(TaskDeferred) as retry:
+        train_operator(cfg).execute({})
+    assert retry.value.kwargs["state"]["job"]["adopted"] is True
+    target().teardown(cfg, snap)
     assert jobs_of_run(cluster, cfg) == []
+
+
+def test_a_train_task_marked_failed_while_deferred_deletes_the_job(cluster):
+    cfg = eks_config()
 
     with pytest.raises(TaskDeferred) as deferred:
         train_operator(cfg).execute({})

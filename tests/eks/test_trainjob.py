@@ -16,6 +16,7 @@ from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
 
 from finetune.config import ConfigError
 from finetune.instance_types import INSTANCE_TYPES
+from finetune.targets.eks import job
 from finetune.targets.eks.launchers import TRAINJOB, trainjob_state
 from finetune.targets.eks.manifests import (
     JOBSET_MAX_RESTARTS,
@@ -28,6 +29,7 @@ from finetune.validate import validate_params
 from tests.support.deferral import reloaded, run_deferred
 from tests.support.eks import (
     IMAGE,
+    NS,
     SCALING,
     run_stage,
     scaling,
@@ -245,14 +247,19 @@ def test_a_retry_of_train_adopts_the_trainjob_and_one_after_a_failure_starts_it_
     assert trainjob_state(job)[0] == "Created"  # a new one, not the failed one
 
 
-def test_killing_the_train_task_deletes_the_trainjob_on_a_worker_and_while_deferred(cluster):
+def test_a_kill_on_the_worker_leaves_the_trainjob_to_the_retry_one_while_deferred_deletes_it(
+        cluster):
     cfg = trainjob_config()
     op = train(cfg)
     with pytest.raises(TaskDeferred):
         op.execute({})
-    assert len(trainjobs_of_run(cluster, cfg)) == 1
     op.on_kill()
-    assert trainjobs_of_run(cluster, cfg) == []
+    assert len(trainjobs_of_run(cluster, cfg)) == 1  # the retry adopts it
+    with pytest.raises(TaskDeferred) as retry:
+        train(cfg).execute({})
+    assert retry.value.kwargs["state"]["job"]["adopted"] is True
+    job.delete_job(cluster.api(), NS, retry.value.kwargs["state"]["job"]["job"],
+                   launcher=TRAINJOB)
 
     with pytest.raises(TaskDeferred) as deferred:
         train(cfg).execute({})

@@ -85,7 +85,3 @@ class Target(ABC):
     @abstractmethod
     def teardown(self, cfg: RunConfig, snapshot: dict) -> dict:
         """Stop and delete what the run started, give the nodes back. Runs after any failure."""
-
-    def cancel(self, cfg: RunConfig, state: dict) -> None:  # noqa: B027 (most have nothing)
-        """The task of a stage was killed on a worker: stop what the stage started (`state`
-        is the last Wait's). The trigger's on_kill does it while the task is deferred."""

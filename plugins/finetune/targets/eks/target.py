@@ -338,13 +338,6 @@ class EksTarget(Target):
             raise TrainingFailed(report)
         return job.train_result(cfg, state["job"], state["image"], state["rendezvous"])
 
-    def cancel(self, cfg: RunConfig, state: dict) -> None:
-        """train's task killed on a worker: delete the job it created or adopted."""
-        launcher = launcher_for(cfg)
-        if "job" in state and job.delete_job(self._kube(cfg), cfg.namespace,
-                                             state["job"]["job"], launcher=launcher):
-            log.info("deleted %s %s/%s", launcher.kind, cfg.namespace, state["job"]["job"])
-
     def _renew_reservation(self, cfg: RunConfig) -> None:
         """Heartbeat: a live run's reservation must not expire while it trains."""
         self._reservations(cfg).update(
