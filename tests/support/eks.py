@@ -29,7 +29,7 @@ from finetune.targets.eks.manifests import (
 from finetune.targets.eks.target import EksTarget
 from finetune.validate import validate_params
 from tests.support.deferral import run_deferred
-from tests.support.kube import Cluster
+from tests.support.kube import Cluster, pod_status
 
 EKS_PARAMS = {
     "target": "eks", "cluster_name": "train", "nodegroup": "gpu-p4de",
@@ -104,7 +104,7 @@ class TrainingOperator(threading.Thread):
                     LABEL_JOB_NAME: name, LABEL_REPLICA_TYPE: "worker",
                     LABEL_REPLICA_INDEX: str(i)}},
                 "spec": {"containers": [{"name": "pytorch", "image": "img"}]},
-                "status": self._pod_status()})
+                "status": pod_status(self.unschedulable)})
             self.created.append(pod)
         if self.unschedulable:
             self._set(custom, name, "Created")
@@ -126,14 +126,6 @@ class TrainingOperator(threading.Thread):
                                                             "reason": "OOMKilled"}}}]}})
         time.sleep(0.15)
         self._set(custom, name, self.outcome)
-
-    def _pod_status(self) -> dict[str, Any]:
-        if not self.unschedulable:
-            return {"phase": "Running"}
-        since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 700))
-        return {"phase": "Pending", "conditions": [{
-            "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-            "message": self.unschedulable, "lastTransitionTime": since}]}
 
     def _set(self, custom: Any, name: str, condition: str) -> None:
         custom.patch_namespaced_custom_object_status(

@@ -205,6 +205,17 @@ class Cluster:
         return kubernetes.config.new_client_from_config(config_file=str(self.kubeconfig))
 
 
+def pod_status(unschedulable: str | None = None) -> dict[str, Any]:
+    """A training pod's status as the operators' stand-ins make it: Running, or Pending with
+    the scheduler's `unschedulable` message for the last 700 s."""
+    if not unschedulable:
+        return {"phase": "Running"}
+    since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 700))
+    return {"phase": "Pending", "conditions": [{
+        "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+        "message": unschedulable, "lastTransitionTime": since}]}
+
+
 def add_nodes(cluster: Cluster, count: int, ready: bool = True, gpus: int = 8, efa: int = 4,
               ready_for: float = 0.0) -> None:
     """`count` nodes of the p4de node group; `ready_for`: seconds since they became Ready."""

@@ -25,7 +25,7 @@ from finetune.targets.eks.manifests import (
     trainjob_manifest,
 )
 from tests.support.eks import EKS_PARAMS, IMAGE, NS, eks_config
-from tests.support.kube import Cluster
+from tests.support.kube import Cluster, pod_status
 
 TRAINJOB_PARAMS = {**EKS_PARAMS, "launcher": "trainjob", "rdzv_backend": "c10d"}
 RDZV_C10D = {"backend": "c10d", "rdzv_id": "x"}
@@ -70,7 +70,7 @@ class TrainerController(threading.Thread):
                     LABEL_JOBSET_NAME: name, LABEL_REPLICATED_JOB: "node",
                     LABEL_COMPLETION_INDEX: str(rank), LABEL_RESTART_ATTEMPT: "0"}},
                 "spec": {"containers": [{"name": TRAINER_CONTAINER, "image": "img"}]},
-                "status": self._pod_status()})
+                "status": pod_status(self.unschedulable)})
         if self.unschedulable:
             return
         set_trainjob_status(self.cluster, name, active=1)
@@ -90,14 +90,6 @@ class TrainerController(threading.Thread):
                     "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}]}})
         time.sleep(0.15)
         set_trainjob_status(self.cluster, name, self.outcome)
-
-    def _pod_status(self) -> dict[str, Any]:
-        if not self.unschedulable:
-            return {"phase": "Running"}
-        since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 700))
-        return {"phase": "Pending", "conditions": [{
-            "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-            "message": self.unschedulable, "lastTransitionTime": since}]}
 
 
 def set_trainjob_status(cluster: Cluster, name: str, condition: str | None = None,
