@@ -298,14 +298,10 @@ def _rank_zero_first(per_node: bool = False) -> Iterator[None]:
 
 
 def check_prompt_template(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> None:
-    """Fail at start, before any download, when the prompt template cannot be applied."""
+    """Fail at start, before any download, when the tokenizer has no chat template to apply
+    (chat with text_field is the contract's rule, checked before this)."""
     if config.prompt_template != "chat":
         return
-    if config.text_field:
-        raise ValueError(
-            f"prompt_template=chat needs prompt and response fields, but text_field="
-            f"{config.text_field!r} makes every row plain text: unset one of them"
-        )
     if not tokenizer.chat_template:
         raise ValueError(
             f"prompt_template=chat but tokenizer {config.tokenizer} has no chat template: use "
