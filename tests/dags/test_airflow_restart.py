@@ -21,6 +21,7 @@ import pytest
 from finetune.names import run_dir_name
 from finetune.targets.local import _alive, _trainer_processes, training_finished
 from tests.support.airflow import COMPONENTS, Airflow, wait_for
+from tests.support.training import logged_steps
 
 pytestmark = pytest.mark.slow  # a real Airflow, killed and started again; torchrun trainings
 
@@ -50,19 +51,6 @@ def airflow(tmp_path_factory):
         server.stop()
 
 
-def steps_done(run_dir: Path) -> list[int]:
-    path = run_dir / "metrics.jsonl"
-    steps = []
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # a line being written
-        if record.get("type") == "train":
-            steps.append(record["step"])
-    return steps
-
-
 def train_state(run_dir: Path) -> dict:
     path = run_dir / "state" / "train.json"
     return json.loads(path.read_text()) if path.is_file() else {}
@@ -90,7 +78,7 @@ def test_a_run_survives_airflow_killed_during_train(airflow, tmp_path, killed, e
     assert status == 200, run
     run_id = run["dag_run_id"]
     run_dir = tmp_path / run_dir_name(run_id)
-    wait_for("the training's step 2", lambda: len(steps_done(run_dir)) >= 2, 300, airflow.home)
+    wait_for("the training's step 2", lambda: len(logged_steps(run_dir)) >= 2, 300, airflow.home)
     first_try = train_state(run_dir)
 
     if killed == "scheduler":  # its process group: the task process lives on, unsupervised
@@ -113,7 +101,7 @@ def test_a_run_survives_airflow_killed_during_train(airflow, tmp_path, killed, e
         time.sleep(API_SERVER_LATE_S)
         airflow.start("api-server")
     if ends == "after it":
-        assert len(steps_done(run_dir)) < max_steps  # still training when Airflow is back
+        assert len(logged_steps(run_dir)) < max_steps  # still training when Airflow is back
 
     def finished() -> str | None:
         state = airflow.api.get(f"/api/v2/dags/{DAG_ID}/dagRuns/"
@@ -133,7 +121,7 @@ def test_a_run_survives_airflow_killed_during_train(airflow, tmp_path, killed, e
     assert all(ti["state"] == "success" for ti in tis.values()), tis
     # The training ran once: the same agents, every step once, one `done:` line, no resume.
     assert train_state(run_dir)["agents"] == agents
-    assert steps_done(run_dir) == list(range(1, max_steps + 1))
+    assert logged_steps(run_dir) == list(range(1, max_steps + 1))
     assert json.loads((run_dir / "summary.json").read_text())["resumed_from_step"] is None
     for log in (run_dir / "train.log", run_dir / "logs" / "torchrun-node-0.log"):
         assert log.read_text().count("done: ") == 1, log
@@ -155,7 +143,7 @@ def test_a_run_marked_failed_during_train_still_stops_the_training(airflow, tmp_
     assert status == 200, run
     run_id = run["dag_run_id"]
     run_dir = tmp_path / run_dir_name(run_id)
-    wait_for("the training's step 2", lambda: len(steps_done(run_dir)) >= 2, 300, airflow.home)
+    wait_for("the training's step 2", lambda: len(logged_steps(run_dir)) >= 2, 300, airflow.home)
     agents = train_state(run_dir)["agents"]
     path = f"/api/v2/dags/{DAG_ID}/dagRuns/{urllib.parse.quote(run_id, safe='')}"
     status, data = airflow.api.call("PATCH", path, {"state": "failed"})
@@ -171,4 +159,4 @@ def test_a_run_marked_failed_during_train_still_stops_the_training(airflow, tmp_
     wait_for("the training to stop", lambda: not any(_alive(p) for p in agents), 30,
              airflow.home)
     assert _trainer_processes(str(run_dir / "trainer_config.json")) == []
-    assert len(steps_done(run_dir)) < LONG_STEPS
+    assert len(logged_steps(run_dir)) < LONG_STEPS

@@ -48,6 +48,23 @@ def read_metrics(output_dir: Path) -> list[dict[str, object]]:
         return [json.loads(line) for line in f]
 
 
+def logged_steps(output_dir: Path) -> list[int]:
+    """The train steps in metrics.jsonl so far (a line still being written is skipped)."""
+    try:
+        lines = (output_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    steps = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("type") == "train":
+            steps.append(record["step"])
+    return steps
+
+
 @pytest.fixture(scope="module")
 def world_of_one():
     """A one-process gloo (or NCCL) group in this process, as `python -m trainer.train` makes."""

@@ -15,7 +15,7 @@ import pytest
 
 from finetune.targets.base import TORCHRUN_ENV
 from tests.support import REPO_ROOT
-from tests.support.training import read_metrics, torchrun
+from tests.support.training import logged_steps, read_metrics, torchrun
 from trainer.errors import read_root_cause
 from trainer.watchdog import HANG_EXIT_CODE
 
@@ -36,22 +36,6 @@ def trainer_args(output_dir: Path) -> list[str]:
 def losses(output_dir: Path) -> dict[int, float]:
     """Loss per step; after a resume the record written last for a step is the one kept."""
     return {r["step"]: r["loss"] for r in read_metrics(output_dir) if r["type"] == "train"}
-
-
-def logged_steps(output_dir: Path) -> list[int]:
-    try:
-        lines = (output_dir / "metrics.jsonl").read_text().splitlines()
-    except OSError:
-        return []
-    steps = []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # a line being written
-        if record.get("type") == "train":
-            steps.append(record["step"])
-    return steps
 
 
 def worker_pid(agent: int, rank: int) -> int | None:
