@@ -36,6 +36,7 @@ from torch.distributed.fsdp import FSDPModule
 from transformers import LlamaForCausalLM, PretrainedConfig
 
 from finetune_contract.models import BUILTIN_MODELS
+from finetune_contract.throughput import mfu
 from trainer.config import TrainConfig
 from trainer.float8 import check_float8_device, precompute_float8_scales
 from trainer.loss import LOSS_METHOD, add_loss_method
@@ -110,7 +111,7 @@ def result(
     step_times: list[float],
     losses: list[float],
     device: torch.device,
-    peak: float,
+    peak: float | None,
 ) -> dict[str, Any]:
     """The JSON line of a run: throughput from the median timed step."""
     timed = step_times[args.warmup :]
@@ -130,7 +131,7 @@ def result(
         "step_time_mean_s": _rounded(statistics.fmean(timed)),
         "tokens_per_s": _rounded(tokens_per_s),
         "tflops_per_gpu": None if float8 else _rounded(tflops),
-        "mfu": None if float8 else _rounded(tflops * 1e12 / peak),
+        "mfu": None if float8 else _rounded(mfu(tflops, peak)),
         "peak_memory_gib": _rounded(peak_memory_gib(device)),
         "loss_first": _rounded(losses[0]),
         "loss_last": _rounded(losses[-1]),
@@ -145,7 +146,7 @@ def _rounded(value: float | None) -> float | None:
 
 
 def run_trainer(
-    name: str, args: argparse.Namespace, env: DistEnv, peak: float
+    name: str, args: argparse.Namespace, env: DistEnv, peak: float | None
 ) -> dict[str, Any]:
     """This trainer's step (as train.py runs it) on random tokens."""
     config = TrainConfig(
@@ -216,7 +217,7 @@ def run_trainer(
 
 
 def run_hf_trainer(
-    name: str, args: argparse.Namespace, device: torch.device, peak: float
+    name: str, args: argparse.Namespace, device: torch.device, peak: float | None
 ) -> dict[str, Any]:
     """Hugging Face Trainer on the same model, batches and hyper-parameters."""
     from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments

@@ -23,9 +23,8 @@ from huggingface_hub import save_torch_state_dict
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
+from finetune_contract.fields import RESOLVED_CONFIG_FILE
 from trainer.lora import ADAPTER_DIR, lora_config_of, merge_adapters, save_adapter
-
-RESOLVED_CONFIG_FILE = "trainer_config.resolved.json"  # the run's TrainConfig, in its output_dir
 
 
 def export_hf(

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 from transformers import PretrainedConfig
 
+from finetune_contract.throughput import run_throughput
+
 # Dense bf16 peak per device (no sparsity), by a substring of the CUDA device name.
 PEAK_FLOPS_BY_DEVICE = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 METRICS_FILE = "metrics.jsonl"
@@ -55,39 +57,47 @@ def flops_per_token(
     return 6 * matmul_params + attention
 
 
-def measure_matmul_flops(device: torch.device, dtype: torch.dtype, seconds: float = 0.3) -> float:
-    """FLOP/s of a square matmul, run for about `seconds`: the peak for devices with no spec."""
-    n = 512
+def measure_matmul_flops(
+    device: torch.device, dtype: torch.dtype, n: int = 4096, bursts: int = 5,
+    seconds: float = 0.1,
+) -> float:
+    """FLOP/s of an n x n matmul: the best of `bursts` runs of about `seconds` each, so one
+    burst slowed by other work on the device does not set the peak."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     torch.mm(a, b)  # warm up kernels and caches
-    iterations, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        torch.mm(a, b)
-        iterations += 1
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return 2 * n**3 * iterations / (time.perf_counter() - start)
+    best = 0.0
+    for _ in range(bursts):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        iterations, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            torch.mm(a, b)
+            iterations += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = max(best, 2 * n**3 * iterations / (time.perf_counter() - start))
+    return best
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
-    """(peak FLOP/s per device, where the number comes from), the same on every rank.
+def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float | None, str]:
+    """(peak FLOP/s per device or None, where it comes from), the same on every rank.
 
-    Known GPUs use their datasheet number; others measure a matmul in `dtype`, and CPUs in fp32,
-    their fastest path on most hosts.
+    Known GPUs use their datasheet number; other GPUs the best of several bursts of a large
+    matmul in `dtype`. CPUs get none: their rate depends on what else runs on the host (a
+    matmul measured at start under one load and steps run under another gave MFUs above
+    100%), so a CPU run reports TFLOPs per device and no MFU.
     """
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, flops in PEAK_FLOPS_BY_DEVICE.items():
-            if key in name:
-                return flops, f"spec:{key}"
-    else:
-        name, dtype = "cpu", torch.float32
+    if device.type != "cuda":
+        return None, "none: CPUs have no trusted peak (their rate depends on the host's load)"
+    name = torch.cuda.get_device_name(device)
+    for key, flops in PEAK_FLOPS_BY_DEVICE.items():
+        if key in name:
+            return flops, f"spec:{key}"
     measured = torch.tensor(measure_matmul_flops(device, dtype), dtype=torch.float64, device=device)
-    # Ranks measured at the same time, each under the others' load; their mean is the fair peak.
-    dist.all_reduce(measured)
-    source = f"measured:{name}-{str(dtype).removeprefix('torch.')}-matmul"
-    return measured.item() / dist.get_world_size(), source
+    # Every rank has the same GPU model; the slowest measurement is the one to doubt.
+    dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+    return measured.item(), f"measured:{name}-{str(dtype).removeprefix('torch.')}-matmul"
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -158,11 +168,15 @@ class MetricsLog:
         if self.rank == 0 and (step % self.log_interval == 0 or step == self.max_steps):
             recent = self.step_times[-self.log_interval :]
             eta = (self.max_steps - step) * sum(recent) / len(recent)
+            mfu = record.get("mfu")
+            # What a reader looks for first (step, ETA, loss) leads: log views cut long lines.
             print(
-                f"step {step}/{self.max_steps} loss {record['loss']:.4f} lr {record['lr']:.2e} "
-                f"grad_norm {record['grad_norm']:.3f} tokens/s {record['tokens_per_s']:.0f} "
-                f"tflops/device {record['tflops_per_device']:.3f} mfu {record['mfu']:.1%} "
-                f"step {record['step_time_s']:.2f}s eta {format_duration(eta)}",
+                f"step {step}/{self.max_steps} eta {format_duration(eta)} "
+                f"loss {record['loss']:.4f} | tokens/s {record['tokens_per_s']:.0f} "
+                f"step {record['step_time_s']:.2f}s lr {record['lr']:.2e} "
+                f"grad_norm {record['grad_norm']:.3f} "
+                f"tflops/device {record['tflops_per_device']:.3f}"
+                + (f" mfu {mfu:.1%}" if mfu is not None else ""),
                 flush=True,
             )
 
@@ -170,7 +184,9 @@ class MetricsLog:
                  resumed: bool) -> None:
         """The data set's usable rows and its skipped ones by reason (a resumed run has them)."""
         if not resumed:
-            self._write({"type": "data", "step": 0, "train_rows": train_rows,
+            # max_steps: what a progress view (the runs page) counts the steps against
+            self._write({"type": "data", "step": 0, "max_steps": self.max_steps,
+                         "train_rows": train_rows,
                          "eval_rows": eval_rows, "skipped_rows": sum(skipped.values()),
                          "skipped_rows_by_reason": skipped, "time": time.time()})
         if self.endpoint is not None:
@@ -183,12 +199,7 @@ class MetricsLog:
         if self.rank == 0:
             print(f"step {step}/{self.max_steps} eval_loss {eval_loss:.4f}", flush=True)
 
-    def throughput_summary(self) -> dict[str, float | None]:
-        """Means over this run's steps after the first (which pays for warm-up)."""
-        steady = self.train[1:] or self.train
-        if not steady:
-            return {"tokens_per_s": None, "tflops_per_device": None, "mfu": None}
-        return {
-            key: sum(r[key] for r in steady) / len(steady)
-            for key in ("tokens_per_s", "tflops_per_device", "mfu")
-        }
+    def throughput_summary(self) -> dict[str, float | int | None]:
+        """This run's throughput (finetune_contract.throughput: total tokens over total step
+        time, steps after the first)."""
+        return run_throughput(self.train)

@@ -22,7 +22,9 @@ from torch.optim.lr_scheduler import LambdaLR
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from finetune_contract.errors import ERROR_DIR_ENV
+from finetune_contract.fields import RESOLVED_CONFIG_FILE
 from finetune_contract.stragglers import RANK_STEP_TIMES, stragglers
+from finetune_contract.throughput import mfu
 from trainer.checkpoint import Checkpointer
 from trainer.config import TrainConfig, parse_args
 from trainer.data import (
@@ -129,7 +131,7 @@ class Trainer:
     scheduler: LambdaLR
     checkpointer: Checkpointer
     compute_dtype: torch.dtype
-    peak: float
+    peak: float | None  # None: no trusted peak (CPUs), so no MFU
     peak_source: str
     # Opened by resume(): a resumed run's log keeps its records up to the checkpoint.
     log: MetricsLog = field(init=False)
@@ -273,7 +275,7 @@ class Trainer:
             tokens=tokens,
             tokens_per_s=tokens / step_time,
             tflops_per_device=tflops,
-            mfu=tflops * 1e12 / self.peak,
+            mfu=mfu(tflops, self.peak),
             step_time_s=step_time,
             peak_memory_bytes=peak_memory_bytes(env.device),
             **{RANK_STEP_TIMES: rank_times},
@@ -317,7 +319,8 @@ class Trainer:
         output.sync("summary.json")
         print(
             f"done: {state.step} steps, eval loss {state.initial_eval_loss:.4f} -> "
-            f"{state.eval_loss:.4f}, {summary['wall_time_s']:.1f}s; model in "
+            f"{state.eval_loss:.4f}, {summary['wall_time_s']:.1f}s, "
+            f"{summary['tokens_per_s'] or 0:,.0f} tokens/s; model in "
             f"{output.location.rstrip('/')}/model",
             flush=True,
         )
@@ -389,15 +392,34 @@ class Trainer:
 
 
 def write_resolved_config(config: TrainConfig, env: DistEnv, output: RunOutput) -> None:
-    """Rank 0 saves the resolved config beside the run's outputs and prints it."""
+    """Rank 0 saves the resolved config beside the run's outputs and prints one line of it."""
     if env.rank != 0:
         transformers.logging.set_verbosity_error()
         return
     output.dir.mkdir(parents=True, exist_ok=True)
     resolved = json.dumps(config.to_dict(), indent=2)
-    (output.dir / "trainer_config.resolved.json").write_text(resolved + "\n")
-    output.sync("trainer_config.resolved.json")
-    print(f"world size {env.world_size} on {env.device.type}; config:\n{resolved}", flush=True)
+    (output.dir / RESOLVED_CONFIG_FILE).write_text(resolved + "\n")
+    output.sync(RESOLVED_CONFIG_FILE)
+    print(config_line(config, env, f"{output.location.rstrip('/')}/{RESOLVED_CONFIG_FILE}"),
+          flush=True)
+
+
+def config_line(config: TrainConfig, env: DistEnv, saved_at: str) -> str:
+    """What the run trains, in one line; every field is in the file `saved_at`."""
+    options = [config.strategy, config.mixed_precision]
+    if config.activation_checkpointing != "none":
+        options.append(f"{config.activation_checkpointing} activation checkpointing")
+    if config.lora_rank:
+        options.append(f"LoRA rank {config.lora_rank}")
+    if config.tp_degree > 1:
+        options.append(f"tp {config.tp_degree}")
+    options += [name for name in ("compile", "float8", "cpu_offload", "packing")
+                if getattr(config, name)]
+    steps = f"{config.max_steps} steps" if config.max_steps else f"{config.epochs:g} epochs"
+    return (f"world size {env.world_size} on {env.device.type}: {config.model}, "
+            f"{', '.join(options)}; {config.micro_batch} x {config.seq_len} tokens x "
+            f"{config.grad_accum} accum per process, lr {config.lr:g}, {steps}; "
+            f"config in {saved_at}")
 
 
 def print_data(splits: Splits, max_steps: int) -> None:

@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {task_id:16s} {state}")
     from finetune.config import resolve_path
     from finetune.names import run_dir_name
+    from finetune.report import mfu_text
 
     output_dir = resolve_path(conf.get("output_dir", "runs"))
     run_dir = Path(output_dir) / run_dir_name(dag_run.run_id)
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         if m["initial_eval_loss"] and m["final_eval_loss"]:
             print(f"eval loss {m['initial_eval_loss']:.3f} -> {m['final_eval_loss']:.3f} "
                   f"({m['final_eval_loss'] / m['initial_eval_loss']:.2f}x) after {m['steps']} "
-                  f"steps; {m['tokens_per_s'] or 0:.0f} tokens/s, MFU {(m['mfu'] or 0):.1%}")
+                  f"steps; {m['tokens_per_s'] or 0:.0f} tokens/s, MFU {mfu_text(m)}")
     print(f"run:    {run_dir}")
     print(f"model:  {run_dir / 'model'}")
     print(f"report: {report}")

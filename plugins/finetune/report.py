@@ -10,6 +10,7 @@ import html
 import json
 import math
 import os
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 from finetune_contract.errors import ERRORS_DIR
 from finetune_contract.fields import STRAGGLER_THRESHOLD
 from finetune_contract.stragglers import RANK_STEP_TIMES, rank_medians, stragglers
+from finetune_contract.throughput import run_throughput
 
 SCHEMA_VERSION = 1
 STATUSES = ("success", "failed")
@@ -43,31 +45,41 @@ def load_metrics(path: Path) -> tuple[list[dict], list[dict], int]:
     again) the last record wins. A missing file reads as empty.
     """
     path = Path(path)
-    train: dict[int, dict] = {}
-    evals: dict[int, dict] = {}
-    bad_lines = 0
     if not path.is_file():
         return [], [], 0
     with path.open(encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                bad_lines += 1
-                continue
-            step = record.get("step") if isinstance(record, dict) else None
-            # bool is an int subclass; a record without an integer step cannot be placed
-            if not isinstance(step, int) or isinstance(step, bool):
-                bad_lines += 1
-                continue
-            if record.get("type") == "train":
-                train[step] = record
-            elif record.get("type") == "eval":
-                evals[step] = record
-            # other record types are the trainer's business, not unreadable
-    return [train[s] for s in sorted(train)], [evals[s] for s in sorted(evals)], bad_lines
+        train, evals, bad_lines, _ = parse_metrics(f)
+    return train, evals, bad_lines
+
+
+def parse_metrics(lines: Iterable[str]) -> tuple[list[dict], list[dict], int, dict | None]:
+    """metrics.jsonl's lines -> (train records, eval records, unreadable line count, the last
+    data record: rows and max_steps), as load_metrics reads them."""
+    train: dict[int, dict] = {}
+    evals: dict[int, dict] = {}
+    data = None
+    bad_lines = 0
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            bad_lines += 1
+            continue
+        step = record.get("step") if isinstance(record, dict) else None
+        # bool is an int subclass; a record without an integer step cannot be placed
+        if not isinstance(step, int) or isinstance(step, bool):
+            bad_lines += 1
+            continue
+        if record.get("type") == "train":
+            train[step] = record
+        elif record.get("type") == "eval":
+            evals[step] = record
+        elif record.get("type") == "data":
+            data = record
+        # other record types are the trainer's business, not unreadable
+    return [train[s] for s in sorted(train)], [evals[s] for s in sorted(evals)], bad_lines, data
 
 
 def _load_summary(path: Path) -> tuple[dict | None, str | None]:
@@ -104,17 +116,20 @@ def summarize(train: list[dict], evals: list[dict], summary: dict | None) -> dic
     """Headline metrics: from `summary` where it has a value, else computed from the series.
 
     Computed values: initial/final eval loss = first/last eval record; throughput figures =
-    mean over train steps after the first (the first includes compilation and warm-up);
-    peak memory = max; steps = last train step. wall_time_s and world_size are only known
-    from the summary and stay None without it.
+    finetune_contract.throughput (total tokens over total step time, steps after the first,
+    which include compilation and warm-up; the median step); peak memory = max; steps = last
+    train step. wall_time_s and world_size are only known from the summary and stay None
+    without it.
     """
-    after_first = train[1:]
+    throughput = run_throughput(train)
     computed: dict[str, Any] = {
         "initial_eval_loss": _finite(evals[0].get("eval_loss")) if evals else None,
         "final_eval_loss": _finite(evals[-1].get("eval_loss")) if evals else None,
-        "tokens_per_s": _mean([r.get("tokens_per_s") for r in after_first]),
-        "tflops_per_device": _mean([r.get("tflops_per_device") for r in after_first]),
-        "mfu": _mean([r.get("mfu") for r in after_first]),
+        "tokens_per_s": throughput["tokens_per_s"],
+        "tflops_per_device": throughput["tflops_per_device"],
+        "mfu": throughput["mfu"],
+        "median_step_time_s": throughput["median_step_time_s"],
+        "median_step_tokens_per_s": throughput["median_step_tokens_per_s"],
         "peak_memory_bytes": max(
             (v for v in (_finite(r.get("peak_memory_bytes")) for r in train) if v is not None),
             default=None,
@@ -129,6 +144,8 @@ def summarize(train: list[dict], evals: list[dict], summary: dict | None) -> dic
         metrics[key] = fallback if reported is None else reported
     initial, final = metrics["initial_eval_loss"], metrics["final_eval_loss"]
     metrics["eval_loss_ratio"] = final / initial if initial and final is not None else None
+    source = (summary or {}).get("peak_flops_source")
+    metrics["peak_flops_source"] = source if isinstance(source, str) else None
     return metrics
 
 
@@ -357,16 +374,25 @@ def _fmt_bytes(value: Any) -> str:
     return f"{value / GIB:.2f} GiB" if value >= GIB else f"{value / MIB:.1f} MiB"
 
 
+def mfu_text(metrics: dict) -> str:
+    """MFU as a percentage; 'n/a (CPU)' where the run had no trusted peak to divide by."""
+    mfu = _finite(metrics.get("mfu"))
+    if mfu is not None:
+        return f"{mfu * 100:.1f}%"
+    return "n/a (CPU)" if str(metrics.get("peak_flops_source") or "").startswith("none") \
+        else "n/a"
+
+
 def _headline_figures(metrics: dict) -> list[tuple[str, str]]:
-    mfu = metrics.get("mfu")
     loss = (
         f"{_fmt(metrics.get('initial_eval_loss'), '.4f')} → "
         f"{_fmt(metrics.get('final_eval_loss'), '.4f')}"
     )
     return [
-        ("tokens/s", _fmt(metrics.get("tokens_per_s"), ",.0f")),
+        ("tokens/s (total tokens / step time)", _fmt(metrics.get("tokens_per_s"), ",.0f")),
+        ("median step", _fmt(metrics.get("median_step_time_s"), ".3g", " s")),
         ("TFLOPs/device", _fmt(metrics.get("tflops_per_device"), ".4g")),
-        ("MFU", _fmt(mfu * 100 if _finite(mfu) is not None else None, ".1f", "%")),
+        ("MFU", mfu_text(metrics)),
         ("wall time", _fmt_duration(metrics.get("wall_time_s"))),
         ("peak memory", _fmt_bytes(metrics.get("peak_memory_bytes"))),
         ("eval loss", loss),

@@ -32,6 +32,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
 LORA_TARGET_MODULES = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 # The demo data set, relative to the repository root (the trainer's working dir).
 DEMO_DATASET = "trainer/demo/instructions.jsonl"
+# The run's TrainConfig as the trainer resolved it, in its output_dir (the runs page reads it).
+RESOLVED_CONFIG_FILE = "trainer_config.resolved.json"
 # Share of the data set held out for the eval loss.
 EVAL_FRACTION = 0.05
 # Seconds without progress before a rank's watchdog ends it (0: no watchdog); the form's default.

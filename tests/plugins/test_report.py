@@ -20,7 +20,8 @@ CONFIG = {
 # The report's metrics taken from summary.json (eval_loss_ratio is derived from two of them).
 SUMMARY_METRICS = (
     "initial_eval_loss", "final_eval_loss", "tokens_per_s", "tflops_per_device", "mfu",
-    "peak_memory_bytes", "wall_time_s", "steps", "world_size",
+    "median_step_time_s", "median_step_tokens_per_s", "peak_memory_bytes", "wall_time_s",
+    "steps", "world_size",
 )
 
 SUMMARY = {
@@ -30,6 +31,8 @@ SUMMARY = {
     "tokens_per_s": 12345.6,
     "tflops_per_device": 123.4,
     "mfu": 0.42,
+    "median_step_time_s": 0.31,
+    "median_step_tokens_per_s": 13000.0,
     "peak_memory_bytes": 20 * 1024**3,
     "wall_time_s": 3725.0,
     "world_size": 8,
@@ -208,8 +211,9 @@ def test_failed_run_without_summary_computes_metrics_from_series(tmp_path: Path)
     assert metrics["initial_eval_loss"] == 2.5
     assert metrics["final_eval_loss"] == 1.25
     assert metrics["eval_loss_ratio"] == pytest.approx(0.5)
-    # mean over steps 2..4: the first step includes warm-up
-    assert metrics["tokens_per_s"] == pytest.approx(3000.0)
+    # steps 2..4 (the first includes warm-up): 3 x 4096 tokens in 3 x 0.5 s
+    assert metrics["tokens_per_s"] == pytest.approx(8192.0)
+    assert metrics["median_step_time_s"] == pytest.approx(0.5)
     assert metrics["tflops_per_device"] == pytest.approx(30.0)
     assert metrics["mfu"] == pytest.approx(0.3)
     assert metrics["peak_memory_bytes"] == 4 * 1024**3
@@ -341,6 +345,40 @@ def test_summary_nulls_fall_back_to_series(tmp_path: Path) -> None:
     assert report["metrics"]["mfu"] == pytest.approx(0.3)
 
 
+def test_tokens_per_second_is_total_tokens_over_total_step_time_not_a_mean_of_rates(
+    tmp_path: Path,
+) -> None:
+    # a loaded machine: fast steps (0.05 s) and stalled ones (5 s) of 1,000 tokens each
+    records = [train_record(1, 3.0, tokens=1000, step_time_s=9.0, tokens_per_s=111.0)]
+    for step, seconds in zip(range(2, 12), [0.05] * 8 + [5.0] * 2, strict=True):
+        records.append(train_record(step, 2.0, tokens=1000, step_time_s=seconds,
+                                    tokens_per_s=1000 / seconds, tflops_per_device=None,
+                                    mfu=None))
+    run_dir = make_run(tmp_path / "run", [eval_record(0, 2.5), *records])
+
+    report = write_report(run_dir, run_id="r", status="failed", config={})
+
+    metrics = report["metrics"]
+    assert metrics["tokens_per_s"] == pytest.approx(10_000 / 10.4)  # the mean of rates: 16,040
+    assert metrics["median_step_time_s"] == pytest.approx(0.05)
+    assert metrics["median_step_tokens_per_s"] == pytest.approx(20_000)
+    assert metrics["mfu"] is None
+    page = (run_dir / "report.html").read_text()
+    assert ">962<" in page and "total tokens / step time" in page and ">0.05 s<" in page
+
+
+def test_a_run_without_a_trusted_peak_shows_no_mfu(tmp_path: Path) -> None:
+    records = [train_record(s, 2.0, mfu=None) for s in (1, 2, 3)]
+    summary = SUMMARY | {"mfu": None, "peak_flops": None,
+                         "peak_flops_source": "none: CPUs have no trusted peak"}
+    run_dir = make_run(tmp_path / "run", [eval_record(0, 2.5), *records], summary=summary)
+
+    report = write_report(run_dir, run_id="r", status="success", config={})
+
+    assert report["metrics"]["mfu"] is None
+    assert "n/a (CPU)" in (run_dir / "report.html").read_text()
+
+
 def test_unknown_status_is_rejected(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="status"):
         write_report(tmp_path, run_id="r", status="running", config={})
@@ -349,7 +387,7 @@ def test_unknown_status_is_rejected(tmp_path: Path) -> None:
 def test_summarize_without_anything_is_all_null() -> None:
     metrics = summarize([], [], None)
 
-    assert set(metrics) == {*SUMMARY_METRICS, "eval_loss_ratio"}
+    assert set(metrics) == {*SUMMARY_METRICS, "eval_loss_ratio", "peak_flops_source"}
     assert all(value is None for value in metrics.values())
 
 

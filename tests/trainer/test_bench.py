@@ -38,7 +38,9 @@ def check_run(record: dict, run: str, tp: int = 1) -> None:
     assert set(record) == RUN_KEYS
     assert record["run"] == run and record["model"] == "tiny-llama"
     assert record["steps_timed"] == 2 and record["seq_len"] == 64 and record["micro_batch"] == 2
-    assert record["tokens_per_s"] > 0 and record["tflops_per_gpu"] > 0 and 0 < record["mfu"]
+    assert record["tokens_per_s"] > 0 and record["tflops_per_gpu"] > 0
+    # CPUs have no trusted peak: no MFU there; a GPU's is a fraction of its peak
+    assert record["mfu"] is None if record["device"] == "cpu" else 0 < record["mfu"] <= 1
     # 2 x 64 tokens a step; the ranks of a tensor-parallel group share them.
     assert record["step_time_s"] == pytest.approx(128 / tp / record["tokens_per_s"], rel=1e-3)
 

@@ -31,12 +31,12 @@ def test_parameter_count_from_config_matches_the_built_model(tied):
     assert sum(parameter_count(config).values()) == sum(p.numel() for p in model.parameters())
 
 
-def test_peak_flops_is_the_datasheet_number_on_known_gpus_else_a_measured_matmul_rate(
+def test_peak_flops_is_the_datasheet_number_on_known_gpus_a_measured_rate_on_others_none_on_cpu(
     world_of_one,
 ):
     peak, source = peak_flops(world_of_one.device, torch.bfloat16)
     if world_of_one.device.type == "cpu":
-        assert source == "measured:cpu-float32-matmul" and peak > 1e8
+        assert peak is None and source.startswith("none")
     elif source.startswith("spec:"):
         assert peak == PEAK_FLOPS_BY_DEVICE[source.removeprefix("spec:")]
     else:

@@ -1,0 +1,74 @@
+"""A run's throughput from its per-step train records (metrics.jsonl): the one definition the
+trainer's summary.json, the run report, the runs page and experiment tracking all use.
+
+tokens/s is the run's total tokens over its total step time, not the mean of per-step rates: a
+mean of rates weighs a 0.05 s step like a 7 s stall and overstates a run on a loaded machine
+many times over. TFLOPs per device and MFU are weighted by step time the same way (total FLOPs
+over total time). The first step pays for warm-up and is left out when there are others.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+THROUGHPUT_KEYS = ("tokens_per_s", "tflops_per_device", "mfu", "median_step_time_s",
+                   "median_step_tokens_per_s", "timed_steps", "timed_tokens", "timed_time_s")
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def mfu(tflops_per_device: float, peak_flops: float | None) -> float | None:
+    """Model FLOPs utilisation; None without a trusted peak, or when the rate exceeds the
+    peak (then the peak is not one, and no figure beats a wrong one)."""
+    if not peak_flops:
+        return None
+    ratio = tflops_per_device * 1e12 / peak_flops
+    return ratio if 0 <= ratio <= 1 else None
+
+
+def run_throughput(train: Sequence[dict[str, Any]]) -> dict[str, float | int | None]:
+    """{tokens_per_s, tflops_per_device, mfu, median_step_time_s, median_step_tokens_per_s,
+    timed_steps, timed_tokens, timed_time_s} over the train records after the first.
+
+    A record counts when its step_time_s is a positive number; its tokens are `tokens`, or
+    tokens_per_s x step_time_s for a record without them. Values are None when no record counts.
+    """
+    steady = list(train[1:]) or list(train)
+    timed = []
+    for record in steady:
+        seconds = _number(record.get("step_time_s"))
+        if seconds is None or seconds <= 0:
+            continue
+        tokens = _number(record.get("tokens"))
+        rate = _number(record.get("tokens_per_s"))
+        if tokens is None and rate is not None:
+            tokens = rate * seconds
+        timed.append((record, seconds, tokens))
+    counted = [(seconds, tokens) for _, seconds, tokens in timed if tokens is not None]
+    total_time = sum(seconds for seconds, _ in counted)
+    total_tokens = sum(tokens for _, tokens in counted)
+
+    def time_weighted(key: str) -> float | None:
+        pairs = [(_number(r.get(key)), s) for r, s, _ in timed]
+        pairs = [(v, s) for v, s in pairs if v is not None]
+        weight = sum(s for _, s in pairs)
+        return sum(v * s for v, s in pairs) / weight if weight else None
+
+    return {
+        "tokens_per_s": total_tokens / total_time if total_time else None,
+        "tflops_per_device": time_weighted("tflops_per_device"),
+        "mfu": time_weighted("mfu"),
+        "median_step_time_s": statistics.median(s for _, s, _ in timed) if timed else None,
+        "median_step_tokens_per_s": (statistics.median(t / s for s, t in counted)
+                                     if counted else None),
+        "timed_steps": len(counted),
+        "timed_tokens": int(total_tokens) if counted else None,
+        "timed_time_s": total_time if counted else None,
+    }
