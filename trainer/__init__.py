@@ -3,6 +3,9 @@
 The trainer imports the run contract (`finetune_contract`, torch-free), the package the Airflow
 side validates with. The image copies it beside trainer/; in a checkout it is in plugins/, put
 on the path here so that torchrun workers, tests and benchmarks need no PYTHONPATH of their own.
+
+Harmless import-time log records of torchao and torch are filtered here, before any trainer
+module imports transformers (which imports torchao): trainer/log_filters.py.
 """
 
 import importlib.util
@@ -13,3 +16,7 @@ if importlib.util.find_spec("finetune_contract") is None:
     _plugins = Path(__file__).resolve().parents[1] / "plugins"
     if (_plugins / "finetune_contract").is_dir():
         sys.path.append(str(_plugins))
+
+from trainer import log_filters
+
+log_filters.install()

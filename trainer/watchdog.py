@@ -11,7 +11,7 @@ does not. When a rank's own progress is older than hang_timeout_s, its watchdog
 - appends to `hangs/rank_<N>.txt` what it saw: the heartbeats of the ranks it can see and every
   thread's Python stack (faulthandler), and writes `hangs/rank_<N>.fr.json`: torch's flight
   recorder of this rank's recent collectives (gloo on CPU, NCCL on GPUs; sized by
-  TORCH_NCCL_TRACE_BUFFER_SIZE, default 2000 entries), where this torch has it;
+  TORCH_FR_BUFFER_SIZE, default 2000 entries), where this torch has it;
 - records the root cause (`errors/rank_<N>.json`, type TrainingHang) naming the rank that
   stopped beating or fell behind, when the heartbeats tell;
 - ends the process (os._exit: its main thread is stuck) with HANG_EXIT_CODE.
@@ -221,7 +221,7 @@ def flight_recorder_trace() -> bytes | None:
 def watchdog_env_defaults(output_dir: str, cuda: bool) -> dict[str, str]:
     """Environment for NCCL's own watchdog (set before the process group starts): keep a flight
     recorder and dump it into hangs/ when a collective times out. Values already set are kept."""
-    defaults = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    defaults = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
     if cuda and not is_s3(output_dir):  # NCCL writes a local file; an s3:// output's stay ours
         hangs = Path(output_dir) / HANGS_DIR
         hangs.mkdir(parents=True, exist_ok=True)

@@ -80,7 +80,7 @@ def test_pytorchjob_carries_rendezvous_resources_and_placement_for_p4de():
     assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
     env = {e["name"]: e for e in container["env"]}
     assert env["FI_PROVIDER"]["value"] == "efa"
-    assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"]["value"] != "0"
+    assert env["TORCH_FR_BUFFER_SIZE"]["value"] != "0"
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"]["value"] == "1"
     # torchrun's in-place worker restarts get a new c10d store each round
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"]["value"] == "1"
