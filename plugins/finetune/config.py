@@ -15,7 +15,13 @@ from typing import Any
 
 from finetune import REPO_ROOT
 from finetune.instance_types import INSTANCE_TYPES
-from finetune.presets import NO_PRESET, PRESET_DISPLAY, PRESET_NAMES
+from finetune.presets import (
+    NO_PRESET,
+    PRESET_DISPLAY,
+    PRESET_NAMES,
+    preset_values_note,
+    presets_markdown,
+)
 from finetune_contract.fields import (
     ACTIVATION_CHECKPOINTING,
     BAD_ROWS,
@@ -67,8 +73,11 @@ class ParamSpec:
         # An optional text field (default "") may be left empty: the form sends null for it,
         # and marks a plain "string" field required.
         json_type: Any = [self.type, "null"] if self.default == "" else self.type
-        out: dict[str, Any] = {"type": json_type, "title": self.title,
-                               "description": self.description, "section": self.section}
+        out: dict[str, Any] = {"type": json_type, "title": self.title, "section": self.section}
+        if self.name == "preset":  # Markdown: the rule, and each preset's values
+            out["description_md"] = presets_markdown(default_params())
+        else:
+            out["description"] = self.description + preset_values_note(self.name, self.default)
         if self.enum is not None:
             out["enum"] = list(self.enum)
         if self.values_display:

@@ -107,7 +107,8 @@ def finetune_pipeline(*, base_conf: Mapping[str, Any] | None = None,
         params, given = run_conf(context, base_conf, conf_variable)
         cfg = validate_params(params, run_id=context["run_id"],
                               dag_id=context["dag_run"].dag_id, given=given)
-        log.info("the run will use (changed: not the built-in default):\n%s", config_table(cfg))
+        log.info("the run will use these values (a field left at its built-in default takes "
+                 "the preset's value):\n%s", config_table(cfg))
         return cfg.to_dict()
 
     @task

@@ -33,7 +33,7 @@ from finetune.config import (
     run_output_dir,
 )
 from finetune.names import DNS_SUBDOMAIN, LABEL_VALUE, dns_label, run_dir_name
-from finetune.presets import NO_PRESET, PRESET_NAMES, apply_preset
+from finetune.presets import NO_PRESET, PRESET_NAMES, PRESETS, Preset, apply_preset
 from finetune.targets import get_target
 from finetune.trainer_config import trainer_config
 from finetune_contract import data as contract_data
@@ -383,12 +383,28 @@ def secret_safe(field: str, value: Any) -> str:
 
 
 def config_table(cfg: RunConfig) -> str:
-    """The values the run will use, one per line, for the validate task's log."""
+    """The values the run will use as one table for the validate task's log: field, value and
+    where the value comes from (the built-in default, the preset, or this run), by section."""
     defaults = default_params()
+    preset = PRESETS.get(cfg.preset)
     width = max(len(spec.name) for spec in PARAM_SPECS)
-    lines = []
-    for spec in PARAM_SPECS:
-        value = getattr(cfg, spec.name)
-        mark = "" if value == defaults[spec.name] else "  (changed)"
-        lines.append(f"  {spec.name:<{width}}  {secret_safe(spec.name, value)}{mark}")
+    rows = [(spec.section, spec.name, secret_safe(spec.name, getattr(cfg, spec.name)),
+             _value_source(spec.name, getattr(cfg, spec.name), defaults, preset))
+            for spec in PARAM_SPECS]
+    value_width = min(40, max(len(value) for _, _, value, _ in rows))
+    lines = [f"  {'field':<{width}}  {'value':<{value_width}}  from",
+             f"  {'-' * width}  {'-' * value_width}  {'-' * 16}"]
+    section = None
+    for row_section, name, value, source in rows:
+        if row_section != section:
+            section = row_section
+            lines.append(f"  [{section}]")
+        lines.append(f"  {name:<{width}}  {value:<{value_width}}  {source}")
     return "\n".join(lines)
+
+
+def _value_source(name: str, value: Any, defaults: Mapping[str, Any],
+                  preset: Preset | None) -> str:
+    if preset is not None and name in preset.values and value == preset.values[name]:
+        return f"preset {preset.name}"
+    return "default" if value == defaults[name] else "this run"

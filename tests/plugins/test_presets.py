@@ -6,8 +6,9 @@ import pytest
 
 from finetune.config import ConfigError, default_params
 from finetune.instance_types import INSTANCE_TYPES
+from finetune.params import dag_params
 from finetune.presets import PRESETS, apply_preset
-from finetune.validate import validate_params
+from finetune.validate import config_table, validate_params
 
 # What a deployment adds to an eks preset (its cluster, node group, output and image).
 EKS_SITE = {"cluster_name": "gpu", "nodegroup": "p5", "output_dir": "s3://bucket/runs",
@@ -70,3 +71,25 @@ def test_an_unknown_preset_is_refused_naming_the_known_ones():
 def test_an_override_outside_the_bounds_is_refused_naming_the_field():
     with pytest.raises(ConfigError, match="- micro_batch: must be >= 1"):
         validate_params({"preset": "tiny-local", "micro_batch": 0}, run_id="r")
+
+
+def test_the_form_shows_what_each_preset_sets_and_the_rule_for_fields_left_at_their_default():
+    params = dag_params()
+    preset_md = params["preset"].schema["description_md"]
+    assert "A field left at its built-in default takes the preset's value" in preset_md
+    assert "- `tiny-local`: seq_len **96**, warmup_steps **4**, max_steps **40**" in preset_md
+    # a field a preset changes says so where it is set; one no preset changes does not
+    assert params["max_steps"].description.endswith(
+        "leaving this at its default (150) runs the preset's value: 40 (tiny-local); 1000 "
+        "(llama2-7b-p4de, llama2-13b-p5, llama2-70b-p5, llama3-8b-p5).")
+    assert "preset" not in params["seed"].description
+
+
+def test_the_validate_table_says_where_each_value_comes_from():
+    form = {**default_params(), "preset": "tiny-local", "max_steps": 12}
+    table = config_table(validate_params(form, run_id="r", given=form))
+    rows = {line.split()[0]: line.split()[1:] for line in table.splitlines()[2:]
+            if not line.strip().startswith("[")}
+    assert rows["seq_len"] == ["96", "preset", "tiny-local"]
+    assert rows["max_steps"] == ["12", "this", "run"]
+    assert rows["seed"] == ["1234", "default"]
