@@ -11,11 +11,22 @@ from __future__ import annotations
 import html
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from finetune.report import REPORT_HTML, REPORT_JSON, _fmt, _fmt_duration
+from finetune.report import (
+    REPORT_HTML,
+    REPORT_JSON,
+    SUMMARY_FILE,
+    _fmt,
+    _fmt_duration,
+    mfu_text,
+    parse_metrics,
+)
+from finetune_contract.fields import RESOLVED_CONFIG_FILE
+from finetune_contract.throughput import run_throughput
 
 URL_PREFIX = "/finetune-runs"
 # Comma-separated directories or s3:// prefixes that hold run directories; default: the
@@ -23,6 +34,12 @@ URL_PREFIX = "/finetune-runs"
 RUNS_DIRS_ENV = "AIRFLOW__FINETUNE__RUNS_DIRS"
 AWS_CONN_ENV = "AIRFLOW__FINETUNE__AWS_CONN_ID"
 METRICS_JSONL = "metrics.jsonl"
+# The page fetches its table again this often (milliseconds), so running runs move on their own.
+REFRESH_MS = 5000
+# Steps the ETA of a running run is estimated from: recent enough to follow a change of pace.
+ETA_WINDOW = 20
+# A running run with no new record for this long is marked as possibly stalled.
+STALE_S = 300
 
 RunsDir = Path | str  # a local directory, or an s3:// prefix
 
@@ -68,13 +85,70 @@ def _row(name: str, run_dir: str, report: dict | None, has_report: bool, mtime: 
     if report is None:
         return {"name": name, "run_id": name, "dir": run_dir, "status": status,
                 "generated_at": None, "metrics": {}, "config": {}, "gpu": None,
-                "has_report": False, "mtime": mtime}
+                "has_report": False, "mtime": mtime, "progress": None}
     return {"name": name, "run_id": report.get("run_id", name), "dir": run_dir,
             "status": report.get("status", "unknown"),
             "generated_at": report.get("generated_at"),
             "metrics": report.get("metrics") or {}, "config": report.get("config") or {},
             "gpu": report.get("gpu"), "has_report": has_report, "mtime": mtime,
-            "error": report.get("error")}
+            "error": report.get("error"), "progress": None}
+
+
+def run_progress(metrics_lines: list[str], finished_training: bool,
+                 now: float | None = None) -> dict[str, Any]:
+    """A run in progress, from its metrics.jsonl (and whether summary.json is there yet):
+    stage, step of max_steps, last loss, tokens/s so far (total tokens over total step time),
+    the ETA from the last steps' pace, the eval losses, seconds since the last record."""
+    train, evals, _, data = parse_metrics(metrics_lines)
+    now = time.time() if now is None else now
+    max_steps = (data or {}).get("max_steps")
+    step = train[-1]["step"] if train else 0
+    if finished_training:
+        stage = "writing the report"
+    elif not train and not evals:
+        stage = "starting (before the first step)"
+    elif isinstance(max_steps, int) and step >= max_steps:
+        stage = "final eval and model export"
+    else:
+        stage = "training"
+    recent = run_throughput(train[-ETA_WINDOW:])
+    seconds_per_step = (recent["timed_time_s"] / recent["timed_steps"]
+                        if recent["timed_steps"] else None)
+    eta = (max(0, max_steps - step) * seconds_per_step
+           if seconds_per_step is not None and isinstance(max_steps, int) else None)
+    times = [r["time"] for r in [*train, *evals, *([data] if data else [])]
+             if isinstance(r.get("time"), (int, float))]
+    throughput = run_throughput(train)
+    return {
+        "stage": stage, "step": step,
+        "max_steps": max_steps if isinstance(max_steps, int) else None,
+        "loss": train[-1].get("loss") if train else None,
+        "tokens_per_s": throughput["tokens_per_s"],
+        "tflops_per_device": throughput["tflops_per_device"], "mfu": throughput["mfu"],
+        "eta_s": eta,
+        "initial_eval_loss": evals[0].get("eval_loss") if evals else None,
+        "eval_loss": evals[-1].get("eval_loss") if evals else None,
+        "elapsed_s": now - min(times) if times else None,
+        "since_last_record_s": now - max(times) if times else None,
+    }
+
+
+def _trainer_model(text: str | None) -> dict[str, Any]:
+    """{"model": ...} from the trainer's resolved config, what a running run's row can show."""
+    try:
+        resolved = json.loads(text or "")
+    except ValueError:
+        return {}
+    model = resolved.get("model") if isinstance(resolved, dict) else None
+    return {"model": model} if isinstance(model, str) else {}
+
+
+def _local_progress(run_dir: Path) -> dict[str, Any]:
+    try:
+        lines = (run_dir / METRICS_JSONL).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        lines = ""
+    return run_progress(lines.splitlines(), (run_dir / SUMMARY_FILE).is_file())
 
 
 def _error_cell(error: dict | None) -> str:
@@ -117,8 +191,20 @@ def _s3_runs(uri: str, s3: Any) -> list[dict[str, Any]]:
                 else:
                     rows.append(_row(name, run_dir, None, False, mtime, status="unreadable"))
             elif METRICS_JSONL in keys:
-                rows.append(_row(name, run_dir, None, False,
-                                 keys[METRICS_JSONL]["LastModified"].timestamp()))
+                row = _row(name, run_dir, None, False,
+                           keys[METRICS_JSONL]["LastModified"].timestamp())
+                try:
+                    body = s3.get_object(Bucket=bucket, Key=f"{key}/{METRICS_JSONL}")["Body"]
+                    lines = body.read().decode("utf-8", errors="replace").splitlines()
+                except Exception as error:
+                    if not _not_found(error):
+                        raise
+                    lines = []  # replaced between the listing and the read
+                row["progress"] = run_progress(lines, SUMMARY_FILE in keys)
+                if RESOLVED_CONFIG_FILE in keys:
+                    body = s3.get_object(Bucket=bucket, Key=f"{key}/{RESOLVED_CONFIG_FILE}")
+                    row["config"] = _trainer_model(body["Body"].read().decode())
+                rows.append(row)
     return rows
 
 
@@ -142,9 +228,15 @@ def list_runs(dirs: list[RunsDir], s3: Any = None) -> list[dict[str, Any]]:
                 continue
             report = _read_report(report_path) if report_path.is_file() else None
             if report is None:
-                rows.append(_row(run_dir.name, str(run_dir), None, False,
-                                 run_dir.stat().st_mtime,
-                                 "running" if not report_path.exists() else "unreadable"))
+                running = not report_path.exists()
+                row = _row(run_dir.name, str(run_dir), None, False, run_dir.stat().st_mtime,
+                           "running" if running else "unreadable")
+                if running:
+                    row["progress"] = _local_progress(run_dir)
+                    resolved = run_dir / RESOLVED_CONFIG_FILE
+                    row["config"] = _trainer_model(
+                        resolved.read_text() if resolved.is_file() else None)
+                rows.append(row)
                 continue
             rows.append(_row(run_dir.name, str(run_dir), report,
                              (run_dir / REPORT_HTML).is_file(), report_path.stat().st_mtime))
@@ -186,61 +278,151 @@ def _gpu_util(gpu: dict | None) -> float | None:
 
 
 _CSS = """
-body { font-family: system-ui, sans-serif; margin: 1.5rem; color: #222; }
-table { border-collapse: collapse; } td, th { border: 1px solid #ddd; padding: 0.3rem 0.6rem; }
-th { background: #f5f5f5; text-align: left; } td.num { text-align: right; }
-.status { padding: 0.1em 0.5em; border-radius: 0.3em; color: #fff; background: #757575; }
+body { font-family: system-ui, sans-serif; margin: 1rem; color: #222; font-size: 14px; }
+.table-wrap { overflow-x: auto; }
+table { border-collapse: collapse; width: 100%; }
+td, th { border: 1px solid #ddd; padding: 0.25rem 0.45rem; vertical-align: top; }
+th { background: #f5f5f5; text-align: left; }
+td.num { text-align: right; white-space: nowrap; }
+td.run { min-width: 11rem; max-width: 18rem; overflow-wrap: anywhere; }
+td.where { min-width: 7rem; }
+.status { padding: 0.1em 0.5em; border-radius: 0.3em; color: #fff; background: #757575;
+          white-space: nowrap; }
 .status-success { background: #2e7d32; } .status-failed { background: #c62828; }
 .status-running { background: #1565c0; } .xid { color: #c62828; font-weight: bold; }
-.error { color: #c62828; font-size: 0.85em; max-width: 28em; }
-.muted { color: #666; }
+.error { color: #c62828; font-size: 0.85em; max-width: 24em; }
+.muted { color: #666; } .small { font-size: 0.85em; } .stale { color: #e65100; }
+td.progress { min-width: 11rem; }
+.bar { background: #e3e8ef; border-radius: 3px; height: 6px; width: 100%; margin: 3px 0; }
+.bar div { background: #1565c0; height: 6px; border-radius: 3px; }
+"""
+
+_HEADINGS = ("run", "status", "progress", "where", "tokens/s",
+             "TFLOPs/device", "MFU", "wall time", "eval loss", "GPU util", "XID errors",
+             "cost")
+
+
+def _progress_cell(progress: dict | None, metrics: dict) -> str:
+    """A running run's stage, step of total with a bar, loss and ETA; a finished run's steps."""
+    if progress is None:
+        steps = metrics.get("steps")
+        return f'<span class="muted">{_fmt(steps, ",.0f")} steps</span>' if steps else ""
+    esc = html.escape
+    step, total = progress["step"], progress["max_steps"]
+    lines = [f"<div><b>{esc(progress['stage'])}</b></div>"]
+    if total:
+        lines.append(f'<div class="bar" title="{step} of {total} steps"><div style="width: '
+                     f'{min(100.0, 100 * step / total):.1f}%"></div></div>')
+        eta = _fmt_duration(progress['eta_s']).replace(' ', '\u00a0')  # kept on one line
+        lines.append(f"<div>step {step:,}/{total:,} · ETA {eta}"
+                     "</div>")
+    if progress["loss"] is not None:
+        lines.append(f"<div>loss {_fmt(progress['loss'], '.4f')}</div>")
+    quiet = progress["since_last_record_s"]
+    if quiet is not None and quiet > STALE_S and progress["stage"] == "training":
+        lines.append(f'<div class="stale">no new step for {_fmt_duration(quiet)}</div>')
+    return f'<div class="small">{"".join(lines)}</div>'
+
+
+def _xid_cell(gpu: dict | None) -> str:
+    """XID errors of the run's GPUs; n/a where no GPU metrics were collected (a CPU run)."""
+    if not gpu or not gpu.get("available"):
+        return '<td class="num muted">n/a</td>'
+    xids = len(gpu.get("xid_errors") or [])
+    return f'<td class="num{" xid" if xids else ""}">{xids}</td>'
+
+
+def _run_cell(row: dict[str, Any]) -> str:
+    """The run id, a link to its report when it has one; the report's time under it."""
+    esc = html.escape
+    name = esc(str(row["run_id"]))
+    if row["has_report"]:
+        name = f'<a href="runs/{esc(quote(row["name"]))}/{REPORT_HTML}">{name}</a>'
+        generated = str(row["generated_at"] or "n/a")
+        # ISO 8601 UTC as the report writes it -> "2026-01-02 03:04 UTC"
+        when = (f"report {generated[:10]} {generated[11:16]} UTC"
+                if generated.endswith("+00:00") else f"report {generated}")
+    else:
+        when = "report when it ends"
+    return f'<td class="run">{name}<br><span class="muted small">{esc(when)}</span></td>'
+
+
+def _where_cell(cfg: dict) -> str:
+    """Target and model, and nodes x processes per node under them."""
+    esc = html.escape
+    size = (f"{cfg['nodes']} x {cfg['procs_per_node']} procs"
+            if "nodes" in cfg and "procs_per_node" in cfg else "")
+    what = " · ".join(str(cfg[k]) for k in ("target", "model") if cfg.get(k)) or "n/a"
+    return f'<td class="where">{esc(what)}<br><span class="muted small">{esc(size)}</span></td>'
+
+
+def render_runs_table(rows: list[dict[str, Any]]) -> str:
+    """The runs table (the part of the page that refreshes)."""
+    esc = html.escape
+    if not rows:
+        return '<p class="muted">no runs yet</p>'
+    body = []
+    for row in rows:
+        cfg, progress = row["config"], row.get("progress")
+        # a running run's figures so far, from its metrics.jsonl
+        m = row["metrics"] if progress is None else {
+            "tokens_per_s": progress["tokens_per_s"], "mfu": progress["mfu"],
+            "tflops_per_device": progress["tflops_per_device"],
+            "wall_time_s": progress["elapsed_s"],
+            "initial_eval_loss": progress["initial_eval_loss"],
+            "final_eval_loss": progress["eval_loss"]}
+        loss = (f"{_fmt(m.get('initial_eval_loss'), '.3f')} → "
+                f"{_fmt(m.get('final_eval_loss'), '.3f')}")
+        cells = [
+            _run_cell(row),
+            f'<td><span class="status status-{esc(row["status"])}">{esc(row["status"])}'
+            f"</span>{_error_cell(row.get('error'))}</td>",
+            f"<td class=\"progress\">{_progress_cell(progress, row['metrics'])}</td>",
+            _where_cell(cfg),
+            f'<td class="num">{_fmt(m.get("tokens_per_s"), ",.0f")}</td>',
+            f'<td class="num">{_fmt(m.get("tflops_per_device"), ".4g")}</td>',
+            f'<td class="num">{esc(mfu_text(m))}</td>',
+            f'<td class="num">{_fmt_duration(m.get("wall_time_s"))}</td>',
+            f'<td class="num">{esc(loss)}</td>',
+            f'<td class="num">{_fmt(_gpu_util(row["gpu"]), ".1f", "%")}</td>',
+            _xid_cell(row["gpu"]),
+            f'<td class="num">{_fmt(m.get("cost_usd"), ",.2f", " USD")}</td>',
+        ]
+        body.append(f'<tr class="run">{"".join(cells)}</tr>')
+    head = "".join(f"<th>{esc(h)}</th>" for h in _HEADINGS)
+    return f'<div class="table-wrap"><table><tr>{head}</tr>{"".join(body)}</table></div>'
+
+
+# Fetches the table again every REFRESH_MS (relative URL: the page sits under a prefix); a
+# failed fetch leaves the last table and says so.
+_REFRESH_JS = """
+const refresh = async () => {
+  const note = document.getElementById("updated");
+  try {
+    const response = await fetch("table", {credentials: "same-origin"});
+    if (!response.ok) throw new Error(response.status);
+    document.getElementById("runs").innerHTML = await response.text();
+    note.textContent = "updated " + new Date().toLocaleTimeString();
+  } catch (error) {
+    note.textContent = "not updated (" + error.message + "); retrying";
+  }
+};
+setInterval(refresh, %d);
 """
 
 
 def render_runs_page(rows: list[dict[str, Any]], dirs: list[RunsDir]) -> str:
-    """The runs table as one HTML page; links are relative (the page sits under a prefix)."""
+    """The runs table as one HTML page that refreshes its table in place; links are relative
+    (the page sits under a prefix)."""
     esc = html.escape
-    body = []
-    for row in rows:
-        m, cfg = row["metrics"], row["config"]
-        mfu = m.get("mfu")
-        xids = len((row["gpu"] or {}).get("xid_errors") or [])
-        link = (f'<a href="runs/{esc(quote(row["name"]))}/{REPORT_HTML}">report</a>'
-                if row["has_report"] else '<span class="muted">no report yet</span>')
-        loss = (f"{_fmt(m.get('initial_eval_loss'), '.3f')} → "
-                f"{_fmt(m.get('final_eval_loss'), '.3f')}")
-        size = (f"{cfg['nodes']} x {cfg['procs_per_node']}"
-                if "nodes" in cfg and "procs_per_node" in cfg else "n/a")
-        cells = [
-            f'<td>{esc(str(row["run_id"]))}</td>',
-            f'<td><span class="status status-{esc(row["status"])}">{esc(row["status"])}'
-            f"</span>{_error_cell(row.get('error'))}</td>",
-            f'<td>{esc(str(row["generated_at"] or "n/a"))}</td>',
-            f'<td>{esc(str(cfg.get("target", "n/a")))}</td>',
-            f'<td>{esc(str(cfg.get("model", "n/a")))}</td>',
-            f"<td>{esc(size)}</td>",
-            f'<td class="num">{_fmt(m.get("tokens_per_s"), ",.0f")}</td>',
-            f'<td class="num">{_fmt(m.get("tflops_per_device"), ".4g")}</td>',
-            f'<td class="num">{_fmt(mfu * 100 if mfu is not None else None, ".1f", "%")}</td>',
-            f'<td class="num">{_fmt_duration(m.get("wall_time_s"))}</td>',
-            f"<td>{esc(loss)}</td>",
-            f'<td class="num">{_fmt(_gpu_util(row["gpu"]), ".1f", "%")}</td>',
-            f'<td class="num{" xid" if xids else ""}">{xids}</td>',
-            f'<td class="num">{_fmt(m.get("cost_usd"), ",.2f", " USD")}</td>',
-            f"<td>{link}</td>",
-        ]
-        body.append(f'<tr class="run">{"".join(cells)}</tr>')
-    head = "".join(f"<th>{h}</th>" for h in (
-        "run", "status", "report time", "target", "model", "nodes x procs", "tokens/s",
-        "TFLOPs/device", "MFU", "wall time", "eval loss", "GPU util", "XID errors", "cost",
-        ""))
-    table = (f"<table><tr>{head}</tr>{''.join(body)}</table>" if rows
-             else '<p class="muted">no runs yet</p>')
     where = ", ".join(esc(str(d)) for d in dirs)
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>Fine-tuning runs</title><style>{_CSS}</style></head><body>"
-            f"<h1>Fine-tuning runs</h1><p class=\"muted\">{len(rows)} run(s) in {where}</p>"
-            f"{table}</body></html>\n")
+            f"<h1>Fine-tuning runs</h1><p class=\"muted\">{len(rows)} run(s) in {where}; "
+            f'running runs move on their own (<span id="updated">every '
+            f"{REFRESH_MS // 1000} s</span>)</p>"
+            f'<div id="runs">{render_runs_table(rows)}</div>'
+            f"<script>{_REFRESH_JS % REFRESH_MS}</script></body></html>\n")
 
 
 def create_app() -> Any:
@@ -260,6 +442,10 @@ def create_app() -> Any:
     def runs_page() -> str:
         dirs = runs_dirs()
         return render_runs_page(list_runs(dirs), dirs)
+
+    @app.get("/table", response_class=HTMLResponse)
+    def runs_table() -> str:
+        return render_runs_table(list_runs(runs_dirs()))
 
     @app.get("/api/runs")
     def runs_json() -> list[dict[str, Any]]:

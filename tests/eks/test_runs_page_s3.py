@@ -47,6 +47,8 @@ def test_s3_runs_are_listed_with_status_and_figures(s3_runs):
     assert done["metrics"]["final_eval_loss"] == 3.0
     assert done["config"]["model"] == "llama-8b"
     assert rows["ft-running"]["status"] == "running" and not rows["ft-running"]["has_report"]
+    assert rows["ft-running"]["progress"]["step"] == 1  # from its metrics.jsonl on S3
+    assert rows["ft-running"]["progress"]["stage"] == "training"
     page = render_runs_page(list(rows.values()), [f"s3://{BUCKET}/{PREFIX}"])
     assert "manual__finished" in page and 'href="runs/ft-finished/report.html"' in page
 

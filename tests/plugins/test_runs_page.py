@@ -24,6 +24,7 @@ pytestmark = pytest.mark.slow  # a real api-server, and Chromium
 
 RUN_ID = "manual__2026-01-02T03:04:05+00:00"
 RUN_NAME = "manual__2026-01-02T03-04-05-00-00-0123abcd"
+RUNNING_NAME = "manual__2026-01-03T00-00-00-00-00-4567cdef"
 
 
 def executed_run(runs: Path) -> Path:
@@ -50,6 +51,18 @@ def executed_run(runs: Path) -> Path:
     return run_dir
 
 
+def write_running_run(run_dir: Path, steps: int, max_steps: int) -> None:
+    """A local run in its train stage: state/, and metrics.jsonl up to `steps` (0.5 s each)."""
+    (run_dir / "state").mkdir(parents=True, exist_ok=True)
+    now = time.time()
+    records = [{"type": "data", "step": 0, "max_steps": max_steps, "time": now - 60},
+               {"type": "eval", "step": 0, "eval_loss": 6.5, "time": now - 55}]
+    records += [{"type": "train", "step": s, "loss": 6.0 - s / 100, "tokens": 1536,
+                 "tokens_per_s": 3072.0, "tflops_per_device": 0.01, "mfu": None,
+                 "step_time_s": 0.5, "time": now - (steps - s) * 0.5} for s in range(1, steps + 1)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
 @pytest.fixture(scope="module")
 def api_server(tmp_path_factory):
     """`airflow api-server` on a free port: SimpleAuthManager (everyone an admin), this
@@ -58,6 +71,7 @@ def api_server(tmp_path_factory):
     runs = tmp / "runs"
     executed_run(runs)
     (runs / "manual__still-training" / "state").mkdir(parents=True)
+    write_running_run(runs / RUNNING_NAME, steps=30, max_steps=100)
     (tmp / "dags").mkdir()
     env = dict(os.environ)
     env.update({
@@ -123,7 +137,7 @@ def chromium(tmp: Path, *args: str) -> subprocess.CompletedProcess:
     binary = system_binary_or_skip("chromium", "chromium")
     return subprocess.run(
         [binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-         f"--user-data-dir={tmp / 'chromium-profile'}", "--virtual-time-budget=5000", *args],
+         f"--user-data-dir={tmp / 'chromium-profile'}", "--virtual-time-budget=12000", *args],
         capture_output=True, text=True, timeout=120, check=True)
 
 
@@ -147,6 +161,18 @@ def test_runs_json_has_the_headline_figures_and_status(api_server):
     assert done["metrics"]["tokens_per_s"] == 51234.0 and done["metrics"]["cost_usd"] == 40.0
     assert done["gpu_util_pct"] == 90.5
     assert runs["manual__still-training"]["status"] == "running"
+    assert runs[RUNNING_NAME]["progress"]["step"] == 30
+    assert runs[RUNNING_NAME]["progress"]["max_steps"] == 100
+
+
+def test_the_table_the_page_refreshes_follows_a_running_run(api_server):
+    base, runs = api_server
+    auth = token(base)
+    write_running_run(runs / "manual__followed", steps=10, max_steps=50)
+    assert "step 10/50" in get(f"{base}/finetune-runs/table", auth)[1]
+    write_running_run(runs / "manual__followed", steps=20, max_steps=50)
+    status, table = get(f"{base}/finetune-runs/table", auth)
+    assert status == 200 and "step 20/50" in table and "<html" not in table
 
 
 def test_only_listed_runs_reports_are_served(api_server):
@@ -164,8 +190,12 @@ def test_chromium_shows_the_executed_run_and_opens_its_report(api_server, tmp_pa
     assert RUN_ID in dom and "status-success" in dom
     assert "51,234" in dom and "32.5%" in dom and "20m 34s" in dom  # tokens/s, MFU, wall
     assert "6.000 → 4.000" in dom and "90.5%" in dom and "40.00 USD" in dom
-    assert f'href="runs/{RUN_NAME}/report.html"' in dom
-    assert "manual__still-training" in dom and "no report yet" in dom
+    assert f'href="runs/{RUN_NAME}/report.html">{RUN_ID}</a>' in dom  # the name is the link
+    assert "manual__still-training" in dom and "starting (before the first step)" in dom
+    # the running run's progress from its metrics.jsonl, and the table refreshed in place
+    assert "step 30/100 · ETA 35.0\u00a0s" in dom.replace("&nbsp;", "\u00a0")
+    assert "loss 5.7000" in dom and "3,072" in dom
+    assert 'id="updated">updated ' in dom
 
     screenshot = tmp_path / "finetune-runs.png"
     chromium(tmp_path, f"--screenshot={screenshot}", "--window-size=1600,500",
