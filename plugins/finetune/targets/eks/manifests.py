@@ -16,7 +16,7 @@ import json
 from typing import Any
 
 from finetune.config import RunConfig
-from finetune.instance_types import INSTANCE_TYPES
+from finetune.instance_types import GPU_RESOURCE, INSTANCE_TYPES, InstanceProfile
 from finetune.names import DNS_SUBDOMAIN, dns_label
 from finetune.targets.base import TORCHRUN_ENV
 from finetune.trainer_config import trainer_config
@@ -58,8 +58,6 @@ CONTAINER_NAME = "pytorch"  # the operator finds the training container by this 
 ETCD_PORT = 2379
 C10D_PORT = 29400
 ETCD_IMAGE = "quay.io/coreos/etcd:v3.4.35"
-GPU_RESOURCE = "nvidia.com/gpu"
-EFA_RESOURCE = "vpc.amazonaws.com/efa"
 # The taint key the EFA device plugin tolerates (not the resource name): a node tainted with
 # the resource name never gets the plugin, so never advertises EFA.
 EFA_TAINT = "aws.amazon.com/efa"
@@ -69,17 +67,10 @@ HF_TOKEN_DEFAULT_KEY = "token"
 TTL_AFTER_FINISHED_S = 3600
 BACKOFF_LIMIT = 3
 
-# NCCL over EFA (libfabric) on p4d/p5 class instances.
-EFA_ENV = {
-    "FI_PROVIDER": "efa",
-    "FI_EFA_USE_DEVICE_RDMA": "1",
-    "FI_EFA_FORK_SAFE": "1",
-    "NCCL_PROTO": "simple",
-}
 # NCCL diagnostics and torch's NCCL flight recorder: a hang dumps each rank's last collectives.
+# What depends on the instance type (EFA, RDMA) is its profile's (`InstanceProfile.nccl_env`).
 NCCL_ENV = {
     "NCCL_DEBUG": "WARN",
-    "NCCL_NVLS_ENABLE": "0",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
     "TORCH_NCCL_TRACE_BUFFER_SIZE": "20000",
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
@@ -137,9 +128,10 @@ def trainer_configmap_manifest(cfg: RunConfig) -> dict[str, Any]:
 COMMON_ENV = {"PYTHONUNBUFFERED": "1", **TORCHRUN_ENV, **NCCL_ENV}
 
 
-def _env(cfg: RunConfig, efa: bool, common: bool = True) -> list[dict[str, Any]]:
+def _env(cfg: RunConfig, profile: InstanceProfile,
+         common: bool = True) -> list[dict[str, Any]]:
     plain = {**(COMMON_ENV if common else {}), "FINETUNE_RUN_ID": cfg.run_id,
-             **(EFA_ENV if efa else {})}
+             **profile.nccl_env}
     env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in plain.items()]
     if cfg.hf_token_secret:
         name, key = hf_token_ref(cfg.hf_token_secret)
@@ -182,12 +174,7 @@ def pytorchjob_manifest(cfg: RunConfig, image: str, *,
     volumes = parse_volumes(cfg.volumes)
     host, port = rendezvous_host(cfg)
     efa = itype.efa > 0
-    accelerators = {GPU_RESOURCE: cfg.procs_per_node, **({EFA_RESOURCE: itype.efa} if efa else {})}
-    resources = {
-        "requests": {"cpu": str(itype.cpu_request), "memory": f"{itype.memory_request_gib}Gi",
-                     **accelerators},
-        "limits": dict(accelerators),
-    }
+    resources = itype.resources(cfg.procs_per_node)
     container = {
         "name": CONTAINER_NAME,
         "image": image,
@@ -196,7 +183,7 @@ def pytorchjob_manifest(cfg: RunConfig, image: str, *,
         "command": ["python", "-m", "torch.distributed.run"],
         "args": ["-m", "trainer.train", "--config",
                  f"{TRAINER_CONFIG_DIR}/{TRAINER_CONFIG_FILE}"],
-        "env": _env(cfg, efa),
+        "env": _env(cfg, itype),
         "resources": resources,
         "volumeMounts": [
             {"name": "trainer-config", "mountPath": TRAINER_CONFIG_DIR, "readOnly": True},
@@ -207,11 +194,9 @@ def pytorchjob_manifest(cfg: RunConfig, image: str, *,
     }
     template_metadata: dict[str, Any] = {"labels": run_labels(cfg)}
     if cfg.metrics_port:
-        # rank 0's Prometheus endpoint; containers/observability/prometheus-scrape.yaml finds
-        # it by the port's name
+        # rank 0's Prometheus endpoint (only rank 0 serves it, so no scrape annotation on every
+        # worker): containers/observability/prometheus-scrape.yaml keeps worker 0's port by name
         container["ports"] = [{"name": METRICS_PORT_NAME, "containerPort": cfg.metrics_port}]
-        template_metadata["annotations"] = {"prometheus.io/scrape": "true",
-                                            "prometheus.io/port": str(cfg.metrics_port)}
     # The GPU nodes' taint (containers/k8s/eksctl-cluster.yaml), and the EFA device plugin's
     # own taint key, should a cluster taint its EFA nodes with it.
     tolerations = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
@@ -388,8 +373,6 @@ def trainjob_manifest(cfg: RunConfig, image: str,
     per node, image, resources, environment, placement, volumes, service account)."""
     itype = INSTANCE_TYPES[cfg.instance_type]
     volumes = parse_volumes(cfg.volumes)
-    efa = itype.efa > 0
-    accelerators = {GPU_RESOURCE: cfg.procs_per_node, **({EFA_RESOURCE: itype.efa} if efa else {})}
     override: dict[str, Any] = {
         "targetJobs": [{"name": TRAINER_REPLICATED_JOB}],
         "nodeSelector": {NODEGROUP_LABEL: cfg.nodegroup, INSTANCE_TYPE_LABEL: cfg.instance_type},
@@ -416,13 +399,9 @@ def trainjob_manifest(cfg: RunConfig, image: str,
             "args": _trainer_args(),
             "numNodes": cfg.nodes,
             "numProcPerNode": cfg.procs_per_node,
-            "resourcesPerNode": {
-                "requests": {"cpu": str(itype.cpu_request),
-                             "memory": f"{itype.memory_request_gib}Gi", **accelerators},
-                "limits": dict(accelerators),
-            },
-            # Merged with the runtime's: EFA only on instance types that have it.
-            "env": _env(cfg, efa, common=False),
+            "resourcesPerNode": itype.resources(cfg.procs_per_node),
+            # Merged with the runtime's: the instance type's NCCL/EFA environment.
+            "env": _env(cfg, itype, common=False),
         },
         "podSpecOverrides": [override],
     }

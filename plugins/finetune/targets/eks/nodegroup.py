@@ -16,11 +16,10 @@ from typing import Any
 import tenacity
 
 from finetune.config import RunConfig
+from finetune.instance_types import EFA_RESOURCE, GPU_RESOURCE
 from finetune.targets.eks.clients import aws_session, retry_transient
 from finetune.targets.eks.manifests import (
     APP,
-    EFA_RESOURCE,
-    GPU_RESOURCE,
     INSTANCE_TYPE_LABEL,
     LABEL_APP,
     LABEL_RUN,

@@ -31,7 +31,7 @@ from finetune.gpu_metrics import (
     prometheus_endpoint,
     prometheus_gpu_metrics,
 )
-from finetune.instance_types import INSTANCE_TYPES
+from finetune.instance_types import EFA_RESOURCE, GPU_RESOURCE, INSTANCE_TYPES
 from finetune.names import DNS_LABEL, DNS_SUBDOMAIN
 from finetune.outputs import build_report, has_outputs, report_exists, trainer_root_cause
 from finetune.s3_dataset import check_s3_dataset
@@ -52,8 +52,6 @@ from finetune.targets.eks.image_build import (
 from finetune.targets.eks.launchers import LAUNCHERS, launcher_for, launcher_problems
 from finetune.targets.eks.manifests import (
     C10D_PORT,
-    EFA_RESOURCE,
-    GPU_RESOURCE,
     parse_volumes,
 )
 from finetune.targets.eks.rendezvous import delete_run_keys, reset_rendezvous
