@@ -279,10 +279,21 @@ PARAM_SPECS: tuple[ParamSpec, ...] = (
        "instance type, EFA or GPUs not advertised, a taint, too little CPU or memory) fails "
        "train with the scheduler's reason, and teardown gives the nodes back. 0: wait until "
        "active_deadline_s."),
+    _S("preflight", True, "boolean", "Resources", "Preflight check",
+       "Before training, check every node: GPU health through NVML (ECC errors, row remaps, "
+       "clocks, temperature; XID errors from DCGM when Prometheus is set), a matmul per GPU, "
+       "and the NCCL all-reduce bus bandwidth within each node and across nodes against what "
+       "the instance type should reach. A bad node is named and cordoned (eks) and the run "
+       "fails before it trains; the report shows the table."),
+    _S("replace_bad_nodes", False, "boolean", "Resources", "Replace bad nodes",
+       "eks: a node the preflight finds bad is cordoned and its instance terminated, so the "
+       "node group's Auto Scaling group replaces it; the preflight runs again on the new node "
+       "(at most 3 preflights). Off: the run fails at once, naming the node."),
     _S("metrics_port", 0, "integer", "Metrics", "Trainer metrics port",
        "Port of the Prometheus endpoint the trainer's rank 0 serves its per-step metrics on "
-       "(loss, lr, grad norm, tokens/s, TFLOPs, MFU, memory); on eks the pods are annotated "
-       "for scraping. 0: no endpoint."),
+       "(loss, lr, grad norm, tokens/s, TFLOPs, MFU, memory); on eks the port is named "
+       "`metrics` and containers/observability/prometheus-scrape.yaml scrapes worker 0's. "
+       "0: no endpoint."),
     _S("prometheus_url", "", "string", "Metrics", "Prometheus URL",
        "Target eks: base URL (http(s)://host:port) of the Prometheus that scrapes the DCGM "
        "exporter; the report gets the job's GPU utilisation, memory, power, temperature and "
@@ -373,6 +384,8 @@ class RunConfig:
     hf_token_secret: str
     active_deadline_s: int
     schedule_timeout_s: int = 600
+    preflight: bool = True
+    replace_bad_nodes: bool = False
     service_account: str = ""
     volumes: str = ""
     queue_name: str = ""

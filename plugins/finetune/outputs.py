@@ -22,6 +22,7 @@ from finetune.report import (
     write_report,
 )
 from finetune_contract.errors import ERRORS_DIR, root_cause
+from finetune_contract.preflight import PREFLIGHT_FILE
 
 
 class ReportUnavailable(RuntimeError):
@@ -64,6 +65,19 @@ def trainer_root_cause(run_dir: str, s3_client: Callable[[], Any]) -> dict | Non
         errors="replace") for key in keys)
 
 
+def write_run_file(run_dir: str, s3_client: Callable[[], Any], name: str, text: str) -> str:
+    """Write `name` in the run directory (a path or an S3 prefix); its location."""
+    if not run_dir.startswith("s3://"):
+        path = Path(run_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / name).write_text(text)
+        return str(path / name)
+    bucket, prefix = split_s3(run_dir)
+    s3_client().put_object(Bucket=bucket, Key=f"{prefix}/{name}", Body=text.encode(),
+                           ContentType="application/json")
+    return f"s3://{bucket}/{prefix}/{name}"
+
+
 def report_exists(run_dir: str, s3_client: Callable[[], Any]) -> bool:
     if not run_dir.startswith("s3://"):
         return (Path(run_dir) / REPORT_JSON).is_file()
@@ -95,7 +109,7 @@ def build_report(run_dir: str, s3_client: Callable[[], Any], **report_args: Any)
     bucket, prefix = split_s3(run_dir)
     with tempfile.TemporaryDirectory(prefix="finetune-report-") as tmp:
         work = Path(tmp)
-        for name in (METRICS_FILE, SUMMARY_FILE):
+        for name in (METRICS_FILE, SUMMARY_FILE, PREFLIGHT_FILE):
             try:
                 body = s3.get_object(Bucket=bucket, Key=f"{prefix}/{name}")["Body"].read()
                 (work / name).write_bytes(body)

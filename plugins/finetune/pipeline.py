@@ -1,7 +1,7 @@
 """The fine-tuning task graph, shared by every DAG that runs it (llm_finetune and the scheduled
 retraining DAG): call `finetune_pipeline()` inside a `@dag` function.
 
-validate -> snapshot (setup) -> scale_up -> build_image + reset_etcd -> train ->
+validate -> snapshot (setup) -> scale_up -> build_image + reset_etcd -> preflight -> train ->
 collect_metrics, and teardown, which runs whenever the setup ran.
 """
 
@@ -146,8 +146,13 @@ def finetune_pipeline(*, base_conf: Mapping[str, Any] | None = None,
                           **RESUMABLE)
     rendezvous = reset_etcd(cfg)
     up >> [image, rendezvous]
+    # Every node checked before it trains; a bad one is named, cordoned or replaced.
+    checked = StageOperator(task_id="preflight", stage="preflight", run_config=cfg,
+                            inputs={"image": image.output, "rendezvous": rendezvous},
+                            **RESUMABLE)
     trained = StageOperator(task_id="train", stage="train", run_config=cfg,
                             inputs={"image": image.output, "rendezvous": rendezvous},
                             **RESUMABLE, **({"pool": pool} if pool else {}))
+    checked >> trained
     metrics = collect_metrics(cfg, trained.output)
     metrics >> teardown(cfg, snap).as_teardown(setups=snap)

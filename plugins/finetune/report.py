@@ -16,6 +16,7 @@ from typing import Any
 
 from finetune_contract.errors import ERRORS_DIR
 from finetune_contract.fields import STRAGGLER_THRESHOLD
+from finetune_contract.preflight import PREFLIGHT_FILE
 from finetune_contract.stragglers import RANK_STEP_TIMES, rank_medians, stragglers
 
 SCHEMA_VERSION = 1
@@ -209,6 +210,11 @@ def write_report(
         for s in (ranks or {}).get("stragglers", [])
     )
 
+    preflight = _load_json(run_dir / PREFLIGHT_FILE)
+    if preflight and not preflight.get("ok"):
+        warnings.append("preflight found bad node(s): " + ", ".join(
+            preflight.get("bad_nodes") or []) + "; ".join(preflight.get("problems") or []))
+
     metrics = summarize(train, evals, summary)
     cost = cost_estimate(node_hourly_price, nodes, _train_wall_time(stages, metrics))
     metrics["cost_usd"] = cost["usd"] if cost else None
@@ -236,11 +242,40 @@ def write_report(
         "warnings": warnings,
         "error": failure_error(error),
         "rank_step_times": ranks,
+        "preflight": preflight,
     }
     # default=str: a config may carry Paths or datetimes; the report must still be written
     _write_atomic(run_dir / REPORT_JSON, json.dumps(report, indent=2, default=str) + "\n")
     _write_atomic(run_dir / REPORT_HTML, render_html(report))
     return report
+
+
+def _load_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _preflight_html(preflight: dict | None) -> list[str]:
+    """The preflight's table: one row per node, its GPUs, bandwidth and problems."""
+    if not preflight:
+        return []
+    head = ("<tr><th>node</th><th>ranks</th><th>GPUs</th><th>matmul TFLOP/s</th>"
+            "<th>all-reduce in node (GB/s)</th><th>expected</th><th>verdict</th></tr>")
+    rows = "".join(
+        f"<tr><td>{_esc(n['node_name'])}</td><td>{n['ranks']}</td>"
+        f"<td>{_esc(', '.join(n['gpus']))}</td>"
+        f"<td>{_esc(', '.join(f'{t:.3g}' for t in n['matmul_tflops']))}</td>"
+        f"<td>{_fmt(n['intra_busbw_gbps'], '.1f')}</td>"
+        f"<td>{_fmt(n['expected_intra_gbps'], '.0f')}</td>"
+        f"<td>{'ok' if n['ok'] else _esc('; '.join(n['problems']))}</td></tr>"
+        for n in preflight["nodes"])
+    across = (f"<p>all-reduce across nodes: {_fmt(preflight['inter_busbw_gbps'], '.1f')} GB/s "
+              f"bus bandwidth (expected {_fmt(preflight['expected_inter_gbps'], '.0f')}); "
+              f"{preflight['message_mib']:g} MiB messages, {_esc(preflight['backend'])}</p>")
+    problems = "".join(f"<p class=\"warn\">{_esc(p)}</p>" for p in preflight["problems"])
+    return ["<h2>Preflight</h2>", f"<table>{head}{rows}</table>", across, problems]
 
 
 def hang_notes(run_dir: Path) -> list[str]:
@@ -475,6 +510,7 @@ def render_html(report: dict) -> str:
     parts += _gpu_html(report.get("gpu"), report.get("cost"))
     parts += _host_html(report.get("host"))
     parts += _rank_times_html(report.get("rank_step_times"))
+    parts += _preflight_html(report.get("preflight"))
     if report["stages"]:
         parts += ["<h2>Stages</h2>", _table(_flatten(report["stages"]), "no stages")]
     parts += [

@@ -17,7 +17,7 @@ from finetune.targets.local import _trainer_processes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DAG_FILE = REPO_ROOT / "dags" / "llm_finetune.py"
-STAGES = ["validate", "snapshot", "scale_up", "build_image", "reset_etcd", "train",
+STAGES = ["validate", "snapshot", "scale_up", "build_image", "reset_etcd", "preflight", "train",
           "collect_metrics", "teardown"]
 # Fake credentials in the environment of the full run, which must appear nowhere it writes.
 SECRETS = {
@@ -75,7 +75,8 @@ def test_dag_wires_the_stages_with_a_guaranteed_teardown():
     assert up["snapshot"] == {"validate"}
     assert up["scale_up"] == {"validate", "snapshot"}
     assert up["build_image"] == up["reset_etcd"] == {"validate", "scale_up"}
-    assert up["train"] == {"validate", "build_image", "reset_etcd"}
+    assert up["preflight"] == {"validate", "build_image", "reset_etcd"}
+    assert up["train"] == {"validate", "build_image", "reset_etcd", "preflight"}
     assert up["collect_metrics"] == {"validate", "train"}
     assert up["teardown"] == {"validate", "snapshot", "collect_metrics"}
     assert dag.get_task("snapshot").is_setup
@@ -84,7 +85,8 @@ def test_dag_wires_the_stages_with_a_guaranteed_teardown():
 
 def test_the_stages_a_new_try_resumes_are_retried_after_a_delay_and_no_others():
     dag = load_dag()
-    resumable = {"scale_up", "build_image", "train", "collect_metrics", "teardown"}
+    resumable = {"scale_up", "build_image", "preflight", "train", "collect_metrics",
+                 "teardown"}
     for task_id in STAGES:
         task = dag.get_task(task_id)
         if task_id in resumable:

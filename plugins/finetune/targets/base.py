@@ -75,6 +75,11 @@ class Target(ABC):
         """Give the run a clean rendezvous: its endpoint, backend and id."""
 
     @abstractmethod
+    def preflight(self, cfg: RunConfig, image: dict, rendezvous: dict) -> Outcome:
+        """Check every node of the run (GPU health, bus bandwidth) before it trains; a bad
+        node is named (and on a cluster cordoned or replaced), and the stage fails."""
+
+    @abstractmethod
     def train(self, cfg: RunConfig, image: dict, rendezvous: dict) -> Outcome:
         """Run the trainer on every node; fail with the reason when it fails."""
 

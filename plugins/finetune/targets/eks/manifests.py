@@ -91,6 +91,22 @@ def job_name(cfg: RunConfig) -> str:
     return dns_label("ft", cfg.rdzv_id, max_len=45)
 
 
+# What a job of the run runs: the training, or the preflight check of its nodes before it.
+LABEL_PROGRAM = "finetune.airflow.apache.org/program"
+TRAIN, PREFLIGHT = "train", "preflight"
+PREFLIGHT_DEADLINE_S = 900  # NVML, a matmul and a few all-reduces: minutes, not more
+
+
+def program_job_name(cfg: RunConfig, program: str) -> str:
+    return job_name(cfg) if program == TRAIN else f"{job_name(cfg)}-pf"
+
+
+def _program_args(cfg: RunConfig, program: str) -> list[str]:
+    if program == PREFLIGHT:
+        return ["-m", "trainer.preflight", "--out", cfg.run_dir]
+    return ["-m", "trainer.train", "--config", f"{TRAINER_CONFIG_DIR}/{TRAINER_CONFIG_FILE}"]
+
+
 def configmap_name(cfg: RunConfig) -> str:
     return f"{job_name(cfg)}-config"
 
@@ -133,6 +149,8 @@ def _env(cfg: RunConfig, profile: InstanceProfile,
     plain = {**(COMMON_ENV if common else {}), "FINETUNE_RUN_ID": cfg.run_id,
              **profile.nccl_env}
     env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in plain.items()]
+    # The node the pod runs on: the preflight names a bad node by it.
+    env.append({"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}})
     if cfg.hf_token_secret:
         name, key = hf_token_ref(cfg.hf_token_secret)
         # Never the token's value in the manifest: the kubelet reads it from the Secret.
@@ -168,11 +186,19 @@ def parse_volumes(text: str) -> list[tuple[str, str]]:
 
 def pytorchjob_manifest(cfg: RunConfig, image: str, *,
                         ttl_after_finished_s: int = TTL_AFTER_FINISHED_S,
-                        backoff_limit: int = BACKOFF_LIMIT) -> dict[str, Any]:
-    """The PyTorchJob for this run: one Worker per node, torchrun with nProcPerNode GPUs each."""
+                        backoff_limit: int = BACKOFF_LIMIT,
+                        program: str = TRAIN) -> dict[str, Any]:
+    """The PyTorchJob for this run: one Worker per node, torchrun with nProcPerNode GPUs each.
+    `program` PREFLIGHT: the check of the nodes before training, a job of its own with its own
+    c10d rendezvous, no restarts and a short deadline."""
     itype = INSTANCE_TYPES[cfg.instance_type]
     volumes = parse_volumes(cfg.volumes)
     host, port = rendezvous_host(cfg)
+    name, rdzv_id, rdzv_backend = job_name(cfg), cfg.rdzv_id, cfg.rdzv_backend
+    if program == PREFLIGHT:
+        name = program_job_name(cfg, program)
+        host, port, rdzv_id, rdzv_backend = f"{name}-worker-0", C10D_PORT, f"{rdzv_id}-pf", "c10d"
+        backoff_limit = 0
     efa = itype.efa > 0
     resources = itype.resources(cfg.procs_per_node)
     container = {
@@ -181,8 +207,7 @@ def pytorchjob_manifest(cfg: RunConfig, image: str, *,
         "imagePullPolicy": "IfNotPresent",
         # torchrun reads nodes, rendezvous and processes per node from the operator's PET_* env.
         "command": ["python", "-m", "torch.distributed.run"],
-        "args": ["-m", "trainer.train", "--config",
-                 f"{TRAINER_CONFIG_DIR}/{TRAINER_CONFIG_FILE}"],
+        "args": _program_args(cfg, program),
         "env": _env(cfg, itype),
         "resources": resources,
         "volumeMounts": [
@@ -208,9 +233,11 @@ def pytorchjob_manifest(cfg: RunConfig, image: str, *,
         "ttlSecondsAfterFinished": ttl_after_finished_s,
         "backoffLimit": backoff_limit,
     }
-    if cfg.active_deadline_s:
+    if program == PREFLIGHT:
+        run_policy["activeDeadlineSeconds"] = PREFLIGHT_DEADLINE_S
+    elif cfg.active_deadline_s:
         run_policy["activeDeadlineSeconds"] = cfg.active_deadline_s
-    job_labels = run_labels(cfg)
+    job_labels = {**run_labels(cfg), LABEL_PROGRAM: program}
     if cfg.queue_name:
         # Kueue admits suspended jobs of its queues; it unsuspends the job when it fits.
         job_labels[KUEUE_QUEUE_LABEL] = cfg.queue_name
@@ -233,18 +260,18 @@ def pytorchjob_manifest(cfg: RunConfig, image: str, *,
     return {
         "apiVersion": PYTORCHJOB_API_VERSION,
         "kind": "PyTorchJob",
-        "metadata": {"name": job_name(cfg), "namespace": cfg.namespace,
+        "metadata": {"name": name, "namespace": cfg.namespace,
                      "labels": job_labels,
                      "annotations": {"finetune.airflow.apache.org/run-id": cfg.run_id}},
         "spec": {
             "elasticPolicy": {
-                "rdzvBackend": cfg.rdzv_backend,
+                "rdzvBackend": rdzv_backend,
                 "rdzvHost": host,
                 "rdzvPort": port,
-                "rdzvId": cfg.rdzv_id,
+                "rdzvId": rdzv_id,
                 "minReplicas": cfg.nodes,
                 "maxReplicas": cfg.nodes,
-                "maxRestarts": cfg.max_restarts,
+                "maxRestarts": 0 if program == PREFLIGHT else cfg.max_restarts,
             },
             # Not elasticPolicy.nProcPerNode, deprecated since the operator's v1.7.
             "nprocPerNode": str(cfg.procs_per_node),
@@ -367,10 +394,11 @@ def training_runtime_manifest(name: str = TRAINING_RUNTIME,
     }
 
 
-def trainjob_manifest(cfg: RunConfig, image: str,
-                      runtime: str = TRAINING_RUNTIME) -> dict[str, Any]:
+def trainjob_manifest(cfg: RunConfig, image: str, runtime: str = TRAINING_RUNTIME,
+                      program: str = TRAIN) -> dict[str, Any]:
     """The run's TrainJob: the runtime's template with what this run sets (nodes, processes
-    per node, image, resources, environment, placement, volumes, service account)."""
+    per node, image, resources, environment, placement, volumes, service account).
+    `program` PREFLIGHT: the check of the nodes, a TrainJob of its own."""
     itype = INSTANCE_TYPES[cfg.instance_type]
     volumes = parse_volumes(cfg.volumes)
     override: dict[str, Any] = {
@@ -388,7 +416,7 @@ def trainjob_manifest(cfg: RunConfig, image: str,
     }
     if cfg.service_account:
         override["serviceAccountName"] = cfg.service_account
-    labels = run_labels(cfg)
+    labels = {**run_labels(cfg), LABEL_PROGRAM: program}
     spec: dict[str, Any] = {
         "runtimeRef": {"name": runtime, "apiGroup": TRAINER_GROUP,
                        "kind": "ClusterTrainingRuntime"},
@@ -396,7 +424,7 @@ def trainjob_manifest(cfg: RunConfig, image: str,
         "trainer": {
             "image": image,
             "command": list(TRAINER_COMMAND),
-            "args": _trainer_args(),
+            "args": _program_args(cfg, program),
             "numNodes": cfg.nodes,
             "numProcPerNode": cfg.procs_per_node,
             "resourcesPerNode": itype.resources(cfg.procs_per_node),
@@ -411,7 +439,8 @@ def trainjob_manifest(cfg: RunConfig, image: str,
     return {
         "apiVersion": TRAINER_API_VERSION,
         "kind": "TrainJob",
-        "metadata": {"name": job_name(cfg), "namespace": cfg.namespace, "labels": labels,
+        "metadata": {"name": program_job_name(cfg, program), "namespace": cfg.namespace,
+                     "labels": labels,
                      "annotations": {"finetune.airflow.apache.org/run-id": cfg.run_id}},
         "spec": spec,
     }
