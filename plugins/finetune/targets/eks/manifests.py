@@ -436,3 +436,35 @@ def trainjob_manifest(cfg: RunConfig, image: str,
                      "annotations": {"finetune.airflow.apache.org/run-id": cfg.run_id}},
         "spec": spec,
     }
+
+
+def evaluation_job_name(cfg: RunConfig) -> str:
+    return dns_label("ev", cfg.rdzv_id, max_len=45)
+
+
+def evaluation_job_manifest(cfg: RunConfig, image: str, champion_model: str = "") -> dict:
+    """The evaluate stage's PyTorchJob: the training's pod (image, config, volumes, node group)
+    as one worker with one GPU running trainer.evaluate, on the run's nodes before teardown."""
+    manifest = pytorchjob_manifest(cfg, image, backoff_limit=0)
+    manifest["metadata"]["name"] = name = evaluation_job_name(cfg)
+    spec = manifest["spec"]
+    # One worker; the operator's PET_* variables are there, and unused by a plain python.
+    spec["elasticPolicy"].update(rdzvBackend="c10d", rdzvHost=f"{name}-worker-0",
+                                 rdzvPort=C10D_PORT, rdzvId=f"{cfg.rdzv_id}-eval",
+                                 minReplicas=1, maxReplicas=1, maxRestarts=0)
+    spec["nprocPerNode"] = "1"
+    spec["runPolicy"].pop("suspend", None)  # admitted with the training's quota already
+    manifest["metadata"]["labels"].pop(KUEUE_QUEUE_LABEL, None)
+    worker = spec["pytorchReplicaSpecs"]["Worker"]
+    worker.update(replicas=1, restartPolicy="Never")
+    container = worker["template"]["spec"]["containers"][0]
+    container["command"] = ["python", "-m", "trainer.evaluate"]
+    container["args"] = ["--config", f"{TRAINER_CONFIG_DIR}/{TRAINER_CONFIG_FILE}",
+                         *(["--champion", champion_model] if champion_model else [])]
+    accelerators = {GPU_RESOURCE: 1}
+    container["resources"] = {"requests": {**container["resources"]["requests"],
+                                           **accelerators},
+                              "limits": accelerators}
+    container["resources"]["requests"].pop(EFA_RESOURCE, None)
+    container["env"] = [e for e in container["env"] if e["name"] not in EFA_ENV]
+    return manifest
