@@ -153,3 +153,17 @@ def test_mlflow_server_with_s3_artifacts_stores_the_run_s_report_in_the_bucket(
     run_id = result["tracking"]["run_id"]
     assert any(k.endswith(f"{run_id}/artifacts/report.json") for k in keys), keys
     assert any(k.endswith(f"{run_id}/artifacts/model/config.json") for k in keys), keys
+
+
+def test_the_contract_s_eval_tasks_are_the_task_files_shipped_in_trainer_eval_tasks():
+    import yaml
+
+    from finetune import REPO_ROOT
+    from finetune_contract.fields import EVAL_TASKS
+
+    names = set()
+    for path in (REPO_ROOT / "trainer" / "eval_tasks").glob("*.yaml"):
+        # `!function` tags are the harness's own: read the plain keys only
+        text = "\n".join(line for line in path.read_text().splitlines() if "!function" not in line)
+        names.add(yaml.safe_load(text)["task"])
+    assert names == set(EVAL_TASKS)
