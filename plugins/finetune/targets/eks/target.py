@@ -353,11 +353,11 @@ class EksTarget(Target):
         from finetune.targets.eks.manifests import evaluation_job_manifest
 
         manifest = evaluation_job_manifest(cfg, image["image"], champion.get("model_uri") or "")
-        name, pytorchjob = manifest["metadata"]["name"], LAUNCHERS["pytorchjob"]
+        name, launcher = manifest["metadata"]["name"], LAUNCHERS["pytorchjob"]
         custom = kubernetes.client.CustomObjectsApi(self._kube(cfg))
         try:
-            custom.create_namespaced_custom_object(pytorchjob.group, pytorchjob.version,
-                                                   cfg.namespace, pytorchjob.plural, manifest)
+            custom.create_namespaced_custom_object(launcher.group, launcher.version,
+                                                   cfg.namespace, launcher.plural, manifest)
             log.info("created PyTorchJob %s/%s: trainer.evaluate", cfg.namespace, name)
         except kubernetes.client.ApiException as exc:
             if exc.status != 409:
