@@ -21,7 +21,7 @@ os.environ.setdefault("AIRFLOW__CORE__PLUGINS_FOLDER", str(REPO_ROOT / "plugins"
 os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
 
 # Light to import (no Airflow, no kmock): the folders needing heavier fixtures import them.
-pytest_plugins = ["tests.support.aws", "tests.support.etcd"]
+pytest_plugins = ["tests.support.aws", "tests.support.etcd", "tests.support.mlflow"]
 
 
 @pytest.fixture

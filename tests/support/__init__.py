@@ -4,6 +4,8 @@ never imported from another test module):
 - `system`: the Debian programs the tests need (etcd, prometheus, chromium), or a skip.
 - `aws`: moto in server mode; fixtures `moto_endpoint`, `aws`, `s3`.
 - `etcd`: fixture `etcd_server`, a real etcd.
+- `mlflow`: a real `mlflow server` (SQLite; local or S3 artifacts): `start_mlflow`, fixture
+  `mlflow_server`.
 - `kube`: kmock's Kubernetes emulator fixed where the eks target relies on the API server,
   served from its own thread (`Cluster`); fixture `cluster`; the test playing the training
   operator (`TrainingOperator`, `create_job`, `set_condition`).

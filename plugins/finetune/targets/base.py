@@ -84,6 +84,12 @@ class Target(ABC):
         """Run the trainer on every node; fail with the reason when it fails."""
 
     @abstractmethod
+    def evaluate(self, cfg: RunConfig, trained: dict, image: dict, champion: dict) -> Outcome:
+        """Run trainer.evaluate where the training ran, on the trained model (and on the
+        `champion`'s, finetune.tracking.champion, when there is one); return what it wrote
+        (evaluation.json beside the model)."""
+
+    @abstractmethod
     def collect_metrics(self, cfg: RunConfig, trained: dict) -> dict:
         """Write report.json and report.html beside the model; return a small summary."""
 

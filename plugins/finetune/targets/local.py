@@ -31,7 +31,7 @@ from finetune.gpu_metrics import (
     sampled_gpu_metrics,
 )
 from finetune.image import image_tag, local_environment
-from finetune.outputs import summary, trainer_root_cause, write_run_file
+from finetune.outputs import evaluation_result, summary, trainer_root_cause, write_run_file
 from finetune.preflight import (
     PREFLIGHT_FILE,
     PreflightFailed,
@@ -45,6 +45,7 @@ from finetune.s3_dataset import check_s3_dataset
 from finetune.targets.base import TORCHRUN_ENV, Target, TrainingFailed
 from finetune.trainer_config import trainer_config
 from finetune_contract.errors import ERROR_DIR_ENV
+from finetune_contract.fields import EVALUATION_FILE
 
 log = logging.getLogger(__name__)
 
@@ -439,6 +440,37 @@ class LocalTarget(Target):
             return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
+
+    def evaluate(self, cfg: RunConfig, trained: dict, image: dict, champion: dict) -> dict:
+        """trainer.evaluate in one process on this machine, its output in the task log and in
+        logs/evaluate.log."""
+        run_dir = Path(cfg.run_dir)
+        cmd = [sys.executable, "-m", "trainer.evaluate", "--config",
+               str(run_dir / "trainer_config.json")]
+        if champion.get("model_uri"):
+            cmd += ["--champion", champion["model_uri"]]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        env["PYTHONUNBUFFERED"] = "1"
+        env["OMP_NUM_THREADS"] = str(trained.get("resources", {}).get("cpus") or 1)
+        log_path = run_dir / "logs" / "evaluate.log"
+        log.info("evaluating the trained model: %s", " ".join(cmd))
+        started = time.time()
+        with log_path.open("w") as out:
+            proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
+            tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
+            for line in proc.stdout:
+                out.write(line)
+                tail.append(line.rstrip())
+                log.info("%s", line.rstrip())
+            code = proc.wait()
+        if code:
+            raise RuntimeError(f"evaluation failed (exit code {code}); last lines of "
+                               f"{log_path}:\n" + "\n".join(tail))
+        return evaluation_result(json.loads((run_dir / EVALUATION_FILE).read_text()),
+                                 str(run_dir / EVALUATION_FILE), time.time() - started)
 
     def collect_metrics(self, cfg: RunConfig, trained: dict) -> dict:
         run_dir = Path(cfg.run_dir)

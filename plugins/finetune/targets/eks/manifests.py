@@ -93,7 +93,7 @@ def job_name(cfg: RunConfig) -> str:
 
 # What a job of the run runs: the training, or the preflight check of its nodes before it.
 LABEL_PROGRAM = "finetune.airflow.apache.org/program"
-TRAIN, PREFLIGHT = "train", "preflight"
+TRAIN, PREFLIGHT, EVALUATE = "train", "preflight", "evaluate"
 PREFLIGHT_DEADLINE_S = 900  # NVML, a matmul and a few all-reduces: minutes, not more
 
 
@@ -444,3 +444,36 @@ def trainjob_manifest(cfg: RunConfig, image: str, runtime: str = TRAINING_RUNTIM
                      "annotations": {"finetune.airflow.apache.org/run-id": cfg.run_id}},
         "spec": spec,
     }
+
+
+def evaluation_job_name(cfg: RunConfig) -> str:
+    return dns_label("ev", cfg.rdzv_id, max_len=45)
+
+
+def evaluation_job_manifest(cfg: RunConfig, image: str, champion_model: str = "") -> dict:
+    """The evaluate stage's PyTorchJob: the training's pod (image, config, volumes, node group)
+    as one worker with one GPU running trainer.evaluate, on the run's nodes before teardown."""
+    manifest = pytorchjob_manifest(cfg, image, backoff_limit=0)
+    manifest["metadata"]["name"] = name = evaluation_job_name(cfg)
+    manifest["metadata"]["labels"][LABEL_PROGRAM] = EVALUATE
+    spec = manifest["spec"]
+    # One worker; the operator's PET_* variables are there, and unused by a plain python.
+    spec["elasticPolicy"].update(rdzvBackend="c10d", rdzvHost=f"{name}-worker-0",
+                                 rdzvPort=C10D_PORT, rdzvId=f"{cfg.rdzv_id}-eval",
+                                 minReplicas=1, maxReplicas=1, maxRestarts=0)
+    spec["nprocPerNode"] = "1"
+    spec["runPolicy"].pop("suspend", None)  # admitted with the training's quota already
+    manifest["metadata"]["labels"].pop(KUEUE_QUEUE_LABEL, None)
+    worker = spec["pytorchReplicaSpecs"]["Worker"]
+    worker.update(replicas=1, restartPolicy="Never")
+    container = worker["template"]["spec"]["containers"][0]
+    container["command"] = ["python", "-m", "trainer.evaluate"]
+    container["args"] = ["--config", f"{TRAINER_CONFIG_DIR}/{TRAINER_CONFIG_FILE}",
+                         *(["--champion", champion_model] if champion_model else [])]
+    # One GPU and no EFA (nothing to talk to): the profile's requests less its network.
+    profile = INSTANCE_TYPES[cfg.instance_type]
+    requests = {k: v for k, v in profile.resources(1)["requests"].items()
+                if k in ("cpu", "memory", GPU_RESOURCE)}
+    container["resources"] = {"requests": requests, "limits": {GPU_RESOURCE: 1}}
+    container["env"] = [e for e in container["env"] if e["name"] not in profile.nccl_env]
+    return manifest

@@ -478,6 +478,57 @@ class EksTarget(Target):
         self._reservations(cfg).update(
             lambda state: renew(state, cfg.rdzv_id, time.time(), self.reservation_ttl))
 
+    # -- evaluate ---------------------------------------------------------------------------
+
+    def evaluate(self, cfg: RunConfig, trained: dict, image: dict, champion: dict) -> Wait:
+        """trainer.evaluate as a one-worker PyTorchJob on the run's nodes (created, or adopted
+        by a retry), then wait for it as for the training."""
+        import kubernetes
+
+        from finetune.targets.eks.manifests import evaluation_job_manifest
+
+        manifest = evaluation_job_manifest(cfg, image["image"], champion.get("model_uri") or "")
+        name, launcher = manifest["metadata"]["name"], LAUNCHERS["pytorchjob"]
+        custom = kubernetes.client.CustomObjectsApi(self._kube(cfg))
+        try:
+            custom.create_namespaced_custom_object(launcher.group, launcher.version,
+                                                   cfg.namespace, launcher.plural, manifest)
+            log.info("created PyTorchJob %s/%s: trainer.evaluate", cfg.namespace, name)
+        except kubernetes.client.ApiException as exc:
+            if exc.status != 409:
+                raise
+            log.info("adopting PyTorchJob %s/%s an earlier try created", cfg.namespace, name)
+        return self._wait_for_evaluation(cfg, {"job": name, "after": "",
+                                               "started": time.time()})
+
+    def _wait_for_evaluation(self, cfg: RunConfig, state: dict) -> Wait:
+        return Wait(JobTrigger(
+            credentials=kube_credentials(cfg), namespace=cfg.namespace, name=state["job"],
+            wake_at=time.time() + self.wake_after, poll_interval=self.poll_interval,
+            refresh_interval=self.refresh_interval, launcher="pytorchjob"),
+            resume="evaluation_wake", state=state)
+
+    def evaluation_wake(self, cfg: RunConfig, event: dict, state: dict) -> dict | Wait:
+        import json
+
+        from finetune.outputs import evaluation_result, read_output
+        from finetune_contract.fields import EVALUATION_FILE
+
+        name, api, pytorchjob = state["job"], self._kube(cfg), LAUNCHERS["pytorchjob"]
+        state = {**state, "after": job.stream_leader_log(api, cfg.namespace, name,
+                                                         state["after"], pytorchjob)}
+        if event["status"] == "running":
+            return self._wait_for_evaluation(cfg, state)
+        if event["status"] == "failed":
+            raise RuntimeError("evaluation failed: " + job.failure_report(
+                api, cfg.namespace, name, event["message"], pytorchjob))
+        text = read_output(cfg.run_dir, EVALUATION_FILE, lambda: self._s3(cfg))
+        if text is None:
+            raise RuntimeError(f"PyTorchJob {name} succeeded but {cfg.run_dir} has no "
+                               f"{EVALUATION_FILE}")
+        return evaluation_result(json.loads(text), f"{cfg.run_dir.rstrip('/')}/"
+                                 f"{EVALUATION_FILE}", time.time() - state["started"])
+
     # -- collect_metrics --------------------------------------------------------------------
 
     def collect_metrics(self, cfg: RunConfig, trained: dict) -> dict:
