@@ -17,7 +17,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # `airflow standalone` starts its components as `airflow ...` from PATH.
 export PATH := $(BIN):$(PATH)
 
-.PHONY: demo test test-fast lint airflow run venv system-deps airflow-db clean
+.PHONY: demo test test-fast lint airflow run venv system-deps airflow-db clean mlflow
 
 venv: $(VENV)/.installed
 
@@ -71,6 +71,12 @@ PRESET ?=
 ARGS ?=
 run: venv
 	$(BIN)/python -m finetune.cli run --unpause $(if $(PRESET),--preset $(PRESET)) $(ARGS)
+
+# The MLflow UI on the local target's embedded store (runs, metrics, the registry's champion) on
+# http://127.0.0.1:5000.
+mlflow: venv
+	$(BIN)/mlflow server --backend-store-uri sqlite:///$(CURDIR)/mlflow.db \
+	  --artifacts-destination $(CURDIR)/mlartifacts --host 127.0.0.1 --port 5000
 
 clean:
 	rm -rf $(VENV) $(AIRFLOW_HOME) runs

@@ -4,6 +4,7 @@ and the fixtures of tests/support that any folder may use."""
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,9 +20,13 @@ os.environ.setdefault("AIRFLOW_HOME", str(REPO_ROOT / ".airflow"))
 os.environ.setdefault("AIRFLOW__CORE__DAGS_FOLDER", str(REPO_ROOT / "dags"))
 os.environ.setdefault("AIRFLOW__CORE__PLUGINS_FOLDER", str(REPO_ROOT / "plugins"))
 os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
+# DAG runs on the local target track in MLflow: the tests' runs go to a store of their own for
+# the session, never to the checkout's mlflow.db that `make demo` fills.
+os.environ.setdefault("AIRFLOW__FINETUNE__MLFLOW_TRACKING_URI", "sqlite:///" + str(
+    Path(tempfile.mkdtemp(prefix="finetune-tests-mlflow-")) / "mlflow.db"))
 
 # Light to import (no Airflow, no kmock): the folders needing heavier fixtures import them.
-pytest_plugins = ["tests.support.aws", "tests.support.etcd"]
+pytest_plugins = ["tests.support.aws", "tests.support.etcd", "tests.support.mlflow"]
 
 
 @pytest.fixture

@@ -66,6 +66,8 @@ def resolve(config: TrainConfig) -> TrainConfig:
         model=model,
         tokenizer=_absolute_if_local(tokenizer),
         dataset=_absolute(dataset) if dataset_source(dataset) == "local" else dataset,
+        eval_dataset=_absolute(config.eval_dataset) if config.eval_dataset
+        and dataset_source(config.eval_dataset) == "local" else config.eval_dataset,
         output_dir=config.output_dir if is_s3(config.output_dir) else _absolute(config.output_dir),
     )
 

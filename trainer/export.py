@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -26,6 +27,11 @@ from transformers import GenerationConfig, PretrainedConfig, PreTrainedTokenizer
 from finetune_contract.fields import RESOLVED_CONFIG_FILE
 from trainer.lora import ADAPTER_DIR, lora_config_of, merge_adapters, save_adapter
 
+# from_pretrained's arguments a tokenizer keeps in its init_kwargs and would save as settings:
+# where and how it was loaded, not what it is.
+LOAD_TIME_KEYS = ("local_files_only", "is_local", "cache_dir", "force_download", "proxies",
+                  "token", "use_auth_token", "revision", "subfolder", "_commit_hash",
+                  "trust_remote_code")
 
 def export_hf(
     model: torch.nn.Module,
@@ -71,7 +77,26 @@ def write_hf(
     config.use_cache = True
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
+    save_tokenizer(tokenizer, out)
+    readable_as_umask_allows(out)
+
+
+def save_tokenizer(tokenizer: PreTrainedTokenizerBase, out: Path) -> None:
+    """tokenizer.save_pretrained without the load-time arguments in tokenizer_config.json."""
+    tokenizer = copy.copy(tokenizer)
+    tokenizer.init_kwargs = {k: v for k, v in tokenizer.init_kwargs.items()
+                             if k not in LOAD_TIME_KEYS}
     tokenizer.save_pretrained(out)
+
+
+def readable_as_umask_allows(root: Path) -> None:
+    """Give the exported files the mode the process's umask gives new files (the run's other
+    outputs have it): the safetensors writer makes its files owner-only (0600), which another
+    user or service on a shared file system cannot read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in [root, *root.rglob("*")]:
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def export_checkpoint(

@@ -28,6 +28,7 @@ from finetune_contract.fields import (
     BOUNDS,
     DATASET_FORMATS,
     DEMO_DATASET,
+    EVAL_TASKS,
     HANG_TIMEOUT_S,
     LORA_TARGET_MODULES,
     MIXED_PRECISION,
@@ -214,6 +215,24 @@ PARAM_SPECS: tuple[ParamSpec, ...] = (
        "A rank whose median step time (without its wait for the others at the step's start) "
        "exceeds the median of all ranks by this fraction is flagged in the report (0.2: 20% "
        "slower)."),
+    _S("eval_dataset", "", "string", "Evaluation", "Eval data set",
+       "A data set for the evaluate stage (same forms and fields as the training data set). "
+       "Empty: the training data set's held-out eval split."),
+    _S("sample_prompts", 4, "integer", "Evaluation", "Sample prompts",
+       "Prompts of the eval set the model answers (greedy) in the report, beside the "
+       "reference answers; 0: none."),
+    _S("max_new_tokens", 16, "integer", "Evaluation", "Max new tokens",
+       "Tokens generated per sample prompt at most."),
+    _S("eval_tasks", ",".join(EVAL_TASKS), "string", "Evaluation", "Benchmark tasks",
+       "lm-evaluation-harness tasks run offline on task data shipped in trainer/eval_tasks, "
+       "comma-separated (" + ", ".join(EVAL_TASKS) + "); empty: none."),
+    _S("promotion_metric", "eval_loss", "string", "Evaluation", "Promotion metric",
+       "What the model must beat the champion (the DAG's last promoted model) on, both "
+       "measured on this run's eval set: eval_loss or perplexity (lower is better), or a "
+       "task's metric as <task>.<metric>, e.g. demo_instructions.acc (higher is better)."),
+    _S("promotion_margin", 0.0, "number", "Evaluation", "Promotion margin",
+       "The model is promoted when it beats the champion by more than this (in the metric's "
+       "units), or when there is no champion."),
     _S("output_dir", "runs", "string", "Output", "Output location",
        "Directory for the run's outputs (relative paths are from the repository root); each "
        "run writes to <output>/<run id>/."),
@@ -288,10 +307,21 @@ PARAM_SPECS: tuple[ParamSpec, ...] = (
        "instance type, EFA or GPUs not advertised, a taint, too little CPU or memory) fails "
        "train with the scheduler's reason, and teardown gives the nodes back. 0: wait until "
        "active_deadline_s."),
+    _S("preflight", True, "boolean", "Resources", "Preflight check",
+       "Before training, check every node: GPU health through NVML (ECC errors, row remaps, "
+       "clocks, temperature; XID errors from DCGM when Prometheus is set), a matmul per GPU, "
+       "and the NCCL all-reduce bus bandwidth within each node and across nodes against what "
+       "the instance type should reach. A bad node is named and cordoned (eks) and the run "
+       "fails before it trains; the report shows the table."),
+    _S("replace_bad_nodes", False, "boolean", "Resources", "Replace bad nodes",
+       "eks: a node the preflight finds bad is cordoned and its instance terminated, so the "
+       "node group's Auto Scaling group replaces it; the preflight runs again on the new node "
+       "(at most 3 preflights). Off: the run fails at once, naming the node."),
     _S("metrics_port", 0, "integer", "Metrics", "Trainer metrics port",
        "Port of the Prometheus endpoint the trainer's rank 0 serves its per-step metrics on "
-       "(loss, lr, grad norm, tokens/s, TFLOPs, MFU, memory); on eks the pods are annotated "
-       "for scraping. 0: no endpoint."),
+       "(loss, lr, grad norm, tokens/s, TFLOPs, MFU, memory); on eks the port is named "
+       "`metrics` and containers/observability/prometheus-scrape.yaml scrapes worker 0's. "
+       "0: no endpoint."),
     _S("prometheus_url", "", "string", "Metrics", "Prometheus URL",
        "Target eks: base URL (http(s)://host:port) of the Prometheus that scrapes the DCGM "
        "exporter; the report gets the job's GPU utilisation, memory, power, temperature and "
@@ -382,6 +412,8 @@ class RunConfig:
     hf_token_secret: str
     active_deadline_s: int
     schedule_timeout_s: int = 600
+    preflight: bool = True
+    replace_bad_nodes: bool = False
     service_account: str = ""
     volumes: str = ""
     queue_name: str = ""
@@ -395,6 +427,12 @@ class RunConfig:
     hang_timeout_s: int = HANG_TIMEOUT_S
     straggler_threshold: float = STRAGGLER_THRESHOLD
     launcher: str = "pytorchjob"
+    eval_dataset: str = ""
+    sample_prompts: int = 4
+    max_new_tokens: int = 16
+    eval_tasks: str = ",".join(EVAL_TASKS)
+    promotion_metric: str = "eval_loss"
+    promotion_margin: float = 0.0
 
     @property
     def world_size(self) -> int:

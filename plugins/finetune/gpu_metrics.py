@@ -458,3 +458,22 @@ def sampled_gpu_metrics(samples: list[dict], node: str) -> dict[str, Any]:
         return missing_section("nvml", "no GPU samples: no GPU on this machine, or NVML "
                                "(nvidia-ml-py) is not installed", query)
     return gpu_section(gpus.by_key.values(), source="nvml", query=query)
+
+
+def xid_codes_by_node(url: str, auth: tuple[str, str] | None, nodes: list[str], at: float,
+                      window_s: float) -> dict[str, list[int]]:
+    """XID codes DCGM reported on each of `nodes` in the `window_s` seconds before `at` (the
+    gauge holds the last code; a node with none is left out). A node is the exporter's
+    `Hostname` label, or the scrape's `node` (containers/observability/prometheus-scrape.yaml),
+    as the report reads them."""
+    if not nodes:
+        return {}
+    pattern = _promql_string("|".join(re.escape(n) for n in nodes))
+    promql = (f"({XID_SERIES}{{Hostname=~{pattern}}} > 0) or "
+              f"({XID_SERIES}{{node=~{pattern}}} > 0)")
+    found: dict[str, set[int]] = {}
+    step = max(1.0, window_s / 240)
+    for sample in PrometheusClient(url, auth=auth).query_range(promql, at - window_s, at, step):
+        node = sample["metric"].get("Hostname") or sample["metric"].get("node", "")
+        found.setdefault(node, set()).update(int(float(v)) for _, v in sample["values"])
+    return {node: sorted(codes) for node, codes in found.items()}

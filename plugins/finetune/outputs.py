@@ -14,14 +14,17 @@ from pathlib import Path
 from typing import Any
 
 from finetune.report import (
+    EVALUATION_FILE,
     METRICS_FILE,
     MODEL_DIR,
     REPORT_HTML,
     REPORT_JSON,
     SUMMARY_FILE,
+    add_sections,
     write_report,
 )
 from finetune_contract.errors import ERRORS_DIR, root_cause
+from finetune_contract.preflight import PREFLIGHT_FILE
 
 
 class ReportUnavailable(RuntimeError):
@@ -64,6 +67,19 @@ def trainer_root_cause(run_dir: str, s3_client: Callable[[], Any]) -> dict | Non
         errors="replace") for key in keys)
 
 
+def write_run_file(run_dir: str, s3_client: Callable[[], Any], name: str, text: str) -> str:
+    """Write `name` in the run directory (a path or an S3 prefix); its location."""
+    if not run_dir.startswith("s3://"):
+        path = Path(run_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / name).write_text(text)
+        return str(path / name)
+    bucket, prefix = split_s3(run_dir)
+    s3_client().put_object(Bucket=bucket, Key=f"{prefix}/{name}", Body=text.encode(),
+                           ContentType="application/json")
+    return f"s3://{bucket}/{prefix}/{name}"
+
+
 def report_exists(run_dir: str, s3_client: Callable[[], Any]) -> bool:
     if not run_dir.startswith("s3://"):
         return (Path(run_dir) / REPORT_JSON).is_file()
@@ -95,7 +111,7 @@ def build_report(run_dir: str, s3_client: Callable[[], Any], **report_args: Any)
     bucket, prefix = split_s3(run_dir)
     with tempfile.TemporaryDirectory(prefix="finetune-report-") as tmp:
         work = Path(tmp)
-        for name in (METRICS_FILE, SUMMARY_FILE):
+        for name in (METRICS_FILE, SUMMARY_FILE, PREFLIGHT_FILE, EVALUATION_FILE):
             try:
                 body = s3.get_object(Bucket=bucket, Key=f"{prefix}/{name}")["Body"].read()
                 (work / name).write_bytes(body)
@@ -129,3 +145,45 @@ def summary(run_dir: str, report: dict, model: bool) -> dict:
             "model_dir": f"{base}/{MODEL_DIR}" if model else None,
             "report_json": f"{base}/{REPORT_JSON}", "report_html": f"{base}/{REPORT_HTML}",
             "metrics": report["metrics"]}
+
+
+def evaluation_result(evaluation: dict, location: str, wall_time_s: float) -> dict:
+    """What the evaluate stage returns (to XCom): where evaluation.json is and its headline
+    figures (the samples stay in the file and the report)."""
+    return {"evaluation": location, "loss": evaluation.get("loss"),
+            "perplexity": evaluation.get("perplexity"), "tasks": evaluation.get("tasks", {}),
+            "champion_measured": evaluation.get("champion") is not None,
+            "wall_time_s": round(wall_time_s, 1)}
+
+
+def read_output(run_dir: str, name: str, s3_client: Callable[[], Any]) -> str | None:
+    """A file of the run directory (a path or an S3 prefix) as text; None when missing."""
+    if not run_dir.startswith("s3://"):
+        path = Path(run_dir) / name
+        return path.read_text(encoding="utf-8") if path.is_file() else None
+    bucket, prefix = split_s3(run_dir)
+    try:
+        body = s3_client().get_object(Bucket=bucket, Key=f"{prefix}/{name}")["Body"].read()
+    except Exception as error:
+        if _not_found(error):
+            return None
+        raise
+    return body.decode("utf-8", errors="replace")
+
+
+def add_report_sections(run_dir: str, s3_client: Callable[[], Any], **sections: Any) -> dict:
+    """report.add_sections on the run's report, where it is (a path or an S3 prefix)."""
+    if not run_dir.startswith("s3://"):
+        return add_sections(Path(run_dir), **sections)
+    bucket, prefix = split_s3(run_dir)
+    s3 = s3_client()
+    with tempfile.TemporaryDirectory(prefix="finetune-report-") as tmp:
+        work = Path(tmp)
+        (work / REPORT_JSON).write_bytes(
+            s3.get_object(Bucket=bucket, Key=f"{prefix}/{REPORT_JSON}")["Body"].read())
+        report = add_sections(work, **sections)
+        for name, content_type in ((REPORT_JSON, "application/json"),
+                                   (REPORT_HTML, "text/html; charset=utf-8")):
+            s3.put_object(Bucket=bucket, Key=f"{prefix}/{name}", Body=(work / name).read_bytes(),
+                          ContentType=content_type)
+    return report

@@ -1,8 +1,9 @@
 """The fine-tuning task graph, shared by every DAG that runs it (llm_finetune and the scheduled
 retraining DAG): call `finetune_pipeline()` inside a `@dag` function.
 
-validate -> snapshot (setup) -> scale_up -> build_image + reset_etcd -> train ->
-collect_metrics, and teardown, which runs whenever the setup ran.
+validate -> snapshot (setup) -> scale_up -> build_image + reset_etcd -> preflight -> train ->
+evaluate -> collect_metrics -> promote, and teardown, which runs whenever the setup ran.
+find_champion reads the model evaluate measures the run's against.
 """
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ RESUMABLE = {"retries": 5, "retry_exponential_backoff": 2.0,
              "retry_delay": datetime.timedelta(
                  seconds=float(os.environ.get("FINETUNE_RETRY_DELAY_S", "30"))),
              "max_retry_delay": datetime.timedelta(minutes=10)}
+
+
+def _s3_client(cfg):
+    """S3 through the run's AWS connection: an s3:// run directory's report and evaluation."""
+    from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+
+    return S3Hook(aws_conn_id=cfg.aws_conn_id).get_conn()
 
 
 def _target(run_config: dict):
@@ -122,16 +130,41 @@ def finetune_pipeline(*, base_conf: Mapping[str, Any] | None = None,
         target, cfg = _target(run_config)
         return target.reset_etcd(cfg)
 
-    @task(outlets=[model_asset] if model_asset is not None else [], **RESUMABLE)
+    @task
+    def find_champion(run_config: dict) -> dict:
+        """The DAG's champion in the MLflow registry ({} when none), for evaluate to measure."""
+        from finetune.config import RunConfig
+        from finetune.tracking import champion
+
+        return champion(RunConfig.from_dict(run_config), get_current_context()["dag"].dag_id)
+
+    @task(**RESUMABLE)
     def collect_metrics(run_config: dict, trained: dict) -> dict:
         target, cfg = _target(run_config)
-        summary = target.collect_metrics(cfg, trained)
-        if model_asset is not None:
-            from finetune.assets import model_event_extra
+        return target.collect_metrics(cfg, trained)
 
+    @task(outlets=[model_asset] if model_asset is not None else [])
+    def promote(run_config: dict, summary: dict, champion_found: dict) -> dict:
+        """Track the run in MLflow and promote its model when it beats the champion; only a
+        promotion adds the model asset event (a rejection skips this task)."""
+        from airflow.sdk.exceptions import AirflowSkipException
+
+        from finetune.assets import model_asset_uri, model_event_extra
+        from finetune.config import RunConfig
+        from finetune.tracking import promote_run
+
+        cfg = RunConfig.from_dict(run_config)
+        result = promote_run(cfg, get_current_context()["dag"].dag_id, summary, champion_found,
+                             model_asset_uri(cfg), s3_client=lambda: _s3_client(cfg))
+        promotion = result["promotion"]
+        if promotion["decision"] == "rejected":
+            raise AirflowSkipException(f"not promoted: {promotion['reason'] or ''} "
+                                       f"({promotion['metric']} {promotion['challenger']} vs "
+                                       f"champion {promotion['champion']})")
+        if model_asset is not None:
             events = get_current_context()["outlet_events"]
-            events[model_asset].extra.update(model_event_extra(cfg, summary))
-        return summary
+            events[model_asset].extra.update({**model_event_extra(cfg, summary), **result})
+        return result
 
     @task(**RESUMABLE)
     def teardown(run_config: dict, snapshot_result: dict) -> dict:
@@ -147,8 +180,19 @@ def finetune_pipeline(*, base_conf: Mapping[str, Any] | None = None,
                           **RESUMABLE)
     rendezvous = reset_etcd(cfg)
     up >> [image, rendezvous]
+    # Every node checked before it trains; a bad one is named, cordoned or replaced.
+    checked = StageOperator(task_id="preflight", stage="preflight", run_config=cfg,
+                            inputs={"image": image.output, "rendezvous": rendezvous},
+                            **RESUMABLE)
     trained = StageOperator(task_id="train", stage="train", run_config=cfg,
                             inputs={"image": image.output, "rendezvous": rendezvous},
                             **RESUMABLE, **({"pool": pool} if pool else {}))
+    checked >> trained
+    champion_found = find_champion(cfg)
+    evaluated = StageOperator(task_id="evaluate", stage="evaluate", run_config=cfg,
+                              inputs={"trained": trained.output, "image": image.output,
+                                      "champion": champion_found})
     metrics = collect_metrics(cfg, trained.output)
+    evaluated >> metrics
+    promote(cfg, metrics, champion_found)
     metrics >> teardown(cfg, snap).as_teardown(setups=snap)

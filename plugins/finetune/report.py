@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from finetune_contract.errors import ERRORS_DIR
-from finetune_contract.fields import STRAGGLER_THRESHOLD
+from finetune_contract.fields import EVALUATION_FILE, STRAGGLER_THRESHOLD
+from finetune_contract.preflight import PREFLIGHT_FILE
 from finetune_contract.stragglers import RANK_STEP_TIMES, rank_medians, stragglers
 from finetune_contract.throughput import run_throughput
 
@@ -29,7 +30,7 @@ MODEL_DIR = "model"
 REPORT_JSON = "report.json"
 REPORT_HTML = "report.html"
 
-TRAIN_SERIES_KEYS = ("step", "loss", "lr", "grad_norm", "tokens_per_s")
+TRAIN_SERIES_KEYS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu")
 
 GIB = 1024**3
 MIB = 1024**2
@@ -226,6 +227,14 @@ def write_report(
         for s in (ranks or {}).get("stragglers", [])
     )
 
+    preflight = _load_json(run_dir / PREFLIGHT_FILE)
+    if preflight and not preflight.get("ok"):
+        warnings.append("preflight found bad node(s): " + ", ".join(
+            preflight.get("bad_nodes") or []) + "; ".join(preflight.get("problems") or []))
+
+    evaluation, evaluation_warning = load_evaluation(run_dir / EVALUATION_FILE)
+    if evaluation_warning:
+        warnings.append(evaluation_warning)
     metrics = summarize(train, evals, summary)
     cost = cost_estimate(node_hourly_price, nodes, _train_wall_time(stages, metrics))
     metrics["cost_usd"] = cost["usd"] if cost else None
@@ -253,8 +262,66 @@ def write_report(
         "warnings": warnings,
         "error": failure_error(error),
         "rank_step_times": ranks,
+        "preflight": preflight,
+        "evaluation": evaluation,
+        "promotion": None,  # the promote stage's (add_sections)
+        "tracking": None,
     }
     # default=str: a config may carry Paths or datetimes; the report must still be written
+    _write_atomic(run_dir / REPORT_JSON, json.dumps(report, indent=2, default=str) + "\n")
+    _write_atomic(run_dir / REPORT_HTML, render_html(report))
+    return report
+
+
+def _load_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _preflight_html(preflight: dict | None) -> list[str]:
+    """The preflight's table: one row per node, its GPUs, bandwidth and problems."""
+    if not preflight:
+        return []
+    head = ("<tr><th>node</th><th>ranks</th><th>GPUs</th><th>matmul TFLOP/s</th>"
+            "<th>all-reduce in node (GB/s)</th><th>expected</th><th>verdict</th></tr>")
+    rows = "".join(
+        f"<tr><td>{_esc(n['node_name'])}</td><td>{n['ranks']}</td>"
+        f"<td>{_esc(', '.join(n['gpus']))}</td>"
+        f"<td>{_esc(', '.join(f'{t:.3g}' for t in n['matmul_tflops']))}</td>"
+        f"<td>{_fmt(n['intra_busbw_gbps'], '.1f')}</td>"
+        f"<td>{_fmt(n['expected_intra_gbps'], '.0f')}</td>"
+        f"<td>{'ok' if n['ok'] else _esc('; '.join(n['problems']))}</td></tr>"
+        for n in preflight["nodes"])
+    across = (f"<p>all-reduce across nodes: {_fmt(preflight['inter_busbw_gbps'], '.1f')} GB/s "
+              f"bus bandwidth (expected {_fmt(preflight['expected_inter_gbps'], '.0f')}); "
+              f"{preflight['message_mib']:g} MiB messages, {_esc(preflight['backend'])}</p>")
+    problems = "".join(f"<p class=\"warn\">{_esc(p)}</p>" for p in preflight["problems"])
+    return ["<h2>Preflight</h2>", f"<table>{head}{rows}</table>", across, problems]
+def load_evaluation(path: Path) -> tuple[dict | None, str | None]:
+    """The report's `evaluation` from trainer/evaluate.py's file: (section, warning)."""
+    if not path.is_file():
+        return None, None  # a run that failed before evaluate, or a report written before it
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return None, f"{EVALUATION_FILE} unreadable ({exc})"
+    if not isinstance(data, dict):
+        return None, f"{EVALUATION_FILE} is not an object"
+    keep = ("loss", "perplexity", "samples", "tasks", "higher_is_better", "champion",
+            "eval_set", "eval_rows", "wall_time_s")
+    return {key: data.get(key) for key in keep}, None
+
+
+def add_sections(run_dir: Path, **sections: Any) -> dict:
+    """Set top-level sections of an existing report.json (the promote stage's `promotion` and
+    `tracking`), add their warnings, and render report.html again; returns the report."""
+    run_dir = Path(run_dir)
+    report = json.loads((run_dir / REPORT_JSON).read_text(encoding="utf-8"))
+    warnings = sections.pop("warnings", [])
+    report.update(sections)
+    report["warnings"] = list(report.get("warnings") or []) + list(warnings)
     _write_atomic(run_dir / REPORT_JSON, json.dumps(report, indent=2, default=str) + "\n")
     _write_atomic(run_dir / REPORT_HTML, render_html(report))
     return report
@@ -498,9 +565,12 @@ def render_html(report: dict) -> str:
         "<h2>Config</h2>",
         _table(_flatten(report["config"]), "no config"),
     ]
+    parts += _evaluation_html(report.get("evaluation"), report.get("promotion"),
+                              report.get("tracking"))
     parts += _gpu_html(report.get("gpu"), report.get("cost"))
     parts += _host_html(report.get("host"))
     parts += _rank_times_html(report.get("rank_step_times"))
+    parts += _preflight_html(report.get("preflight"))
     if report["stages"]:
         parts += ["<h2>Stages</h2>", _table(_flatten(report["stages"]), "no stages")]
     parts += [
@@ -511,6 +581,41 @@ def render_html(report: dict) -> str:
         "</body></html>",
     ]
     return "\n".join(parts) + "\n"
+
+
+def _evaluation_html(evaluation: dict | None, promotion: dict | None,
+                     tracking: dict | None) -> list[str]:
+    if not evaluation:
+        return []
+    champion = evaluation.get("champion") or {}
+    rows = [("eval set", f"{evaluation.get('eval_set')} ({evaluation.get('eval_rows')} rows)"),
+            ("loss", _fmt(evaluation.get("loss"), ".4f")
+             + (f" (champion {_fmt(champion.get('loss'), '.4f')})" if champion else "")),
+            ("perplexity", _fmt(evaluation.get("perplexity"), ".3f")
+             + (f" (champion {_fmt(champion.get('perplexity'), '.3f')})" if champion else ""))]
+    for task, scores in (evaluation.get("tasks") or {}).items():
+        theirs = (champion.get("tasks") or {}).get(task, {})
+        for metric, value in scores.items():
+            rows.append((f"{task} {metric}", _fmt(value, ".4f") + (
+                f" (champion {_fmt(theirs.get(metric), '.4f')})" if metric in theirs else "")))
+    parts = ["<h2>Evaluation</h2>", _table(rows, "no evaluation")]
+    if promotion:
+        parts.append(f'<p>promotion: <b>{_esc(promotion.get("decision"))}</b> on '
+                     f'{_esc(promotion.get("metric"))}: challenger '
+                     f'{_fmt(promotion.get("challenger"), ".4f")}, champion '
+                     f'{_fmt(promotion.get("champion"), ".4f")}, margin '
+                     f'{_fmt(promotion.get("margin"), "g")}. {_esc(promotion.get("reason", ""))}'
+                     "</p>")
+    if tracking and tracking.get("run_id"):
+        parts.append(f'<p class="muted">MLflow: experiment {_esc(tracking.get("experiment_id"))}'
+                     f', run {_esc(tracking["run_id"])} at {_esc(tracking.get("uri"))}</p>')
+    samples = evaluation.get("samples") or []
+    if samples:
+        body = "".join(f"<tr><td>{_esc(s.get('prompt'))}</td><td>{_esc(s.get('reference'))}"
+                       f"</td><td>{_esc(s.get('output'))}</td></tr>" for s in samples)
+        parts += ["<h3>Samples (greedy)</h3>", "<table><tr><th>prompt</th><th>reference</th>"
+                  f"<th>model</th></tr>{body}</table>"]
+    return parts
 
 
 # GPU metrics: the table's columns and the plots, (key, label, unit).

@@ -21,11 +21,13 @@ def trainer_config(cfg: RunConfig, *, local_paths: bool = True) -> dict[str, Any
     """
     if not local_paths:
         model, tokenizer, dataset = cfg.model, cfg.tokenizer or None, cfg.dataset
+        eval_dataset = cfg.eval_dataset or None
     else:
         model = cfg.model if cfg.model in BUILTIN_MODELS or not _is_dir(resolve_path(cfg.model)) \
             else str(resolve_path(cfg.model))
         tokenizer = str(resolve_path(cfg.tokenizer)) if cfg.tokenizer else None
         dataset = _dataset_here(cfg.dataset)
+        eval_dataset = _dataset_here(cfg.eval_dataset) or None
     return {
         "model": model,
         "tokenizer": tokenizer,
@@ -67,6 +69,10 @@ def trainer_config(cfg: RunConfig, *, local_paths: bool = True) -> dict[str, Any
         "metrics_port": cfg.metrics_port,
         "hang_timeout_s": cfg.hang_timeout_s,
         "straggler_threshold": cfg.straggler_threshold,
+        "eval_dataset": eval_dataset,
+        "sample_prompts": cfg.sample_prompts,
+        "max_new_tokens": cfg.max_new_tokens,
+        "eval_tasks": cfg.eval_tasks,
         "output_dir": cfg.run_dir,
     }
 

@@ -37,7 +37,13 @@ from finetune.presets import NO_PRESET, PRESET_NAMES, PRESETS, Preset, apply_pre
 from finetune.targets import get_target
 from finetune.trainer_config import trainer_config
 from finetune_contract import data as contract_data
-from finetune_contract.fields import ContractError, TrainConfig, quoted
+from finetune_contract.fields import (
+    LOWER_IS_BETTER,
+    ContractError,
+    TrainConfig,
+    eval_task_names,
+    quoted,
+)
 from finetune_contract.models import BUILTIN_MODELS, model_shape
 from finetune_contract.rules import config_problems, location_problems
 
@@ -120,9 +126,40 @@ def run_problems(cfg: RunConfig, paths_are_local: bool = True) -> Problems:
     errors += [(field, message) for field, message in config_problems(
         train, world_size=cfg.world_size, local_world_size=cfg.procs_per_node, shape=shape)
         if not (field == "output_dir" and field in named)]
+    errors += evaluation_problems(cfg, train, in_pod)
     if not errors:
         errors += data_problems(cfg, train, in_pod)
     return _dedupe(errors)
+
+
+def evaluation_problems(cfg: RunConfig, train: TrainConfig, in_pod: bool) -> Problems:
+    """The evaluate and promote stages' fields: a promotion metric the evaluation measures, an
+    eval data set that exists with the fields the training reads."""
+    errors: Problems = []
+    if cfg.promotion_metric not in LOWER_IS_BETTER:
+        task, _, metric = cfg.promotion_metric.partition(".")
+        if not metric or task not in eval_task_names(cfg.eval_tasks):
+            errors.append(("promotion_metric", (
+                f"{quoted(cfg.promotion_metric)} is not measured by this run: give "
+                + ", ".join(LOWER_IS_BETTER) + ", or <task>.<metric> of a task in eval_tasks "
+                f"({cfg.eval_tasks or 'none'}), e.g. demo_instructions.acc")))
+    if not train.eval_dataset or contract_data.dataset_source(train.eval_dataset) != "local" \
+            or (in_pod and cfg.eval_dataset.startswith("/")):
+        return errors  # read where the trainer runs
+    try:
+        files = contract_data.data_files(Path(train.eval_dataset), cfg.dataset_format)
+        rows = contract_data.read_rows(files, cfg.dataset_format, MAX_ROWS_CHECKED)
+    except ValueError as exc:
+        return errors + [("eval_dataset", str(exc))]
+    except OSError as exc:
+        return errors + [("eval_dataset", f"cannot read {quoted(cfg.eval_dataset)}: "
+                          f"{exc.strerror}")]
+    if rows is not None and not rows.rows:
+        return errors + [("eval_dataset", f"{quoted(cfg.eval_dataset)} has no usable rows")]
+    if rows is not None:
+        errors += [("eval_dataset", message) for _, message in
+                   contract_data.missing_columns(train, rows.columns, cfg.eval_dataset)]
+    return errors
 
 
 def _dedupe(errors: Problems) -> Problems:

@@ -42,6 +42,13 @@ HANG_TIMEOUT_S = 1800
 STRAGGLER_THRESHOLD = 0.2
 # Longest value an error message quotes before cutting it.
 MAX_QUOTED = 80
+# What trainer/evaluate.py writes in the run's output directory, beside model/.
+EVALUATION_FILE = "evaluation.json"
+# The lm-evaluation-harness tasks shipped in trainer/eval_tasks (run offline, by name).
+EVAL_TASKS = ("demo_instructions",)
+# What promotion compares: eval loss or perplexity on the eval split (lower is better), or a
+# task's metric (`<task>.<metric>`, higher is better as the harness says).
+LOWER_IS_BETTER = ("eval_loss", "perplexity")
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,9 @@ BOUNDS: dict[str, Bounds] = {
     "max_grad_norm": _B(maximum=1e6, exclusive_minimum=0),
     "hang_timeout_s": _B(0, 7 * 86400),
     "straggler_threshold": _B(maximum=100, exclusive_minimum=0),
+    "sample_prompts": _B(0, 100),
+    "max_new_tokens": _B(1, 4096),
+    "promotion_margin": _B(0, 1e6),
 }
 
 
@@ -167,6 +177,12 @@ class TrainConfig:
     hang_timeout_s: int = HANG_TIMEOUT_S
     # A rank whose median step time exceeds the ranks' median by this fraction is a straggler.
     straggler_threshold: float = STRAGGLER_THRESHOLD
+    # Evaluation (trainer/evaluate.py): a separate data set for it (same fields; else the eval
+    # split), eval-split prompts to generate answers for, and benchmark tasks (EVAL_TASKS).
+    eval_dataset: str | None = None
+    sample_prompts: int = 4
+    max_new_tokens: int = 16
+    eval_tasks: str = ""  # comma-separated
 
     def __post_init__(self) -> None:
         errors: list[tuple[str, str]] = []
@@ -198,7 +214,17 @@ def field_problem(name: str, value: Any) -> str | None:
         return BOUNDS[name].problem(value)
     if name in _REQUIRED_STRINGS and not value.strip():
         return "must not be empty"
+    if name == "eval_tasks":
+        unknown = [task for task in eval_task_names(value) if task not in EVAL_TASKS]
+        if unknown:
+            return (f"unknown task {quoted(unknown[0])}; allowed (comma-separated, run offline "
+                    f"from trainer/eval_tasks): {', '.join(EVAL_TASKS)}")
     return None
+
+
+def eval_task_names(text: str) -> list[str]:
+    """The task names of a comma-separated eval_tasks value."""
+    return [name.strip() for name in text.split(",") if name.strip()]
 
 
 def _coerce(field: dataclasses.Field, value: Any) -> Any:

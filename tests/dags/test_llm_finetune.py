@@ -17,8 +17,8 @@ from finetune.targets.local import _trainer_processes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DAG_FILE = REPO_ROOT / "dags" / "llm_finetune.py"
-STAGES = ["validate", "snapshot", "scale_up", "build_image", "reset_etcd", "train",
-          "collect_metrics", "teardown"]
+STAGES = ["validate", "snapshot", "scale_up", "build_image", "reset_etcd", "preflight",
+          "find_champion", "train", "evaluate", "collect_metrics", "promote", "teardown"]
 # Fake credentials in the environment of the full run, which must appear nowhere it writes.
 SECRETS = {
     "HF_TOKEN": "hf_FakeLocalTokenThatMustNeverLeak0123456",
@@ -75,8 +75,12 @@ def test_dag_wires_the_stages_with_a_guaranteed_teardown():
     assert up["snapshot"] == {"validate"}
     assert up["scale_up"] == {"validate", "snapshot"}
     assert up["build_image"] == up["reset_etcd"] == {"validate", "scale_up"}
-    assert up["train"] == {"validate", "build_image", "reset_etcd"}
-    assert up["collect_metrics"] == {"validate", "train"}
+    assert up["preflight"] == {"validate", "build_image", "reset_etcd"}
+    assert up["train"] == {"validate", "build_image", "reset_etcd", "preflight"}
+    assert up["find_champion"] == {"validate"}
+    assert up["evaluate"] == {"validate", "train", "build_image", "find_champion"}
+    assert up["collect_metrics"] == {"validate", "train", "evaluate"}
+    assert up["promote"] == {"validate", "collect_metrics", "find_champion"}
     assert up["teardown"] == {"validate", "snapshot", "collect_metrics"}
     assert dag.get_task("snapshot").is_setup
     assert dag.get_task("teardown").is_teardown
@@ -84,7 +88,8 @@ def test_dag_wires_the_stages_with_a_guaranteed_teardown():
 
 def test_the_stages_a_new_try_resumes_are_retried_after_a_delay_and_no_others():
     dag = load_dag()
-    resumable = {"scale_up", "build_image", "train", "collect_metrics", "teardown"}
+    resumable = {"scale_up", "build_image", "preflight", "train", "collect_metrics",
+                 "teardown"}
     for task_id in STAGES:
         task = dag.get_task(task_id)
         if task_id in resumable:

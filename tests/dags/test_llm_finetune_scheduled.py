@@ -18,7 +18,7 @@ def test_scheduled_dag_reuses_the_stages_runs_one_at_a_time_and_trains_in_the_cl
     assert type(schedule).__name__ == "AssetOrTimeSchedule"
     assert schedule.timetable.expression == "0 3 * * 0"
     assert schedule.asset_condition.name == "finetune_dataset"
-    assert [a.name for a in dag.get_task("collect_metrics").outlets] == [
+    assert [a.name for a in dag.get_task("promote").outlets] == [
         "llm_finetune_scheduled.model"]
 
 

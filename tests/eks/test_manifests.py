@@ -70,8 +70,8 @@ def test_pytorchjob_carries_rendezvous_resources_and_placement_for_p4de():
     assert {"cleanPodPolicy", "ttlSecondsAfterFinished", "backoffLimit"} <= set(run_policy)
     pod = manifest["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
     container = pod["containers"][0]
-    assert container["resources"]["limits"] == {"nvidia.com/gpu": 8,
-                                                "vpc.amazonaws.com/efa": 4}
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 4,
+                                                "hugepages-2Mi": "5120Mi"}
     assert container["args"][-2:] == ["--config", "/etc/finetune/trainer_config.json"]
     assert pod["nodeSelector"]["eks.amazonaws.com/nodegroup"] == "gpu-p4de"
     assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
@@ -89,15 +89,56 @@ def test_pytorchjob_carries_rendezvous_resources_and_placement_for_p4de():
     assert manifest["metadata"]["labels"][LABEL_RUN] == cfg.rdzv_id
 
 
-def test_p5_gets_32_efa_interfaces_and_g5_none():
-    p5 = pytorchjob_manifest(eks_config(instance_type="p5.48xlarge"), "img:1")
-    limits = p5["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0][
-        "resources"]["limits"]
-    assert limits == {"nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 32}
-    g5 = pytorchjob_manifest(eks_config(instance_type="g5.12xlarge", procs_per_node=4), "img:1")
-    container = g5["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
-    assert container["resources"]["limits"] == {"nvidia.com/gpu": 4}
-    assert "FI_PROVIDER" not in {e["name"] for e in container["env"]}
+def _pods_of_both_launchers(instance_type: str) -> list[dict]:
+    """The env and resources of the PyTorchJob's worker and of the TrainJob for the type."""
+    from finetune.targets.eks.manifests import trainjob_manifest
+
+    gpus = INSTANCE_TYPES[instance_type].gpus
+    cfg = eks_config(instance_type=instance_type, procs_per_node=gpus)
+    worker = pytorchjob_manifest(cfg, "img:1")["spec"]["pytorchReplicaSpecs"]["Worker"]
+    container = worker["template"]["spec"]["containers"][0]
+    trainjob_cfg = eks_config(instance_type=instance_type, procs_per_node=gpus,
+                              launcher="trainjob", rdzv_backend="c10d", max_restarts=0)
+    trainer = trainjob_manifest(trainjob_cfg, "img:1")["spec"]["trainer"]
+    return [{"env": container["env"], "resources": container["resources"]},
+            {"env": trainer["env"], "resources": trainer["resourcesPerNode"]}]
+
+
+@pytest.mark.parametrize("instance_type", sorted(INSTANCE_TYPES))
+def test_each_pod_gets_its_instance_profiles_devices_resources_and_nccl_environment(
+        instance_type):
+    profile = INSTANCE_TYPES[instance_type]
+    for pod in _pods_of_both_launchers(instance_type):
+        env = {e["name"]: e.get("value") for e in pod["env"]}
+        # the profile's NCCL/EFA settings, and no type-dependent one from anywhere else
+        assert {k: env.get(k) for k in profile.nccl_env} == profile.nccl_env
+        type_dependent = {k for k in env if k.startswith("FI_") or k in (
+            "NCCL_NVLS_ENABLE", "NCCL_PROTO", "NCCL_ALGO")}
+        assert type_dependent <= set(profile.nccl_env)
+        assert ("FI_EFA_USE_DEVICE_RDMA" in env) == profile.efa_rdma_read
+        limits, requests = pod["resources"]["limits"], pod["resources"]["requests"]
+        assert limits.get("vpc.amazonaws.com/efa", 0) == profile.efa
+        assert limits["nvidia.com/gpu"] == profile.gpus
+        # devices and huge pages: requests equal limits (Kubernetes refuses anything else)
+        assert {k: requests[k] for k in limits} == limits
+        assert ("hugepages-2Mi" in limits) == (profile.efa > 0)
+        # what the pod asks for fits what the node has left after the kubelet's reservation
+        assert int(requests["cpu"]) * 1000 <= profile.allocatable_cpu_m
+        hugepages = profile.hugepages_mib
+        assert int(requests["memory"].removesuffix("Gi")) * 1024 + hugepages \
+            <= profile.allocatable_memory_mib
+
+
+def test_every_instance_type_eksctl_lists_as_efa_capable_gets_its_efa_and_rdma_only_where_sourced():
+    # eksctl's table lists every supported type as EFA-capable (g5/g6 .12xlarge included)
+    assert all(p.efa >= 1 for p in INSTANCE_TYPES.values())
+    assert {n for n, p in INSTANCE_TYPES.items() if p.efa_rdma_read} == {
+        "p4d.24xlarge", "p4de.24xlarge", "p5.48xlarge", "p5e.48xlarge", "p5en.48xlarge"}
+    # NVLS is left on (NCCL's default) where the NVSwitch has it
+    assert all("NCCL_NVLS_ENABLE" not in p.nccl_env for p in INSTANCE_TYPES.values())
+    for profile in INSTANCE_TYPES.values():
+        assert profile.busbw_intra_gbps > 0 and profile.busbw_inter_gbps > 0
+        assert profile.busbw_source
 
 
 def test_c10d_rendezvous_lives_on_worker_0():

@@ -14,7 +14,12 @@ import pytest
 import yaml
 
 from finetune.gpu_metrics import DCGM_SERIES
-from finetune.targets.eks.manifests import APP, METRICS_PORT_NAME, pytorchjob_manifest
+from finetune.targets.eks.manifests import (
+    APP,
+    LABEL_REPLICA_INDEX,
+    METRICS_PORT_NAME,
+    pytorchjob_manifest,
+)
 from tests.support.eks import eks_config
 from tests.support.schemas import K8S_VERSION
 from trainer.metrics_endpoint import EVAL_GAUGE, MAX_STEPS_GAUGE, TRAIN_GAUGES
@@ -48,7 +53,10 @@ def test_scrape_config_passes_promtool_and_finds_the_exporter_and_the_trainer(tm
                      if r.get("action") == "keep"}
     assert trainer_keeps == {
         ("__meta_kubernetes_pod_label_app_kubernetes_io_managed_by",): APP,
-        ("__meta_kubernetes_pod_container_port_name",): METRICS_PORT_NAME}
+        ("__meta_kubernetes_pod_container_port_name",): METRICS_PORT_NAME,
+        # only worker 0 (rank 0) serves the endpoint
+        ("__meta_kubernetes_pod_label_" + re.sub(r"[^a-zA-Z0-9_]", "_", LABEL_REPLICA_INDEX),):
+            "0"}
     promtool = shutil.which("promtool") or pytest.skip("promtool is not installed (prometheus)")
     # Debian's Prometheus is built without Kubernetes discovery: check the rest with static
     # targets in its place (the relabelling rules, intervals, job names)
@@ -79,7 +87,8 @@ def test_a_trainer_with_metrics_port_exposes_it_by_name_for_the_scrape_job():
         "template"]
     container = template["spec"]["containers"][0]
     assert container["ports"] == [{"name": METRICS_PORT_NAME, "containerPort": 9402}]
-    assert template["metadata"]["annotations"]["prometheus.io/port"] == "9402"
+    # only rank 0 serves metrics: no scrape annotation on every worker
+    assert "annotations" not in template["metadata"]
     assert template["metadata"]["labels"]["app.kubernetes.io/managed-by"] == APP
     plain = pytorchjob_manifest(eks_config(), "img:1")["spec"]["pytorchReplicaSpecs"]["Worker"]
     assert "ports" not in plain["template"]["spec"]["containers"][0]

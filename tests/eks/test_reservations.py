@@ -9,7 +9,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import boto3
 import kubernetes
 import pytest
 
@@ -23,7 +22,15 @@ from finetune.targets.eks.reservations import (
     reserve,
     wanted_scaling,
 )
-from tests.support.eks import NS, SCALING, eks_config, run_stage, scaling, target
+from tests.support.eks import (
+    NS,
+    SCALING,
+    eks_config,
+    run_stage,
+    scaling,
+    target,
+    the_nodegroups_asg,
+)
 from tests.support.kube import add_nodes
 
 BASELINE = {"minSize": 0, "maxSize": 2, "desiredSize": 1}
@@ -139,24 +146,6 @@ def test_a_conflicting_change_is_retried_and_neither_change_is_lost(cluster):
     state, _ = mine.read()
     assert sorted(state["reservations"]) == ["mine", "other"]
     assert wanted_scaling(state, time.time())["desiredSize"] == 4
-
-
-def the_nodegroups_asg(nodegroup: Any, instances: int) -> tuple[Any, str, list[str]]:
-    """moto names the node group's Auto Scaling group but does not create it: create it."""
-    asg_name = nodegroup.describe_nodegroup(clusterName="train", nodegroupName="gpu-p4de")[
-        "nodegroup"]["resources"]["autoScalingGroups"][0]["name"]
-    ec2, autoscaling = boto3.client("ec2"), boto3.client("autoscaling")
-    vpc = ec2.create_vpc(CidrBlock="10.0.0.0/16")["Vpc"]["VpcId"]
-    subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.0.0.0/24")["Subnet"]["SubnetId"]
-    template = ec2.create_launch_template(LaunchTemplateName="gpu", LaunchTemplateData={
-        "ImageId": "ami-12c6146b", "InstanceType": "p4de.24xlarge"})["LaunchTemplate"]
-    autoscaling.create_auto_scaling_group(
-        AutoScalingGroupName=asg_name, MinSize=0, MaxSize=8, DesiredCapacity=instances,
-        LaunchTemplate={"LaunchTemplateId": template["LaunchTemplateId"]},
-        VPCZoneIdentifier=subnet)
-    ids = [i["InstanceId"] for i in autoscaling.describe_auto_scaling_groups(
-        AutoScalingGroupNames=[asg_name])["AutoScalingGroups"][0]["Instances"]]
-    return autoscaling, asg_name, sorted(ids)
 
 
 def protected(autoscaling: Any, asg_name: str) -> set[str]:

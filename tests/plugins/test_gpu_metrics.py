@@ -4,13 +4,8 @@ equal what the exporter served."""
 
 from __future__ import annotations
 
-import http.server
 import json
-import subprocess
-import threading
 import time
-import urllib.request
-from pathlib import Path
 
 import pytest
 
@@ -22,9 +17,10 @@ from finetune.gpu_metrics import (
     prometheus_gpu_metrics,
     redact_url,
     sampled_gpu_metrics,
+    xid_codes_by_node,
 )
 from finetune.report import write_report
-from tests.support.system import system_binary_or_skip
+from tests.support.prometheus import TextExporter, start_prometheus
 
 NAMESPACE = "ml"
 JOB = "llm-finetune-run1"
@@ -49,74 +45,28 @@ def served_value(series: str, index: int, node: str, gpu: str, scrape: int) -> f
     return 10.0 * (list(DCGM_SERIES).index(series) + 1) + 7 * index + 3 * (scrape % 3) + 0.5
 
 
-class DcgmExporter(http.server.ThreadingHTTPServer):
+class DcgmExporter(TextExporter):
     """Serves DCGM-format text; records every value it served, per (series, node, gpu)."""
 
     def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), _Handler)
-        self.scrapes = 0
+        super().__init__(self.dcgm_text)
         self.served: dict[tuple[str, str, str], list[float]] = {}
-        self.lock = threading.Lock()
 
-    def body(self) -> str:
-        with self.lock:
-            scrape = self.scrapes
-            self.scrapes += 1
-            lines = []
-            if scrape < SCRAPES:
-                for series in DCGM_SERIES:
-                    lines.append(f"# TYPE {series} gauge")
-                    for index, (ns, pod, node, gpu) in enumerate(JOB_GPUS + OTHER_GPUS):
-                        value = served_value(series, index, node, gpu, scrape)
-                        if index < len(JOB_GPUS):
-                            self.served.setdefault((series, node, gpu), []).append(value)
-                        lines.append(
-                            f'{series}{{gpu="{gpu}",UUID="GPU-{node}-{gpu}",device="nvidia{gpu}",'
-                            f'modelName="NVIDIA H100 80GB HBM3",Hostname="{node}",'
-                            f'container="trainer",namespace="{ns}",pod="{pod}"}} {value}')
-            lines.append("exporter_up 1")
-            return "\n".join(lines) + "\n"
-
-
-class _Handler(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        body = self.server.body().encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain; version=0.0.4")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args) -> None:
-        pass
-
-
-def start_prometheus(tmp: Path, targets: list[str]) -> tuple[subprocess.Popen, str]:
-    """A real Prometheus on loopback scraping `targets` every second."""
-    binary = system_binary_or_skip("prometheus", "prometheus")
-    port = free_port()
-    config = tmp / "prometheus.yml"
-    config.write_text(json.dumps({  # YAML is a superset of JSON
-        "global": {"scrape_interval": "1s", "scrape_timeout": "1s",
-                   "evaluation_interval": "1s"},
-        "scrape_configs": [{"job_name": "dcgm", "honor_labels": True,
-                            "static_configs": [{"targets": targets}]}],
-    }))
-    proc = subprocess.Popen(
-        [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=subprocess.DEVNULL, stderr=(tmp / "prometheus.log").open("w"))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{url}/-/ready", timeout=1) as response:
-                if response.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(0.2)
-    proc.terminate()
-    pytest.fail(f"Prometheus did not start: {(tmp / 'prometheus.log').read_text()[-2000:]}")
+    def dcgm_text(self, scrape: int) -> str:
+        lines = []
+        if scrape < SCRAPES:
+            for series in DCGM_SERIES:
+                lines.append(f"# TYPE {series} gauge")
+                for index, (ns, pod, node, gpu) in enumerate(JOB_GPUS + OTHER_GPUS):
+                    value = served_value(series, index, node, gpu, scrape)
+                    if index < len(JOB_GPUS):
+                        self.served.setdefault((series, node, gpu), []).append(value)
+                    lines.append(
+                        f'{series}{{gpu="{gpu}",UUID="GPU-{node}-{gpu}",device="nvidia{gpu}",'
+                        f'modelName="NVIDIA H100 80GB HBM3",Hostname="{node}",'
+                        f'container="trainer",namespace="{ns}",pod="{pod}"}} {value}')
+        lines.append("exporter_up 1")
+        return "\n".join(lines) + "\n"
 
 
 @pytest.fixture(scope="module")
@@ -125,9 +75,9 @@ def scraped(tmp_path_factory):
     series); yields (url, exporter, start, end) with the job's window."""
     tmp = tmp_path_factory.mktemp("prometheus")
     exporter = DcgmExporter()
-    threading.Thread(target=exporter.serve_forever, daemon=True).start()
+    target = exporter.start()
     start = time.time()
-    proc, url = start_prometheus(tmp, [f"127.0.0.1:{exporter.server_address[1]}"])
+    proc, url = start_prometheus(tmp, [target])
     try:
         deadline = time.monotonic() + 60
         while exporter.scrapes <= SCRAPES and time.monotonic() < deadline:
@@ -185,6 +135,16 @@ def test_an_xid_error_is_flagged_on_its_gpu_and_in_the_report(scraped, tmp_path)
     assert any("XID ERROR" in w for w in report["warnings"])
     page = (tmp_path / "report.html").read_text()
     assert 'class="xid"' in page and "XID 79" in page
+
+
+@pytest.mark.slow
+def test_xid_codes_are_found_per_node_over_a_window_and_only_for_the_nodes_asked(scraped):
+    url, _, start, end = scraped
+    window = end - start + 5
+    assert xid_codes_by_node(url, None, ["node-a", "node-b"], end, window) == {
+        "node-b": [XID_CODE]}
+    assert xid_codes_by_node(url, None, ["node-a", "node-c"], end, window) == {}
+    assert xid_codes_by_node(url, None, ["node-b"], start - 60, 30) == {}  # before it
 
 
 @pytest.mark.slow

@@ -147,6 +147,7 @@ def test_series_hold_train_and_eval_points_in_step_order(tmp_path: Path) -> None
         "lr": pytest.approx(2e-4),
         "grad_norm": 1.0,
         "tokens_per_s": 2000.0,
+        "mfu": 0.2,
     }
     assert series["eval"] == [
         {"step": 0, "eval_loss": 2.5},

@@ -4,11 +4,14 @@ never imported from another test module):
 - `system`: the Debian programs the tests need (etcd, prometheus, chromium), or a skip.
 - `aws`: moto in server mode; fixtures `moto_endpoint`, `aws`, `s3`.
 - `etcd`: fixture `etcd_server`, a real etcd.
+- `mlflow`: a real `mlflow server` (SQLite; local or S3 artifacts): `start_mlflow`, fixture
+  `mlflow_server`.
 - `kube`: kmock's Kubernetes emulator fixed where the eks target relies on the API server,
   served from its own thread (`Cluster`); fixture `cluster`; the test playing the training
   operator (`TrainingOperator`, `create_job`, `set_condition`).
-- `eks`: an eks run config (`eks_config`), the eks target with short timeouts; fixtures
-  `nodegroup`, `task_log`.
+- `eks`: an eks run config (`eks_config`), the eks target with short timeouts, the node
+  group's Auto Scaling group moto does not make (`the_nodegroups_asg`); fixtures `nodegroup`,
+  `task_log`.
 - `deferral`: driving deferrable operators and triggers as Airflow does.
 - `airflow`: a real Airflow (api-server, scheduler, dag-processor, triggerer as separate
   processes, each killed and started again on its own, `Airflow`), a REST client (`Api`) and a
@@ -17,6 +20,7 @@ never imported from another test module):
   schemas.
 - `trainer`: the test playing Kubeflow Trainer v2 and JobSet for a TrainJob
   (`TrainerController`, `trainjob_config`, `set_trainjob_status`).
+- `preflight`: what the preflight program measures, made to order (`measured`).
 - `training`: torchrun, demo rows and metrics files for the trainer tests; fixture `world_of_one`.
 
 Fixtures reach the tests through conftest.py files: tests/conftest.py lists the light modules in

@@ -103,7 +103,9 @@ class TrainingOperator(threading.Thread):
                 "metadata": {"name": pod, "namespace": NS, "labels": {
                     LABEL_JOB_NAME: name, LABEL_REPLICA_TYPE: "worker",
                     LABEL_REPLICA_INDEX: str(i)}},
-                "spec": {"containers": [{"name": "pytorch", "image": "img"}]},
+                # worker i on node ip-10-0-0-i (tests.support.kube.add_nodes) once placed
+                "spec": {"containers": [{"name": "pytorch", "image": "img"}],
+                         **({} if self.unschedulable else {"nodeName": f"ip-10-0-0-{i}"})},
                 "status": pod_status(self.unschedulable)})
             self.created.append(pod)
         if self.unschedulable:
@@ -200,3 +202,21 @@ def task_log() -> Any:
     yield records
     logger.removeHandler(handler)
     logger.setLevel(old_level)
+
+
+def the_nodegroups_asg(nodegroup: Any, instances: int) -> tuple[Any, str, list[str]]:
+    """moto names the node group's Auto Scaling group but does not create it: create it."""
+    asg_name = nodegroup.describe_nodegroup(clusterName="train", nodegroupName="gpu-p4de")[
+        "nodegroup"]["resources"]["autoScalingGroups"][0]["name"]
+    ec2, autoscaling = boto3.client("ec2"), boto3.client("autoscaling")
+    vpc = ec2.create_vpc(CidrBlock="10.0.0.0/16")["Vpc"]["VpcId"]
+    subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.0.0.0/24")["Subnet"]["SubnetId"]
+    template = ec2.create_launch_template(LaunchTemplateName="gpu", LaunchTemplateData={
+        "ImageId": "ami-12c6146b", "InstanceType": "p4de.24xlarge"})["LaunchTemplate"]
+    autoscaling.create_auto_scaling_group(
+        AutoScalingGroupName=asg_name, MinSize=0, MaxSize=8, DesiredCapacity=instances,
+        LaunchTemplate={"LaunchTemplateId": template["LaunchTemplateId"]},
+        VPCZoneIdentifier=subnet)
+    ids = [i["InstanceId"] for i in autoscaling.describe_auto_scaling_groups(
+        AutoScalingGroupNames=[asg_name])["AutoScalingGroups"][0]["Instances"]]
+    return autoscaling, asg_name, sorted(ids)

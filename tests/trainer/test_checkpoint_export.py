@@ -56,6 +56,30 @@ def test_the_exported_model_gives_the_trainers_logits(world_of_one, tokenizer, t
     assert (tmp_path / "generation_config.json").is_file()
 
 
+def test_the_export_is_readable_like_the_runs_other_files_and_saves_only_tokenizer_settings(
+        world_of_one, tokenizer, tmp_path):
+    import json
+    import os
+    import stat
+
+    model, model_config, _ = sharded_model(world_of_one, tokenizer)
+    old = os.umask(0o022)
+    try:
+        export_hf(model, model_config, tokenizer, tmp_path / "model", world_of_one.rank)
+        (tmp_path / "sibling.json").write_text("{}")  # how the run's other outputs are made
+    finally:
+        os.umask(old)
+    expected = stat.S_IMODE((tmp_path / "sibling.json").stat().st_mode)
+    files = [p for p in (tmp_path / "model").rglob("*") if p.is_file()]
+    assert any(p.suffix == ".safetensors" for p in files)
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in files} == {
+        p.name: expected for p in files}
+    saved = json.loads((tmp_path / "model" / "tokenizer_config.json").read_text())
+    assert not {"local_files_only", "is_local", "cache_dir", "_commit_hash"} & set(saved)
+    assert AutoTokenizer.from_pretrained(tmp_path / "model")("owl")["input_ids"] == \
+        tokenizer("owl")["input_ids"]
+
+
 def test_a_bf16_run_exports_bf16_weights(world_of_one, tokenizer, tmp_path):
     model, model_config, _ = sharded_model(world_of_one, tokenizer, mixed_precision="bf16")
     export_hf(model, model_config, tokenizer, tmp_path, world_of_one.rank, torch.bfloat16)

@@ -5,3 +5,6 @@ from pathlib import Path
 DEMO_DIR = Path(__file__).resolve().parent
 DEMO_DATASET = DEMO_DIR / "instructions.jsonl"
 DEMO_TOKENIZER = DEMO_DIR / "tokenizer"
+# lm-evaluation-harness tasks shipped with the trainer (trainer/evaluate.py's include_path).
+EVAL_TASKS_DIR = DEMO_DIR.parent / "eval_tasks"
+DEMO_EVAL_TASK_DATA = EVAL_TASKS_DIR / "demo_instructions.jsonl"

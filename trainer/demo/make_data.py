@@ -1,6 +1,7 @@
 """Write the demo instruction data set: synthetic tasks a tiny model learns in minutes.
 
 python -m trainer.demo.make_data [--rows 3000] [--seed 0] [--out FILE]
+python -m trainer.demo.make_data --eval-task   # the demo's multiple-choice benchmark task
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
-from trainer.demo import DEMO_DATASET
+from trainer.demo import DEMO_DATASET, DEMO_EVAL_TASK_DATA
 
 WORDS = (
     "apple bird boat book cake car cat cloud corn cup desk dog door drum egg fish flag fox frog "
@@ -79,12 +80,38 @@ def make_rows(rows: int, seed: int) -> list[dict[str, str]]:
     return examples
 
 
+def make_choice_rows(rows: int, seed: int, choices: int = 4) -> list[dict]:
+    """Multiple-choice items of the same tasks for the benchmark task (trainer/eval_tasks): the
+    answer among `choices` answers to other draws of the same task."""
+    rng = random.Random(seed)
+    items = []
+    for i in range(rows):
+        task = TASKS[i % len(TASKS)]
+        prompt, answer = task(rng)
+        options = {answer}
+        while len(options) < choices:
+            options.add(task(rng)[1])
+        shuffled = sorted(options)
+        rng.shuffle(shuffled)
+        items.append({"prompt": prompt, "choices": shuffled, "label": shuffled.index(answer)})
+    return items
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=3000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=DEMO_DATASET)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--eval-task", action="store_true",
+                        help="write the benchmark task's items (42 rows, seed 1) instead")
     args = parser.parse_args(argv)
+    if args.eval_task:
+        out = args.out or DEMO_EVAL_TASK_DATA
+        items = make_choice_rows(42, 1)
+        out.write_text("".join(json.dumps(item) + "\n" for item in items))
+        print(f"wrote {len(items)} items to {out}")
+        return
+    args.out = args.out or DEMO_DATASET
     with open(args.out, "w") as f:
         for row in make_rows(args.rows, args.seed):
             f.write(json.dumps(row) + "\n")

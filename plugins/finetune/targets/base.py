@@ -75,8 +75,19 @@ class Target(ABC):
         """Give the run a clean rendezvous: its endpoint, backend and id."""
 
     @abstractmethod
+    def preflight(self, cfg: RunConfig, image: dict, rendezvous: dict) -> Outcome:
+        """Check every node of the run (GPU health, bus bandwidth) before it trains; a bad
+        node is named (and on a cluster cordoned or replaced), and the stage fails."""
+
+    @abstractmethod
     def train(self, cfg: RunConfig, image: dict, rendezvous: dict) -> Outcome:
         """Run the trainer on every node; fail with the reason when it fails."""
+
+    @abstractmethod
+    def evaluate(self, cfg: RunConfig, trained: dict, image: dict, champion: dict) -> Outcome:
+        """Run trainer.evaluate where the training ran, on the trained model (and on the
+        `champion`'s, finetune.tracking.champion, when there is one); return what it wrote
+        (evaluation.json beside the model)."""
 
     @abstractmethod
     def collect_metrics(self, cfg: RunConfig, trained: dict) -> dict:

@@ -31,16 +31,26 @@ from finetune.gpu_metrics import (
     sampled_gpu_metrics,
 )
 from finetune.image import image_tag, local_environment
-from finetune.outputs import summary, trainer_root_cause
+from finetune.outputs import evaluation_result, summary, trainer_root_cause, write_run_file
+from finetune.preflight import (
+    PREFLIGHT_FILE,
+    PreflightFailed,
+    failure_message,
+    judge,
+    result_line,
+    summary_line,
+)
 from finetune.report import write_report
 from finetune.s3_dataset import check_s3_dataset
 from finetune.targets.base import TORCHRUN_ENV, Target, TrainingFailed
 from finetune.trainer_config import trainer_config
 from finetune_contract.errors import ERROR_DIR_ENV
+from finetune_contract.fields import EVALUATION_FILE
 
 log = logging.getLogger(__name__)
 
 LOG_TAIL_LINES = 40
+PREFLIGHT_TIMEOUT_S = 300
 
 
 def local_cpu_count() -> int:
@@ -81,6 +91,22 @@ def local_resources(nodes: int, procs_per_node: int) -> dict[str, Any]:
         "capacity": capacity, "fits": world <= capacity,
         "threads_per_process": max(1, cpus // world),
     }
+
+
+def _torchrun_env(cfg: RunConfig, res: dict, gpus: range) -> dict[str, str]:
+    """The environment of a local torchrun: the repo importable, threads per process, the
+    GPUs it may use."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["OMP_NUM_THREADS"] = str(res["threads_per_process"])
+    env["PYTHONUNBUFFERED"] = "1"
+    env[ERROR_DIR_ENV] = cfg.run_dir  # a config the trainer refuses is recorded there too
+    env.update(TORCHRUN_ENV)  # in-place worker restarts get a clean store
+    if res["device"] == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in gpus)
+        env.setdefault("NCCL_NVLS_ENABLE", "0")
+    return env
 
 
 def _state_dir(cfg: RunConfig) -> Path:
@@ -255,6 +281,31 @@ class LocalTarget(Target):
         return {"backend": "etcd-v2", "endpoint": endpoint, "rdzv_id": cfg.rdzv_id,
                 "started_etcd": started, "deleted_keys": len(deleted)}
 
+    def preflight(self, cfg: RunConfig, image: dict, rendezvous: dict) -> dict:
+        """Check this machine's devices as the run will use them: all its processes in one
+        torchrun (gloo on CPU, NCCL on GPUs), grouped into the run's nodes."""
+        if not cfg.preflight:
+            return {"skipped": True}
+        res = local_resources(cfg.nodes, cfg.procs_per_node)
+        processes = cfg.nodes * cfg.procs_per_node
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(processes), "-m", "trainer.preflight",
+               "--procs-per-node", str(cfg.procs_per_node), "--out", cfg.run_dir]
+        log.info("preflight: %s", " ".join(cmd))
+        done = subprocess.run(cmd, cwd=REPO_ROOT, env=_torchrun_env(cfg, res, range(processes)),
+                              capture_output=True, text=True, timeout=PREFLIGHT_TIMEOUT_S)
+        measured = result_line(done.stdout)
+        if done.returncode != 0 or measured is None:
+            tail = (done.stdout + done.stderr).splitlines()[-LOG_TAIL_LINES:]
+            raise PreflightFailed(f"preflight could not measure (exit {done.returncode}):\n"
+                                  + "\n".join(tail))
+        verdict = judge(measured, None)
+        write_run_file(cfg.run_dir, _no_s3, PREFLIGHT_FILE, json.dumps(verdict, indent=2))
+        log.info("preflight: %s", summary_line(verdict))
+        if not verdict["ok"]:
+            raise PreflightFailed(failure_message(verdict, "this machine cannot train the run"))
+        return {"ok": True, "summary": summary_line(verdict)}
+
     def train(self, cfg: RunConfig, image: dict, rendezvous: dict) -> dict:
         """Follow the run's training to its end: the one an earlier try started when it runs
         on (reattach) or finished (its result), else a new one.
@@ -380,18 +431,8 @@ class LocalTarget(Target):
             "--rdzv-id", rendezvous["rdzv_id"], "--max-restarts", str(cfg.max_restarts),
             "-m", "trainer.train", "--config", str(config_path),
         ]
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(
-            [str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-        env["OMP_NUM_THREADS"] = str(res["threads_per_process"])
-        env["PYTHONUNBUFFERED"] = "1"
-        env[ERROR_DIR_ENV] = cfg.run_dir  # a config the trainer refuses is recorded there too
-        env.update(TORCHRUN_ENV)  # in-place worker restarts get a clean store
-        if res["device"] == "cuda":
-            first = node * cfg.procs_per_node
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(
-                str(i) for i in range(first, first + cfg.procs_per_node))
-            env.setdefault("NCCL_NVLS_ENABLE", "0")
+        first = node * cfg.procs_per_node
+        env = _torchrun_env(cfg, res, range(first, first + cfg.procs_per_node))
         log.info("starting torchrun agent %d: %s", node, " ".join(cmd))
         # Output to a file and a session of its own: the training outlives this task's process
         # (a lost Airflow worker), and the retry reattaches to it.
@@ -399,6 +440,37 @@ class LocalTarget(Target):
             return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
+
+    def evaluate(self, cfg: RunConfig, trained: dict, image: dict, champion: dict) -> dict:
+        """trainer.evaluate in one process on this machine, its output in the task log and in
+        logs/evaluate.log."""
+        run_dir = Path(cfg.run_dir)
+        cmd = [sys.executable, "-m", "trainer.evaluate", "--config",
+               str(run_dir / "trainer_config.json")]
+        if champion.get("model_uri"):
+            cmd += ["--champion", champion["model_uri"]]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        env["PYTHONUNBUFFERED"] = "1"
+        env["OMP_NUM_THREADS"] = str(trained.get("resources", {}).get("cpus") or 1)
+        log_path = run_dir / "logs" / "evaluate.log"
+        log.info("evaluating the trained model: %s", " ".join(cmd))
+        started = time.time()
+        with log_path.open("w") as out:
+            proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
+            tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
+            for line in proc.stdout:
+                out.write(line)
+                tail.append(line.rstrip())
+                log.info("%s", line.rstrip())
+            code = proc.wait()
+        if code:
+            raise RuntimeError(f"evaluation failed (exit code {code}); last lines of "
+                               f"{log_path}:\n" + "\n".join(tail))
+        return evaluation_result(json.loads((run_dir / EVALUATION_FILE).read_text()),
+                                 str(run_dir / EVALUATION_FILE), time.time() - started)
 
     def collect_metrics(self, cfg: RunConfig, trained: dict) -> dict:
         run_dir = Path(cfg.run_dir)

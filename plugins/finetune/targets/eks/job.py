@@ -30,7 +30,10 @@ from finetune.targets.eks.launchers import (
     pytorchjob_state,
 )
 from finetune.targets.eks.manifests import (
+    LABEL_PROGRAM,
     LABEL_RESTART_ATTEMPT,
+    PREFLIGHT,
+    TRAIN,
     run_selector,
     trainer_configmap_manifest,
 )
@@ -104,10 +107,41 @@ def _apis(api: Any) -> tuple[Any, Any]:
     return kubernetes.client.CustomObjectsApi(api), kubernetes.client.CoreV1Api(api)
 
 
-def _list_jobs(custom: Any, launcher: Launcher, cfg: RunConfig) -> list[dict[str, Any]]:
-    return custom.list_namespaced_custom_object(
+def _list_jobs(custom: Any, launcher: Launcher, cfg: RunConfig,
+               program: str | None = TRAIN) -> list[dict[str, Any]]:
+    """The run's jobs of `program` (None: all of them); a job without the label is a training
+    (made before preflights had jobs)."""
+    jobs = custom.list_namespaced_custom_object(
         launcher.group, launcher.version, cfg.namespace, launcher.plural,
         label_selector=run_selector(cfg))["items"]
+    return [j for j in jobs if program is None or
+            (j["metadata"].get("labels") or {}).get(LABEL_PROGRAM, TRAIN) == program]
+
+
+def start_preflight_job(api: Any, cfg: RunConfig, image: str) -> str:
+    """The run's preflight job, new: one an earlier try (or an earlier round) left is deleted
+    first, so the nodes are measured as they are now."""
+    launcher = launcher_for(cfg)
+    custom, _ = _apis(api)
+    for old in _list_jobs(custom, launcher, cfg, PREFLIGHT):
+        delete_job(api, cfg.namespace, old["metadata"]["name"], wait=True, launcher=launcher)
+    manifest = launcher.manifest(cfg, image, program=PREFLIGHT)
+    custom.create_namespaced_custom_object(launcher.group, launcher.version, cfg.namespace,
+                                           launcher.plural, manifest)
+    log.info("created %s %s/%s: the preflight of %d node(s)", launcher.kind, cfg.namespace,
+             manifest["metadata"]["name"], cfg.nodes)
+    return manifest["metadata"]["name"]
+
+
+def leader_log(api: Any, namespace: str, name: str, launcher: Launcher = PYTORCHJOB) -> str:
+    """Rank 0's whole log ('' when its pod is gone)."""
+    pods = _pods(api, namespace, launcher.leader_selector(name))
+    if not pods:
+        return ""
+    leader = max(pods, key=lambda p: (_restart_attempt(p),
+                                      p["metadata"].get("creationTimestamp") or ""))
+    _, core = _apis(api)
+    return pod_log(core, leader["metadata"]["name"], namespace, launcher.container)
 
 
 def start_job(api: Any, cfg: RunConfig, image: str) -> dict[str, Any]:
@@ -184,6 +218,29 @@ def _pods(api: Any, namespace: str, selector: str) -> list[dict[str, Any]]:
     _, core = _apis(api)
     return api.sanitize_for_serialization(core.list_namespaced_pod(
         namespace, label_selector=selector))["items"]
+
+
+def job_pods(api: Any, namespace: str, name: str,
+             launcher: Launcher = PYTORCHJOB) -> list[dict[str, Any]]:
+    return _pods(api, namespace, launcher.pod_selector(name))
+
+
+def delete_pods_on(api: Any, namespace: str, pods: list[dict[str, Any]],
+                   nodes: list[str]) -> list[str]:
+    """Delete the pods (of a job) that run on `nodes`; their names."""
+    import kubernetes
+
+    _, core = _apis(api)
+    deleted = []
+    for pod in pods:
+        if (pod.get("spec") or {}).get("nodeName") in nodes:
+            try:
+                core.delete_namespaced_pod(pod["metadata"]["name"], namespace)
+                deleted.append(pod["metadata"]["name"])
+            except kubernetes.client.ApiException as exc:
+                if exc.status != 404:
+                    raise
+    return deleted
 
 
 def unschedulable_pods(api: Any, namespace: str, name: str,
@@ -278,7 +335,7 @@ def delete_run_objects(api: Any, cfg: RunConfig) -> list[str]:
     launcher = launcher_for(cfg)
     custom, core = _apis(api)
     deleted = []
-    for job in _list_jobs(custom, launcher, cfg):
+    for job in _list_jobs(custom, launcher, cfg, program=None):
         if delete_job(api, cfg.namespace, job["metadata"]["name"], launcher=launcher):
             deleted.append(f"{launcher.name}/{job['metadata']['name']}")
     for cm in core.list_namespaced_config_map(cfg.namespace,

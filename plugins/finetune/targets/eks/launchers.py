@@ -29,6 +29,7 @@ from finetune.targets.eks.manifests import (
     PYTORCHJOB_GROUP,
     PYTORCHJOB_PLURAL,
     PYTORCHJOB_VERSION,
+    TRAIN,
     TRAINER_CONTAINER,
     TRAINER_GROUP,
     TRAINER_REPLICATED_JOB,
@@ -88,7 +89,7 @@ class Launcher:
     version: str
     plural: str
     container: str  # the training container's name in the pods
-    manifest: Callable[[RunConfig, str], dict[str, Any]]
+    manifest: Callable[..., dict[str, Any]]  # (cfg, image, program=TRAIN)
     state: Callable[[dict[str, Any]], tuple[str, str]]
     pod_labels: Callable[[str], dict[str, str]]  # every pod of the job
     leader_labels: Callable[[str], dict[str, str]]  # rank 0's pod
@@ -115,7 +116,8 @@ def _escaped(name: str) -> str:
 PYTORCHJOB = Launcher(
     name="pytorchjob", kind="PyTorchJob", group=PYTORCHJOB_GROUP, version=PYTORCHJOB_VERSION,
     plural=PYTORCHJOB_PLURAL, container=CONTAINER_NAME,
-    manifest=lambda cfg, image: pytorchjob_manifest(cfg, image), state=pytorchjob_state,
+    manifest=lambda cfg, image, program=TRAIN: pytorchjob_manifest(cfg, image, program=program),
+    state=pytorchjob_state,
     pod_labels=lambda name: {LABEL_JOB_NAME: name},
     leader_labels=lambda name: {LABEL_JOB_NAME: name, LABEL_REPLICA_TYPE: "worker",
                                 LABEL_REPLICA_INDEX: "0"},
@@ -125,7 +127,8 @@ PYTORCHJOB = Launcher(
 TRAINJOB = Launcher(
     name="trainjob", kind="TrainJob", group=TRAINER_GROUP, version=TRAINER_VERSION,
     plural=TRAINJOB_PLURAL, container=TRAINER_CONTAINER,
-    manifest=lambda cfg, image: trainjob_manifest(cfg, image), state=trainjob_state,
+    manifest=lambda cfg, image, program=TRAIN: trainjob_manifest(cfg, image, program=program),
+    state=trainjob_state,
     pod_labels=lambda name: {LABEL_JOBSET_NAME: name},
     leader_labels=lambda name: {LABEL_JOBSET_NAME: name,
                                 LABEL_REPLICATED_JOB: TRAINER_REPLICATED_JOB,

@@ -16,7 +16,7 @@ import json
 from typing import Any
 
 from finetune.config import RunConfig
-from finetune.instance_types import INSTANCE_TYPES
+from finetune.instance_types import GPU_RESOURCE, INSTANCE_TYPES, InstanceProfile
 from finetune.names import DNS_SUBDOMAIN, dns_label
 from finetune.targets.base import TORCHRUN_ENV
 from finetune.trainer_config import trainer_config
@@ -58,8 +58,6 @@ CONTAINER_NAME = "pytorch"  # the operator finds the training container by this 
 ETCD_PORT = 2379
 C10D_PORT = 29400
 ETCD_IMAGE = "quay.io/coreos/etcd:v3.4.35"
-GPU_RESOURCE = "nvidia.com/gpu"
-EFA_RESOURCE = "vpc.amazonaws.com/efa"
 # The taint key the EFA device plugin tolerates (not the resource name): a node tainted with
 # the resource name never gets the plugin, so never advertises EFA.
 EFA_TAINT = "aws.amazon.com/efa"
@@ -69,17 +67,10 @@ HF_TOKEN_DEFAULT_KEY = "token"
 TTL_AFTER_FINISHED_S = 3600
 BACKOFF_LIMIT = 3
 
-# NCCL over EFA (libfabric) on p4d/p5 class instances.
-EFA_ENV = {
-    "FI_PROVIDER": "efa",
-    "FI_EFA_USE_DEVICE_RDMA": "1",
-    "FI_EFA_FORK_SAFE": "1",
-    "NCCL_PROTO": "simple",
-}
 # NCCL diagnostics and torch's NCCL flight recorder: a hang dumps each rank's last collectives.
+# What depends on the instance type (EFA, RDMA) is its profile's (`InstanceProfile.nccl_env`).
 NCCL_ENV = {
     "NCCL_DEBUG": "WARN",
-    "NCCL_NVLS_ENABLE": "0",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
     "TORCH_FR_BUFFER_SIZE": "20000",  # its old name TORCH_NCCL_TRACE_BUFFER_SIZE warns
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
@@ -98,6 +89,22 @@ def run_selector(cfg: RunConfig) -> str:
 def job_name(cfg: RunConfig) -> str:
     """The PyTorchJob's name: a DNS-1035 label short enough for '<name>-worker-127' pods."""
     return dns_label("ft", cfg.rdzv_id, max_len=45)
+
+
+# What a job of the run runs: the training, or the preflight check of its nodes before it.
+LABEL_PROGRAM = "finetune.airflow.apache.org/program"
+TRAIN, PREFLIGHT, EVALUATE = "train", "preflight", "evaluate"
+PREFLIGHT_DEADLINE_S = 900  # NVML, a matmul and a few all-reduces: minutes, not more
+
+
+def program_job_name(cfg: RunConfig, program: str) -> str:
+    return job_name(cfg) if program == TRAIN else f"{job_name(cfg)}-pf"
+
+
+def _program_args(cfg: RunConfig, program: str) -> list[str]:
+    if program == PREFLIGHT:
+        return ["-m", "trainer.preflight", "--out", cfg.run_dir]
+    return ["-m", "trainer.train", "--config", f"{TRAINER_CONFIG_DIR}/{TRAINER_CONFIG_FILE}"]
 
 
 def configmap_name(cfg: RunConfig) -> str:
@@ -137,10 +144,13 @@ def trainer_configmap_manifest(cfg: RunConfig) -> dict[str, Any]:
 COMMON_ENV = {"PYTHONUNBUFFERED": "1", **TORCHRUN_ENV, **NCCL_ENV}
 
 
-def _env(cfg: RunConfig, efa: bool, common: bool = True) -> list[dict[str, Any]]:
+def _env(cfg: RunConfig, profile: InstanceProfile,
+         common: bool = True) -> list[dict[str, Any]]:
     plain = {**(COMMON_ENV if common else {}), "FINETUNE_RUN_ID": cfg.run_id,
-             **(EFA_ENV if efa else {})}
+             **profile.nccl_env}
     env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in plain.items()]
+    # The node the pod runs on: the preflight names a bad node by it.
+    env.append({"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}})
     if cfg.hf_token_secret:
         name, key = hf_token_ref(cfg.hf_token_secret)
         # Never the token's value in the manifest: the kubelet reads it from the Secret.
@@ -176,27 +186,29 @@ def parse_volumes(text: str) -> list[tuple[str, str]]:
 
 def pytorchjob_manifest(cfg: RunConfig, image: str, *,
                         ttl_after_finished_s: int = TTL_AFTER_FINISHED_S,
-                        backoff_limit: int = BACKOFF_LIMIT) -> dict[str, Any]:
-    """The PyTorchJob for this run: one Worker per node, torchrun with nProcPerNode GPUs each."""
+                        backoff_limit: int = BACKOFF_LIMIT,
+                        program: str = TRAIN) -> dict[str, Any]:
+    """The PyTorchJob for this run: one Worker per node, torchrun with nProcPerNode GPUs each.
+    `program` PREFLIGHT: the check of the nodes before training, a job of its own with its own
+    c10d rendezvous, no restarts and a short deadline."""
     itype = INSTANCE_TYPES[cfg.instance_type]
     volumes = parse_volumes(cfg.volumes)
     host, port = rendezvous_host(cfg)
+    name, rdzv_id, rdzv_backend = job_name(cfg), cfg.rdzv_id, cfg.rdzv_backend
+    if program == PREFLIGHT:
+        name = program_job_name(cfg, program)
+        host, port, rdzv_id, rdzv_backend = f"{name}-worker-0", C10D_PORT, f"{rdzv_id}-pf", "c10d"
+        backoff_limit = 0
     efa = itype.efa > 0
-    accelerators = {GPU_RESOURCE: cfg.procs_per_node, **({EFA_RESOURCE: itype.efa} if efa else {})}
-    resources = {
-        "requests": {"cpu": str(itype.cpu_request), "memory": f"{itype.memory_request_gib}Gi",
-                     **accelerators},
-        "limits": dict(accelerators),
-    }
+    resources = itype.resources(cfg.procs_per_node)
     container = {
         "name": CONTAINER_NAME,
         "image": image,
         "imagePullPolicy": "IfNotPresent",
         # torchrun reads nodes, rendezvous and processes per node from the operator's PET_* env.
         "command": ["python", "-m", "torch.distributed.run"],
-        "args": ["-m", "trainer.train", "--config",
-                 f"{TRAINER_CONFIG_DIR}/{TRAINER_CONFIG_FILE}"],
-        "env": _env(cfg, efa),
+        "args": _program_args(cfg, program),
+        "env": _env(cfg, itype),
         "resources": resources,
         "volumeMounts": [
             {"name": "trainer-config", "mountPath": TRAINER_CONFIG_DIR, "readOnly": True},
@@ -207,11 +219,9 @@ def pytorchjob_manifest(cfg: RunConfig, image: str, *,
     }
     template_metadata: dict[str, Any] = {"labels": run_labels(cfg)}
     if cfg.metrics_port:
-        # rank 0's Prometheus endpoint; containers/observability/prometheus-scrape.yaml finds
-        # it by the port's name
+        # rank 0's Prometheus endpoint (only rank 0 serves it, so no scrape annotation on every
+        # worker): containers/observability/prometheus-scrape.yaml keeps worker 0's port by name
         container["ports"] = [{"name": METRICS_PORT_NAME, "containerPort": cfg.metrics_port}]
-        template_metadata["annotations"] = {"prometheus.io/scrape": "true",
-                                            "prometheus.io/port": str(cfg.metrics_port)}
     # The GPU nodes' taint (containers/k8s/eksctl-cluster.yaml), and the EFA device plugin's
     # own taint key, should a cluster taint its EFA nodes with it.
     tolerations = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
@@ -223,9 +233,11 @@ def pytorchjob_manifest(cfg: RunConfig, image: str, *,
         "ttlSecondsAfterFinished": ttl_after_finished_s,
         "backoffLimit": backoff_limit,
     }
-    if cfg.active_deadline_s:
+    if program == PREFLIGHT:
+        run_policy["activeDeadlineSeconds"] = PREFLIGHT_DEADLINE_S
+    elif cfg.active_deadline_s:
         run_policy["activeDeadlineSeconds"] = cfg.active_deadline_s
-    job_labels = run_labels(cfg)
+    job_labels = {**run_labels(cfg), LABEL_PROGRAM: program}
     if cfg.queue_name:
         # Kueue admits suspended jobs of its queues; it unsuspends the job when it fits.
         job_labels[KUEUE_QUEUE_LABEL] = cfg.queue_name
@@ -248,18 +260,18 @@ def pytorchjob_manifest(cfg: RunConfig, image: str, *,
     return {
         "apiVersion": PYTORCHJOB_API_VERSION,
         "kind": "PyTorchJob",
-        "metadata": {"name": job_name(cfg), "namespace": cfg.namespace,
+        "metadata": {"name": name, "namespace": cfg.namespace,
                      "labels": job_labels,
                      "annotations": {"finetune.airflow.apache.org/run-id": cfg.run_id}},
         "spec": {
             "elasticPolicy": {
-                "rdzvBackend": cfg.rdzv_backend,
+                "rdzvBackend": rdzv_backend,
                 "rdzvHost": host,
                 "rdzvPort": port,
-                "rdzvId": cfg.rdzv_id,
+                "rdzvId": rdzv_id,
                 "minReplicas": cfg.nodes,
                 "maxReplicas": cfg.nodes,
-                "maxRestarts": cfg.max_restarts,
+                "maxRestarts": 0 if program == PREFLIGHT else cfg.max_restarts,
             },
             # Not elasticPolicy.nProcPerNode, deprecated since the operator's v1.7.
             "nprocPerNode": str(cfg.procs_per_node),
@@ -382,14 +394,13 @@ def training_runtime_manifest(name: str = TRAINING_RUNTIME,
     }
 
 
-def trainjob_manifest(cfg: RunConfig, image: str,
-                      runtime: str = TRAINING_RUNTIME) -> dict[str, Any]:
+def trainjob_manifest(cfg: RunConfig, image: str, runtime: str = TRAINING_RUNTIME,
+                      program: str = TRAIN) -> dict[str, Any]:
     """The run's TrainJob: the runtime's template with what this run sets (nodes, processes
-    per node, image, resources, environment, placement, volumes, service account)."""
+    per node, image, resources, environment, placement, volumes, service account).
+    `program` PREFLIGHT: the check of the nodes, a TrainJob of its own."""
     itype = INSTANCE_TYPES[cfg.instance_type]
     volumes = parse_volumes(cfg.volumes)
-    efa = itype.efa > 0
-    accelerators = {GPU_RESOURCE: cfg.procs_per_node, **({EFA_RESOURCE: itype.efa} if efa else {})}
     override: dict[str, Any] = {
         "targetJobs": [{"name": TRAINER_REPLICATED_JOB}],
         "nodeSelector": {NODEGROUP_LABEL: cfg.nodegroup, INSTANCE_TYPE_LABEL: cfg.instance_type},
@@ -405,7 +416,7 @@ def trainjob_manifest(cfg: RunConfig, image: str,
     }
     if cfg.service_account:
         override["serviceAccountName"] = cfg.service_account
-    labels = run_labels(cfg)
+    labels = {**run_labels(cfg), LABEL_PROGRAM: program}
     spec: dict[str, Any] = {
         "runtimeRef": {"name": runtime, "apiGroup": TRAINER_GROUP,
                        "kind": "ClusterTrainingRuntime"},
@@ -413,16 +424,12 @@ def trainjob_manifest(cfg: RunConfig, image: str,
         "trainer": {
             "image": image,
             "command": list(TRAINER_COMMAND),
-            "args": _trainer_args(),
+            "args": _program_args(cfg, program),
             "numNodes": cfg.nodes,
             "numProcPerNode": cfg.procs_per_node,
-            "resourcesPerNode": {
-                "requests": {"cpu": str(itype.cpu_request),
-                             "memory": f"{itype.memory_request_gib}Gi", **accelerators},
-                "limits": dict(accelerators),
-            },
-            # Merged with the runtime's: EFA only on instance types that have it.
-            "env": _env(cfg, efa, common=False),
+            "resourcesPerNode": itype.resources(cfg.procs_per_node),
+            # Merged with the runtime's: the instance type's NCCL/EFA environment.
+            "env": _env(cfg, itype, common=False),
         },
         "podSpecOverrides": [override],
     }
@@ -432,7 +439,41 @@ def trainjob_manifest(cfg: RunConfig, image: str,
     return {
         "apiVersion": TRAINER_API_VERSION,
         "kind": "TrainJob",
-        "metadata": {"name": job_name(cfg), "namespace": cfg.namespace, "labels": labels,
+        "metadata": {"name": program_job_name(cfg, program), "namespace": cfg.namespace,
+                     "labels": labels,
                      "annotations": {"finetune.airflow.apache.org/run-id": cfg.run_id}},
         "spec": spec,
     }
+
+
+def evaluation_job_name(cfg: RunConfig) -> str:
+    return dns_label("ev", cfg.rdzv_id, max_len=45)
+
+
+def evaluation_job_manifest(cfg: RunConfig, image: str, champion_model: str = "") -> dict:
+    """The evaluate stage's PyTorchJob: the training's pod (image, config, volumes, node group)
+    as one worker with one GPU running trainer.evaluate, on the run's nodes before teardown."""
+    manifest = pytorchjob_manifest(cfg, image, backoff_limit=0)
+    manifest["metadata"]["name"] = name = evaluation_job_name(cfg)
+    manifest["metadata"]["labels"][LABEL_PROGRAM] = EVALUATE
+    spec = manifest["spec"]
+    # One worker; the operator's PET_* variables are there, and unused by a plain python.
+    spec["elasticPolicy"].update(rdzvBackend="c10d", rdzvHost=f"{name}-worker-0",
+                                 rdzvPort=C10D_PORT, rdzvId=f"{cfg.rdzv_id}-eval",
+                                 minReplicas=1, maxReplicas=1, maxRestarts=0)
+    spec["nprocPerNode"] = "1"
+    spec["runPolicy"].pop("suspend", None)  # admitted with the training's quota already
+    manifest["metadata"]["labels"].pop(KUEUE_QUEUE_LABEL, None)
+    worker = spec["pytorchReplicaSpecs"]["Worker"]
+    worker.update(replicas=1, restartPolicy="Never")
+    container = worker["template"]["spec"]["containers"][0]
+    container["command"] = ["python", "-m", "trainer.evaluate"]
+    container["args"] = ["--config", f"{TRAINER_CONFIG_DIR}/{TRAINER_CONFIG_FILE}",
+                         *(["--champion", champion_model] if champion_model else [])]
+    # One GPU and no EFA (nothing to talk to): the profile's requests less its network.
+    profile = INSTANCE_TYPES[cfg.instance_type]
+    requests = {k: v for k, v in profile.resources(1)["requests"].items()
+                if k in ("cpu", "memory", GPU_RESOURCE)}
+    container["resources"] = {"requests": requests, "limits": {GPU_RESOURCE: 1}}
+    container["env"] = [e for e in container["env"] if e["name"] not in profile.nccl_env]
+    return manifest

@@ -16,11 +16,10 @@ from typing import Any
 import tenacity
 
 from finetune.config import RunConfig
+from finetune.instance_types import EFA_RESOURCE, GPU_RESOURCE
 from finetune.targets.eks.clients import aws_session, retry_transient
 from finetune.targets.eks.manifests import (
     APP,
-    EFA_RESOURCE,
-    GPU_RESOURCE,
     INSTANCE_TYPE_LABEL,
     LABEL_APP,
     LABEL_RUN,
@@ -237,3 +236,44 @@ def protect_busy_instances(eks: Any, api: Any, cfg: RunConfig, state: dict) -> d
     except Exception as exc:
         log.warning("could not set the node group's scale-in protection: %s", exc)
         return state
+
+
+# -- bad nodes ---------------------------------------------------------------------------------
+
+
+def cordon_nodes(api: Any, names: list[str]) -> list[str]:
+    """Mark the nodes unschedulable (kubectl cordon): no new pod of any run lands there."""
+    import kubernetes
+
+    core = kubernetes.client.CoreV1Api(api)
+    for name in names:
+        core.patch_node(name, {"spec": {"unschedulable": True}})
+        log.warning("cordoned node %s", name)
+    return list(names)
+
+
+def replace_nodes(eks: Any, api: Any, cfg: RunConfig, names: list[str]) -> list[str]:
+    """Terminate the instances of the nodes `names` in the node group's Auto Scaling group
+    without lowering its desired capacity, so the group launches a new instance for each;
+    the instance ids terminated."""
+    import kubernetes
+
+    groups = describe_nodegroup(eks, cfg).get("resources", {}).get("autoScalingGroups") or []
+    if not groups:
+        raise RuntimeError(f"node group {cfg.nodegroup} has no Auto Scaling group to replace "
+                           f"nodes {', '.join(names)} with")
+    core = kubernetes.client.CoreV1Api(api)
+    autoscaling = aws_session(cfg.aws_conn_id).client("autoscaling")
+    terminated = []
+    for name in names:
+        node = api.sanitize_for_serialization(core.read_node(name))
+        iid = instance_id(node)
+        if iid is None:
+            raise RuntimeError(f"node {name} has no EC2 instance in its providerID: cannot "
+                               "replace it")
+        autoscaling.terminate_instance_in_auto_scaling_group(
+            InstanceId=iid, ShouldDecrementDesiredCapacity=False)
+        log.warning("terminated %s (node %s): %s launches a new instance", iid, name,
+                    groups[0]["name"])
+        terminated.append(iid)
+    return terminated

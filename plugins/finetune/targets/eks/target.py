@@ -21,6 +21,7 @@ returns its result or a `Wait` on one of the triggers.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Any
@@ -30,10 +31,27 @@ from finetune.gpu_metrics import (
     missing_section,
     prometheus_endpoint,
     prometheus_gpu_metrics,
+    xid_codes_by_node,
 )
-from finetune.instance_types import INSTANCE_TYPES
+from finetune.instance_types import EFA_RESOURCE, GPU_RESOURCE, INSTANCE_TYPES
 from finetune.names import DNS_LABEL, DNS_SUBDOMAIN
-from finetune.outputs import build_report, has_outputs, report_exists, trainer_root_cause
+from finetune.outputs import (
+    build_report,
+    has_outputs,
+    report_exists,
+    trainer_root_cause,
+    write_run_file,
+)
+from finetune.preflight import (
+    PREFLIGHT_FILE,
+    PREFLIGHT_TRIES,
+    XID_WINDOW_S,
+    PreflightFailed,
+    failure_message,
+    judge,
+    result_line,
+    summary_line,
+)
 from finetune.s3_dataset import check_s3_dataset
 from finetune.targets.base import Target, TrainingFailed, Wait
 from finetune.targets.eks import job, nodegroup
@@ -52,8 +70,7 @@ from finetune.targets.eks.image_build import (
 from finetune.targets.eks.launchers import LAUNCHERS, launcher_for, launcher_problems
 from finetune.targets.eks.manifests import (
     C10D_PORT,
-    EFA_RESOURCE,
-    GPU_RESOURCE,
+    PREFLIGHT_DEADLINE_S,
     parse_volumes,
 )
 from finetune.targets.eks.rendezvous import delete_run_keys, reset_rendezvous
@@ -275,6 +292,131 @@ class EksTarget(Target):
         return reset_rendezvous(lambda: self._kube(cfg), cfg, self.poll_interval,
                                 self.etcd_timeout)
 
+    # -- preflight --------------------------------------------------------------------------
+
+    def preflight(self, cfg: RunConfig, image: dict, rendezvous: dict) -> dict | Wait:
+        """A job of its own on the run's nodes (trainer/preflight.py), judged against the
+        instance type's profile and DCGM's XIDs; bad nodes cordoned, and replaced (then checked
+        again) with replace_bad_nodes."""
+        if not cfg.preflight:
+            return {"skipped": True}
+        return self._start_preflight(cfg, image["image"], tries=1)
+
+    def _start_preflight(self, cfg: RunConfig, image: str, tries: int) -> Wait:
+        name = job.start_preflight_job(self._kube(cfg), cfg, image)
+        deadline = time.time() + PREFLIGHT_DEADLINE_S
+        return self._wait_for_preflight(cfg, {"job": name, "image": image, "tries": tries,
+                                              "deadline": deadline})
+
+    def _wait_for_preflight(self, cfg: RunConfig, state: dict) -> Wait:
+        return Wait(JobTrigger(
+            credentials=kube_credentials(cfg), namespace=cfg.namespace, name=state["job"],
+            wake_at=time.time() + self.wake_after, poll_interval=self.poll_interval,
+            refresh_interval=self.refresh_interval, launcher=cfg.launcher,
+            deadline=state["deadline"]),
+            resume="preflight_wake", state=state, deadline=state["deadline"])
+
+    def preflight_wake(self, cfg: RunConfig, event: dict, state: dict) -> dict | Wait:
+        name, api, launcher = state["job"], self._kube(cfg), launcher_for(cfg)
+        if event["status"] == "running":
+            self._fail_unschedulable(cfg, api, name, launcher)
+            return self._wait_for_preflight(cfg, state)
+        if event["status"] != "succeeded":
+            report = job.failure_report(api, cfg.namespace, name, event["message"], launcher)
+            job.delete_job(api, cfg.namespace, name, launcher=launcher)
+            why = ("did not finish in PREFLIGHT_DEADLINE_S = "
+                   f"{PREFLIGHT_DEADLINE_S} s (a collective that hangs: a node's NCCL/EFA)"
+                   if event["status"] == "deadline" else "failed")
+            raise PreflightFailed(f"preflight {why}:\n{report}")
+        measured = result_line(job.leader_log(api, cfg.namespace, name, launcher))
+        job.delete_job(api, cfg.namespace, name, launcher=launcher)
+        if measured is None:
+            raise PreflightFailed(f"preflight {launcher.kind} {name} succeeded but its rank 0 "
+                                  "printed no result")
+        nodes = sorted({r["node_name"] for r in measured["ranks"]})
+        verdict = judge(measured, INSTANCE_TYPES[cfg.instance_type], self._xids(cfg, nodes))
+        write_run_file(cfg.run_dir, lambda: self._s3(cfg), PREFLIGHT_FILE,
+                       json.dumps(verdict, indent=2))
+        log.info("preflight: %s", summary_line(verdict))
+        if verdict["ok"]:
+            return {"ok": True, "summary": summary_line(verdict), "tries": state["tries"]}
+        bad = verdict["bad_nodes"]
+        nodegroup.cordon_nodes(api, bad)
+        if bad and cfg.replace_bad_nodes and state["tries"] < PREFLIGHT_TRIES:
+            replaced = nodegroup.replace_nodes(self._eks(cfg), api, cfg, bad)
+            log.warning(failure_message(verdict, f"cordoned and replaced {', '.join(bad)} "
+                        f"({', '.join(replaced)}); checking again when the new nodes are Ready"))
+            deadline = time.time() + self.nodes_timeout
+            itype = INSTANCE_TYPES[cfg.instance_type]
+            return Wait(NodesReadyTrigger(
+                credentials=kube_credentials(cfg), nodegroup=cfg.nodegroup, nodes=cfg.nodes,
+                gpus=cfg.procs_per_node, deadline=deadline, efa=itype.efa,
+                instance_type=cfg.instance_type, devices_grace_s=self.devices_grace_s,
+                poll_interval=self.poll_interval, refresh_interval=self.refresh_interval),
+                resume="preflight_nodes_ready", deadline=deadline,
+                state={**state, "efa": itype.efa, "scaling_config": {}})
+        action = (f"cordoned {', '.join(bad)}" if bad else "no single node to blame") + (
+            f"; {state['tries']} preflight(s), no more replacements" if cfg.replace_bad_nodes
+            else "; set replace_bad_nodes to have them replaced")
+        raise PreflightFailed(failure_message(verdict, action))
+
+    def preflight_nodes_ready(self, cfg: RunConfig, event: dict, state: dict) -> Wait:
+        self.nodes_ready(cfg, event, state)  # fails as scale_up would
+        return self._start_preflight(cfg, state["image"], state["tries"] + 1)
+
+    def _xids(self, cfg: RunConfig, nodes: list[str]) -> dict[str, list[int]]:
+        """XID codes per node over the last hour (DCGM via Prometheus); {} without one."""
+        url, auth = prometheus_endpoint(cfg.prometheus_url, cfg.prometheus_conn_id)
+        if not url:
+            return {}
+        try:
+            return xid_codes_by_node(url, auth, nodes, time.time(), XID_WINDOW_S)
+        except Exception as exc:  # the NVML checks still ran
+            log.warning("could not read XID errors from Prometheus: %s", exc)
+            return {}
+
+    def _cordon_xid_nodes(self, cfg: RunConfig, api: Any, name: str, launcher: Any,
+                          state: dict) -> dict:
+        """A node of the training whose GPUs raised XID errors (DCGM) since the job started is
+        cordoned and its pods of the job deleted, so the restart they cause lands elsewhere
+        (on the node replace_bad_nodes brings, or it waits schedule_timeout_s and fails)."""
+        url, auth = prometheus_endpoint(cfg.prometheus_url, cfg.prometheus_conn_id)
+        if not url:
+            return state
+        done = set(state.get("cordoned") or [])
+        pods = job.job_pods(api, cfg.namespace, name, launcher)
+        nodes = sorted({p["spec"]["nodeName"] for p in pods if p["spec"].get("nodeName")} - done)
+        try:
+            since = time.time() - state["job"]["created"]
+            xids = xid_codes_by_node(url, auth, nodes, time.time(), max(60.0, since))
+        except Exception as exc:  # the training goes on; the report still shows XIDs
+            log.warning("could not read XID errors from Prometheus: %s", exc)
+            return state
+        if not xids:
+            return state
+        bad = sorted(xids)
+        nodegroup.cordon_nodes(api, bad)
+        evicted = job.delete_pods_on(api, cfg.namespace, pods, bad)
+        log.warning("XID error(s) on %s: cordoned, and deleted the job's pods there (%s) so "
+                    "they restart on other nodes", "; ".join(
+                        f"{n} (XID {', '.join(map(str, c))})" for n, c in xids.items()),
+                    ", ".join(evicted) or "none")
+        if cfg.replace_bad_nodes:
+            nodegroup.replace_nodes(self._eks(cfg), api, cfg, bad)
+        return {**state, "cordoned": sorted(done | set(bad))}
+
+    def _fail_unschedulable(self, cfg: RunConfig, api: Any, name: str,
+                            launcher: Any) -> None:
+        stuck = [(pod, seconds, why) for pod, seconds, why in
+                 job.unschedulable_pods(api, cfg.namespace, name, launcher)
+                 if cfg.schedule_timeout_s and seconds >= cfg.schedule_timeout_s]
+        if stuck:
+            raise RuntimeError(
+                f"{len(stuck)} pod(s) of {launcher.kind} {name} could not be scheduled for "
+                f"{cfg.schedule_timeout_s} s or more (schedule_timeout_s); the scheduler "
+                "says:\n" + "\n".join(f"{pod} ({seconds} s): {why}"
+                                      for pod, seconds, why in stuck))
+
     # -- train ------------------------------------------------------------------------------
 
     def train(self, cfg: RunConfig, image: dict, rendezvous: dict) -> Wait:
@@ -311,15 +453,8 @@ class EksTarget(Target):
                 f"{cfg.active_deadline_s} s (from its creation): deleted it; teardown gives the "
                 "nodes back")
         if event["status"] == "running":
-            stuck = [(pod, seconds, why) for pod, seconds, why in
-                     job.unschedulable_pods(api, cfg.namespace, name, launcher)
-                     if cfg.schedule_timeout_s and seconds >= cfg.schedule_timeout_s]
-            if stuck:
-                raise RuntimeError(
-                    f"{len(stuck)} pod(s) of {launcher.kind} {name} could not be scheduled for "
-                    f"{cfg.schedule_timeout_s} s or more (schedule_timeout_s); the scheduler "
-                    "says:\n" + "\n".join(f"{pod} ({seconds} s): {why}"
-                                          for pod, seconds, why in stuck))
+            self._fail_unschedulable(cfg, api, name, launcher)
+            state = self._cordon_xid_nodes(cfg, api, name, launcher, state)
             try:
                 self._renew_reservation(cfg)
             except Exception as exc:  # the reservation outlives a few missed renewals
@@ -342,6 +477,57 @@ class EksTarget(Target):
         """Heartbeat: a live run's reservation must not expire while it trains."""
         self._reservations(cfg).update(
             lambda state: renew(state, cfg.rdzv_id, time.time(), self.reservation_ttl))
+
+    # -- evaluate ---------------------------------------------------------------------------
+
+    def evaluate(self, cfg: RunConfig, trained: dict, image: dict, champion: dict) -> Wait:
+        """trainer.evaluate as a one-worker PyTorchJob on the run's nodes (created, or adopted
+        by a retry), then wait for it as for the training."""
+        import kubernetes
+
+        from finetune.targets.eks.manifests import evaluation_job_manifest
+
+        manifest = evaluation_job_manifest(cfg, image["image"], champion.get("model_uri") or "")
+        name, launcher = manifest["metadata"]["name"], LAUNCHERS["pytorchjob"]
+        custom = kubernetes.client.CustomObjectsApi(self._kube(cfg))
+        try:
+            custom.create_namespaced_custom_object(launcher.group, launcher.version,
+                                                   cfg.namespace, launcher.plural, manifest)
+            log.info("created PyTorchJob %s/%s: trainer.evaluate", cfg.namespace, name)
+        except kubernetes.client.ApiException as exc:
+            if exc.status != 409:
+                raise
+            log.info("adopting PyTorchJob %s/%s an earlier try created", cfg.namespace, name)
+        return self._wait_for_evaluation(cfg, {"job": name, "after": "",
+                                               "started": time.time()})
+
+    def _wait_for_evaluation(self, cfg: RunConfig, state: dict) -> Wait:
+        return Wait(JobTrigger(
+            credentials=kube_credentials(cfg), namespace=cfg.namespace, name=state["job"],
+            wake_at=time.time() + self.wake_after, poll_interval=self.poll_interval,
+            refresh_interval=self.refresh_interval, launcher="pytorchjob"),
+            resume="evaluation_wake", state=state)
+
+    def evaluation_wake(self, cfg: RunConfig, event: dict, state: dict) -> dict | Wait:
+        import json
+
+        from finetune.outputs import evaluation_result, read_output
+        from finetune_contract.fields import EVALUATION_FILE
+
+        name, api, pytorchjob = state["job"], self._kube(cfg), LAUNCHERS["pytorchjob"]
+        state = {**state, "after": job.stream_leader_log(api, cfg.namespace, name,
+                                                         state["after"], pytorchjob)}
+        if event["status"] == "running":
+            return self._wait_for_evaluation(cfg, state)
+        if event["status"] == "failed":
+            raise RuntimeError("evaluation failed: " + job.failure_report(
+                api, cfg.namespace, name, event["message"], pytorchjob))
+        text = read_output(cfg.run_dir, EVALUATION_FILE, lambda: self._s3(cfg))
+        if text is None:
+            raise RuntimeError(f"PyTorchJob {name} succeeded but {cfg.run_dir} has no "
+                               f"{EVALUATION_FILE}")
+        return evaluation_result(json.loads(text), f"{cfg.run_dir.rstrip('/')}/"
+                                 f"{EVALUATION_FILE}", time.time() - state["started"])
 
     # -- collect_metrics --------------------------------------------------------------------
 

@@ -1,0 +1,328 @@
+"""MLflow tracking and registry, and promotion: the Airflow side's only MLflow calls.
+
+Every run is an MLflow run in the experiment named after its DAG: the validated config as
+params, the per-step metrics, the evaluation, the report and the model's URI. The champion is the
+version of the registered model named after the DAG that the alias `champion` points at; a run
+whose model beats it on `promotion_metric` by more than `promotion_margin` (both measured on this
+run's eval set) becomes a new version and gets the alias.
+
+The tracking URI: the Airflow connection `mlflow_default` (http(s), with basic-auth login and
+password), else `[finetune] mlflow_tracking_uri`, else on the local target a SQLite store in the
+checkout (`make mlflow` shows it). A server that cannot be reached does not fail the run: the
+report warns, and without a champion to compare with nothing is promoted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import tempfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from finetune import REPO_ROOT
+from finetune.config import SECRET_FIELDS, RunConfig
+from finetune.report import EVALUATION_FILE, REPORT_HTML, REPORT_JSON
+from finetune_contract.fields import LOWER_IS_BETTER
+
+log = logging.getLogger(__name__)
+
+MLFLOW_CONN_ID = "mlflow_default"
+CONF_SECTION, CONF_KEY = "finetune", "mlflow_tracking_uri"
+# The local target's embedded store: `make mlflow` serves the same two paths.
+LOCAL_STORE = REPO_ROOT / "mlflow.db"
+LOCAL_ARTIFACTS = REPO_ROOT / "mlartifacts"
+CHAMPION_ALIAS = "champion"
+DECISIONS = ("promoted", "rejected", "first")
+# Where `make mlflow` serves the embedded store, for the runs page's links.
+LOCAL_UI = "http://127.0.0.1:5000"
+REACH_TIMEOUT_S = 5.0
+MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
+STEP_METRICS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu")
+
+
+# --- the decision ----------------------------------------------------------------------------
+
+
+def decide(challenger: float | None, champion: float | None, margin: float,
+           higher_is_better: bool) -> str:
+    """promoted when the challenger beats the champion by more than `margin`, first when there
+    is no champion, else rejected (also when the challenger has no value)."""
+    if challenger is None:
+        return "rejected"
+    if champion is None:
+        return "first"
+    gain = challenger - champion if higher_is_better else champion - challenger
+    return "promoted" if gain > margin else "rejected"
+
+
+def metric_of(measured: dict | None, metric: str) -> tuple[float | None, bool]:
+    """(value, higher is better) of `promotion_metric` in an evaluation (or its champion part):
+    eval_loss, perplexity, or <task>.<metric>."""
+    if not measured:
+        return None, metric not in LOWER_IS_BETTER
+    if metric in LOWER_IS_BETTER:
+        return measured.get("loss" if metric == "eval_loss" else "perplexity"), False
+    task, _, name = metric.partition(".")
+    value = ((measured.get("tasks") or {}).get(task) or {}).get(name)
+    better = ((measured.get("higher_is_better") or {}).get(task) or {}).get(name, True)
+    return value, bool(better)
+
+
+# --- where MLflow is -------------------------------------------------------------------------
+
+
+def tracking_uri(cfg: RunConfig) -> str | None:
+    """The connection's URI, else the Airflow config's, else the local target's SQLite store;
+    None when none applies (a cluster run with nothing configured)."""
+    from airflow.configuration import conf
+
+    conn = _connection()
+    if conn is not None:
+        host = conn.host or ""
+        if "://" not in host:
+            host = f"{conn.schema or 'http'}://{host}"
+        uri = host.rstrip("/") + (f":{conn.port}" if conn.port else "")
+        if conn.login:  # basic auth, as MLflow's client reads it; never part of the URI
+            os.environ["MLFLOW_TRACKING_USERNAME"] = conn.login
+            os.environ["MLFLOW_TRACKING_PASSWORD"] = conn.password or ""
+        return uri
+    configured = conf.get(CONF_SECTION, CONF_KEY, fallback="") or ""
+    if configured.strip():
+        return configured.strip()
+    return f"sqlite:///{LOCAL_STORE}" if cfg.target == "local" else None
+
+
+def _connection() -> Any:
+    from airflow.sdk import Connection
+
+    try:
+        return Connection.get(MLFLOW_CONN_ID)
+    except Exception:  # AirflowNotFoundException (its module moved between versions)
+        return None
+
+
+def shown_uri(uri: str | None) -> str | None:
+    """The URI as reports and logs may show it: no user or password."""
+    if not uri:
+        return uri
+    parts = urllib.parse.urlsplit(uri)
+    if parts.username or parts.password:
+        netloc = parts.hostname + (f":{parts.port}" if parts.port else "")
+        return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+    return uri
+
+
+def unreachable(uri: str) -> str | None:
+    """Why the tracking server cannot be used now, or None (a SQLite file always can)."""
+    if not uri.startswith(("http://", "https://")):
+        return None
+    try:
+        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=REACH_TIMEOUT_S):
+            return None
+    except urllib.error.HTTPError as exc:
+        return None if exc.code < 500 else f"HTTP {exc.code} from {shown_uri(uri)}"
+    except OSError as exc:
+        return f"{shown_uri(uri)} cannot be reached ({getattr(exc, 'reason', exc)})"
+
+
+@contextlib.contextmanager
+def _client(uri: str) -> Iterator[Any]:
+    """An MlflowClient that gives up in seconds, not MLflow's minutes of retries."""
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+    from mlflow import MlflowClient
+
+    yield MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def ui_link(uri: str | None, experiment_id: str | None, run_id: str | None) -> str | None:
+    """The MLflow UI's page of a run: the server's, or `make mlflow`'s for the SQLite store."""
+    if not (uri and experiment_id and run_id):
+        return None
+    base = shown_uri(uri) if uri.startswith(("http://", "https://")) else LOCAL_UI
+    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+# --- the champion ----------------------------------------------------------------------------
+
+
+def champion(cfg: RunConfig, model_name: str) -> dict[str, Any]:
+    """The registered model's champion: version, run, model URI and its logged metrics; {} when
+    there is none; {"unavailable": why} when the registry cannot be read."""
+    uri = tracking_uri(cfg)
+    if uri is None:
+        return {"unavailable": "no MLflow tracking URI is configured"}
+    problem = unreachable(uri)
+    if problem:
+        return {"unavailable": problem}
+    from mlflow.exceptions import MlflowException
+
+    with _client(uri) as client:
+        try:
+            version = client.get_model_version_by_alias(model_name, CHAMPION_ALIAS)
+        except MlflowException as exc:
+            if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE",
+                                  "NOT_FOUND"):
+                return {}
+            return {"unavailable": f"MLflow registry: {exc.message}"}
+        metrics = client.get_run(version.run_id).data.metrics if version.run_id else {}
+    return {"version": version.version, "run_id": version.run_id,
+            "model_uri": version.tags.get("model_uri") or version.source,
+            "metrics": dict(metrics)}
+
+
+# --- tracking and promotion ------------------------------------------------------------------
+
+
+def promote_run(cfg: RunConfig, model_name: str, summary: dict, champion_found: dict,
+                model_uri: str, s3_client: Callable[[], Any]) -> dict[str, Any]:
+    """Track the run in MLflow, decide the promotion, register and alias a promoted model, and
+    add `promotion` and `tracking` to the report; returns both sections."""
+    from finetune.outputs import add_report_sections, read_output
+
+    report = json.loads(read_output(cfg.run_dir, REPORT_JSON, s3_client) or "{}")
+    evaluation = report.get("evaluation") or {}
+    value, higher = metric_of(evaluation, cfg.promotion_metric)
+    warnings: list[str] = []
+    champion_value, reason = _champion_value(cfg, evaluation, champion_found)
+    if "unavailable" in champion_found:
+        decision = "rejected"
+        reason = (f"the champion could not be read ({champion_found['unavailable']}): nothing "
+                  "is promoted without a comparison")
+        warnings.append(f"MLflow: {champion_found['unavailable']}; the run is not tracked and "
+                        "its model not promoted")
+    else:
+        decision = decide(value, champion_value, cfg.promotion_margin, higher)
+    promotion = {"decision": decision, "metric": cfg.promotion_metric, "challenger": value,
+                 "champion": champion_value, "margin": cfg.promotion_margin,
+                 "champion_version": champion_found.get("version"), "reason": reason,
+                 "version": None}
+    uri = tracking_uri(cfg)
+    tracking: dict[str, Any] = {"uri": shown_uri(uri), "experiment_id": None, "run_id": None}
+    problem = "unavailable" in champion_found and champion_found["unavailable"]
+    if uri and not problem:
+        try:
+            tracking, promotion["version"] = _track(uri, cfg, model_name, report, evaluation,
+                                                    promotion, model_uri, s3_client)
+        except Exception as exc:  # the run's outcome stands without its tracking
+            log.warning("MLflow tracking failed: %s", exc)
+            warnings.append(f"MLflow tracking at {shown_uri(uri)} failed: {exc}")
+            if decision != "rejected":
+                promotion.update(decision="rejected", reason="the model could not be "
+                                 f"registered in MLflow ({exc})")
+    tracking["url"] = ui_link(uri, tracking.get("experiment_id"), tracking.get("run_id"))
+    add_report_sections(cfg.run_dir, s3_client, promotion=promotion, tracking=tracking,
+                        warnings=warnings)
+    if tracking.get("run_id"):  # the final report, with its promotion, beside the run
+        with _client(uri) as client, tempfile.TemporaryDirectory() as tmp:
+            _log_files(client, tracking["run_id"], cfg.run_dir, (REPORT_JSON, REPORT_HTML),
+                       Path(tmp), s3_client)
+            client.set_terminated(tracking["run_id"])
+    log.info("promotion: %s (%s %s vs champion %s, margin %s)%s", decision,
+             cfg.promotion_metric, value, champion_value, cfg.promotion_margin,
+             f"; MLflow run {tracking['run_id']}" if tracking.get("run_id") else "")
+    return {"promotion": promotion, "tracking": tracking}
+
+
+def _champion_value(cfg: RunConfig, evaluation: dict,
+                    champion_found: dict) -> tuple[float | None, str]:
+    """The champion's metric: measured on this run's eval set by the evaluate stage, else (a
+    champion whose model could not be measured) its own logged value."""
+    if not champion_found.get("version"):
+        return None, "no champion yet"
+    measured = evaluation.get("champion")
+    if measured:
+        return metric_of(measured, cfg.promotion_metric)[0], \
+            f"champion version {champion_found['version']} measured on this run's eval set"
+    logged = (champion_found.get("metrics") or {}).get(_metric_key(cfg.promotion_metric))
+    return logged, (f"champion version {champion_found['version']}'s logged value (its model "
+                    "was not measured here)")
+
+
+def _metric_key(metric: str) -> str:
+    return f"eval/{'loss' if metric == 'eval_loss' else metric}"
+
+
+def _track(uri: str, cfg: RunConfig, model_name: str, report: dict, evaluation: dict,
+           promotion: dict, model_uri: str,
+           s3_client: Callable[[], Any]) -> tuple[dict[str, Any], str | None]:
+    from mlflow.entities import Metric, Param, RunTag
+
+    with _client(uri) as client, tempfile.TemporaryDirectory() as tmp:
+        experiment = client.get_experiment_by_name(model_name)
+        if experiment is not None:
+            experiment_id = experiment.experiment_id
+        else:
+            experiment_id = client.create_experiment(model_name,
+                                                     artifact_location=_artifacts_beside(uri))
+        run = client.create_run(experiment_id, run_name=cfg.run_id, tags={
+            "airflow.dag_id": model_name, "airflow.run_id": cfg.run_id,
+            "model_uri": model_uri, "target": cfg.target})
+        run_id = run.info.run_id
+        params = [Param(key, str(value)[:MAX_PARAM_CHARS])
+                  for key, value in sorted(cfg.to_dict().items()) if key not in SECRET_FIELDS]
+        now = int(time.time() * 1000)
+        metrics = [Metric(key, float(point[key]), now, int(point["step"]))
+                   for point in report.get("series", {}).get("train", [])
+                   for key in STEP_METRICS if point.get(key) is not None]
+        metrics += [Metric("eval_loss", float(point["eval_loss"]), now, int(point["step"]))
+                    for point in report.get("series", {}).get("eval", [])
+                    if point.get("eval_loss") is not None]
+        metrics += [Metric(key, float(value), now, 0)
+                    for key, value in _evaluation_metrics(evaluation).items()]
+        for start in range(0, max(len(params), len(metrics)), 100):  # MLflow's batch limits
+            client.log_batch(run_id, metrics=metrics[start:start + 100],
+                             params=params[start:start + 100])
+        client.log_batch(run_id, tags=[RunTag("promotion", promotion["decision"])])
+        _log_files(client, run_id, cfg.run_dir, (EVALUATION_FILE,), Path(tmp), s3_client)
+        version = None
+        if promotion["decision"] in ("promoted", "first"):
+            source = model_uri
+            if model_uri.startswith("file://"):
+                # A registry takes a local model only from the run's own artifacts.
+                client.log_artifacts(run_id, model_uri.removeprefix("file://"), "model")
+                source = f"{client.get_run(run_id).info.artifact_uri}/model"
+            with contextlib.suppress(Exception):  # it exists after the first promotion
+                client.create_registered_model(model_name)
+            created = client.create_model_version(
+                model_name, source, run_id=run_id,
+                tags={"model_uri": model_uri, "airflow.run_id": cfg.run_id})
+            client.set_registered_model_alias(model_name, CHAMPION_ALIAS, created.version)
+            version = created.version
+    return {"uri": shown_uri(uri), "experiment_id": experiment_id, "run_id": run_id}, version
+
+
+def _artifacts_beside(uri: str) -> str | None:
+    """A SQLite store's artifacts: the folder beside its file (a server chooses its own)."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    return (Path(uri.removeprefix("sqlite:///")).parent / LOCAL_ARTIFACTS.name).as_uri()
+
+
+def _evaluation_metrics(evaluation: dict) -> dict[str, float]:
+    """The evaluation as flat MLflow metrics: eval/loss, eval/perplexity, eval/<task>.<metric>."""
+    out = {f"eval/{key}": evaluation[key] for key in ("loss", "perplexity")
+           if isinstance(evaluation.get(key), int | float)}
+    for task, scores in (evaluation.get("tasks") or {}).items():
+        out.update({f"eval/{task}.{metric}": value for metric, value in scores.items()
+                    if isinstance(value, int | float)})
+    return out
+
+
+def _log_files(client: Any, run_id: str, run_dir: str, names: tuple[str, ...], work: Path,
+               s3_client: Callable[[], Any]) -> None:
+    from finetune.outputs import read_output
+
+    for name in names:
+        text = read_output(run_dir, name, s3_client)
+        if text is not None:
+            (work / name).write_text(text, encoding="utf-8")
+            client.log_artifact(run_id, str(work / name))
