@@ -91,7 +91,8 @@ def _row(name: str, run_dir: str, report: dict | None, has_report: bool, mtime: 
             "generated_at": report.get("generated_at"),
             "metrics": report.get("metrics") or {}, "config": report.get("config") or {},
             "gpu": report.get("gpu"), "has_report": has_report, "mtime": mtime,
-            "error": report.get("error"), "progress": None}
+            "error": report.get("error"), "progress": None,
+            "tracking": report.get("tracking"), "promotion": report.get("promotion")}
 
 
 def run_progress(metrics_lines: list[str], finished_training: bool,
@@ -344,7 +345,15 @@ def _run_cell(row: dict[str, Any]) -> str:
                 if generated.endswith("+00:00") else f"report {generated}")
     else:
         when = "report when it ends"
-    return f'<td class="run">{name}<br><span class="muted small">{esc(when)}</span></td>'
+    # its MLflow run (issue 18) and the promotion decision, where the run was tracked
+    tracking, promotion = row.get("tracking") or {}, row.get("promotion") or {}
+    extra = ""
+    if tracking.get("url"):
+        extra += f' · <a href="{esc(tracking["url"])}">MLflow</a>'
+    if promotion.get("decision"):
+        extra += f' · {esc(str(promotion["decision"]))}'
+    return (f'<td class="run">{name}<br><span class="muted small">{esc(when)}</span>'
+            f'<span class="small">{extra}</span></td>')
 
 
 def _where_cell(cfg: dict) -> str:

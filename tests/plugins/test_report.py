@@ -545,3 +545,17 @@ def test_a_run_without_per_rank_step_times_has_no_straggler_section(tmp_path: Pa
     report = write_report(run_dir, run_id="r", status="success", config={})
     assert report["rank_step_times"] is None
     assert "Per-rank step time" not in (run_dir / "report.html").read_text()
+
+
+def test_the_runs_page_links_a_tracked_run_to_its_mlflow_run_and_shows_the_decision(tmp_path):
+    from finetune.report import add_sections
+    from finetune.runs_page import list_runs, render_runs_table
+
+    run = tmp_path / "runs" / "manual__r1"
+    write_report(run, run_id="manual__r1", status="success", config={})
+    url = "http://mlflow.example:5000/#/experiments/3/runs/abc123"
+    add_sections(run, tracking={"uri": "http://mlflow.example:5000", "experiment_id": "3",
+                                "run_id": "abc123", "url": url},
+                 promotion={"decision": "rejected"})
+    table = render_runs_table(list_runs([tmp_path / "runs"]))
+    assert f'<a href="{url}">MLflow</a>' in table and "rejected" in table
