@@ -60,6 +60,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False)
     # float8 runs print tokens/s; TFLOPs and MFU are left out (their peak is the bf16 one).
     parser.add_argument("--float8", action="store_true", help="torchao float8 in the blocks")
+    parser.add_argument("--float8-recipe", default="tensorwise", choices=["tensorwise", "rowwise"])
     parser.add_argument("--ac", choices=["none", "full", "selective"], default="none")
     parser.add_argument("--selective-ac", default="op", help="op, or k: every k-th block")
     # One GPU: resharding after forward saves memory (8B needs it) but gathers again in backward.
@@ -162,6 +163,7 @@ def run_trainer(
         selective_ac=args.selective_ac if args.ac == "selective" else "op",
         compile=args.compile,
         float8=args.float8,
+        float8_recipe=args.float8_recipe,
         tp_degree=args.tp_degree,
     )
     if args.float8:
@@ -208,6 +210,7 @@ def run_trainer(
         "ac": args.ac if args.ac != "selective" else f"selective:{args.selective_ac}",
         "compile": args.compile,
         "float8": args.float8,
+        "float8_recipe": args.float8_recipe if args.float8 else None,
         "loss": "chunked",
         "optimizer": "AdamW fused" if env.device.type == "cuda" else "AdamW",
     }

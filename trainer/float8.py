@@ -1,4 +1,4 @@
-"""float8 matmuls in the decoder blocks with torchao (tensorwise dynamic scaling).
+"""float8 matmuls in the decoder blocks with torchao (dynamic scaling, tensorwise or rowwise).
 
 Each nn.Linear of a block becomes torchao's Float8Linear before FSDP wraps it: inputs, weights and
 output gradients are cast to float8 with a per-tensor scale and multiplied on the float8 tensor
@@ -10,7 +10,9 @@ MFU's peak is the bf16 one.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from typing import Any
 
 import torch
 
@@ -51,14 +53,31 @@ def _fits_float8(module: torch.nn.Module, _fqn: str) -> bool:
     return module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
-def convert_to_float8(blocks: torch.nn.ModuleList, sharded: bool) -> int:
-    """Swap the blocks' nn.Linear layers for Float8Linear; returns how many were swapped.
+def float8_config(recipe: str, sharded: bool) -> Any:
+    """torchao's Float8LinearConfig for `recipe` (tensorwise or rowwise).
 
-    sharded: the weights are sharded by FSDP, so all-gather them in float8.
+    sharded: the weights are sharded by FSDP; tensorwise then all-gathers them in float8 (one
+    scale per tensor survives sharding; torchao has no float8 all-gather for rowwise).
     """
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8 import Float8LinearConfig
 
-    config = Float8LinearConfig(enable_fsdp_float8_all_gather=sharded, emulate=emulated())
+    if recipe == "tensorwise":
+        return Float8LinearConfig(enable_fsdp_float8_all_gather=sharded, emulate=emulated())
+    return dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulated())
+
+
+def uses_float8_all_gather(model: torch.nn.Module) -> bool:
+    """Whether the scales of float8 all-gathered weights must be precomputed after each step."""
+    return any(getattr(getattr(m, "config", None), "enable_fsdp_float8_all_gather", False)
+               for m in model.modules() if type(m).__name__ == "Float8Linear")
+
+
+def convert_to_float8(blocks: torch.nn.ModuleList, sharded: bool,
+                      recipe: str = "tensorwise") -> int:
+    """Swap the blocks' nn.Linear layers for Float8Linear; returns how many were swapped."""
+    from torchao.float8 import convert_to_float8_training
+
+    config = float8_config(recipe, sharded)
     for block in blocks:
         convert_to_float8_training(block, module_filter_fn=_fits_float8, config=config)
     converted = sum(type(m).__name__ == "Float8Linear" for m in blocks.modules())
@@ -68,7 +87,9 @@ def convert_to_float8(blocks: torch.nn.ModuleList, sharded: bool) -> int:
 
 
 def precompute_float8_scales(model: torch.nn.Module) -> None:
-    """After each optimizer step: the float8 scales of all sharded weights in one all-reduce."""
+    """After each optimizer step: the float8 scales of all sharded weights in one all-reduce
+    (tensorwise with float8 all-gather only; otherwise nothing to do)."""
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
-    precompute_float8_dynamic_scale_for_fsdp(model)
+    if uses_float8_all_gather(model):
+        precompute_float8_dynamic_scale_for_fsdp(model)

@@ -183,7 +183,8 @@ def apply_parallelism(model: torch.nn.Module, config: TrainConfig, env: DistEnv)
         mesh = init_device_mesh(env.device.type, shape, mesh_dim_names=names)
     blocks = decoder_blocks(model)
     if config.float8:  # before checkpoint wrapping and compile, as torchtitan converts
-        convert_to_float8(blocks, sharded=mesh["shard"].size() > 1)
+        convert_to_float8(blocks, sharded=mesh["shard"].size() > 1,
+                          recipe=config.float8_recipe)
     checkpoint_activations(blocks, config.activation_checkpointing, config.selective_ac)
     if config.compile:
         compile_blocks(blocks)

@@ -168,6 +168,10 @@ PARAM_SPECS: tuple[ParamSpec, ...] = (
        "The decoder blocks' Linear layers compute in float8 (torchao; weights all-gathered in "
        "float8). Needs GPUs with compute capability >= 8.9 (H100, H200, L4) and mixed "
        "precision bf16; reported by tokens/s (MFU assumes the bf16 peak)."),
+    _S("float8_recipe", "tensorwise", "string", "Memory and speed", "float8 scaling",
+       "tensorwise: one scale per tensor, weights all-gathered in float8 under FSDP (fastest); "
+       "rowwise: one scale per row of each operand (closer to bf16's loss, weights all-gathered "
+       "in bf16). Only with float8."),
     _S("lora_rank", 0, "integer", "LoRA", "LoRA rank",
        "Train LoRA adapters of this rank instead of all weights (peft); 0: full fine-tune. The "
        "exported model has the adapters merged in; model/adapter/ holds them alone."),
@@ -374,6 +378,7 @@ class RunConfig:
     cpu_offload: bool
     compile: bool
     float8: bool
+    float8_recipe: str
     lora_rank: int
     lora_alpha: float
     lora_dropout: float

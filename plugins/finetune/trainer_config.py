@@ -55,6 +55,7 @@ def trainer_config(cfg: RunConfig, *, local_paths: bool = True) -> dict[str, Any
         "cpu_offload": cfg.cpu_offload,
         "compile": cfg.compile,
         "float8": cfg.float8,
+        "float8_recipe": cfg.float8_recipe,
         "lora_rank": cfg.lora_rank,
         "lora_alpha": cfg.lora_alpha,
         "lora_dropout": cfg.lora_dropout,

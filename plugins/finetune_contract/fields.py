@@ -19,6 +19,9 @@ ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 PROMPT_TEMPLATES = ("instruction", "chat")
 DATASET_FORMATS = ("auto", "jsonl", "json", "parquet", "csv")
 BAD_ROWS = ("skip", "error")
+# torchao's float8 scaling: one scale per tensor (weights all-gathered in float8 under FSDP), or
+# one per row (finer: closer to bf16's loss, slower; weights all-gathered in bf16).
+FLOAT8_RECIPES = ("tensorwise", "rowwise")
 # The allowed values of each text field that has a fixed set.
 CHOICES: dict[str, tuple[str, ...]] = {
     "strategy": STRATEGIES,
@@ -27,6 +30,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "prompt_template": PROMPT_TEMPLATES,
     "dataset_format": DATASET_FORMATS,
     "bad_rows": BAD_ROWS,
+    "float8_recipe": FLOAT8_RECIPES,
 }
 # Every Linear of a Llama block: attention and MLP projections.
 LORA_TARGET_MODULES = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
@@ -159,6 +163,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile each decoder block
     tp_degree: int = 1  # tensor (and sequence) parallel degree: a 2-D mesh with FSDP
     float8: bool = False  # torchao float8 matmuls in the decoder blocks (CUDA capability >= 8.9)
+    float8_recipe: str = "tensorwise"  # FLOAT8_RECIPES
     lora_rank: int = 0  # LoRA adapters of this rank (peft); 0: full fine-tune
     lora_alpha: float = 16.0  # adapter output scaled by lora_alpha / lora_rank
     lora_dropout: float = 0.0

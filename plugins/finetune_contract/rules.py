@@ -147,6 +147,9 @@ def _checkpointing(cfg: TrainConfig) -> Problems:
 def _float8_and_lora(cfg: TrainConfig) -> Problems:
     """float8 and LoRA against the options they cannot run with; each message names both."""
     problems: Problems = []
+    if cfg.float8_recipe != "tensorwise" and not cfg.float8:
+        problems.append(("float8_recipe", f"{cfg.float8_recipe} scales float8 matmuls, and "
+                         "float8 is false: set float8 to true, or float8_recipe to tensorwise"))
     if cfg.float8:
         if cfg.mixed_precision != "bf16":
             problems.append(("float8", f"needs mixed_precision bf16 (got {cfg.mixed_precision}): "

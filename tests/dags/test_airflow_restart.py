@@ -118,7 +118,9 @@ def test_a_run_survives_airflow_killed_during_train(airflow, tmp_path, killed, e
     assert ("reattaching to the training" if ends == "after it" else
             "has finished (summary.json written, its agents gone)") in retry_log
     assert "starting torchrun agent" not in retry_log
-    assert all(ti["state"] == "success" for ti in tis.values()), tis
+    # promote is skipped when an earlier run of this Airflow's DAG is the better champion
+    assert all(ti["state"] == "success" or (task == "promote" and ti["state"] == "skipped")
+               for task, ti in tis.items()), tis
     # The training ran once: the same agents, every step once, one `done:` line, no resume.
     assert train_state(run_dir)["agents"] == agents
     assert logged_steps(run_dir) == list(range(1, max_steps + 1))

@@ -61,6 +61,7 @@ CASES = [
      "positive integer"),
     ({"selective_ac": "2"}, 2, 2, "selective_ac", "applies only to activation_checkpointing"),
     ({"float8": True}, 2, 2, "float8", "needs mixed_precision bf16"),
+    ({"float8_recipe": "rowwise"}, 2, 2, "float8_recipe", "float8 is false: set float8 to true"),
     ({"float8": True, "mixed_precision": "bf16", "seq_len": 100}, 2, 2, "float8",
      "divisible by 16"),
     ({"float8": True, "mixed_precision": "bf16", "cpu_offload": True}, 2, 2, "float8",

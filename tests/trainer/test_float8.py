@@ -22,20 +22,22 @@ def test_float8_on_a_cpu_fails_at_start_naming_the_option(monkeypatch):
         check_float8_device(torch.device("cpu"))
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 @pytest.mark.parametrize("mode", [
     "emulated",
     pytest.param("cuda", marks=pytest.mark.skipif(
         not HAS_FLOAT8_GPU, reason="needs a GPU with compute capability >= 8.9")),
 ])  # fmt: skip
 def test_a_tiny_model_trains_with_float8_linear_layers_in_its_blocks(
-    mode, world_of_one, monkeypatch
+    mode, recipe, world_of_one, monkeypatch
 ):
     if mode == "emulated":
         if world_of_one.device.type == "cuda":
             pytest.skip("emulation is the CPU stand-in")
         monkeypatch.setenv(EMULATE_ENV, "1")  # torchao's float8 casts, matmuls in bf16
     tokenizer = AutoTokenizer.from_pretrained(DEMO_TOKENIZER)
-    config = load_config(None, {"float8": True, "mixed_precision": "bf16", "lr": 3e-3})
+    config = load_config(None, {"float8": True, "float8_recipe": recipe,
+                                "mixed_precision": "bf16", "lr": 3e-3})
     check_start(config, world_of_one)
     check_float8_device(world_of_one.device)
     model = build_model(config.model, tokenizer)
@@ -44,6 +46,9 @@ def test_a_tiny_model_trains_with_float8_linear_layers_in_its_blocks(
     kinds = {name.rsplit(".", 1)[-1]: type(m).__name__ for name, m in model.named_modules()}
     assert kinds["q_proj"] == kinds["down_proj"] == "Float8Linear"
     assert kinds["lm_head"] == "Linear"  # the head and embeddings stay bf16
+    q_proj = next(m for n, m in model.named_modules() if n.endswith("q_proj"))
+    granularity = q_proj.config.cast_config_input.scaling_granularity.name
+    assert granularity == ("TENSORWISE" if recipe == "tensorwise" else "AXISWISE")
     optimizer = build_optimizer(model, config, world_of_one.device)
     text = PROMPT_TEMPLATE.format(prompt="Repeat owl 3 times.") + " owl owl owl"
     input_ids = tokenizer(text, return_tensors="pt")["input_ids"].to(world_of_one.device)
