@@ -83,16 +83,27 @@ def parse_metrics(lines: Iterable[str]) -> tuple[list[dict], list[dict], int, di
     return [train[s] for s in sorted(train)], [evals[s] for s in sorted(evals)], bad_lines, data
 
 
+def _read_object(path: Path) -> tuple[dict | None, str | None]:
+    """A JSON object file of the run -> (object or None, why it is unusable or None); a missing
+    file is (None, None)."""
+    if not path.is_file():
+        return None, None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return None, f"{path.name} unreadable ({exc})"
+    if not isinstance(data, dict):
+        return None, f"{path.name} is not an object"
+    return data, None
+
+
 def _load_summary(path: Path) -> tuple[dict | None, str | None]:
     """Read `summary.json` -> (summary or None, warning or None)."""
     if not path.is_file():
         return None, f"{SUMMARY_FILE} missing: training did not finish"
-    try:
-        summary = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return None, f"{SUMMARY_FILE} unreadable ({exc}): metrics computed from {METRICS_FILE}"
-    if not isinstance(summary, dict):
-        return None, f"{SUMMARY_FILE} is not an object: metrics computed from {METRICS_FILE}"
+    summary, problem = _read_object(path)
+    if problem:
+        return None, f"{problem}: metrics computed from {METRICS_FILE}"
     return summary, None
 
 
@@ -227,10 +238,13 @@ def write_report(
         for s in (ranks or {}).get("stragglers", [])
     )
 
-    preflight = _load_json(run_dir / PREFLIGHT_FILE)
+    preflight, preflight_problem = _read_object(run_dir / PREFLIGHT_FILE)
+    if preflight_problem:
+        warnings.append(preflight_problem)
     if preflight and not preflight.get("ok"):
-        warnings.append("preflight found bad node(s): " + ", ".join(
-            preflight.get("bad_nodes") or []) + "; ".join(preflight.get("problems") or []))
+        warnings.append("preflight found bad node(s): " + "; ".join(
+            [", ".join(preflight.get("bad_nodes") or []) or "none to blame",
+             *(preflight.get("problems") or [])]))
 
     evaluation, evaluation_warning = load_evaluation(run_dir / EVALUATION_FILE)
     if evaluation_warning:
@@ -273,13 +287,6 @@ def write_report(
     return report
 
 
-def _load_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def _preflight_html(preflight: dict | None) -> list[str]:
     """The preflight's table: one row per node, its GPUs, bandwidth and problems."""
     if not preflight:
@@ -299,16 +306,14 @@ def _preflight_html(preflight: dict | None) -> list[str]:
               f"{preflight['message_mib']:g} MiB messages, {_esc(preflight['backend'])}</p>")
     problems = "".join(f"<p class=\"warn\">{_esc(p)}</p>" for p in preflight["problems"])
     return ["<h2>Preflight</h2>", f"<table>{head}{rows}</table>", across, problems]
+
+
 def load_evaluation(path: Path) -> tuple[dict | None, str | None]:
-    """The report's `evaluation` from trainer/evaluate.py's file: (section, warning)."""
-    if not path.is_file():
-        return None, None  # a run that failed before evaluate, or a report written before it
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return None, f"{EVALUATION_FILE} unreadable ({exc})"
-    if not isinstance(data, dict):
-        return None, f"{EVALUATION_FILE} is not an object"
+    """The report's `evaluation` from trainer/evaluate.py's file: (section, warning); none for
+    a run that failed before evaluate, or a report written before it."""
+    data, problem = _read_object(path)
+    if data is None:
+        return None, problem
     keep = ("loss", "perplexity", "samples", "tasks", "higher_is_better", "champion",
             "eval_set", "eval_rows", "wall_time_s")
     return {key: data.get(key) for key in keep}, None

@@ -119,7 +119,6 @@ def test_a_local_preflight_that_cannot_measure_fails_with_the_programs_output(tm
                                                                               monkeypatch):
     cfg = validate_params({"output_dir": str(tmp_path), "nodes": 1, "procs_per_node": 1},
                           run_id="pf-bad")
-    monkeypatch.setenv("PYTHONPATH", "/nonexistent")  # still runs: the repo is put first
     monkeypatch.setattr("finetune.targets.local.sys.executable", "/bin/false")
     with pytest.raises(PreflightFailed, match="preflight could not measure"):
         LocalTarget().preflight(cfg, image={}, rendezvous={})
