@@ -166,8 +166,14 @@ def evaluate(config: TrainConfig, champion: str | None = None) -> dict[str, Any]
                                     config.max_new_tokens, device)
         del model
         result["champion"] = None
-        if champion:
-            champion_model, champion_tokenizer = load_model(champion, work, dtype, device)
+        try:  # a champion whose model is gone (deleted, moved) is compared by its logged value
+            loaded = load_model(champion, work, dtype, device) if champion else None
+        except (OSError, ValueError) as exc:
+            print(f"champion model {champion} cannot be loaded ({exc}); promote compares "
+                  "with its logged metric", flush=True)
+            loaded = None
+        if loaded is not None:
+            champion_model, champion_tokenizer = loaded
             champion_rows = rows if champion_tokenizer.get_vocab() == tokenizer.get_vocab() \
                 else eval_rows(config, champion_tokenizer)
             result["champion"] = {"model": champion, **measure(
