@@ -54,6 +54,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="trainer.bench", description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="1b,3b,8b", help="comma-separated: 1b, 3b, 8b, tiny")
     parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--grad-accum", type=int, default=1,
+                        help="micro batches per optimizer step (both trainers)")
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
@@ -80,9 +82,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def random_batches(vocab: int, args: argparse.Namespace, device: torch.device) -> torch.Tensor:
-    """(warmup + steps, micro_batch, seq_len) token ids, the same for both trainers."""
+    """(warmup + steps, grad_accum, micro_batch, seq_len) token ids, the same for both trainers."""
     generator = torch.Generator().manual_seed(args.seed)
-    shape = (args.warmup + args.steps, args.micro_batch, args.seq_len)
+    shape = (args.warmup + args.steps, args.grad_accum, args.micro_batch, args.seq_len)
     return torch.randint(0, vocab, shape, generator=generator).to(device)
 
 
@@ -118,7 +120,8 @@ def result(
     timed = step_times[args.warmup :]
     median = statistics.median(timed)
     # The ranks of a tensor-parallel group work on the same tokens: per GPU, a tp-th of them.
-    tokens_per_s = args.micro_batch * args.seq_len / median / options.get("tp_degree", 1)
+    tokens_per_step = args.grad_accum * args.micro_batch * args.seq_len
+    tokens_per_s = tokens_per_step / median / options.get("tp_degree", 1)
     tflops = flops_per_token(model_config, args.seq_len) * tokens_per_s / 1e12
     float8 = bool(options.get("float8"))
     return {
@@ -126,6 +129,7 @@ def result(
         "model": model,
         "options": options,
         "micro_batch": args.micro_batch,
+        "grad_accum": args.grad_accum,
         "seq_len": args.seq_len,
         "steps_timed": len(timed),
         "step_time_s": _rounded(median),
@@ -176,23 +180,26 @@ def run_trainer(
     optimizer = build_optimizer(model, config, env.device)
     loss_sum: Callable[..., torch.Tensor] = getattr(model, LOSS_METHOD)
     batches = random_batches(model_config.vocab_size, args, env.device)
-    labelled = args.micro_batch * (args.seq_len - 1)
+    labelled = args.grad_accum * args.micro_batch * (args.seq_len - 1)
 
-    def step(input_ids: torch.Tensor) -> float:
-        with compute_weights(model):
-            loss = loss_sum(input_ids, input_ids=input_ids) / labelled
-            loss.backward()
+    def step(micro_batches: torch.Tensor) -> float:
+        total = torch.zeros((), device=env.device)
+        for input_ids in micro_batches:  # as trainer.train's train_step accumulates
+            with compute_weights(model):
+                loss = loss_sum(input_ids, input_ids=input_ids) / labelled
+                loss.backward()
+            total += loss.detach()
         optimizer_step(model, optimizer, config.max_grad_norm)
         if args.float8:
             precompute_float8_scales(model)
         optimizer.zero_grad(set_to_none=True)
-        return loss.item()
+        return total.item()
 
     step_times, losses = [], []
-    for input_ids in batches:
+    for micro_batches in batches:
         synchronize(env.device)
         start = time.perf_counter()
-        losses.append(step(input_ids))
+        losses.append(step(micro_batches))
         synchronize(env.device)
         step_times.append(time.perf_counter() - start)
     if args.profile:
@@ -230,7 +237,7 @@ def run_hf_trainer(
     with torch.device(device):
         model = LlamaForCausalLM(model_config)  # fp32: bf16=True autocasts, as users run it
     batches = random_batches(model_config.vocab_size, args, torch.device("cpu"))
-    rows = [{"input_ids": ids, "labels": ids} for ids in batches.flatten(0, 1)]
+    rows = [{"input_ids": ids, "labels": ids} for ids in batches.flatten(0, 2)]
     step_times: list[float] = []
     losses: list[float] = []
 
@@ -252,6 +259,7 @@ def run_hf_trainer(
         training_args = TrainingArguments(
             output_dir=output_dir,
             per_device_train_batch_size=args.micro_batch,
+            gradient_accumulation_steps=args.grad_accum,
             max_steps=args.warmup + args.steps,
             learning_rate=1e-5,
             lr_scheduler_type="constant",
@@ -325,7 +333,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(json.dumps(theirs), flush=True)
         if "error" not in ours and "error" not in theirs:
             ratio = ours["tokens_per_s"] / theirs["tokens_per_s"]
-            summary = {"run": "ratio", "model": name, "micro_batch": args.micro_batch}
+            summary = {"run": "ratio", "model": name, "micro_batch": args.micro_batch,
+                       "grad_accum": args.grad_accum}
             print(json.dumps({**summary, "trainer_over_hf_tokens_per_s": round(ratio, 3)}))
 
 

@@ -14,7 +14,7 @@ from tests.support.training import torchrun
 pytestmark = pytest.mark.slow  # each test runs the benchmark in a subprocess or under torchrun
 
 RUN_KEYS = {
-    "run", "model", "options", "micro_batch", "seq_len", "steps_timed", "step_time_s",
+    "run", "model", "options", "micro_batch", "grad_accum", "seq_len", "steps_timed", "step_time_s",
     "step_time_mean_s", "tokens_per_s", "tflops_per_gpu", "mfu", "peak_memory_gib", "loss_first",
     "loss_last", "device", "torch",
 }  # fmt: skip
@@ -34,15 +34,17 @@ def bench(*args: str) -> list[dict]:
     return [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"')]
 
 
-def check_run(record: dict, run: str, tp: int = 1) -> None:
+def check_run(record: dict, run: str, tp: int = 1, accum: int = 1) -> None:
     assert set(record) == RUN_KEYS
     assert record["run"] == run and record["model"] == "tiny-llama"
     assert record["steps_timed"] == 2 and record["seq_len"] == 64 and record["micro_batch"] == 2
     assert record["tokens_per_s"] > 0 and record["tflops_per_gpu"] > 0
     # CPUs have no trusted peak: no MFU there; a GPU's is a fraction of its peak
     assert record["mfu"] is None if record["device"] == "cpu" else 0 < record["mfu"] <= 1
-    # 2 x 64 tokens a step; the ranks of a tensor-parallel group share them.
-    assert record["step_time_s"] == pytest.approx(128 / tp / record["tokens_per_s"], rel=1e-3)
+    # accum x 2 x 64 tokens a step; the ranks of a tensor-parallel group share them.
+    assert record["grad_accum"] == accum
+    tokens = accum * 128 / tp
+    assert record["step_time_s"] == pytest.approx(tokens / record["tokens_per_s"], rel=1e-3)
 
 
 def test_the_benchmark_prints_the_trainers_throughput_as_one_json_line():
@@ -64,6 +66,19 @@ def test_the_benchmark_runs_hugging_face_trainer_on_the_same_model_and_prints_th
     assert theirs["loss_first"] == pytest.approx(ours["loss_first"], rel=0.01)
     expected = ours["tokens_per_s"] / theirs["tokens_per_s"]
     assert ratio["trainer_over_hf_tokens_per_s"] == pytest.approx(expected, rel=1e-2)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("accelerate") is None, reason="Hugging Face Trainer needs accelerate"
+)
+def test_with_gradient_accumulation_both_trainers_time_whole_optimizer_steps():
+    ours, theirs, ratio = bench("--hf", "--grad-accum", "3")
+    check_run(ours, "trainer", accum=3)
+    check_run(theirs, "hf_trainer", accum=3)
+    # steps_timed == 2 (check_run): one time per optimizer step, not per micro batch; the same
+    # model and token distribution give the same first loss.
+    assert theirs["loss_first"] == pytest.approx(ours["loss_first"], rel=0.01)
+    assert ratio["grad_accum"] == 3
 
 
 def test_the_benchmark_imports_neither_trainer_data_nor_datasets():
