@@ -35,6 +35,8 @@ from finetune.targets.eks.manifests import (
     TRAINER_REPLICATED_JOB,
     TRAINER_VERSION,
     TRAINJOB_PLURAL,
+    evaluation_job_manifest,
+    evaluation_trainjob_manifest,
     pytorchjob_manifest,
     trainjob_manifest,
 )
@@ -90,6 +92,8 @@ class Launcher:
     plural: str
     container: str  # the training container's name in the pods
     manifest: Callable[..., dict[str, Any]]  # (cfg, image, program=TRAIN)
+    # The evaluate stage's job: (cfg, image, champion model URI or "") -> its manifest.
+    evaluation_manifest: Callable[..., dict[str, Any]]
     state: Callable[[dict[str, Any]], tuple[str, str]]
     pod_labels: Callable[[str], dict[str, str]]  # every pod of the job
     leader_labels: Callable[[str], dict[str, str]]  # rank 0's pod
@@ -117,6 +121,7 @@ PYTORCHJOB = Launcher(
     name="pytorchjob", kind="PyTorchJob", group=PYTORCHJOB_GROUP, version=PYTORCHJOB_VERSION,
     plural=PYTORCHJOB_PLURAL, container=CONTAINER_NAME,
     manifest=lambda cfg, image, program=TRAIN: pytorchjob_manifest(cfg, image, program=program),
+    evaluation_manifest=evaluation_job_manifest,
     state=pytorchjob_state,
     pod_labels=lambda name: {LABEL_JOB_NAME: name},
     leader_labels=lambda name: {LABEL_JOB_NAME: name, LABEL_REPLICA_TYPE: "worker",
@@ -128,6 +133,7 @@ TRAINJOB = Launcher(
     name="trainjob", kind="TrainJob", group=TRAINER_GROUP, version=TRAINER_VERSION,
     plural=TRAINJOB_PLURAL, container=TRAINER_CONTAINER,
     manifest=lambda cfg, image, program=TRAIN: trainjob_manifest(cfg, image, program=program),
+    evaluation_manifest=evaluation_trainjob_manifest,
     state=trainjob_state,
     pod_labels=lambda name: {LABEL_JOBSET_NAME: name},
     leader_labels=lambda name: {LABEL_JOBSET_NAME: name,

@@ -450,30 +450,60 @@ def evaluation_job_name(cfg: RunConfig) -> str:
     return dns_label("ev", cfg.rdzv_id, max_len=45)
 
 
+def _evaluation_container(cfg: RunConfig, champion_model: str) -> dict[str, Any]:
+    """What the evaluation job's container runs and gets, whichever the launcher: plain python
+    on one GPU, without EFA or the NCCL environment (nothing to talk to)."""
+    profile = INSTANCE_TYPES[cfg.instance_type]
+    requests = {k: v for k, v in profile.resources(1)["requests"].items()
+                if k in ("cpu", "memory", GPU_RESOURCE)}
+    return {
+        "command": ["python", "-m", "trainer.evaluate"],
+        "args": ["--config", f"{TRAINER_CONFIG_DIR}/{TRAINER_CONFIG_FILE}",
+                 *(["--champion", champion_model] if champion_model else [])],
+        "resources": {"requests": requests, "limits": {GPU_RESOURCE: 1}},
+        "drop_env": set(profile.nccl_env),
+    }
+
+
+def _as_evaluation(manifest: dict[str, Any], cfg: RunConfig) -> dict[str, Any]:
+    """The metadata every evaluation job gets: its own name and program label, and no Kueue
+    queue (admitted with the training's quota already)."""
+    manifest["metadata"]["name"] = evaluation_job_name(cfg)
+    manifest["metadata"]["labels"][LABEL_PROGRAM] = EVALUATE
+    manifest["metadata"]["labels"].pop(KUEUE_QUEUE_LABEL, None)
+    return manifest
+
+
 def evaluation_job_manifest(cfg: RunConfig, image: str, champion_model: str = "") -> dict:
     """The evaluate stage's PyTorchJob: the training's pod (image, config, volumes, node group)
     as one worker with one GPU running trainer.evaluate, on the run's nodes before teardown."""
-    manifest = pytorchjob_manifest(cfg, image, backoff_limit=0)
-    manifest["metadata"]["name"] = name = evaluation_job_name(cfg)
-    manifest["metadata"]["labels"][LABEL_PROGRAM] = EVALUATE
-    spec = manifest["spec"]
+    manifest = _as_evaluation(pytorchjob_manifest(cfg, image, backoff_limit=0), cfg)
+    name, spec = manifest["metadata"]["name"], manifest["spec"]
     # One worker; the operator's PET_* variables are there, and unused by a plain python.
     spec["elasticPolicy"].update(rdzvBackend="c10d", rdzvHost=f"{name}-worker-0",
                                  rdzvPort=C10D_PORT, rdzvId=f"{cfg.rdzv_id}-eval",
                                  minReplicas=1, maxReplicas=1, maxRestarts=0)
     spec["nprocPerNode"] = "1"
-    spec["runPolicy"].pop("suspend", None)  # admitted with the training's quota already
-    manifest["metadata"]["labels"].pop(KUEUE_QUEUE_LABEL, None)
+    spec["runPolicy"].pop("suspend", None)
     worker = spec["pytorchReplicaSpecs"]["Worker"]
     worker.update(replicas=1, restartPolicy="Never")
     container = worker["template"]["spec"]["containers"][0]
-    container["command"] = ["python", "-m", "trainer.evaluate"]
-    container["args"] = ["--config", f"{TRAINER_CONFIG_DIR}/{TRAINER_CONFIG_FILE}",
-                         *(["--champion", champion_model] if champion_model else [])]
-    # One GPU and no EFA (nothing to talk to): the profile's requests less its network.
-    profile = INSTANCE_TYPES[cfg.instance_type]
-    requests = {k: v for k, v in profile.resources(1)["requests"].items()
-                if k in ("cpu", "memory", GPU_RESOURCE)}
-    container["resources"] = {"requests": requests, "limits": {GPU_RESOURCE: 1}}
-    container["env"] = [e for e in container["env"] if e["name"] not in profile.nccl_env]
+    evaluation = _evaluation_container(cfg, champion_model)
+    container.update(command=evaluation["command"], args=evaluation["args"],
+                     resources=evaluation["resources"])
+    container["env"] = [e for e in container["env"] if e["name"] not in evaluation["drop_env"]]
+    return manifest
+
+
+def evaluation_trainjob_manifest(cfg: RunConfig, image: str, champion_model: str = "") -> dict:
+    """The evaluate stage's TrainJob (launcher trainjob): the training's TrainJob on the same
+    runtime, as one node with one GPU running trainer.evaluate."""
+    manifest = _as_evaluation(trainjob_manifest(cfg, image), cfg)
+    spec = manifest["spec"]
+    spec.pop("suspend", None)
+    evaluation = _evaluation_container(cfg, champion_model)
+    trainer = spec["trainer"]
+    trainer.update(command=evaluation["command"], args=evaluation["args"], numNodes=1,
+                   numProcPerNode=1, resourcesPerNode=evaluation["resources"])
+    trainer["env"] = [e for e in trainer["env"] if e["name"] not in evaluation["drop_env"]]
     return manifest

@@ -481,23 +481,25 @@ class EksTarget(Target):
     # -- evaluate ---------------------------------------------------------------------------
 
     def evaluate(self, cfg: RunConfig, trained: dict, image: dict, champion: dict) -> Wait:
-        """trainer.evaluate as a one-worker PyTorchJob on the run's nodes (created, or adopted
-        by a retry), then wait for it as for the training."""
+        """trainer.evaluate as a one-GPU job of the run's launcher (PyTorchJob or TrainJob) on
+        the run's nodes (created, or adopted by a retry), then wait for it as for the training;
+        teardown deletes it with the run's other jobs."""
         import kubernetes
 
-        from finetune.targets.eks.manifests import evaluation_job_manifest
-
-        manifest = evaluation_job_manifest(cfg, image["image"], champion.get("model_uri") or "")
-        name, launcher = manifest["metadata"]["name"], LAUNCHERS["pytorchjob"]
+        launcher = launcher_for(cfg)
+        manifest = launcher.evaluation_manifest(cfg, image["image"],
+                                                champion.get("model_uri") or "")
+        name = manifest["metadata"]["name"]
         custom = kubernetes.client.CustomObjectsApi(self._kube(cfg))
         try:
             custom.create_namespaced_custom_object(launcher.group, launcher.version,
                                                    cfg.namespace, launcher.plural, manifest)
-            log.info("created PyTorchJob %s/%s: trainer.evaluate", cfg.namespace, name)
+            log.info("created %s %s/%s: trainer.evaluate", launcher.kind, cfg.namespace, name)
         except kubernetes.client.ApiException as exc:
             if exc.status != 409:
                 raise
-            log.info("adopting PyTorchJob %s/%s an earlier try created", cfg.namespace, name)
+            log.info("adopting %s %s/%s an earlier try created", launcher.kind, cfg.namespace,
+                     name)
         return self._wait_for_evaluation(cfg, {"job": name, "after": "",
                                                "started": time.time()})
 
@@ -505,7 +507,7 @@ class EksTarget(Target):
         return Wait(JobTrigger(
             credentials=kube_credentials(cfg), namespace=cfg.namespace, name=state["job"],
             wake_at=time.time() + self.wake_after, poll_interval=self.poll_interval,
-            refresh_interval=self.refresh_interval, launcher="pytorchjob"),
+            refresh_interval=self.refresh_interval, launcher=cfg.launcher),
             resume="evaluation_wake", state=state)
 
     def evaluation_wake(self, cfg: RunConfig, event: dict, state: dict) -> dict | Wait:
@@ -514,17 +516,17 @@ class EksTarget(Target):
         from finetune.outputs import evaluation_result, read_output
         from finetune_contract.fields import EVALUATION_FILE
 
-        name, api, pytorchjob = state["job"], self._kube(cfg), LAUNCHERS["pytorchjob"]
+        name, api, launcher = state["job"], self._kube(cfg), launcher_for(cfg)
         state = {**state, "after": job.stream_leader_log(api, cfg.namespace, name,
-                                                         state["after"], pytorchjob)}
+                                                         state["after"], launcher)}
         if event["status"] == "running":
             return self._wait_for_evaluation(cfg, state)
         if event["status"] == "failed":
             raise RuntimeError("evaluation failed: " + job.failure_report(
-                api, cfg.namespace, name, event["message"], pytorchjob))
+                api, cfg.namespace, name, event["message"], launcher))
         text = read_output(cfg.run_dir, EVALUATION_FILE, lambda: self._s3(cfg))
         if text is None:
-            raise RuntimeError(f"PyTorchJob {name} succeeded but {cfg.run_dir} has no "
+            raise RuntimeError(f"{launcher.kind} {name} succeeded but {cfg.run_dir} has no "
                                f"{EVALUATION_FILE}")
         return evaluation_result(json.loads(text), f"{cfg.run_dir.rstrip('/')}/"
                                  f"{EVALUATION_FILE}", time.time() - state["started"])
