@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 # Logits per chunk: 2**29 elements is 4k tokens of a 128k vocabulary, 1 GB in bf16.
 LOGITS_PER_CHUNK = 1 << 29
 LOSS_METHOD = "causal_lm_loss_sum"
+ROW_LOSS_METHOD = "causal_lm_row_loss_sums"  # per sequence: DPO's log-probabilities
 
 
 def _chunk_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -144,6 +145,29 @@ def causal_lm_loss_sum(
     return linear_cross_entropy_sum(hidden, head.weight, labels, ignore_index, chunk_tokens)
 
 
+def causal_lm_row_loss_sums(
+    model: torch.nn.Module,
+    labels: torch.Tensor,
+    ignore_index: int = -100,
+    chunk_tokens: int | None = None,
+    **inputs: Any,
+) -> torch.Tensor:
+    """(batch,) summed cross entropy of each row's labelled next-token predictions: minus the
+    log-probability of its response. The head runs chunked, row by row."""
+    hidden = model.model(**inputs, use_cache=False).last_hidden_state
+    head = model.get_output_embeddings()
+    if isinstance(head.weight, DTensor) or getattr(head, "bias", None) is not None:
+        logits = head(hidden)[:, :-1].float()
+        losses = F.cross_entropy(logits.transpose(1, 2), labels[:, 1:], ignore_index=ignore_index,
+                                 reduction="none")
+        return losses.sum(dim=1)
+    return torch.stack([
+        linear_cross_entropy_sum(hidden[row, :-1], head.weight, labels[row, 1:], ignore_index,
+                                 chunk_tokens)
+        for row in range(hidden.shape[0])
+    ])
+
+
 def _sequence_parallel_loss_sum(
     hidden: DTensor,
     weight: DTensor,
@@ -185,5 +209,7 @@ def add_loss_method(model: torch.nn.Module) -> None:
     forward of the root (gather the root's parameters before, hook its backward after) as it
     does for `model(...)`; a model that is not FSDP-sharded gets the plain method.
     """
-    setattr(model, LOSS_METHOD, functools.partial(causal_lm_loss_sum, model))
-    register_fsdp_forward_method(model, LOSS_METHOD)
+    for name, method in ((LOSS_METHOD, causal_lm_loss_sum),
+                         (ROW_LOSS_METHOD, causal_lm_row_loss_sums)):
+        setattr(model, name, functools.partial(method, model))
+        register_fsdp_forward_method(model, name)

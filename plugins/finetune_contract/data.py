@@ -102,6 +102,9 @@ def data_files(path: Path, dataset_format: str) -> list[str]:
 
 def row_columns(cfg: TrainConfig) -> dict[str, str]:
     """The option that names each column the rows need -> the column."""
+    if cfg.method == "dpo":
+        return {"prompt_field": cfg.prompt_field, "chosen_field": cfg.chosen_field,
+                "rejected_field": cfg.rejected_field}
     if cfg.text_field:
         return {"text_field": cfg.text_field}
     return {"prompt_field": cfg.prompt_field, "response_field": cfg.response_field}
@@ -177,12 +180,39 @@ def encode_row(tokenizer: Any, cfg: TrainConfig, row: dict[str, Any]
     prompt, response = (None, row[fields[0]]) if cfg.text_field else \
         (row[fields[0]], row[fields[1]])
     input_ids, labels = encode_example(tokenizer, prompt, response, cfg.prompt_template)
-    if len(input_ids) > cfg.seq_len:
-        return (TOO_LONG, f"{len(input_ids)} tokens, more than seq_len {cfg.seq_len}"), [], []
+    problem = _encoded_problem(input_ids, labels, cfg.seq_len)
+    return (problem, [], []) if problem else (None, input_ids, labels)
+
+
+def _encoded_problem(input_ids: list[int], labels: list[int], seq_len: int
+                     ) -> tuple[str, str] | None:
+    if len(input_ids) > seq_len:
+        return TOO_LONG, f"{len(input_ids)} tokens, more than seq_len {seq_len}"
     # The first label is never predicted (nothing precedes it): it teaches nothing.
     if all(label == IGNORE_INDEX for label in labels[1:]):
-        return (EMPTY, "no token to learn (the response is empty once tokenized)"), [], []
-    return None, input_ids, labels
+        return EMPTY, "no token to learn (the response is empty once tokenized)"
+    return None
+
+
+Encoded = tuple[list[int], list[int]]  # (input_ids, labels)
+
+
+def encode_pair(tokenizer: Any, cfg: TrainConfig, row: dict[str, Any]
+                ) -> tuple[tuple[str, str] | None, Encoded, Encoded]:
+    """(problem, chosen, rejected) of one DPO row: each response encoded after the prompt as an
+    SFT example is, so the same rows are bad (either response too long or empty)."""
+    problem = field_problem(row_columns(cfg), row)
+    if problem is not None:
+        return problem, ([], []), ([], [])
+    encoded = []
+    for option in ("chosen_field", "rejected_field"):
+        ids, labels = encode_example(tokenizer, row[cfg.prompt_field], row[getattr(cfg, option)],
+                                     cfg.prompt_template)
+        problem = _encoded_problem(ids, labels, cfg.seq_len)
+        if problem:
+            return (problem[0], f"{option}: {problem[1]}"), ([], []), ([], [])
+        encoded.append((ids, labels))
+    return None, encoded[0], encoded[1]
 
 
 def bad_row_error(cfg: TrainConfig, where: str, detail: str) -> str:

@@ -24,6 +24,14 @@ BAD_ROWS = ("skip", "error")
 FLOAT8_RECIPES = ("tensorwise", "rowwise")
 # QLoRA: the frozen base Linears of the decoder blocks stored in 4-bit NormalFloat (torchao).
 QUANTIZE_BASE = ("none", "nf4")
+# sft: next-token loss on the responses; dpo: preference tuning on (prompt, chosen, rejected) rows.
+METHODS = ("sft", "dpo")
+# DPO's loss on the policy-minus-reference log-ratio margin: sigmoid (DPO, cDPO with
+# dpo_label_smoothing) or ipo (squared, on per-token averages).
+DPO_LOSSES = ("sigmoid", "ipo")
+# The reference log-probs: a frozen copy of the initial weights (LoRA: the adapters disabled), or
+# computed in a first pass over the data so no second model is held.
+DPO_REFERENCES = ("model", "precompute")
 # The allowed values of each text field that has a fixed set.
 CHOICES: dict[str, tuple[str, ...]] = {
     "strategy": STRATEGIES,
@@ -34,6 +42,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "bad_rows": BAD_ROWS,
     "float8_recipe": FLOAT8_RECIPES,
     "quantize_base": QUANTIZE_BASE,
+    "method": METHODS,
+    "dpo_loss": DPO_LOSSES,
+    "dpo_reference": DPO_REFERENCES,
 }
 # Every Linear of a Llama block: attention and MLP projections.
 LORA_TARGET_MODULES = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
@@ -111,6 +122,9 @@ BOUNDS: dict[str, Bounds] = {
     "sample_prompts": _B(0, 100),
     "max_new_tokens": _B(1, 4096),
     "promotion_margin": _B(0, 1e6),
+    "dpo_beta": _B(maximum=100, exclusive_minimum=0),
+    # 0.5 would make the preference a coin toss (cDPO divides by 1 - 2 * smoothing).
+    "dpo_label_smoothing": _B(0, 0.49),
 }
 
 
@@ -141,6 +155,13 @@ class TrainConfig:
     text_field: str | None = None
     prompt_field: str = "prompt"
     response_field: str = "response"
+    method: str = "sft"  # METHODS
+    chosen_field: str = "chosen"  # dpo: the preferred response
+    rejected_field: str = "rejected"  # dpo: the dispreferred response
+    dpo_beta: float = 0.1  # strength of the pull towards the reference (the KL penalty)
+    dpo_loss: str = "sigmoid"  # DPO_LOSSES
+    dpo_label_smoothing: float = 0.0  # sigmoid only: share of pairs assumed flipped (cDPO)
+    dpo_reference: str = "model"  # DPO_REFERENCES
     prompt_template: str = "instruction"  # chat: the tokenizer's chat template
     packing: bool = False  # pack examples to seq_len; no attention across documents
     # Rows that are malformed, miss a field, are empty or exceed seq_len: skipped and counted,
@@ -212,7 +233,8 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-_REQUIRED_STRINGS = ("model", "dataset", "output_dir", "prompt_field", "response_field")
+_REQUIRED_STRINGS = ("model", "dataset", "output_dir", "prompt_field", "response_field",
+                     "chosen_field", "rejected_field")
 
 
 def field_problem(name: str, value: Any) -> str | None:

@@ -115,6 +115,7 @@ def config_problems(cfg: TrainConfig, *, world_size: int, local_world_size: int,
     problems: Problems = []
     problems += _checkpointing(cfg)
     problems += _float8_and_lora(cfg)
+    problems += _preference(cfg)
     problems += _parallelism(cfg, world_size, local_world_size, shape)
     if shape and shape.max_position_embeddings and cfg.seq_len > shape.max_position_embeddings:
         problems.append(("seq_len", f"{cfg.seq_len} exceeds model {_name(shape)}'s "
@@ -198,6 +199,35 @@ def _float8_and_lora(cfg: TrainConfig) -> Problems:
         if not names or any(not _MODULE_NAME.match(name) for name in names):
             problems.append(("lora_target_modules", f"{quoted(cfg.lora_target_modules)}: give "
                              "comma-separated module names such as q_proj,v_proj"))
+    return problems
+
+
+def _preference(cfg: TrainConfig) -> Problems:
+    """DPO against what it cannot run with, and its options set for an SFT run."""
+    problems: Problems = []
+    if cfg.method != "dpo":
+        for name, default in (("dpo_loss", "sigmoid"), ("dpo_reference", "model"),
+                              ("dpo_label_smoothing", 0.0)):
+            if getattr(cfg, name) != default:
+                problems.append((name, f"{getattr(cfg, name)} applies to method dpo only "
+                                 f"(method is {cfg.method}): set method to dpo or {name} to "
+                                 f"{default}"))
+        return problems
+    if cfg.packing:
+        problems.append(("packing", "cannot be combined with method = dpo: a chosen and a "
+                         "rejected response are scored as whole sequences, one pair per row; "
+                         "set packing to false or method to sft"))
+    if cfg.text_field:
+        problems.append(("text_field", f"{quoted(cfg.text_field)} with method = dpo: DPO rows "
+                         "need prompt, chosen and rejected fields, not plain text; unset "
+                         "text_field or set method to sft"))
+    if cfg.dpo_label_smoothing and cfg.dpo_loss != "sigmoid":
+        problems.append(("dpo_label_smoothing", f"{cfg.dpo_label_smoothing:g} smooths the "
+                         f"sigmoid loss (cDPO), and dpo_loss is {cfg.dpo_loss}: set "
+                         "dpo_label_smoothing to 0 or dpo_loss to sigmoid"))
+    if cfg.chosen_field == cfg.rejected_field:
+        problems.append(("rejected_field", f"{quoted(cfg.rejected_field)} is also chosen_field: "
+                         "the two responses of a pair must be different columns"))
     return problems
 
 

@@ -1,0 +1,133 @@
+"""The DPO loss equals TRL's DPOTrainer on the same batch: loss and gradients, fp32 on CPU."""
+
+import copy
+import types
+from collections import defaultdict
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from finetune_contract.data import IGNORE_INDEX
+from trainer.batch import Batch
+from trainer.dpo import dpo_scores, response_tokens, sequence_logps
+from trainer.loss import add_loss_method
+
+trl_dpo = pytest.importorskip("trl.trainer.dpo_trainer")
+trl_utils = pytest.importorskip("trl.trainer.utils")
+
+PAD = 0
+
+
+def tiny_llama():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64, pad_token_id=PAD)
+    return LlamaForCausalLM(config).float()
+
+
+def pairs_batch():
+    """Two prompts, each with a chosen and a rejected response of different lengths; rows are
+    chosen then rejected (TRL's order), right-padded."""
+    generator = torch.Generator().manual_seed(1)
+
+    def ids(n):
+        return torch.randint(1, 61, (n,), generator=generator).tolist()
+
+    prompts = [ids(5), ids(3)]
+    responses = [ids(4), ids(6), ids(2), ids(5)]  # chosen 0, chosen 1, rejected 0, rejected 1
+    rows = [prompts[i % 2] + responses[i] for i in range(4)]
+    length = max(len(row) for row in rows)
+    input_ids = torch.full((4, length), PAD)
+    labels = torch.full((4, length), IGNORE_INDEX)
+    completion = torch.zeros((4, length), dtype=torch.long)
+    attention = torch.zeros((4, length), dtype=torch.long)
+    for i, row in enumerate(rows):
+        start = len(prompts[i % 2])
+        input_ids[i, :len(row)] = torch.tensor(row)
+        labels[i, start:len(row)] = input_ids[i, start:len(row)]
+        completion[i, start:len(row)] = 1
+        attention[i, :len(row)] = 1
+    batch = Batch(input_ids, labels, int(attention.sum()))
+    return batch, {"input_ids": input_ids, "attention_mask": attention,
+                   "completion_mask": completion}
+
+
+def trl_loss_and_grads(policy, reference, inputs, *, beta, loss_type, label_smoothing):
+    """TRL's own DPOTrainer._compute_loss on a stand-in trainer holding what it reads."""
+    policy, reference = copy.deepcopy(policy), copy.deepcopy(reference)
+    outputs = ("log_probs", "entropy", "mean_logits", "is_top1")
+    trl_utils.add_fused_lm_head(policy, outputs=outputs)
+    trl_utils.add_fused_lm_head(reference, outputs=outputs)
+    accelerator = types.SimpleNamespace(device=torch.device("cpu"), gather=lambda t: t,
+                                        gather_for_metrics=lambda t: t,
+                                        unwrap_model=lambda m: m)
+    trainer = types.SimpleNamespace(
+        model=policy, ref_model=reference, accelerator=accelerator, aux_loss_enabled=False,
+        ld_alpha=None, precompute_ref_logps=False, f_divergence_type="reverse_kl",
+        loss_types=[loss_type], loss_weights=[1.0], beta=beta, label_smoothing=label_smoothing,
+        use_weighting=False, _metrics=defaultdict(lambda: defaultdict(list)),
+        _total_train_tokens=0, _tp_size=1,
+        args=types.SimpleNamespace(gradient_checkpointing_kwargs=None))
+    policy.train()
+    loss = trl_dpo.DPOTrainer._compute_loss(trainer, policy, inputs, False)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in policy.named_parameters()}, trainer._metrics
+
+
+def our_loss_and_grads(policy, reference, batch, *, beta, loss_type, label_smoothing):
+    policy, reference = copy.deepcopy(policy), copy.deepcopy(reference)
+    add_loss_method(policy)
+    add_loss_method(reference)
+    policy.train()
+    with torch.no_grad():
+        reference_logps = sequence_logps(reference, batch)
+    scores = dpo_scores(sequence_logps(policy, batch), reference_logps, response_tokens(batch),
+                        beta=beta, loss=loss_type, label_smoothing=label_smoothing)
+    loss = scores.losses.mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in policy.named_parameters()}, scores
+
+
+def trained_away(model):
+    """The policy a few updates away from the reference, so the margins are not zero."""
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.02)
+    return model
+
+
+@pytest.mark.parametrize(("loss_type", "trl_loss_type", "label_smoothing", "pairs"), [
+    ("sigmoid", "sigmoid", 0.0, 2),
+    ("ipo", "ipo", 0.0, 2),
+    # TRL 1.16's sigmoid has no smoothing; its "aot" loss is cDPO's formula on sorted margins,
+    # which for one pair is cDPO itself.
+    ("sigmoid", "aot", 0.2, 1),
+])
+def test_dpo_loss_and_gradients_equal_trls_on_the_same_batch(loss_type, trl_loss_type,
+                                                             label_smoothing, pairs):
+    reference = tiny_llama()
+    policy = trained_away(reference)
+    batch, inputs = pairs_batch()
+    if pairs == 1:  # the first pair: rows 0 (chosen) and 2 (rejected)
+        keep = torch.tensor([0, 2])
+        batch = Batch(batch.input_ids[keep], batch.labels[keep], 0)
+        inputs = {k: v[keep] for k, v in inputs.items()}
+    beta = 0.3
+    trl_loss, trl_grads, metrics = trl_loss_and_grads(
+        policy, reference, inputs, beta=beta, loss_type=trl_loss_type,
+        label_smoothing=label_smoothing)
+    loss, grads, scores = our_loss_and_grads(policy, reference, batch, beta=beta,
+                                             loss_type=loss_type, label_smoothing=label_smoothing)
+    assert abs(loss.item() - trl_loss.item()) < 1e-5
+    assert trl_loss.item() > 0
+    worst = max((grads[n] - trl_grads[n]).abs().max().item() for n in grads)
+    assert worst < 1e-5, f"largest gradient difference {worst:.3g}"
+    assert any(g.abs().max() > 1e-4 for g in grads.values())  # the comparison is not of zeros
+    train = metrics["train"]
+    assert scores.chosen_rewards.mean().item() == pytest.approx(train["rewards/chosen"][0],
+                                                               abs=1e-6)
+    assert scores.rejected_rewards.mean().item() == pytest.approx(train["rewards/rejected"][0],
+                                                                 abs=1e-6)
