@@ -16,10 +16,11 @@ from typing import Any
 
 from finetune_contract.data import dataset_source
 from finetune_contract.fields import DEMO_DATASET as DEFAULT_DATASET
+from finetune_contract.fields import DEMO_PREFERENCES as DEFAULT_PREFERENCES
 from finetune_contract.fields import TrainConfig, field_names
 from finetune_contract.models import BUILTIN_MODELS
 from finetune_contract.rules import split_s3
-from trainer.demo import DEMO_DATASET, DEMO_TOKENIZER
+from trainer.demo import DEMO_DATASET, DEMO_PREFERENCES, DEMO_TOKENIZER
 from trainer.storage import is_s3
 
 __all__ = ["TrainConfig", "field_names", "load_config", "parse_args", "resolve"]
@@ -60,7 +61,8 @@ def resolve(config: TrainConfig) -> TrainConfig:
         tokenizer = str(DEMO_TOKENIZER) if config.model in BUILTIN_MODELS else model
     # The contract's default names the demo data from the repository root; the trainer may run
     # from elsewhere.
-    dataset = str(DEMO_DATASET) if config.dataset == DEFAULT_DATASET else config.dataset
+    demo_data = {DEFAULT_DATASET: DEMO_DATASET, DEFAULT_PREFERENCES: DEMO_PREFERENCES}
+    dataset = str(demo_data.get(config.dataset, config.dataset))
     return dataclasses.replace(
         config,
         model=model,

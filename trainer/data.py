@@ -35,6 +35,7 @@ from finetune_contract.data import (
     builder_name,
     data_files,
     dataset_source,
+    encode_pair,
     encode_row,
     field_problem,
     missing_columns,
@@ -44,6 +45,9 @@ from finetune_contract.data import (
 from trainer.batch import Batch
 from trainer.config import TrainConfig
 
+# DPO rows: input_ids/labels hold the chosen example (what the eval loss is taken on), these the
+# rejected one.
+REJECTED_IDS, REJECTED_LABELS = "rejected_input_ids", "rejected_labels"
 S3_CACHE_DIR = "dataset_cache"  # under output_dir: where s3:// data sets are downloaded
 
 
@@ -250,22 +254,31 @@ def tokenize(raw: RawRows, tokenizer: PreTrainedTokenizerBase,
     (and its EOS, so the model would not learn to stop) without anyone noticing.
     """
     rows = raw.rows
+    dpo = config.method == "dpo"  # a row is a pair: the chosen example and the rejected one
     missing = missing_columns(config, rows.column_names, config.dataset)
     if missing:
         raise ValueError("; ".join(message for _, message in missing))
 
     def encode_batch(batch: dict[str, list[Any]], indices: list[int]) -> dict[str, list[Any]]:
         out: dict[str, list[Any]] = {"input_ids": [], "labels": [], _PROBLEM: []}
+        if dpo:
+            out.update({REJECTED_IDS: [], REJECTED_LABELS: []})
         for i, index in enumerate(indices):
             row = {key: values[i] for key, values in batch.items()}
+            rejected: tuple[list[int], list[int]] = ([], [])
             if row.get(_PROBLEM):
                 problem, input_ids, labels = (row[_PROBLEM], row[_DETAIL]), [], []
+            elif dpo:
+                problem, (input_ids, labels), rejected = encode_pair(tokenizer, config, row)
             else:
                 problem, input_ids, labels = encode_row(tokenizer, config, row)
             if problem is not None and config.bad_rows == "error":
                 raise ValueError(bad_row_error(config, raw.where(index, row), problem[1]))
             out["input_ids"].append(input_ids)
             out["labels"].append(labels)
+            if dpo:
+                out[REJECTED_IDS].append(rejected[0])
+                out[REJECTED_LABELS].append(rejected[1])
             out[_PROBLEM].append(problem[0] if problem else None)
         return out
 
@@ -331,6 +344,9 @@ def build_splits(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> Spl
         # Split before packing: the eval split holds the same examples with packing on or off.
         with _rank_zero_first():
             train, held_out = pack(train, config.seq_len), pack(held_out, config.seq_len)
+    if REJECTED_IDS in held_out.column_names:
+        # DPO: the eval loss is the chosen responses' (a held-out SFT loss on what is preferred).
+        held_out = held_out.remove_columns([REJECTED_IDS, REJECTED_LABELS])
     return Splits(train=train, eval=held_out, skipped=skipped)
 
 
@@ -375,6 +391,9 @@ def collate(rows: list[dict[str, list[int]]], pad_id: int, pad_to: int | None = 
     the pads, and pad positions carry no loss. Packed rows' padding gets positions from 0, so the
     model takes it for one more example, which no real token attends to.
     """
+    if REJECTED_IDS in rows[0]:  # DPO pairs: the chosen rows, then the rejected ones
+        rows = [{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows] + \
+            [{"input_ids": r[REJECTED_IDS], "labels": r[REJECTED_LABELS]} for r in rows]
     length = pad_to or max(len(row["input_ids"]) for row in rows)
     input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)

@@ -9,13 +9,18 @@ log-ratio.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from finetune_contract.data import IGNORE_INDEX
 from trainer.batch import Batch
+from trainer.config import TrainConfig
+from trainer.lora import adapters_disabled
 from trainer.loss import ROW_LOSS_METHOD
+from trainer.master_weights import compute_weights
 
 
 @dataclass
@@ -59,3 +64,52 @@ def dpo_scores(policy_logps: torch.Tensor, reference_logps: torch.Tensor, tokens
         losses = -(1 - label_smoothing) * F.logsigmoid(margin) \
             - label_smoothing * F.logsigmoid(-margin)
     return PairScores(losses, beta * chosen.detach(), beta * rejected.detach())
+
+
+def reference_logps(reference: torch.nn.Module | None, model: torch.nn.Module,
+                    batch: Batch) -> torch.Tensor:
+    """The rows' log-probabilities under the reference: the frozen copy, or (LoRA, None) the
+    policy itself with its adapters disabled."""
+    with torch.no_grad():
+        if reference is not None:
+            return sequence_logps(reference, batch)
+        with adapters_disabled(model):
+            return sequence_logps(model, batch)
+
+
+DPO_METRICS = ("rewards_chosen", "rewards_rejected", "reward_accuracy", "reward_margin")
+
+
+def dpo_train_step(model: torch.nn.Module, reference: torch.nn.Module | None,
+                   micro_batches: list[Batch], config: TrainConfig, env: Any,
+                   scaler: torch.amp.GradScaler | None = None
+                   ) -> tuple[float, int, dict[str, float]]:
+    """Forward and backward over micro batches of pairs; returns (mean loss per pair, global
+    tokens, the step's mean rewards, reward accuracy and margin over every rank's pairs).
+
+    Every pair weighs the same whatever its micro batch or rank (TRL: the mean over pairs); FSDP
+    averages gradients over ranks, hence the factor world_size.
+    """
+    counts = torch.tensor([sum(b.input_ids.shape[0] // 2 for b in micro_batches),
+                           sum(b.num_tokens for b in micro_batches)],
+                          dtype=torch.float64, device=env.device)
+    dist.all_reduce(counts)
+    pairs, tokens = counts.tolist()
+    # loss, chosen rewards, rejected rewards, correct pairs, margins: sums over pairs.
+    sums = torch.zeros(5, dtype=torch.float64, device=env.device)
+    for batch in micro_batches:
+        batch = batch.to(env.device)
+        with compute_weights(model):
+            ref = reference_logps(reference, model, batch)
+            scores = dpo_scores(sequence_logps(model, batch), ref, response_tokens(batch),
+                                beta=config.dpo_beta, loss=config.dpo_loss,
+                                label_smoothing=config.dpo_label_smoothing)
+            loss = scores.losses.sum()
+            scaled = loss * env.world_size / pairs
+            (scaler.scale(scaled) if scaler else scaled).backward()
+        chosen, rejected = scores.chosen_rewards, scores.rejected_rewards
+        sums += torch.stack([loss.detach(), chosen.sum(), rejected.sum(),
+                             (chosen > rejected).sum(), (chosen - rejected).sum()]).double()
+    dist.all_reduce(sums)
+    means = (sums / pairs).tolist()
+    return means[0], int(tokens), dict(zip(DPO_METRICS, means[1:], strict=True))

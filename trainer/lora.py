@@ -8,7 +8,9 @@ like any other. Only the adapters require gradients, so only they reach the opti
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -137,3 +139,19 @@ def save_adapter(
     saved = copy.deepcopy(lora_config)
     saved.inference_mode = True
     saved.save_pretrained(str(out_dir))
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
+    """The base model inside: every LoRA layer skips its adapter (DPO's reference, no copy)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    # The flag the layers' forward reads; enable_adapters() would also flip requires_grad.
+    for layer in layers:
+        layer._disable_adapters = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer._disable_adapters = False

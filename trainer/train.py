@@ -36,6 +36,7 @@ from trainer.data import (
     TrainBatches,
     build_splits,
 )
+from trainer.dpo import dpo_train_step
 from trainer.errors import root_cause_recorded
 from trainer.export import export_hf
 from trainer.float8 import check_float8_device, precompute_float8_scales
@@ -134,6 +135,8 @@ class Trainer:
     compute_dtype: torch.dtype
     peak: float | None  # None: no trusted peak (CPUs), so no MFU
     peak_source: str
+    # DPO without LoRA: the frozen initial weights, sharded like the policy (no optimizer state).
+    reference: torch.nn.Module | None = None
     # Opened by resume(): a resumed run's log keeps its records up to the checkpoint.
     log: MetricsLog = field(init=False)
     # Started by train() when hang_timeout_s is set: ends this rank when it stops progressing.
@@ -188,6 +191,14 @@ class Trainer:
         materialize_weights(model, config.model, config.seed, param_device,
                             quantize_dtype(config))
         add_loss_method(model)
+        reference = None
+        if config.method == "dpo" and not config.lora_rank:  # LoRA: the adapters disabled
+            reference = build_model(config.model, tokenizer)
+            apply_parallelism(reference, config, env)
+            materialize_weights(reference, config.model, config.seed, param_device,
+                                quantize_dtype(config))
+            reference.requires_grad_(False)
+            add_loss_method(reference)
         optimizer = build_optimizer(model, config, env.device)
         scaler = build_grad_scaler(config.mixed_precision, env.device)
         scheduler = LambdaLR(
@@ -207,7 +218,7 @@ class Trainer:
             splits=splits, sampler=sampler, batches=batches, evals=evals, max_steps=max_steps,
             model=model, model_config=model_config, token_flops=token_flops, optimizer=optimizer,
             scaler=scaler, scheduler=scheduler, checkpointer=checkpointer,
-            compute_dtype=compute_dtype, peak=peak, peak_source=peak_source,
+            compute_dtype=compute_dtype, peak=peak, peak_source=peak_source, reference=reference,
         )  # fmt: skip
 
     def resume(self) -> TrainState:
@@ -245,7 +256,12 @@ class Trainer:
         step_start = time.perf_counter()
         micro_batches = [next(self.batches) for _ in range(config.grad_accum)]
         waits: list[float] = []
-        loss, tokens = train_step(self.model, micro_batches, env, scaler, waits)
+        dpo_metrics: dict[str, float] = {}
+        if config.method == "dpo":
+            loss, tokens, dpo_metrics = dpo_train_step(
+                self.model, self.reference, micro_batches, config, env, scaler)
+        else:
+            loss, tokens = train_step(self.model, micro_batches, env, scaler, waits)
         tokens //= config.tp_degree  # every rank of a TP group counted the same tokens
         grad_norm, skipped = optimizer_step(
             self.model, self.optimizer, config.max_grad_norm, scaler
@@ -282,6 +298,7 @@ class Trainer:
             peak_memory_bytes=peak_memory_bytes(env.device),
             **{RANK_STEP_TIMES: rank_times},
             **scaling,
+            **dpo_metrics,
         )
         if config.eval_interval and state.step % config.eval_interval == 0:
             self.eval_and_log(state)

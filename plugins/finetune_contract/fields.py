@@ -50,6 +50,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
 LORA_TARGET_MODULES = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 # The demo data set, relative to the repository root (the trainer's working dir).
 DEMO_DATASET = "trainer/demo/instructions.jsonl"
+DEMO_PREFERENCES = "trainer/demo/preferences.jsonl"  # the demo data of method dpo
 # The run's TrainConfig as the trainer resolved it, in its output_dir (the runs page reads it).
 RESOLVED_CONFIG_FILE = "trainer_config.resolved.json"
 # Share of the data set held out for the eval loss.
@@ -215,6 +216,9 @@ class TrainConfig:
     eval_tasks: str = ""  # comma-separated
 
     def __post_init__(self) -> None:
+        # The demo's data follows the method: instructions for sft, preference pairs for dpo.
+        if self.method == "dpo" and self.dataset == DEMO_DATASET:
+            object.__setattr__(self, "dataset", DEMO_PREFERENCES)
         errors: list[tuple[str, str]] = []
         for field in dataclasses.fields(self):
             try:

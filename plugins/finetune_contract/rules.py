@@ -221,6 +221,10 @@ def _preference(cfg: TrainConfig) -> Problems:
         problems.append(("text_field", f"{quoted(cfg.text_field)} with method = dpo: DPO rows "
                          "need prompt, chosen and rejected fields, not plain text; unset "
                          "text_field or set method to sft"))
+    if cfg.tp_degree > 1:
+        problems.append(("tp_degree", f"{cfg.tp_degree} with method = dpo: the per-response "
+                         "log-probabilities are not computed over a sequence-parallel split; "
+                         "set tp_degree to 1 or method to sft"))
     if cfg.dpo_label_smoothing and cfg.dpo_loss != "sigmoid":
         problems.append(("dpo_label_smoothing", f"{cfg.dpo_label_smoothing:g} smooths the "
                          f"sigmoid loss (cDPO), and dpo_loss is {cfg.dpo_loss}: set "

@@ -4,6 +4,7 @@ from pathlib import Path
 
 DEMO_DIR = Path(__file__).resolve().parent
 DEMO_DATASET = DEMO_DIR / "instructions.jsonl"
+DEMO_PREFERENCES = DEMO_DIR / "preferences.jsonl"  # method dpo's demo data set
 DEMO_TOKENIZER = DEMO_DIR / "tokenizer"
 # lm-evaluation-harness tasks shipped with the trainer (trainer/evaluate.py's include_path).
 EVAL_TASKS_DIR = DEMO_DIR.parent / "eval_tasks"

@@ -2,6 +2,7 @@
 
 python -m trainer.demo.make_data [--rows 3000] [--seed 0] [--out FILE]
 python -m trainer.demo.make_data --eval-task   # the demo's multiple-choice benchmark task
+python -m trainer.demo.make_data --preferences # the DPO demo's (prompt, chosen, rejected) rows
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
-from trainer.demo import DEMO_DATASET, DEMO_EVAL_TASK_DATA
+from trainer.demo import DEMO_DATASET, DEMO_EVAL_TASK_DATA, DEMO_PREFERENCES
 
 WORDS = (
     "apple bird boat book cake car cat cloud corn cup desk dog door drum egg fish flag fox frog "
@@ -97,6 +98,22 @@ def make_choice_rows(rows: int, seed: int, choices: int = 4) -> list[dict]:
     return items
 
 
+def make_preference_rows(rows: int, seed: int) -> list[dict[str, str]]:
+    """Preference pairs of the same tasks: chosen is the right answer, rejected the answer to
+    another draw of the same task (a plausible wrong answer, of the same vocabulary)."""
+    rng = random.Random(seed)
+    pairs = []
+    for i in range(rows):
+        task = TASKS[i % len(TASKS)]
+        prompt, answer = task(rng)
+        wrong = answer
+        while wrong == answer:
+            wrong = task(rng)[1]
+        pairs.append({"prompt": prompt, "chosen": answer, "rejected": wrong})
+    rng.shuffle(pairs)
+    return pairs
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=3000)
@@ -104,7 +121,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--eval-task", action="store_true",
                         help="write the benchmark task's items (42 rows, seed 1) instead")
+    parser.add_argument("--preferences", action="store_true",
+                        help="write the DPO demo's preference pairs (1000 rows, seed 2) instead")
     args = parser.parse_args(argv)
+    if args.preferences:
+        out = args.out or DEMO_PREFERENCES
+        pairs = make_preference_rows(1000, 2)
+        out.write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
+        print(f"wrote {len(pairs)} pairs to {out}")
+        return
     if args.eval_task:
         out = args.out or DEMO_EVAL_TASK_DATA
         items = make_choice_rows(42, 1)
