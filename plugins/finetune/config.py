@@ -28,9 +28,13 @@ from finetune_contract.fields import (
     BOUNDS,
     DATASET_FORMATS,
     DEMO_DATASET,
+    DEMO_PREFERENCES,
+    DPO_LOSSES,
+    DPO_REFERENCES,
     EVAL_TASKS,
     HANG_TIMEOUT_S,
     LORA_TARGET_MODULES,
+    METHODS,
     MIXED_PRECISION,
     PROMPT_TEMPLATES,
     STRAGGLER_THRESHOLD,
@@ -128,6 +132,25 @@ PARAM_SPECS: tuple[ParamSpec, ...] = (
        "Rows that are not JSON, miss a field, hold a non-string or empty one, or are longer than "
        "seq_len tokens: `skip` skips them and counts them by reason in the report; `error` fails "
        "the run at the first one, naming its file and line.", enum=BAD_ROWS),
+    _S("method", "sft", "string", "Preference tuning (DPO)", "Method",
+       "sft: learn the responses (next-token loss). dpo: direct preference optimisation on rows "
+       "of prompt, chosen and rejected response; left at the demo data set it trains on "
+       f"{DEMO_PREFERENCES}. Not with packing, text_field or tp_degree > 1.", enum=METHODS),
+    _S("chosen_field", "chosen", "string", "Preference tuning (DPO)", "Chosen field",
+       "dpo: the field holding the preferred response."),
+    _S("rejected_field", "rejected", "string", "Preference tuning (DPO)", "Rejected field",
+       "dpo: the field holding the dispreferred response."),
+    _S("dpo_beta", 0.1, "number", "Preference tuning (DPO)", "DPO beta",
+       "How strongly the policy is held to the reference (the KL penalty); the rewards are beta "
+       "times the policy-minus-reference log-ratio."),
+    _S("dpo_loss", "sigmoid", "string", "Preference tuning (DPO)", "DPO loss",
+       "sigmoid: DPO (-log sigmoid of beta times the log-ratio margin); ipo: IPO's squared loss "
+       "on the per-token averaged margin.", enum=DPO_LOSSES),
+    _S("dpo_label_smoothing", 0.0, "number", "Preference tuning (DPO)", "DPO label smoothing",
+       "sigmoid only: the share of pairs assumed mislabelled (conservative DPO)."),
+    _S("dpo_reference", "model", "string", "Preference tuning (DPO)", "DPO reference",
+       "model: the frozen initial weights, sharded like the policy, without optimizer state "
+       "(with LoRA: the base with its adapters disabled, no copy).", enum=DPO_REFERENCES),
     _S("nodes", 1, "integer", "Resources", "Nodes",
        "Nodes (local: torchrun agents on this machine)."),
     _S("procs_per_node", 2, "integer", "Resources", "Processes per node",
@@ -443,6 +466,13 @@ class RunConfig:
     eval_tasks: str = ",".join(EVAL_TASKS)
     promotion_metric: str = "eval_loss"
     promotion_margin: float = 0.0
+    method: str = "sft"
+    chosen_field: str = "chosen"
+    rejected_field: str = "rejected"
+    dpo_beta: float = 0.1
+    dpo_loss: str = "sigmoid"
+    dpo_label_smoothing: float = 0.0
+    dpo_reference: str = "model"
 
     @property
     def world_size(self) -> int:

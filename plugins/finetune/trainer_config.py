@@ -8,7 +8,7 @@ from typing import Any
 
 from finetune.config import RunConfig, resolve_path
 from finetune_contract.data import dataset_source
-from finetune_contract.fields import EVAL_FRACTION
+from finetune_contract.fields import DPO_FIELDS, EVAL_FRACTION, method_dataset
 from finetune_contract.models import BUILTIN_MODELS
 
 
@@ -19,14 +19,15 @@ def trainer_config(cfg: RunConfig, *, local_paths: bool = True) -> dict[str, Any
     in the trainer's container (relative ones from its working dir, which holds trainer/), or
     are s3:// or hub ids.
     """
+    source = method_dataset(cfg.method, cfg.dataset)
     if not local_paths:
-        model, tokenizer, dataset = cfg.model, cfg.tokenizer or None, cfg.dataset
+        model, tokenizer, dataset = cfg.model, cfg.tokenizer or None, source
         eval_dataset = cfg.eval_dataset or None
     else:
         model = cfg.model if cfg.model in BUILTIN_MODELS or not _is_dir(resolve_path(cfg.model)) \
             else str(resolve_path(cfg.model))
         tokenizer = str(resolve_path(cfg.tokenizer)) if cfg.tokenizer else None
-        dataset = _dataset_here(cfg.dataset)
+        dataset = _dataset_here(source)
         eval_dataset = _dataset_here(cfg.eval_dataset) or None
     return {
         "model": model,
@@ -37,6 +38,7 @@ def trainer_config(cfg: RunConfig, *, local_paths: bool = True) -> dict[str, Any
         "text_field": cfg.text_field or None,
         "prompt_field": cfg.prompt_field,
         "response_field": cfg.response_field,
+        **{name: getattr(cfg, name) for name in DPO_FIELDS},
         "seq_len": cfg.seq_len,
         "micro_batch": cfg.micro_batch,
         "grad_accum": cfg.grad_accum,

@@ -368,7 +368,7 @@ def _stamp(path: Path) -> tuple[int, int]:
 def _encoding_fields(train: TrainConfig) -> tuple:
     """What an example's encoding depends on, besides the rows and the tokenizer."""
     return (train.text_field, train.prompt_field, train.response_field, train.prompt_template,
-            train.seq_len)
+            train.seq_len, train.method, train.chosen_field, train.rejected_field)
 
 
 class _Rows:
@@ -396,16 +396,19 @@ def _encoded_cached(rows: _Rows, tokenizer_stamp: tuple, tokenizer_dir: str, fie
     encoded as the trainer will. Cached: validate runs often on one data set (tests, retries)."""
     from transformers import AutoTokenizer
 
-    text_field, prompt_field, response_field, prompt_template, seq_len = fields
-    train = TrainConfig(text_field=text_field, prompt_field=prompt_field,
-                        response_field=response_field, prompt_template=prompt_template,
-                        seq_len=seq_len)
+    names = ("text_field", "prompt_field", "response_field", "prompt_template", "seq_len",
+             "method", "chosen_field", "rejected_field")
+    train = TrainConfig(**dict(zip(names, fields, strict=True)))
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     lengths: list[int] = []
     bad = len(rows.rows.malformed)
     first_bad = rows.rows.malformed[0] if rows.rows.malformed else None
     for place, row in zip(rows.rows.places, rows.rows.rows):
-        problem, input_ids, _ = contract_data.encode_row(tokenizer, train, row)
+        if train.method == "dpo":  # a pair: its longer example is what must fit
+            problem, chosen, rejected = contract_data.encode_pair(tokenizer, train, row)
+            input_ids = max(chosen[0], rejected[0], key=len)
+        else:
+            problem, input_ids, _ = contract_data.encode_row(tokenizer, train, row)
         if problem is None:
             lengths.append(len(input_ids))
             continue

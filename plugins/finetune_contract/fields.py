@@ -32,6 +32,9 @@ DPO_LOSSES = ("sigmoid", "ipo")
 # The reference log-probs: a frozen copy of the initial weights (LoRA: the adapters disabled), or
 # computed in a first pass over the data so no second model is held.
 DPO_REFERENCES = ("model", "precompute")
+# The fields of method dpo, passed through to the trainer as they are.
+DPO_FIELDS = ("method", "chosen_field", "rejected_field", "dpo_beta", "dpo_loss",
+              "dpo_label_smoothing", "dpo_reference")
 # The allowed values of each text field that has a fixed set.
 CHOICES: dict[str, tuple[str, ...]] = {
     "strategy": STRATEGIES,
@@ -216,9 +219,7 @@ class TrainConfig:
     eval_tasks: str = ""  # comma-separated
 
     def __post_init__(self) -> None:
-        # The demo's data follows the method: instructions for sft, preference pairs for dpo.
-        if self.method == "dpo" and self.dataset == DEMO_DATASET:
-            object.__setattr__(self, "dataset", DEMO_PREFERENCES)
+        object.__setattr__(self, "dataset", method_dataset(self.method, self.dataset))
         errors: list[tuple[str, str]] = []
         for field in dataclasses.fields(self):
             try:
@@ -239,6 +240,12 @@ class TrainConfig:
 
 _REQUIRED_STRINGS = ("model", "dataset", "output_dir", "prompt_field", "response_field",
                      "chosen_field", "rejected_field")
+
+
+def method_dataset(method: str, dataset: str) -> str:
+    """The data set a run of `method` reads: the demo's follows the method (instructions for
+    sft, preference pairs for dpo), any other is the one given."""
+    return DEMO_PREFERENCES if method == "dpo" and dataset == DEMO_DATASET else dataset
 
 
 def field_problem(name: str, value: Any) -> str | None:
