@@ -15,10 +15,14 @@ class Batch:
     labels: torch.Tensor  # same shape; IGNORE_INDEX where no loss is taken
     num_tokens: int  # tokens that are not padding
     position_ids: torch.Tensor | None = None  # packed rows: restart at 0 for every example
+    # DPO with dpo_reference precompute: each row's reference log-probability, from a first pass.
+    reference_logps: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> Batch:
         positions = None if self.position_ids is None else self.position_ids.to(device)
-        return Batch(self.input_ids.to(device), self.labels.to(device), self.num_tokens, positions)
+        reference = None if self.reference_logps is None else self.reference_logps.to(device)
+        return Batch(self.input_ids.to(device), self.labels.to(device), self.num_tokens, positions,
+                     reference)
 
     def model_inputs(self) -> dict[str, Any]:
         """The model's keyword arguments for this batch.

@@ -48,6 +48,8 @@ from trainer.config import TrainConfig
 # DPO rows: input_ids/labels hold the chosen example (what the eval loss is taken on), these the
 # rejected one.
 REJECTED_IDS, REJECTED_LABELS = "rejected_input_ids", "rejected_labels"
+# dpo_reference precompute: (chosen, rejected) reference log-probabilities of a pair.
+REFERENCE_LOGPS = "reference_logps"
 S3_CACHE_DIR = "dataset_cache"  # under output_dir: where s3:// data sets are downloaded
 
 
@@ -391,6 +393,10 @@ def collate(rows: list[dict[str, list[int]]], pad_id: int, pad_to: int | None = 
     the pads, and pad positions carry no loss. Packed rows' padding gets positions from 0, so the
     model takes it for one more example, which no real token attends to.
     """
+    reference = None
+    if REFERENCE_LOGPS in rows[0]:
+        reference = torch.tensor([r[REFERENCE_LOGPS][0] for r in rows]
+                                 + [r[REFERENCE_LOGPS][1] for r in rows])
     if REJECTED_IDS in rows[0]:  # DPO pairs: the chosen rows, then the rejected ones
         rows = [{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows] + \
             [{"input_ids": r[REJECTED_IDS], "labels": r[REJECTED_LABELS]} for r in rows]
@@ -407,7 +413,7 @@ def collate(rows: list[dict[str, list[int]]], pad_id: int, pad_to: int | None = 
             position_ids[i, :n] = torch.tensor(row["position_ids"])
             position_ids[i, n:] = torch.arange(length - n)
     num_tokens = sum(len(row["input_ids"]) for row in rows)
-    return Batch(input_ids, labels, num_tokens, position_ids)
+    return Batch(input_ids, labels, num_tokens, position_ids, reference)
 
 
 def _rows(ds: datasets.Dataset, indices: list[int]) -> list[dict[str, list[int]]]:

@@ -11,11 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import datasets
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from finetune_contract.data import IGNORE_INDEX
+from finetune_contract.fields import DPO_METRICS
 from trainer.batch import Batch
 from trainer.config import TrainConfig
 from trainer.lora import adapters_disabled
@@ -77,9 +79,6 @@ def reference_logps(reference: torch.nn.Module | None, model: torch.nn.Module,
             return sequence_logps(model, batch)
 
 
-DPO_METRICS = ("rewards_chosen", "rewards_rejected", "reward_accuracy", "reward_margin")
-
-
 def dpo_train_step(model: torch.nn.Module, reference: torch.nn.Module | None,
                    micro_batches: list[Batch], config: TrainConfig, env: Any,
                    scaler: torch.amp.GradScaler | None = None
@@ -100,7 +99,8 @@ def dpo_train_step(model: torch.nn.Module, reference: torch.nn.Module | None,
     for batch in micro_batches:
         batch = batch.to(env.device)
         with compute_weights(model):
-            ref = reference_logps(reference, model, batch)
+            ref = batch.reference_logps if batch.reference_logps is not None \
+                else reference_logps(reference, model, batch)
             scores = dpo_scores(sequence_logps(model, batch), ref, response_tokens(batch),
                                 beta=config.dpo_beta, loss=config.dpo_loss,
                                 label_smoothing=config.dpo_label_smoothing)
@@ -113,3 +113,33 @@ def dpo_train_step(model: torch.nn.Module, reference: torch.nn.Module | None,
     dist.all_reduce(sums)
     means = (sums / pairs).tolist()
     return means[0], int(tokens), dict(zip(DPO_METRICS, means[1:], strict=True))
+
+
+def with_reference_logps(train: datasets.Dataset, model: torch.nn.Module, micro_batch: int,
+                         env: Any, pad_id: int) -> datasets.Dataset:
+    """The train pairs with their reference log-probabilities, from one pass of the initial
+    `model` (LoRA: its adapters disabled); each rank scores its share, all ranks get all."""
+    from trainer.data import REFERENCE_LOGPS, EvalBatches
+
+    batches = EvalBatches(train, micro_batch, env.rank, env.world_size, pad_id)
+    mine: list[float] = []
+    model.eval()
+    with compute_weights(model):
+        for batch in batches:  # every rank runs as many forwards: each one is a collective
+            logps = reference_logps(None, model, batch.to(env.device))
+            mine += logps.double().cpu().tolist()
+    model.train()
+    shares: list[list[float]] = [[] for _ in range(env.world_size)]
+    dist.all_gather_object(shares, mine)
+    by_row: dict[int, list[float]] = {}
+    for rank, logps in enumerate(shares):
+        # A batch of n pairs gave n chosen then n rejected log-probabilities, in row order.
+        rows = list(range(rank, len(train), env.world_size))
+        offset = 0
+        for start in range(0, len(rows), micro_batch):
+            chunk = rows[start : start + micro_batch]
+            n = len(chunk)
+            for i, row in enumerate(chunk):
+                by_row[row] = [logps[offset + i], logps[offset + n + i]]
+            offset += 2 * n
+    return train.add_column(REFERENCE_LOGPS, [by_row[row] for row in range(len(train))])

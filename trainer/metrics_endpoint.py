@@ -16,6 +16,11 @@ TRAIN_GAUGES: dict[str, tuple[str, str]] = {
     "mfu": ("finetune_mfu_ratio", "Model FLOPs utilisation (0..1)"),
     "step_time_s": ("finetune_step_time_seconds", "Wall time of the last step"),
     "peak_memory_bytes": ("finetune_peak_memory_bytes", "Peak memory of rank 0's device"),
+    # method dpo only (DPO_METRICS); an SFT run leaves them unset
+    "rewards_chosen": ("finetune_dpo_rewards_chosen", "Mean reward of the chosen responses"),
+    "rewards_rejected": ("finetune_dpo_rewards_rejected", "Mean reward of the rejected responses"),
+    "reward_accuracy": ("finetune_dpo_reward_accuracy", "Share of pairs ranked right (0..1)"),
+    "reward_margin": ("finetune_dpo_reward_margin", "Mean chosen minus rejected reward"),
 }
 EVAL_GAUGE = ("finetune_eval_loss", "Eval loss at the last evaluation")
 MAX_STEPS_GAUGE = ("finetune_max_steps", "Optimizer steps the run will take")

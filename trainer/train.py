@@ -36,7 +36,7 @@ from trainer.data import (
     TrainBatches,
     build_splits,
 )
-from trainer.dpo import dpo_train_step
+from trainer.dpo import dpo_train_step, with_reference_logps
 from trainer.errors import root_cause_recorded
 from trainer.export import export_hf
 from trainer.float8 import check_float8_device, precompute_float8_scales
@@ -192,7 +192,12 @@ class Trainer:
                             quantize_dtype(config))
         add_loss_method(model)
         reference = None
-        if config.method == "dpo" and not config.lora_rank:  # LoRA: the adapters disabled
+        if config.method == "dpo" and config.dpo_reference == "precompute":
+            # Scored once by the initial weights, before any step: no second model is held.
+            splits.train = with_reference_logps(splits.train, model, config.micro_batch, env,
+                                                pad_id)
+            batches = TrainBatches(splits.train, sampler, pad_id, pad_to)
+        elif config.method == "dpo" and not config.lora_rank:  # LoRA: the adapters disabled
             reference = build_model(config.model, tokenizer)
             apply_parallelism(reference, config, env)
             materialize_weights(reference, config.model, config.seed, param_device,

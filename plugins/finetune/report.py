@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune_contract.errors import ERRORS_DIR
-from finetune_contract.fields import EVALUATION_FILE, STRAGGLER_THRESHOLD
+from finetune_contract.fields import DPO_METRICS, EVALUATION_FILE, STRAGGLER_THRESHOLD
 from finetune_contract.preflight import PREFLIGHT_FILE
 from finetune_contract.stragglers import RANK_STEP_TIMES, rank_medians, stragglers
 from finetune_contract.throughput import run_throughput
@@ -30,7 +30,7 @@ MODEL_DIR = "model"
 REPORT_JSON = "report.json"
 REPORT_HTML = "report.html"
 
-TRAIN_SERIES_KEYS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu")
+TRAIN_SERIES_KEYS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", *DPO_METRICS)
 
 GIB = 1024**3
 MIB = 1024**2
@@ -543,6 +543,11 @@ def render_html(report: dict) -> str:
         ),
         svg_line_chart({"lr": _points(train, "step", "lr")}, "Learning rate", "step", "lr"),
     ]
+    if any(r.get("reward_accuracy") is not None for r in train):  # a dpo run
+        charts.append(svg_line_chart(
+            {"reward accuracy": _points(train, "step", "reward_accuracy"),
+             "reward margin": _points(train, "step", "reward_margin")},
+            "Preference rewards (DPO)", "step", "value"))
     figures = "".join(
         f'<div class="figure"><div class="label">{_esc(label)}</div>'
         f'<div class="value">{_esc(value)}</div></div>'

@@ -32,6 +32,9 @@ DPO_LOSSES = ("sigmoid", "ipo")
 # The reference log-probs: a frozen copy of the initial weights (LoRA: the adapters disabled), or
 # computed in a first pass over the data so no second model is held.
 DPO_REFERENCES = ("model", "precompute")
+# metrics.jsonl keys of a dpo run's steps: mean rewards (beta x the log-ratio to the reference)
+# of the chosen and rejected responses, share of pairs whose chosen reward is higher, mean margin.
+DPO_METRICS = ("rewards_chosen", "rewards_rejected", "reward_accuracy", "reward_margin")
 # The fields of method dpo, passed through to the trainer as they are.
 DPO_FIELDS = ("method", "chosen_field", "rejected_field", "dpo_beta", "dpo_loss",
               "dpo_label_smoothing", "dpo_reference")
