@@ -1,6 +1,9 @@
-"""The DPO loss equals TRL's DPOTrainer on the same batch: loss and gradients, fp32 on CPU."""
+"""DPO: the loss equals TRL's DPOTrainer on the same batch (loss and gradients, fp32 on CPU);
+the references (frozen copy, precomputed, LoRA's base) start at the policy."""
 
 import copy
+import json
+import math
 import types
 from collections import defaultdict
 
@@ -9,6 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from finetune_contract.data import IGNORE_INDEX
+from tests.support.training import torchrun
 from trainer.batch import Batch
 from trainer.dpo import dpo_scores, response_tokens, sequence_logps
 from trainer.loss import add_loss_method
@@ -131,3 +135,41 @@ def test_dpo_loss_and_gradients_equal_trls_on_the_same_batch(loss_type, trl_loss
                                                                abs=1e-6)
     assert scores.rejected_rewards.mean().item() == pytest.approx(train["rewards/rejected"][0],
                                                                  abs=1e-6)
+
+
+# -- 2-process runs (gloo) ---------------------------------------------------------------------
+
+DPO_STEPS = 4
+
+
+def dpo_run(output_dir, *extra):
+    torchrun(["-m", "trainer.train", "--method", "dpo", "--output_dir", str(output_dir),
+              "--micro_batch", "4", "--max_steps", str(DPO_STEPS), "--eval_interval", "0",
+              "--log_interval", "2", "--lr", "1e-2", "--warmup_steps", "0", *extra])
+    lines = (output_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r.get("type") == "train"]
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="open: from step 2 the two runs' losses differ although the "
+                   "step-1 gradients and the reference log-probs agree (seen on 1 and 2 ranks)")
+def test_precomputed_reference_gives_the_frozen_copys_losses_and_the_first_is_log_2(tmp_path):
+    frozen = dpo_run(tmp_path / "model", "--dpo_reference", "model")
+    precomputed = dpo_run(tmp_path / "precompute", "--dpo_reference", "precompute")
+    # Step 1: policy == reference, so every margin is 0 and the loss log(2).
+    assert frozen[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert frozen[0]["reward_margin"] == pytest.approx(0, abs=1e-6)
+    for a, b in zip(frozen, precomputed, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+        assert a["reward_accuracy"] == b["reward_accuracy"]
+    assert frozen[-1]["reward_margin"] != pytest.approx(0, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_lora_reference_is_the_base_with_adapters_disabled(tmp_path):
+    steps = dpo_run(tmp_path / "lora", "--lora_rank", "4", "--lora_alpha", "8")
+    # B starts at 0: the first step's policy is the base; later the adapters move it away from
+    # the reference (a reference that kept the adapters would stay at log 2).
+    assert steps[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert any(abs(s["reward_margin"]) > 1e-4 for s in steps[1:])
+    assert (tmp_path / "lora" / "model" / "config.json").is_file()  # the merged export
