@@ -186,3 +186,20 @@ def test_the_form_says_what_happens_to_examples_longer_than_seq_len():
 
     description = SPECS_BY_NAME["seq_len"].description
     assert "never truncated" in description and "bad_rows" in description
+
+
+PAIRS = [{"prompt": f"Repeat owl {i % 5 + 1} times.", "chosen": " ".join(["owl"] * (i % 5 + 1)),
+          "rejected": "owl"} for i in range(60)]
+
+
+def test_dpo_needs_the_chosen_and_rejected_columns_named_with_the_columns_it_has(tmp_path):
+    errors = refused({"method": "dpo", "dataset": jsonl(tmp_path / "d.jsonl", ROWS)})
+    assert named(errors, "chosen_field", "'chosen' is not a column of"), errors
+    assert named(errors, "rejected_field", "(columns: prompt, response)"), errors
+
+
+def test_dpo_pairs_whose_rejected_response_is_too_long_fail_with_bad_rows_error(tmp_path):
+    rows = [{**row, "rejected": "owl " * 200} for row in PAIRS]
+    errors = refused({"method": "dpo", "dataset": jsonl(tmp_path / "d.jsonl", rows),
+                      "bad_rows": "error", "seq_len": 64})
+    assert any("rejected_field" in m and "more than seq_len" in m for _, m in errors), errors
