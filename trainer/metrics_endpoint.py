@@ -16,7 +16,9 @@ TRAIN_GAUGES: dict[str, tuple[str, str]] = {
     "mfu": ("finetune_mfu_ratio", "Model FLOPs utilisation (0..1)"),
     "step_time_s": ("finetune_step_time_seconds", "Wall time of the last step"),
     "peak_memory_bytes": ("finetune_peak_memory_bytes", "Peak memory of rank 0's device"),
-    # method dpo only (DPO_METRICS); an SFT run leaves them unset
+}
+# Method dpo's step metrics (DPO_METRICS); an SFT run leaves them at 0.
+DPO_GAUGES: dict[str, tuple[str, str]] = {
     "rewards_chosen": ("finetune_dpo_rewards_chosen", "Mean reward of the chosen responses"),
     "rewards_rejected": ("finetune_dpo_rewards_rejected", "Mean reward of the rejected responses"),
     "reward_accuracy": ("finetune_dpo_reward_accuracy", "Share of pairs ranked right (0..1)"),
@@ -36,7 +38,7 @@ class MetricsEndpoint:
 
         self.registry = CollectorRegistry()
         self.train = {key: Gauge(name, text, registry=self.registry)
-                      for key, (name, text) in TRAIN_GAUGES.items()}
+                      for key, (name, text) in {**TRAIN_GAUGES, **DPO_GAUGES}.items()}
         self.eval = Gauge(*EVAL_GAUGE, registry=self.registry)
         Gauge(*MAX_STEPS_GAUGE, registry=self.registry).set(max_steps)
         self.rows = Gauge(*ROWS_GAUGE, registry=self.registry)

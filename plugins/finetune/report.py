@@ -30,7 +30,7 @@ MODEL_DIR = "model"
 REPORT_JSON = "report.json"
 REPORT_HTML = "report.html"
 
-TRAIN_SERIES_KEYS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", *DPO_METRICS)
+TRAIN_SERIES_KEYS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu")
 
 GIB = 1024**3
 MIB = 1024**2
@@ -163,7 +163,9 @@ def summarize(train: list[dict], evals: list[dict], summary: dict | None) -> dic
 
 def _series(train: list[dict], evals: list[dict]) -> dict[str, list[dict]]:
     return {
-        "train": [{key: _finite(r.get(key)) for key in TRAIN_SERIES_KEYS} for r in train],
+        # a dpo run's records also hold its rewards
+        "train": [{key: _finite(r.get(key)) for key in TRAIN_SERIES_KEYS
+                   + tuple(k for k in DPO_METRICS if k in r)} for r in train],
         "eval": [{"step": r["step"], "eval_loss": _finite(r.get("eval_loss"))} for r in evals],
     }
 

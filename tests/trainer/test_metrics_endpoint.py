@@ -76,3 +76,10 @@ def test_a_scrape_sees_the_usable_rows_and_the_skipped_rows_by_reason(tmp_path):
         assert samples[("finetune_skipped_rows", (("reason", "malformed"),))] == 1
     finally:
         log.endpoint.close()
+
+
+def test_a_dpo_steps_rewards_are_gauges():
+    from finetune_contract.fields import DPO_METRICS
+    from trainer.metrics_endpoint import DPO_GAUGES
+
+    assert set(DPO_GAUGES) == set(DPO_METRICS)  # every metric a dpo step logs is served
