@@ -24,7 +24,7 @@ from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBas
 from finetune_contract.errors import ERROR_DIR_ENV
 from finetune_contract.fields import RESOLVED_CONFIG_FILE
 from finetune_contract.stragglers import RANK_STEP_TIMES, stragglers
-from finetune_contract.throughput import mfu
+from finetune_contract.throughput import flops_per_token, mfu
 from trainer.checkpoint import Checkpointer
 from trainer.config import TrainConfig, parse_args
 from trainer.data import (
@@ -45,7 +45,6 @@ from trainer.master_weights import compute_weights
 from trainer.metrics import (
     METRICS_FILE,
     MetricsLog,
-    flops_per_token,
     peak_flops,
     peak_memory_bytes,
 )
