@@ -25,6 +25,7 @@ from finetune_contract.errors import ERROR_DIR_ENV
 from finetune_contract.fields import RESOLVED_CONFIG_FILE
 from finetune_contract.stragglers import RANK_STEP_TIMES, stragglers
 from finetune_contract.throughput import flops_per_token, mfu
+from trainer.activations import resolve_auto_checkpointing
 from trainer.checkpoint import Checkpointer
 from trainer.config import TrainConfig, parse_args
 from trainer.data import (
@@ -140,6 +141,10 @@ class Trainer:
     @classmethod
     def setup(cls, config: TrainConfig, env: DistEnv, started: float) -> Trainer:
         """Check the config, then build data, model, optimizer and checkpointer."""
+        config, chosen = resolve_auto_checkpointing(config, env.world_size,
+                                                    env.local_world_size, env.device)
+        if chosen and env.rank == 0:
+            print(chosen, flush=True)  # the resolved config below records the choice
         check_start(config, env)
         if config.float8:
             check_float8_device(env.device)

@@ -32,6 +32,13 @@ from finetune_contract.throughput import (
 
 GIB = 1 << 30
 AUTO = "auto"
+# The planner's stated error on peak memory over the calibration rows (tests/plugins/test_plan.py
+# fails when it is exceeded), and what a GPU holds outside the allocator's peak (CUDA context,
+# NCCL's buffers): a run fits when its estimate, this much larger, and that, fit.
+MEMORY_ERROR = 0.02
+RESERVED_GIB = 1.5
+# The stated error on tokens/s per GPU over the same rows.
+THROUGHPUT_ERROR = 0.10
 # Saved activations of one Llama block without checkpointing, bf16 elements per token: fitted to
 # the measured slope of peak memory over micro-batch (1B and 3B, seq 4096): 7 x hidden + 3 x MLP.
 ACT_HIDDEN, ACT_MLP = 7, 3
@@ -70,6 +77,12 @@ FSDP_S_PER_LAYER = 0.5e-3
 # float8 block matmuls take this share of their bf16 time (3B micro-batch 4 tensorwise 1.20x,
 # rowwise 1.05x; the 8B full-AC rows check it).
 FLOAT8_GEMM_TIME = {"tensorwise": 0.69, "rowwise": 0.86}
+# Host-device copies (activation offload, cpu_offload) over PCIe, bytes per second a direction:
+# Gen4 x16's 25 GB/s at the 80% instance_types assumes of a link ([LINE]).
+PCIE_BYTES_PER_S = 0.8 * 25e9
+# AdamW on the CPU (cpu_offload): seconds per parameter per step, fused AdamW's GPU figure x 50 for
+# host memory bandwidth (an estimate, not measured here).
+CPU_OPTIMIZER_S_PER_PARAM = 50 * 1.1e-11
 # A ring collective's per-hop latency (NCCL over NVLink / EFA): what makes 1,000 ranks slower
 # than 8 at equal bytes per rank. An assumption, not a measurement of this project.
 HOP_LATENCY_S = {"intra": 5e-6, "inter": 15e-6}
@@ -119,7 +132,7 @@ class Estimate:
     def fits(self) -> bool | None:
         if self.peak_gib is None or self.gpu_memory_gib is None:
             return None
-        return self.peak_gib <= self.gpu_memory_gib
+        return self.peak_gib * (1 + MEMORY_ERROR) + RESERVED_GIB <= self.gpu_memory_gib
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"fits": self.fits}
@@ -259,9 +272,19 @@ def _step_time(cfg: TrainConfig, config: Any, hardware: Hardware, world_size: in
         ATTENTION_SEQ_CAP, (cfg.seq_len / 4096) ** ATTENTION_SEQ_EXPONENT)
     compute = (gemm / GEMM_EFFICIENCY * (1 + ELEMENTWISE_PER_GEMM)
                + attention_flops / attention) / hardware.peak_flops + LAUNCH_S_PER_LAYER * layers
+    if cfg.activation_checkpointing == "selective" and selective_every(cfg.selective_ac) is None:
+        # per op: the elementwise work of forward runs again (a third of it)
+        compute += gemm / GEMM_EFFICIENCY * ELEMENTWISE_PER_GEMM / 3 / hardware.peak_flops
     if not no_fsdp:
         compute += FSDP_S_PER_LAYER * layers
+    if cfg.activation_offload:  # saved activations out in forward and back in backward
+        saved, _ = activation_bytes_per_token(dataclasses.replace(cfg, activation_offload=False),
+                                              config)
+        compute += 2 * saved * tokens / PCIE_BYTES_PER_S * COMM_EXPOSED
     optimizer = OPTIMIZER_S_PER_PARAM * trained / max(1, shard)
+    if cfg.cpu_offload:  # the step on the CPU; parameters in, gradients out every micro-batch
+        optimizer = CPU_OPTIMIZER_S_PER_PARAM * trained / max(1, shard)
+        compute += (2 * params + 4 * trained) / max(1, shard) / PCIE_BYTES_PER_S
     comm = communication(cfg, config, hardware, world_size, local_world_size, shard, params,
                          trained)
     # Gathers and reductions overlap the blocks' compute but slow it (COMM_EXPOSED); whatever
@@ -306,3 +329,93 @@ def communication(cfg: TrainConfig, config: Any, hardware: Hardware, world_size:
         hidden_bytes = 2 * cfg.micro_batch * cfg.seq_len * config.hidden_size * (tp - 1) / tp
         seconds += 8 * layers * hidden_bytes / intra if intra else 0.0
     return seconds
+
+
+def _with(cfg: TrainConfig, changes: dict[str, Any]) -> TrainConfig:
+    return dataclasses.replace(cfg, **changes)
+
+
+def resolve_checkpointing(cfg: TrainConfig, *, world_size: int, local_world_size: int,
+                          hardware: Hardware, config: Any = None) -> tuple[TrainConfig, str]:
+    """`activation_checkpointing: auto` made concrete: of AUTO_CANDIDATES, the fastest whose
+    estimated peak fits the GPU; the one line saying why. Validate (the instance type's GPU)
+    and the trainer at start (the real GPU) both call this. Other values come back unchanged."""
+    if cfg.activation_checkpointing != AUTO:
+        return cfg, ""
+    if hardware.gpu_memory_gib is None or model_config(cfg.model, config) is None:
+        why = ("no GPU memory known here" if hardware.gpu_memory_gib is None
+               else f"model {cfg.model!r}'s shape is not known here")
+        chosen = _with(cfg, AUTO_CANDIDATES[0])
+        return chosen, f"activation_checkpointing auto -> none ({why}: nothing to fit)"
+    options = [(changes, estimate(_with(cfg, changes), world_size=world_size,
+                                  local_world_size=local_world_size, hardware=hardware,
+                                  config=config)) for changes in AUTO_CANDIDATES]
+    fitting = [(c, e) for c, e in options if e.fits]
+    if not fitting:  # the most frugal; the memory rule then names what else to change
+        changes, est = options[-1]
+        return _with(cfg, changes), (f"activation_checkpointing auto -> {_describe(changes)}: "
+                                     f"nothing fits {hardware.gpu_memory_gib:g} GiB "
+                                     f"(estimated {est.peak_gib:g} GiB)")
+    changes, est = min(fitting, key=lambda ce: ce[1].step_time_s or 0.0)
+    return _with(cfg, changes), (f"activation_checkpointing auto -> {_describe(changes)} "
+                                 f"(estimated {est.peak_gib:g} of {hardware.gpu_memory_gib:g} "
+                                 "GiB, the fastest that fits)")
+
+
+def _describe(changes: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in changes.items() if v is not False)
+
+
+def search(cfg: TrainConfig, *, world_size: int, local_world_size: int, hardware: Hardware,
+           config: Any = None) -> list[tuple[dict[str, Any], Estimate]]:
+    """Settings that fit, fastest first: micro_batch (with grad_accum keeping the tokens per
+    optimizer step where it divides), checkpointing and offload, the strategy, cpu_offload.
+    Numerics (precision, float8, LoRA) and the world are the user's and stay."""
+    per_step = cfg.micro_batch * cfg.grad_accum
+    batches = sorted({mb for mb in (1, 2, 4, 8, 16, 32, cfg.micro_batch) if mb <= per_step})
+    strategies = [cfg.strategy] + [s for s in ("FULL_SHARD",) if s != cfg.strategy
+                                   and world_size > 1]
+    found: list[tuple[dict[str, Any], Estimate]] = []
+    for micro in batches:
+        accum = per_step // micro if per_step % micro == 0 else cfg.grad_accum
+        for strategy in strategies:
+            for checkpointing in AUTO_CANDIDATES:
+                for cpu_offload in (False, True):
+                    changes = {"micro_batch": micro, "grad_accum": accum, "strategy": strategy,
+                               **checkpointing, "cpu_offload": cpu_offload}
+                    est = estimate(_with(cfg, changes), world_size=world_size,
+                                   local_world_size=local_world_size, hardware=hardware,
+                                   config=config)
+                    if est.fits:
+                        found.append((changes, est))
+                        break  # offloading what already fits is only slower
+    found.sort(key=lambda ce: (-(ce[1].tokens_per_s_per_gpu or 0), ce[1].peak_gib or 0))
+    return found
+
+
+def memory_problems(cfg: TrainConfig, *, world_size: int, local_world_size: int,
+                    hardware: Hardware, config: Any = None) -> list[tuple[str, str]]:
+    """A run whose estimated peak exceeds the GPU's memory: the fields to change, and the
+    fastest setting found that fits. Nothing when the GPU or the model is not known here."""
+    cfg, _ = resolve_checkpointing(cfg, world_size=world_size, local_world_size=local_world_size,
+                                   hardware=hardware, config=config)
+    est = estimate(cfg, world_size=world_size, local_world_size=local_world_size,
+                   hardware=hardware, config=config)
+    if est.fits is not False:
+        return []
+    found = search(cfg, world_size=world_size, local_world_size=local_world_size,
+                   hardware=hardware, config=config)
+    largest = max(est.parts_gib, key=lambda k: est.parts_gib[k] if k != "overhead" else 0)
+    message = (f"estimated peak {est.peak_gib:g} GiB per GPU exceeds the {hardware.name}'s "
+               f"{hardware.gpu_memory_gib:g} GiB (largest part: {largest} "
+               f"{est.parts_gib[largest]:g} GiB); change micro_batch, grad_accum, "
+               "activation_checkpointing, activation_offload, strategy, cpu_offload or nodes")
+    if found:
+        changes, fit = found[0]
+        differ = {k: v for k, v in changes.items() if getattr(cfg, k) != v}
+        shown = ", ".join(f"{k}={v}" for k, v in differ.items()) or "the same"
+        message += (f"; fits: {shown} (estimated {fit.peak_gib:g} "
+                    f"GiB, {fit.tokens_per_s_per_gpu or 0:,.0f} tokens/s per GPU)")
+    else:
+        message += "; no setting of those fits this world: add nodes or use LoRA"
+    return [("micro_batch", message)]
