@@ -137,8 +137,8 @@ def test_a_model_of_unknown_shape_is_not_applicable_with_the_reason_not_an_error
 def test_plan_command_prints_the_estimate_and_exits_1_with_a_setting_when_it_does_not_fit(
         tmp_path, capsys):
     conf = tmp_path / "conf.json"
-    conf.write_text(json.dumps({"target": "eks", "instance_type": "g5.12xlarge", "nodes": 1,
-                                "procs_per_node": 4, "model": "llama-3b", "seq_len": 4096,
+    conf.write_text(json.dumps({"target": "eks", "instance_type": "p4d.24xlarge", "nodes": 1,
+                                "procs_per_node": 8, "model": "llama-8b", "seq_len": 4096,
                                 "mixed_precision": "bf16", "micro_batch": 4,
                                 "max_steps": 100, "node_hourly_price": 5.672}))
     assert main(["--conf", str(conf)]) == 1
