@@ -1,7 +1,7 @@
 """Plan a run before paying for it: memory per GPU, step time, wall time and cost of a conf.
 
     python -m finetune.plan --conf conf.json [--set micro_batch=8 ...] [--search] [--scaling]
-    make plan CONF=conf.json
+    make plan CONF='{"preset": "llama2-70b-p5"}' ARGS=--search
 
 The figures are the contract's planner (finetune_contract.plan) on the run's instance type (its
 GPU memory, peak FLOPs and bus bandwidths from finetune.instance_types); validate logs the same
@@ -173,13 +173,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m finetune.plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--conf", type=Path, help="the run's conf (JSON), as for a trigger")
+    parser.add_argument("--conf", default="{}",
+                        help="the run's conf as for a trigger: a JSON file, or JSON itself")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--search", action="store_true", help="list the fastest that fit")
     parser.add_argument("--scaling", action="store_true",
                         help="predicted tokens/s per GPU at 1-128 nodes of the instance type")
     args = parser.parse_args(argv)
-    conf: dict[str, Any] = json.loads(args.conf.read_text()) if args.conf else {}
+    path = Path(args.conf)
+    conf: dict[str, Any] = json.loads(path.read_text() if path.is_file() else args.conf)
     conf.update(parse_set(args.set))
     try:
         cfg = validate_params(conf, run_id="plan", given=conf, plan_only=True)
