@@ -143,9 +143,10 @@ def search_text(cfg: RunConfig, train: TrainConfig, limit: int = 5) -> str:
                    hardware=run_hardware(cfg), config=model_config_of(cfg.model))
     if not found:
         return "search: no setting fits (or the GPU is not known here)"
-    rows = ["search: fastest settings that fit (tokens per optimizer step kept):"]
+    rows = ["search: fastest settings that fit (tokens per optimizer step kept; what changes):"]
     for changes, est in found[:limit]:
-        shown = ", ".join(f"{k}={v}" for k, v in changes.items())
+        shown = ", ".join(f"{k}={v}" for k, v in changes.items()
+                          if getattr(train, k) != v) or "as given"
         rows.append(f"  {est.tokens_per_s_per_gpu or 0:>9,.0f} tokens/s per GPU  "
                     f"{est.peak_gib:>6.1f} GiB  {shown}")
     return "\n".join(rows)

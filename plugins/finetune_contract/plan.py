@@ -138,12 +138,22 @@ class Estimate:
         return dataclasses.asdict(self) | {"fits": self.fits}
 
 
+_SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+               "vocab_size")
+
+
 def model_config(model: str, config: Any = None) -> Any:
     """Attribute access to a built-in model's config (or a given config mapping); None unknown."""
     values = config if config is not None else BUILTIN_MODELS.get(model)
     if values is None:
         return None
-    return SimpleNamespace(**values) if isinstance(values, dict) else values
+    if not isinstance(values, dict):
+        values = values.to_dict() if hasattr(values, "to_dict") else vars(values)
+    if not all(isinstance(values.get(key), int) and values[key] > 0 for key in _SHAPE_KEYS):
+        return None  # not a Llama-shaped config we can size; loading it says what is wrong
+    # LlamaConfig's defaults for what a config.json may leave out
+    return SimpleNamespace(**{"num_key_value_heads": values["num_attention_heads"],
+                              "tie_word_embeddings": False, **values})
 
 
 def _adapter_params(cfg: TrainConfig, config: Any) -> int:
@@ -192,8 +202,8 @@ def estimate(cfg: TrainConfig, *, world_size: int, local_world_size: int, hardwa
     config = model_config(cfg.model, config)
     if config is None:
         return Estimate(None, {}, None, None, None, None, None, hardware.gpu_memory_gib,
-                        note=f"model {cfg.model!r} is not built in and its config is not read "
-                             "here: estimated when the trainer starts")
+                        note=f"model {cfg.model!r} is not built in and no Llama-shaped config "
+                             "of it is read here: n/a until the trainer starts")
     counts = parameter_count(config)
     params = sum(counts.values())
     layers = config.num_hidden_layers
