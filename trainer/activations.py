@@ -61,6 +61,8 @@ def checkpoint_activations(blocks: torch.nn.ModuleList, mode: str, selective_ac:
     """Wrap blocks in place: none, full (every block), selective (every k-th block or per op)."""
     if mode == "none":
         return
+    if mode == AUTO:  # resolve_auto_checkpointing makes it concrete at start
+        raise ValueError("activation_checkpointing auto must be resolved before wrapping blocks")
     every, kwargs = 1, {}
     if mode == "selective":
         every = selective_every(selective_ac)

@@ -109,7 +109,7 @@ def finetune_pipeline(*, base_conf: Mapping[str, Any] | None = None,
     @task
     def validate() -> dict:
         """Params -> one typed, immutable run config; every bad value fails here."""
-        from finetune.plan import plan_run, plan_text
+        from finetune.planning import plan_run, plan_text
         from finetune.validate import config_table, validate_params
 
         context = get_current_context()

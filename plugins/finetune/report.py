@@ -208,7 +208,7 @@ def write_report(
     `node_hourly_price` (USD per node-hour) and `nodes` the report estimates the cost of the
     training wall time. error: why a failed run failed ({"stage", "type", "message", "rank"}:
     the trainer's own root cause, finetune_contract/errors.py, or the failed stage's error).
-    plan: the planner's estimate made at validate (finetune.plan.RunPlan.to_dict()), put beside
+    plan: the planner's estimate made at validate (finetune.planning.RunPlan.to_dict()), put beside
     what was measured.
     """
     if status not in STATUSES:

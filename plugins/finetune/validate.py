@@ -33,7 +33,7 @@ from finetune.config import (
     run_output_dir,
 )
 from finetune.names import DNS_SUBDOMAIN, LABEL_VALUE, dns_label, run_dir_name
-from finetune.plan import model_config_of, run_hardware
+from finetune.planning import model_config_of, run_hardware
 from finetune.presets import NO_PRESET, PRESET_NAMES, PRESETS, Preset, apply_preset
 from finetune.targets import get_target
 from finetune.trainer_config import trainer_config

@@ -9,7 +9,8 @@ import pytest
 
 from finetune.config import ConfigError
 from finetune.instance_types import INSTANCE_TYPES
-from finetune.plan import hardware_of, main, scaling_rows
+from finetune.plan import main
+from finetune.planning import hardware_of, model_config_of, scaling_rows
 from finetune.validate import validate_params
 from finetune_contract.fields import TrainConfig
 from finetune_contract.plan import (
@@ -153,8 +154,6 @@ def test_plan_command_prints_the_estimate_and_exits_1_with_a_setting_when_it_doe
 def test_predicted_scaling_falls_with_nodes_across_efa_and_not_within_one_node():
     cfg = TrainConfig(model="meta-llama/Llama-2-7b-hf", seq_len=4096, micro_batch=4,
                       mixed_precision="bf16", activation_checkpointing="full")
-    from finetune.plan import model_config_of
-
     rows = scaling_rows(cfg, INSTANCE_TYPES["p4d.24xlarge"], model_config_of(cfg.model))
     efficiencies = [eff for _, _, eff in rows]
     assert efficiencies[0] == 1.0

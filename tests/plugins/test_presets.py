@@ -7,7 +7,7 @@ import pytest
 from finetune.config import ConfigError, default_params
 from finetune.instance_types import INSTANCE_TYPES
 from finetune.params import dag_params
-from finetune.plan import plan_run
+from finetune.planning import plan_run
 from finetune.presets import PRESETS, apply_preset
 from finetune.validate import config_table, validate_params
 

@@ -105,7 +105,7 @@ def test_auto_checkpointing_at_trainer_start_is_the_choice_validate_makes_for_th
     from types import SimpleNamespace
 
     from finetune.instance_types import INSTANCE_TYPES
-    from finetune.plan import hardware_of
+    from finetune.planning import hardware_of
     from finetune_contract.fields import TrainConfig
     from finetune_contract.plan import GIB, resolve_checkpointing
     from trainer.activations import resolve_auto_checkpointing

@@ -32,7 +32,7 @@ from finetune.gpu_metrics import (
 )
 from finetune.image import image_tag, local_environment
 from finetune.outputs import evaluation_result, summary, trainer_root_cause, write_run_file
-from finetune.plan import plan_run
+from finetune.planning import plan_run
 from finetune.preflight import (
     PREFLIGHT_FILE,
     PreflightFailed,

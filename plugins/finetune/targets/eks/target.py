@@ -42,7 +42,7 @@ from finetune.outputs import (
     trainer_root_cause,
     write_run_file,
 )
-from finetune.plan import plan_run
+from finetune.planning import plan_run
 from finetune.preflight import (
     PREFLIGHT_FILE,
     PREFLIGHT_TRIES,
