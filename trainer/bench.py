@@ -35,18 +35,23 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from transformers import LlamaForCausalLM, PretrainedConfig
 
+from finetune_contract.fields import LORA_TARGET_MODULES, QUANTIZE_BASE
 from finetune_contract.models import BUILTIN_MODELS
+from finetune_contract.rules import lora_module_names
 from finetune_contract.throughput import flops_per_token, mfu
 from trainer.config import TrainConfig
 from trainer.float8 import check_float8_device, precompute_float8_scales
+from trainer.lora import apply_lora
 from trainer.loss import LOSS_METHOD, add_loss_method
 from trainer.master_weights import compute_weights
 from trainer.metrics import peak_flops
 from trainer.model import build_model, builtin_config, materialize_weights
 from trainer.optim import build_optimizer, optimizer_step
-from trainer.parallel import DistEnv, apply_parallelism, init_distributed
+from trainer.parallel import DistEnv, apply_parallelism, init_distributed, quantize_dtype
+from trainer.qlora import nf4_bytes
 
-SHORT_NAMES = {"1b": "llama-1b", "3b": "llama-3b", "8b": "llama-8b", "tiny": "tiny-llama"}
+SHORT_NAMES = {"1b": "llama-1b", "3b": "llama-3b", "8b": "llama-8b", "70b": "llama-70b",
+               "tiny": "tiny-llama"}
 GIB = 1024**3
 
 
@@ -63,6 +68,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     # float8 runs print tokens/s; TFLOPs and MFU are left out (their peak is the bf16 one).
     parser.add_argument("--float8", action="store_true", help="torchao float8 in the blocks")
     parser.add_argument("--float8-recipe", default="tensorwise", choices=["tensorwise", "rowwise"])
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="LoRA adapters on every block Linear (peft on both sides)")
+    parser.add_argument("--quantize-base", default="none", choices=QUANTIZE_BASE,
+                        help="nf4: QLoRA (ours: torchao NF4; HF: bitsandbytes 4-bit NF4)")
     parser.add_argument("--ac", choices=["none", "full", "selective"], default="none")
     parser.add_argument("--selective-ac", default="op", help="op, or k: every k-th block")
     # One GPU: resharding after forward saves memory (8B needs it) but gathers again in backward.
@@ -115,6 +124,7 @@ def result(
     losses: list[float],
     device: torch.device,
     peak: float | None,
+    adapter_params: int | None = None,
 ) -> dict[str, Any]:
     """The JSON line of a run: throughput from the median timed step."""
     timed = step_times[args.warmup :]
@@ -122,7 +132,7 @@ def result(
     # The ranks of a tensor-parallel group work on the same tokens: per GPU, a tp-th of them.
     tokens_per_step = args.grad_accum * args.micro_batch * args.seq_len
     tokens_per_s = tokens_per_step / median / options.get("tp_degree", 1)
-    tflops = flops_per_token(model_config, args.seq_len) * tokens_per_s / 1e12
+    tflops = flops_per_token(model_config, args.seq_len, adapter_params) * tokens_per_s / 1e12
     float8 = bool(options.get("float8"))
     return {
         "run": run,
@@ -169,13 +179,16 @@ def run_trainer(
         float8=args.float8,
         float8_recipe=args.float8_recipe,
         tp_degree=args.tp_degree,
+        lora_rank=args.lora_rank,
+        quantize_base=args.quantize_base,
     )
     if args.float8:
         check_float8_device(env.device)
     model = build_model(name)
     model_config = model.config
+    adapter_params = apply_lora(model, config) if args.lora_rank else None
     apply_parallelism(model, config, env)
-    materialize_weights(model, name, config.seed, env.device)
+    materialize_weights(model, name, config.seed, env.device, quantize_dtype(config))
     add_loss_method(model)
     optimizer = build_optimizer(model, config, env.device)
     loss_sum: Callable[..., torch.Tensor] = getattr(model, LOSS_METHOD)
@@ -218,11 +231,15 @@ def run_trainer(
         "compile": args.compile,
         "float8": args.float8,
         "float8_recipe": args.float8_recipe if args.float8 else None,
+        "lora_rank": args.lora_rank,
+        "quantize_base": args.quantize_base,
+        "nf4_gib": _rounded(nf4_bytes(model) / GIB) if args.quantize_base != "none" else None,
         "loss": "chunked",
         "optimizer": "AdamW fused" if env.device.type == "cuda" else "AdamW",
     }
     return result(
-        "trainer", name, options, args, model_config, step_times, losses, env.device, peak
+        "trainer", name, options, args, model_config, step_times, losses, env.device, peak,
+        adapter_params,
     )
 
 
@@ -234,8 +251,7 @@ def run_hf_trainer(
 
     model_config = builtin_config(name)
     torch.manual_seed(args.seed)
-    with torch.device(device):
-        model = LlamaForCausalLM(model_config)  # fp32: bf16=True autocasts, as users run it
+    model, adapter_params, base_dir = hf_model(model_config, args, device)
     batches = random_batches(model_config.vocab_size, args, torch.device("cpu"))
     rows = [{"input_ids": ids, "labels": ids} for ids in batches.flatten(0, 2)]
     step_times: list[float] = []
@@ -283,15 +299,61 @@ def run_hf_trainer(
         )
         trainer.remove_callback(PrinterCallback)  # its log dicts would break the JSON lines
         trainer.train()
+    if base_dir is not None:
+        base_dir.cleanup()
     options = {
         "mixed_precision": "bf16 autocast (fp32 weights)",
         "gradient_checkpointing": args.ac != "none",
         "attention": model_config._attn_implementation,
         "optimizer": training_args.optim,
+        "lora_rank": args.lora_rank,
+        "quantize_base": "bitsandbytes nf4 (double quant, bf16 compute)"
+        if args.quantize_base == "nf4" else "none",
     }
     return result(
-        "hf_trainer", name, options, args, model_config, step_times, losses, device, peak
+        "hf_trainer", name, options, args, model_config, step_times, losses, device, peak,
+        adapter_params,
     )
+
+
+def hf_model(
+    model_config: PretrainedConfig, args: argparse.Namespace, device: torch.device
+) -> tuple[torch.nn.Module, int | None, tempfile.TemporaryDirectory | None]:
+    """The model as Hugging Face users build it: fp32 weights; with --lora-rank peft's
+    get_peft_model; with --quantize-base nf4 the QLoRA recipe (a checkpoint loaded with
+    bitsandbytes' 4-bit NF4, prepare_model_for_kbit_training, then the adapters)."""
+    if args.quantize_base == "none":
+        with torch.device(device):
+            model = LlamaForCausalLM(model_config)  # fp32: bf16=True autocasts, as users run it
+        base_dir = None
+    else:
+        from peft import prepare_model_for_kbit_training
+        from transformers import BitsAndBytesConfig
+
+        base_dir = tempfile.TemporaryDirectory()  # bitsandbytes quantizes while loading
+        with torch.device(device):
+            LlamaForCausalLM(model_config).to(torch.bfloat16).save_pretrained(base_dir.name)
+        release_memory(device)
+        quantization = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+        )  # fmt: skip
+        model = LlamaForCausalLM.from_pretrained(
+            base_dir.name, quantization_config=quantization, dtype=torch.bfloat16,
+            device_map={"": device.index or 0}, attn_implementation="sdpa",
+        )  # fmt: skip
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=args.ac != "none"
+        )
+    if not args.lora_rank:
+        return model, None, base_dir
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(model, LoraConfig(
+        r=args.lora_rank, lora_alpha=16, target_modules=lora_module_names(LORA_TARGET_MODULES),
+        bias="none", task_type="CAUSAL_LM"))  # fmt: skip
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return model, adapters, base_dir
 
 
 def print_profile(step: Callable[[], float], device: torch.device) -> None:

@@ -28,13 +28,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
+from trainer.qlora import is_quantized
 from trainer.storage import RunOutput
 
 TRAINER_STATE_FILE = "trainer_state.json"
 CHECKPOINTS_DIR = "checkpoints"
 _PREFIX, _TMP_SUFFIX = "step_", ".tmp"
+
+
+def _options(model: torch.nn.Module) -> StateDictOptions | None:
+    """QLoRA's checkpoints leave out the frozen weights: the 4-bit base is remade from the
+    model's source at start, the same numbers (trainer/qlora.py). Other runs keep everything."""
+    if not any(is_quantized(p) for p in model.parameters()):
+        return None
+    return StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 def checkpoint_name(step: int) -> str:
@@ -142,7 +155,7 @@ class Checkpointer:
         name = checkpoint_name(step)
         state_json = json.dumps({"step": step, **trainer_state})
         write_dir = self._prepare(name)
-        model_state, optimizer_state = get_state_dict(model, optimizer)
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=_options(model))
         state = {"model": model_state, "optimizer": optimizer_state}
         if self.async_save:
             assert self._background is not None
@@ -236,7 +249,8 @@ class Checkpointer:
         self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     ) -> dict[str, Any]:
         """Load model and optimizer shards in place; return the trainer state saved with them."""
-        model_state, optimizer_state = get_state_dict(model, optimizer)
+        options = _options(model)
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
         state = {"model": model_state, "optimizer": optimizer_state}
         dcp.load(state, checkpoint_id=path)
         set_state_dict(
@@ -244,6 +258,7 @@ class Checkpointer:
             optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optimizer"],
+            options=options,
         )
         trainer_state = json.loads((path / TRAINER_STATE_FILE).read_text())
         if self.remote is not None:  # the download from S3 is not needed any more

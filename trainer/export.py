@@ -26,6 +26,7 @@ from transformers import GenerationConfig, PretrainedConfig, PreTrainedTokenizer
 
 from finetune_contract.fields import RESOLVED_CONFIG_FILE
 from trainer.lora import ADAPTER_DIR, lora_config_of, merge_adapters, save_adapter
+from trainer.qlora import dequantized
 
 # from_pretrained's arguments a tokenizer keeps in its init_kwargs and would save as settings:
 # where and how it was loaded, not what it is.
@@ -62,6 +63,8 @@ def write_hf(
 ) -> None:
     """Write a full (unsharded) state dict of `model` as a Hugging Face model directory."""
     out.mkdir(parents=True, exist_ok=True)
+    # QLoRA: the adapters are merged into the base they trained on, the dequantized 4-bit one.
+    state = {name: dequantized(tensor) for name, tensor in state.items()}
     lora_config = lora_config_of(model)
     if lora_config is not None:
         state, adapter = merge_adapters(state, lora_config)
@@ -113,8 +116,8 @@ def export_checkpoint(
 
     from trainer.config import load_config
     from trainer.lora import apply_lora
-    from trainer.model import build_model, init_buffers
-    from trainer.parallel import COMPUTE_DTYPES
+    from trainer.model import build_model, init_buffers, materialize_weights
+    from trainer.parallel import COMPUTE_DTYPES, quantize_dtype
 
     checkpoint = Path(checkpoint)
     if not checkpoint.is_dir() or not (checkpoint / ".metadata").is_file():
@@ -129,11 +132,19 @@ def export_checkpoint(
     model = build_model(train_config.model, tokenizer)
     if train_config.lora_rank:
         apply_lora(model, train_config)
-    model.to_empty(device="cpu")
-    model.tie_weights()
-    state = model.state_dict()  # the checkpoint's keys: get_state_dict drops wrapper prefixes
+    quantize = quantize_dtype(train_config)
+    if quantize is None:
+        model.to_empty(device="cpu")
+        model.tie_weights()
+    else:  # the checkpoint holds no frozen weights: the 4-bit base is remade from its source
+        materialize_weights(model, train_config.model, train_config.seed, torch.device("cpu"),
+                            quantize)
+    # The checkpoint's keys (get_state_dict drops wrapper prefixes), frozen ones only if saved.
+    state = {name: param for name, param in model.state_dict(keep_vars=True).items()
+             if quantize is None or param.requires_grad}
+    state = {name: tensor.detach() for name, tensor in state.items()}
     dcp.load({"model": state}, checkpoint_id=checkpoint)
-    model.load_state_dict(state)
+    model.load_state_dict(state, strict=quantize is None)
     init_buffers(model)
     write_hf(
         model.state_dict(),

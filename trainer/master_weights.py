@@ -27,6 +27,8 @@ from collections.abc import Iterator
 
 import torch
 
+from trainer.qlora import is_quantized
+
 ATTRIBUTE = "_trainer_master_weights"
 
 
@@ -42,7 +44,8 @@ class MasterWeights:
 
     def _bind(self) -> None:
         """The parameters as they are once materialized (tying may replace Parameter objects)."""
-        params = list(self.model.parameters())
+        # QLoRA's 4-bit base (trainer/qlora.py) is frozen and dequantized by its own matmul.
+        params = [p for p in self.model.parameters() if not is_quantized(p)]
         if [id(p) for p in params] == [id(p) for p in self.params]:
             return
         self.params = params

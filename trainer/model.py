@@ -23,6 +23,7 @@ from transformers import (
 
 from finetune_contract.models import BUILTIN_MODELS
 from trainer.lora import init_adapter_weights, is_adapter_param
+from trainer.qlora import defer_quantized, pending_shape, quantize_into
 
 
 def builtin_config(name: str, tokenizer: PreTrainedTokenizerBase | None = None) -> LlamaConfig:
@@ -76,19 +77,27 @@ def pretrained_dir(model: str) -> Path:
 
 @torch.no_grad()
 def materialize_weights(
-    model: PreTrainedModel, source: str, seed: int, device: torch.device
+    model: PreTrainedModel,
+    source: str,
+    seed: int,
+    device: torch.device,
+    quantize_dtype: torch.dtype | None = None,
 ) -> None:
     """Allocate the (sharded) parameters of a `build_model` model on `device` and fill them.
 
     `source` is the `build_model` name: a built-in config gets seeded random weights, anything
     else its pretrained weights. Run after sharding (fully_shard), before the first forward.
+    quantize_dtype: QLoRA (trainer/qlora.py): the blocks' frozen Linear weights are made in this
+    dtype and stored in NF4 one at a time, the same numbers as an unquantized run's draw.
     """
+    if quantize_dtype is not None:
+        defer_quantized(model)
     model.to_empty(device=device)
     model.tie_weights()  # to_empty gives an unsharded (non-DTensor) head its own new tensor
     if source in BUILTIN_MODELS:
-        init_random_weights(model, seed)
+        init_random_weights(model, seed, quantize_dtype)
     else:
-        load_pretrained_weights(model, pretrained_dir(source))
+        load_pretrained_weights(model, pretrained_dir(source), quantize_dtype)
     init_adapters(model, seed)
     init_buffers(model)
 
@@ -119,7 +128,9 @@ def init_adapters(model: torch.nn.Module, seed: int) -> None:
 
 
 @torch.no_grad()
-def init_random_weights(model: torch.nn.Module, seed: int) -> None:
+def init_random_weights(
+    model: torch.nn.Module, seed: int, quantize_dtype: torch.dtype | None = None
+) -> None:
     """Hugging Face's init for Llama-like models: normal(0, initializer_range) matrices and
     embeddings (padding row zero), norms one, biases zero.
 
@@ -137,7 +148,9 @@ def init_random_weights(model: torch.nn.Module, seed: int) -> None:
             seen.add(id(param))
             if generator is None:
                 generator = torch.Generator(param.device).manual_seed(seed)
-            full = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+            fqn = f"{module_name}.{name}"
+            shape = pending_shape(model, fqn)
+            full = torch.empty(shape or param.shape, dtype=param.dtype, device=param.device)
             if name == "bias":
                 full.zero_()
             elif isinstance(module, torch.nn.Linear | torch.nn.Embedding):
@@ -148,11 +161,16 @@ def init_random_weights(model: torch.nn.Module, seed: int) -> None:
                 full.fill_(1.0)
             else:
                 raise ValueError(f"no init for {type(module).__name__}.{name}: not Llama-like")
-            _local(param).copy_(_shard_of(full, param))
+            if shape is not None:
+                quantize_into(model, fqn, full, quantize_dtype)
+            else:
+                _local(param).copy_(_shard_of(full, param))
 
 
 @torch.no_grad()
-def load_pretrained_weights(model: torch.nn.Module, path: Path) -> None:
+def load_pretrained_weights(
+    model: torch.nn.Module, path: Path, quantize_dtype: torch.dtype | None = None
+) -> None:
     """Copy a Hugging Face safetensors checkpoint into the (sharded) parameters.
 
     Each rank reads from the memory-mapped files only the slice of each tensor its shard holds,
@@ -179,12 +197,16 @@ def load_pretrained_weights(model: torch.nn.Module, path: Path) -> None:
             if file not in files:
                 files[file] = stack.enter_context(safe_open(path / file, framework="pt"))
             stored = files[file].get_slice(key)
-            if tuple(stored.get_shape()) != tuple(param.shape):
+            shape = pending_shape(model, fqn)
+            if tuple(stored.get_shape()) != tuple(shape or param.shape):
                 raise ValueError(
                     f"{path}: {key} has shape {tuple(stored.get_shape())}, the model "
-                    f"{tuple(param.shape)}"
+                    f"{tuple(shape or param.shape)}"
                 )
-            _local(param).copy_(_read_shard(stored, param))
+            if shape is not None:
+                quantize_into(model, fqn, stored[:].to(param.device), quantize_dtype)
+            else:
+                _local(param).copy_(_read_shard(stored, param))
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:

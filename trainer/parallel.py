@@ -19,18 +19,21 @@ from transformers import PretrainedConfig
 
 from finetune_contract.fields import ContractError
 from finetune_contract.models import ModelShape
-from finetune_contract.rules import config_problems
+from finetune_contract.rules import config_problems, device_problems
 from trainer.activations import checkpoint_activations, offload_activations
 from trainer.config import TrainConfig
 from trainer.float8 import convert_to_float8
 from trainer.master_weights import use_master_weights
 from trainer.model import decoder_blocks
+from trainer.qlora import quantized_params
 from trainer.tensor_parallel import (
     TP_DIM,
     apply_tensor_parallel,
     mesh_plan,
 )
 
+# Tests only: let quantize_base run on a CPU (see quantize_emulated).
+QUANTIZE_ON_CPU_ENV = "TRAINER_NF4_ON_CPU"
 MeshPlan = tuple[tuple[int, ...], tuple[str, ...], bool]
 # The dtype blocks compute in for each mixed_precision; master weights and optimizer stay fp32.
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -125,6 +128,8 @@ def check_start(
     shape = None if model_config is None else ModelShape.from_config(config.model, model_config)
     problems = config_problems(config, world_size=env.world_size,
                                local_world_size=env.local_world_size, shape=shape)
+    problems += device_problems(quantize_base=config.quantize_base,
+                                gpu=env.device.type == "cuda" or quantize_emulated())
     if problems:
         raise ContractError(problems, "the run config cannot run here")
     if env.device.type == "cpu" and model_config is None:
@@ -135,6 +140,17 @@ def check_start(
                     f"{name} saves no memory on device cpu: everything already is in CPU memory",
                     stacklevel=2,
                 )
+
+
+def quantize_dtype(config: TrainConfig) -> torch.dtype | None:
+    """The dtype QLoRA's base weights are quantized from and dequantized to: the compute dtype
+    (None: no quantize_base)."""
+    return None if config.quantize_base == "none" else COMPUTE_DTYPES[config.mixed_precision]
+
+
+def quantize_emulated() -> bool:
+    """Tests only: NF4 on a CPU (torchao's NF4 is plain torch code; a real run is refused)."""
+    return os.environ.get(QUANTIZE_ON_CPU_ENV, "") == "1"
 
 
 def compile_blocks(blocks: torch.nn.ModuleList) -> None:
@@ -196,6 +212,8 @@ def apply_parallelism(model: torch.nn.Module, config: TrainConfig, env: DistEnv)
             use_master_weights(model, COMPUTE_DTYPES[config.mixed_precision])
         return mesh
     policies = {
+        # QLoRA: the 4-bit base stays whole on every rank (trainer/qlora.py).
+        "ignored_params": set(quantized_params(model)) if config.quantize_base != "none" else None,
         "mp_policy": mixed_precision_policy(config.mixed_precision, mesh.size()),
         "offload_policy": CPUOffloadPolicy(pin_memory=env.device.type == "cuda")
         if config.cpu_offload

@@ -57,6 +57,7 @@ from trainer.parallel import (
     apply_parallelism,
     check_start,
     init_distributed,
+    quantize_dtype,
 )
 from trainer.storage import RunOutput
 from trainer.tensor_parallel import SequenceParallelBatches, data_parallel_rank
@@ -188,7 +189,8 @@ class Trainer:
         apply_parallelism(model, config, env)
         # FSDP's CPU offload keeps the sharded parameters in CPU memory.
         param_device = torch.device("cpu") if config.cpu_offload else env.device
-        materialize_weights(model, config.model, config.seed, param_device)
+        materialize_weights(model, config.model, config.seed, param_device,
+                            quantize_dtype(config))
         add_loss_method(model)
         optimizer = build_optimizer(model, config, env.device)
         scaler = build_grad_scaler(config.mixed_precision, env.device)
@@ -415,6 +417,8 @@ def config_line(config: TrainConfig, env: DistEnv, saved_at: str) -> str:
         options.append(f"{config.activation_checkpointing} activation checkpointing")
     if config.lora_rank:
         options.append(f"LoRA rank {config.lora_rank}")
+    if config.quantize_base != "none":
+        options.append(f"{config.quantize_base} base")
     if config.tp_degree > 1:
         options.append(f"tp {config.tp_degree}")
     options += [name for name in ("compile", "float8", "cpu_offload", "packing")

@@ -175,6 +175,10 @@ PARAM_SPECS: tuple[ParamSpec, ...] = (
     _S("lora_rank", 0, "integer", "LoRA", "LoRA rank",
        "Train LoRA adapters of this rank instead of all weights (peft); 0: full fine-tune. The "
        "exported model has the adapters merged in; model/adapter/ holds them alone."),
+    _S("quantize_base", "none", "string", "LoRA", "Quantize the base (QLoRA)",
+       "nf4: keep the frozen base weights of the decoder blocks in 4-bit NormalFloat (torchao), "
+       "the LoRA adapters in the compute dtype: QLoRA, about a quarter of the base's bf16 "
+       "memory. Needs lora_rank > 0 and GPUs; not with cpu_offload."),
     _S("lora_alpha", 16.0, "number", "LoRA", "LoRA alpha",
        "The adapters' output is scaled by alpha / rank."),
     _S("lora_dropout", 0.0, "number", "LoRA", "LoRA dropout",
@@ -383,6 +387,7 @@ class RunConfig:
     lora_alpha: float
     lora_dropout: float
     lora_target_modules: str
+    quantize_base: str
     prompt_template: str
     packing: bool
     seq_len: int

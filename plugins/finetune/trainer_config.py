@@ -60,6 +60,7 @@ def trainer_config(cfg: RunConfig, *, local_paths: bool = True) -> dict[str, Any
         "lora_alpha": cfg.lora_alpha,
         "lora_dropout": cfg.lora_dropout,
         "lora_target_modules": cfg.lora_target_modules,
+        "quantize_base": cfg.quantize_base,
         "prompt_template": cfg.prompt_template,
         "packing": cfg.packing,
         "bad_rows": cfg.bad_rows,

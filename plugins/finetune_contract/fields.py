@@ -23,6 +23,8 @@ BAD_ROWS = ("skip", "error")
 # torchao's float8 scaling: one scale per tensor (weights all-gathered in float8 under FSDP), or
 # one per row (finer: closer to bf16's loss, slower; weights all-gathered in bf16).
 FLOAT8_RECIPES = ("tensorwise", "rowwise")
+# QLoRA: the frozen base Linears of the decoder blocks stored in 4-bit NormalFloat (torchao).
+QUANTIZE_BASE = ("none", "nf4")
 # The allowed values of each text field that has a fixed set.
 CHOICES: dict[str, tuple[str, ...]] = {
     "strategy": STRATEGIES,
@@ -32,6 +34,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "dataset_format": DATASET_FORMATS,
     "bad_rows": BAD_ROWS,
     "float8_recipe": FLOAT8_RECIPES,
+    "quantize_base": QUANTIZE_BASE,
 }
 # Every Linear of a Llama block: attention and MLP projections.
 LORA_TARGET_MODULES = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
@@ -169,6 +172,7 @@ class TrainConfig:
     lora_alpha: float = 16.0  # adapter output scaled by lora_alpha / lora_rank
     lora_dropout: float = 0.0
     lora_target_modules: str = LORA_TARGET_MODULES  # comma-separated Linear names in the blocks
+    quantize_base: str = "none"  # QUANTIZE_BASE; nf4: QLoRA (needs lora_rank > 0 and a GPU)
     eval_interval: int = 50
     eval_fraction: float = EVAL_FRACTION
     checkpoint_interval: int = 0

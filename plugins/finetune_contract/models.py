@@ -63,6 +63,18 @@ BUILTIN_MODELS: dict[str, dict[str, Any]] = {
         "rope_parameters": _LLAMA3_ROPE,
         "rms_norm_eps": 1e-5,
     },
+    "llama-70b": {
+        "hidden_size": 8192,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "intermediate_size": 28672,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": False,
+        "rope_parameters": _LLAMA3_ROPE,
+        "rms_norm_eps": 1e-5,
+    },
 }
 
 

@@ -131,6 +131,16 @@ def config_problems(cfg: TrainConfig, *, world_size: int, local_world_size: int,
     return problems
 
 
+def device_problems(*, quantize_base: str, gpu: bool) -> Problems:
+    """Options that need a GPU, for a world whose processes have none (`gpu` false): the
+    local target's check (this machine) and the trainer's start (its device) ask the same."""
+    if quantize_base != "none" and not gpu:
+        return [("quantize_base", f"{quantize_base} needs CUDA GPUs (the 4-bit weights are "
+                 "dequantized by GPU kernels, as QLoRA runs); this run has none: set "
+                 "quantize_base to none or run on GPUs")]
+    return []
+
+
 def _checkpointing(cfg: TrainConfig) -> Problems:
     if cfg.activation_checkpointing == "selective":
         try:
@@ -170,6 +180,15 @@ def _float8_and_lora(cfg: TrainConfig) -> Problems:
                 problems.append(("float8", f"cannot be combined with {name} = "
                                  f"{getattr(cfg, name)}: {reason}; set float8 to false or "
                                  f"{name} to {working}"))
+    if cfg.quantize_base != "none":
+        if not cfg.lora_rank:
+            problems.append(("quantize_base", f"{cfg.quantize_base} quantizes the frozen base "
+                             "weights of a LoRA run, and lora_rank is 0 (a full fine-tune trains "
+                             "them): set lora_rank > 0 or quantize_base to none"))
+        if cfg.cpu_offload:
+            problems.append(("quantize_base", f"{cfg.quantize_base} cannot be combined with "
+                             "cpu_offload = true: the 4-bit weights stay on the GPU, unsharded; "
+                             "set cpu_offload to false or quantize_base to none"))
     if cfg.lora_rank:
         if cfg.tp_degree > 1:
             problems.append(("lora_rank", f"{cfg.lora_rank} with tp_degree = {cfg.tp_degree}: "

@@ -47,6 +47,7 @@ from finetune.targets.base import TORCHRUN_ENV, Target, TrainingFailed
 from finetune.trainer_config import trainer_config
 from finetune_contract.errors import ERROR_DIR_ENV
 from finetune_contract.fields import EVALUATION_FILE
+from finetune_contract.rules import device_problems
 
 log = logging.getLogger(__name__)
 
@@ -223,6 +224,8 @@ class LocalTarget(Target):
         if values["float8"] and res["device"] != "cuda":
             errors.append(("float8", "needs GPUs with compute capability >= 8.9; this machine "
                            "has none (the trainer would run on the CPU)"))
+        errors += device_problems(quantize_base=values["quantize_base"],
+                                  gpu=res["device"] == "cuda")
         if values["output_dir"].startswith("s3://"):
             errors.append(("output_dir", "s3:// output needs target eks; give a local "
                            "directory"))
