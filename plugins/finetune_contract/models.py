@@ -91,9 +91,7 @@ HUB_MODEL_CONFIGS: dict[str, dict[str, Any]] = {
     "meta-llama/Llama-2-13b-hf": _llama2(5120, 40, 40, 40, 13824),
     "meta-llama/Llama-2-70b-hf": _llama2(8192, 80, 64, 8, 28672),
     "meta-llama/Meta-Llama-3-8B": {**BUILTIN_MODELS["llama-8b"], "max_position_embeddings": 8192},
-    "meta-llama/Llama-3.1-70B": {**BUILTIN_MODELS["llama-8b"], "hidden_size": 8192,
-                                 "num_hidden_layers": 80, "num_attention_heads": 64,
-                                 "intermediate_size": 28672},
+    "meta-llama/Llama-3.1-70B": BUILTIN_MODELS["llama-70b"],
 }
 
 

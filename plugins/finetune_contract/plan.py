@@ -37,6 +37,14 @@ AUTO = "auto"
 # NCCL's buffers): a run fits when its estimate, this much larger, and that, fit.
 MEMORY_ERROR = 0.02
 RESERVED_GIB = 1.5
+# QLoRA's NF4 (trainer/qlora.py): values per absmax scale, and scales per quantized scale (double
+# quantization): 4 bits a value, an 8-bit scale per block, an fp32 scale per block of scales.
+NF4_BLOCK_SIZE = 64
+NF4_SCALER_BLOCK_SIZE = 256
+NF4_BYTES_PER_PARAM = 0.5 + 1 / NF4_BLOCK_SIZE + 4 / (NF4_BLOCK_SIZE * NF4_SCALER_BLOCK_SIZE)
+# Dequantizing NF4 weights for their matmuls: seconds per parameter per pass (forward, backward,
+# a recompute), fitted between the 8B and 70B QLoRA rows (+10% and -7% on tokens/s).
+NF4_DEQUANT_S_PER_PARAM = 1.0e-12
 # The stated error on tokens/s per GPU over the same rows.
 THROUGHPUT_ERROR = 0.10
 # Saved activations of one Llama block without checkpointing, bf16 elements per token: fitted to
@@ -217,35 +225,46 @@ def estimate(cfg: TrainConfig, *, world_size: int, local_world_size: int, hardwa
     tokens = cfg.micro_batch * cfg.seq_len  # per micro-batch per data-parallel rank
     lora = _adapter_params(cfg, config) if cfg.lora_rank else 0
     trained = lora or params
+    # QLoRA: the blocks' Linear weights in NF4, whole on every GPU (outside FSDP's sharding)
+    quantized = (counts["blocks"] - layers * 2 * config.hidden_size - config.hidden_size
+                 if cfg.quantize_base == "nf4" and lora else 0)
+    nf4 = NF4_BYTES_PER_PARAM * quantized
     # fp32 masters (a LoRA run's frozen base too), AdamW's two moments, fp32 gradients.
-    masters = 4 * params
+    masters = 4 * (params - quantized)
     optimizer = 8 * trained
     grads = 4 * trained
     if cfg.cpu_offload:
         masters = optimizer = grads = 0
-    block_params = counts["blocks"] / layers
+    block_params = (counts["blocks"] - quantized) / layers
     embedding = counts["embedding"] + counts["lm_head"]
     if no_fsdp:
-        sharded, copies = 1, (compute_bytes * params if cfg.mixed_precision != "fp32" else 0)
+        sharded = 1
+        copies = compute_bytes * (params - quantized) if cfg.mixed_precision != "fp32" else 0
     else:
         sharded = shard
         blocks_held = layers if cfg.strategy == "SHARD_GRAD_OP" else GATHERED_BLOCKS
         copies = compute_bytes * (blocks_held * block_params + embedding) / tp
     saved, recompute = activation_bytes_per_token(cfg, config)
     activations = (saved * tokens + recompute * tokens) / tp
+    if quantized:  # a block run without checkpointing keeps its dequantized weights for backward
+        kept = {"none": layers, "full": 1}.get(cfg.activation_checkpointing)
+        if kept is None:
+            every = selective_every(cfg.selective_ac)
+            kept = 1 if every is None else layers - layers // every
+        activations += compute_bytes * quantized / layers * kept
     chunk = min(tokens // tp or 1, max(1, LOGITS_PER_CHUNK // config.vocab_size))
     loss = 4 * chunk * config.vocab_size  # the chunk's logits and their gradient, bf16
     state_forward = (masters + optimizer + (grads if cfg.grad_accum > 1 else 0)) / sharded
     state_backward = (masters + optimizer + grads) / sharded
-    forward_end = state_forward + copies + activations + loss
-    backward_end = state_backward + copies + recompute * tokens / tp
-    parts = {"parameters": masters / sharded / GIB, "optimizer": optimizer / sharded / GIB,
+    forward_end = state_forward + nf4 + copies + activations + loss
+    backward_end = state_backward + nf4 + copies + recompute * tokens / tp
+    parts = {"parameters": (masters / sharded + nf4) / GIB, "optimizer": optimizer / sharded / GIB,
              "gradients": grads / sharded / GIB, "compute_copies": copies / GIB,
              "activations": activations / GIB, "loss_chunk": loss / GIB,
              "overhead": OVERHEAD_GIB}
     peak = max(forward_end, backward_end) / GIB + OVERHEAD_GIB
     step, comm, exposed = _step_time(cfg, config, hardware, world_size, local_world_size, shard,
-                                     no_fsdp, params, trained, lora)
+                                     no_fsdp, params, trained, lora, quantized)
     tokens_per_s = tokens * cfg.grad_accum / tp / step if step else None
     token_flops = flops_per_token(config, cfg.seq_len, lora or None)
     mfu = (tokens_per_s * token_flops / hardware.peak_flops
@@ -257,7 +276,8 @@ def estimate(cfg: TrainConfig, *, world_size: int, local_world_size: int, hardwa
 
 def _step_time(cfg: TrainConfig, config: Any, hardware: Hardware, world_size: int,
                local_world_size: int, shard: int, no_fsdp: bool, params: int, trained: int,
-               lora: int) -> tuple[float | None, float | None, float | None]:
+               lora: int, quantized: float = 0
+               ) -> tuple[float | None, float | None, float | None]:
     """(step seconds, communication seconds, of which exposed); Nones without a peak."""
     if not hardware.peak_flops:
         return None, None, None
@@ -291,6 +311,8 @@ def _step_time(cfg: TrainConfig, config: Any, hardware: Hardware, world_size: in
         saved, _ = activation_bytes_per_token(dataclasses.replace(cfg, activation_offload=False),
                                               config)
         compute += 2 * saved * tokens / PCIE_BYTES_PER_S * COMM_EXPOSED
+    if quantized:  # dequantized for forward, backward and any recompute
+        compute += NF4_DEQUANT_S_PER_PARAM * quantized * (2 + recomputed)
     optimizer = OPTIMIZER_S_PER_PARAM * trained / max(1, shard)
     if cfg.cpu_offload:  # the step on the CPU; parameters in, gradients out every micro-batch
         optimizer = CPU_OPTIMIZER_S_PER_PARAM * trained / max(1, shard)

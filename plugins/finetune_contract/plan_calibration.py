@@ -103,6 +103,11 @@ ROWS: tuple[Row, ...] = (
     Row("llama-3b", _mb(4, strategy="HYBRID_SHARD", shard_group_size=2), 23_330, 0.555, 61.7,
         TORCHRUN.format(gpus=4) + " --models 3b --micro-batch 4 --strategy HYBRID_SHARD "
         "--shard-group-size 2", UNDATED, gpus=4, note="the version before"),
+    Row("llama-8b", _mb(2, lora_rank=16, quantize_base="nf4"), 14_620, 0.543, 61.0,
+        f"{BENCH} --models 8b --micro-batch 2 --lora-rank 16 --quantize-base nf4", "2026-12-01"),
+    Row("llama-70b", _mb(1, lora_rank=16, quantize_base="nf4", activation_checkpointing=_AC),
+        1_338, 0.421, 56.6, f"{BENCH} --models 70b --micro-batch 1 --ac full --lora-rank 16 "
+        "--quantize-base nf4", "2026-12-01"),
     Row("llama-8b", _mb(2, strategy=_FS, activation_checkpointing=_AC), 8_474, 0.441, 64.8,
         TORCHRUN.format(gpus=2) + " --models 8b --micro-batch 2 --ac full --strategy FULL_SHARD",
         UNDATED, gpus=2),
