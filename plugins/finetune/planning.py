@@ -34,7 +34,7 @@ def hardware_of(profile: InstanceProfile) -> Hardware:
     """An instance profile's GPU and links, as the planner takes them."""
     return Hardware.of_gpu(profile.gpu_model, profile.gpu_memory_gib,
                            busbw_intra_gbps=profile.busbw_intra_gbps,
-                           busbw_inter_gbps=profile.busbw_inter_gbps, gpus_per_node=profile.gpus)
+                           busbw_inter_gbps=profile.busbw_inter_gbps)
 
 
 def run_hardware(cfg: RunConfig) -> Hardware:

@@ -112,7 +112,6 @@ class Hardware:
     peak_flops: float | None
     busbw_intra_gbps: float | None = None
     busbw_inter_gbps: float | None = None
-    gpus_per_node: int = 1
     name: str = "GPU"
 
     @classmethod
@@ -317,8 +316,9 @@ def _step_time(cfg: TrainConfig, config: Any, hardware: Hardware, world_size: in
     if cfg.cpu_offload:  # the step on the CPU; parameters in, gradients out every micro-batch
         optimizer = CPU_OPTIMIZER_S_PER_PARAM * trained / max(1, shard)
         compute += (2 * params + 4 * trained) / max(1, shard) / PCIE_BYTES_PER_S
-    comm = communication(cfg, config, hardware, world_size, local_world_size, shard, params,
-                         trained)
+    # the NF4 base is whole on every GPU: FSDP gathers only the rest
+    comm = communication(cfg, config, hardware, world_size, local_world_size, shard,
+                         int(params - quantized), trained)
     # Gathers and reductions overlap the blocks' compute but slow it (COMM_EXPOSED); whatever
     # exceeds the compute waits in full.
     exposed_per_micro = max(comm - compute, COMM_EXPOSED * comm)
