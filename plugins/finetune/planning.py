@@ -17,6 +17,8 @@ from finetune.trainer_config import trainer_config
 from finetune_contract.fields import TrainConfig
 from finetune_contract.models import BUILTIN_MODELS, HUB_MODEL_CONFIGS
 from finetune_contract.plan import (
+    MEMORY_ERROR,
+    THROUGHPUT_ERROR,
     Estimate,
     Hardware,
     estimate,
@@ -125,8 +127,8 @@ def plan_text(cfg: RunConfig, plan: RunPlan) -> str:
         lines.append(f"  {plan.steps} steps: {plan.wall_time_s / 3600:.2f} h of training{cost}")
     elif not plan.steps:
         lines.append("  wall time: n/a (max_steps 0: the steps follow from the data's size)")
-    lines.append("  (a model calibrated on one H200: memory within 2%, tokens/s within 10% on "
-                 "the measured rows; README \"Planning a run\")")
+    lines.append(f"  (a model calibrated on one H200: memory within {MEMORY_ERROR:.0%}, tokens/s "
+                 f"within {THROUGHPUT_ERROR:.0%} on the measured rows; README \"Planning a run\")")
     return "\n".join(lines)
 
 
