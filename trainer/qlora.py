@@ -15,10 +15,10 @@ import sys
 
 import torch
 
+from finetune_contract.plan import NF4_BLOCK_SIZE as BLOCK_SIZE
+from finetune_contract.plan import NF4_SCALER_BLOCK_SIZE as SCALER_BLOCK_SIZE
 from trainer.lora import is_adapter_param
 
-BLOCK_SIZE = 64  # values per absmax scale (QLoRA's)
-SCALER_BLOCK_SIZE = 256  # scales per quantized scale (double quantization)
 # The model attribute that lists the weights to quantize: {fqn: full shape}, set before the
 # weights are allocated (materialize_weights) and read as each is drawn or loaded.
 PENDING = "_trainer_nf4_pending"
