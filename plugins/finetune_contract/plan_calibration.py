@@ -108,6 +108,18 @@ ROWS: tuple[Row, ...] = (
     Row("llama-70b", _mb(1, lora_rank=16, quantize_base="nf4", activation_checkpointing=_AC),
         1_338, 0.421, 56.6, f"{BENCH} --models 70b --micro-batch 1 --ac full --lora-rank 16 "
         "--quantize-base nf4", "2026-12-01"),
+    # One device call, 2026-12-01 (`--steps 5 --warmup 2`): the 8B settings auto chooses
+    # between, and the accumulation rows of issue 21's targets.
+    Row("llama-8b", _mb(2, strategy=_FS), 9_653, 0.502, 130.0,
+        f"{BENCH} --steps 5 --warmup 2 --models 8b --micro-batch 2 --strategy FULL_SHARD "
+        "--ac none", "2026-12-01"),
+    Row("llama-8b", _mb(2, strategy=_FS, activation_checkpointing="selective"), 9_856, 0.513,
+        123.6, f"{BENCH} --steps 5 --warmup 2 --models 8b --micro-batch 2 --strategy FULL_SHARD "
+        "--ac selective", "2026-12-01"),
+    Row("llama-3b", _mb(4, grad_accum=4), 26_340, 0.626, 96.69,
+        f"{BENCH} --steps 5 --warmup 2 --models 3b --micro-batch 4 --grad-accum 4", "2026-12-01"),
+    Row("llama-1b", _mb(8, grad_accum=4), 66_250, 0.605, 61.97,
+        f"{BENCH} --steps 5 --warmup 2 --models 1b --micro-batch 8 --grad-accum 4", "2026-12-01"),
     Row("llama-8b", _mb(2, strategy=_FS, activation_checkpointing=_AC), 8_474, 0.441, 64.8,
         TORCHRUN.format(gpus=2) + " --models 8b --micro-batch 2 --ac full --strategy FULL_SHARD",
         UNDATED, gpus=2),
