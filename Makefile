@@ -17,7 +17,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # `airflow standalone` starts its components as `airflow ...` from PATH.
 export PATH := $(BIN):$(PATH)
 
-.PHONY: demo test test-fast lint airflow run venv system-deps airflow-db clean mlflow
+.PHONY: demo test test-fast lint airflow run venv system-deps airflow-db clean mlflow plan
 
 venv: $(VENV)/.installed
 
@@ -71,6 +71,12 @@ PRESET ?=
 ARGS ?=
 run: venv
 	$(BIN)/python -m finetune.cli run --unpause $(if $(PRESET),--preset $(PRESET)) $(ARGS)
+
+# A run's estimated memory per GPU, step time, wall time and cost, before anything is paid for:
+# make plan CONF=conf.json (a file or inline JSON) ARGS='--search --scaling --set micro_batch=8'.
+# Exit code 1: it does not fit the instance type's GPU (the fastest settings that fit follow).
+plan: venv
+	$(BIN)/python -m finetune.plan --conf '$(CONF)' $(ARGS)
 
 # The MLflow UI on the local target's embedded store (runs, metrics, the registry's champion) on
 # http://127.0.0.1:5000.

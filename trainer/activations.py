@@ -10,6 +10,9 @@ from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from finetune_contract.fields import TrainConfig
+from finetune_contract.models import BUILTIN_MODELS
+from finetune_contract.plan import AUTO, GIB, Hardware, resolve_checkpointing
 from finetune_contract.rules import selective_every
 
 _aten = torch.ops.aten
@@ -33,10 +36,33 @@ def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPol
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def resolve_auto_checkpointing(config: TrainConfig, world_size: int, local_world_size: int,
+                               device: torch.device) -> tuple[TrainConfig, str]:
+    """`activation_checkpointing: auto` for this GPU (the contract's planner, as validate ran it
+    for the instance type), and the line saying what it chose; other values pass through."""
+    if config.activation_checkpointing != AUTO:
+        return config, ""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        hardware = Hardware.of_gpu(props.name, props.total_memory / GIB)
+    else:
+        hardware = Hardware(gpu_memory_gib=None, peak_flops=None, name=device.type)
+    model_config = BUILTIN_MODELS.get(config.model)
+    if model_config is None:
+        from transformers import AutoConfig  # a model directory or hub id: its config.json
+
+        model_config = AutoConfig.from_pretrained(config.model)
+    return resolve_checkpointing(config, world_size=world_size,
+                                 local_world_size=local_world_size, hardware=hardware,
+                                 config=model_config)
+
+
 def checkpoint_activations(blocks: torch.nn.ModuleList, mode: str, selective_ac: str) -> None:
     """Wrap blocks in place: none, full (every block), selective (every k-th block or per op)."""
     if mode == "none":
         return
+    if mode == AUTO:  # resolve_auto_checkpointing makes it concrete at start
+        raise ValueError("activation_checkpointing auto must be resolved before wrapping blocks")
     every, kwargs = 1, {}
     if mode == "selective":
         every = selective_every(selective_ac)

@@ -38,13 +38,13 @@ from transformers import LlamaForCausalLM, PretrainedConfig
 from finetune_contract.fields import LORA_TARGET_MODULES, QUANTIZE_BASE
 from finetune_contract.models import BUILTIN_MODELS
 from finetune_contract.rules import lora_module_names
-from finetune_contract.throughput import mfu
+from finetune_contract.throughput import flops_per_token, mfu
 from trainer.config import TrainConfig
 from trainer.float8 import check_float8_device, precompute_float8_scales
 from trainer.lora import apply_lora
 from trainer.loss import LOSS_METHOD, add_loss_method
 from trainer.master_weights import compute_weights
-from trainer.metrics import flops_per_token, peak_flops
+from trainer.metrics import peak_flops
 from trainer.model import build_model, builtin_config, materialize_weights
 from trainer.optim import build_optimizer, optimizer_step
 from trainer.parallel import DistEnv, apply_parallelism, init_distributed, quantize_dtype

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-# Logits per chunk: 2**29 elements is 4k tokens of a 128k vocabulary, 1 GB in bf16.
-LOGITS_PER_CHUNK = 1 << 29
+from finetune_contract.throughput import LOGITS_PER_CHUNK
+
 LOSS_METHOD = "causal_lm_loss_sum"
 ROW_LOSS_METHOD = "causal_lm_row_loss_sums"  # per sequence: DPO's log-probabilities
 

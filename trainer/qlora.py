@@ -11,12 +11,14 @@ base); FSDP shards the adapters, norms, embeddings and head as in any LoRA run.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
+from finetune_contract.plan import NF4_BLOCK_SIZE as BLOCK_SIZE
+from finetune_contract.plan import NF4_SCALER_BLOCK_SIZE as SCALER_BLOCK_SIZE
 from trainer.lora import is_adapter_param
 
-BLOCK_SIZE = 64  # values per absmax scale (QLoRA's)
-SCALER_BLOCK_SIZE = 256  # scales per quantized scale (double quantization)
 # The model attribute that lists the weights to quantize: {fqn: full shape}, set before the
 # weights are allocated (materialize_weights) and read as each is drawn or loaded.
 PENDING = "_trainer_nf4_pending"
@@ -38,9 +40,12 @@ def quantized_weight_fqns(model: torch.nn.Module) -> list[str]:
 
 
 def is_quantized(param: torch.Tensor) -> bool:
-    from torchao.quantization import NF4Tensor
-
-    return isinstance(param, NF4Tensor) or isinstance(getattr(param, "data", None), NF4Tensor)
+    # No NF4 weight exists before quantize_into imported torchao: other runs never import it.
+    torchao = sys.modules.get("torchao.quantization")
+    if torchao is None:
+        return False
+    return isinstance(param, torchao.NF4Tensor) or isinstance(
+        getattr(param, "data", None), torchao.NF4Tensor)
 
 
 def quantized_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:

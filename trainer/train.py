@@ -24,7 +24,8 @@ from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBas
 from finetune_contract.errors import ERROR_DIR_ENV
 from finetune_contract.fields import RESOLVED_CONFIG_FILE
 from finetune_contract.stragglers import RANK_STEP_TIMES, stragglers
-from finetune_contract.throughput import mfu
+from finetune_contract.throughput import flops_per_token, mfu
+from trainer.activations import resolve_auto_checkpointing
 from trainer.checkpoint import Checkpointer
 from trainer.config import TrainConfig, parse_args
 from trainer.data import (
@@ -46,7 +47,6 @@ from trainer.master_weights import compute_weights
 from trainer.metrics import (
     METRICS_FILE,
     MetricsLog,
-    flops_per_token,
     peak_flops,
     peak_memory_bytes,
 )
@@ -145,6 +145,10 @@ class Trainer:
     @classmethod
     def setup(cls, config: TrainConfig, env: DistEnv, started: float) -> Trainer:
         """Check the config, then build data, model, optimizer and checkpointer."""
+        config, chosen = resolve_auto_checkpointing(config, env.world_size,
+                                                    env.local_world_size, env.device)
+        if chosen and env.rank == 0:
+            print(chosen, flush=True)  # the resolved config below records the choice
         check_start(config, env)
         if config.float8:
             check_float8_device(env.device)

@@ -109,6 +109,7 @@ def finetune_pipeline(*, base_conf: Mapping[str, Any] | None = None,
     @task
     def validate() -> dict:
         """Params -> one typed, immutable run config; every bad value fails here."""
+        from finetune.planning import plan_run, plan_text
         from finetune.validate import config_table, validate_params
 
         context = get_current_context()
@@ -117,6 +118,7 @@ def finetune_pipeline(*, base_conf: Mapping[str, Any] | None = None,
                               dag_id=context["dag_run"].dag_id, given=given)
         log.info("the run will use these values (a field left at its built-in default takes "
                  "the preset's value):\n%s", config_table(cfg))
+        log.info("%s", plan_text(cfg, plan_run(cfg)))
         return cfg.to_dict()
 
     @task

@@ -50,33 +50,30 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
             seq_len=96, micro_batch=8, grad_accum=1, lr=3e-3, warmup_steps=4, max_steps=40,
             eval_interval=20, checkpoint_interval=20),
     # Llama 2 7B (6.7e9 parameters, hidden 4096, 32 layers) on 1 x p4de.24xlarge (8 x A100
-    # 80 GB): 16 B x 6.7e9 / 8 GPUs = 12.6 GiB of state per GPU; micro-batch 4 x 4096 tokens
-    # with full checkpointing ~8 GiB; the gathered bf16 block (~0.4 GB, two in flight) and
-    # NCCL buffers a few GiB more: ~25 GiB of 80. All traffic stays on NVLink (one node).
+    # 80 GB). The planner (`make plan CONF='{"preset": "llama2-7b-p4de"}'`): 22.6 GiB per GPU
+    # of 80 (state 12.6, activations 5.9). All traffic stays on NVLink (one node).
     _preset("llama2-7b-p4de", 1, "llama2-7b-p4de: Llama 2 7B, 1 x p4de.24xlarge (8 A100 80GB)",
             target="eks", model="meta-llama/Llama-2-7b-hf", instance_type="p4de.24xlarge",
             nodes=1, procs_per_node=8, strategy="FULL_SHARD", micro_batch=4, grad_accum=4,
             **_GPU_COMMON),
     # Llama 2 13B (13.0e9, hidden 5120, 40 layers) on 2 x p5.48xlarge (8 x H100 80 GB each),
     # HYBRID_SHARD: sharded within a node, replicated across the two, so parameter gathers stay
-    # on NVLink and only the gradient all-reduce crosses EFA. State 16 B x 13e9 / 8 = 24.2 GiB
-    # per GPU; micro-batch 4 x 4096 with full checkpointing ~10 GiB (2.5x the 8B's per-token
-    # hidden state x layers); ~40 GiB of 80.
+    # on NVLink and only the gradient all-reduce crosses EFA. The planner: 37.6 GiB per GPU of
+    # 80 (state 24.2, activations 8.6).
     _preset("llama2-13b-p5", 1, "llama2-13b-p5: Llama 2 13B, 2 x p5.48xlarge (HSDP)",
             target="eks", model="meta-llama/Llama-2-13b-hf", instance_type="p5.48xlarge",
             nodes=2, procs_per_node=8, strategy="HYBRID_SHARD", shard_group_size=8,
             micro_batch=4, grad_accum=4, **_GPU_COMMON),
     # Llama 2 70B (69e9, hidden 8192, 80 layers) on 4 x p5.48xlarge: 16 B x 69e9 = 1.1 TB of
-    # state does not fit one node's 640 GB, so FULL_SHARD over all 32 GPUs: 32 GiB per GPU.
-    # One 4096-token sequence keeps 4096 x 8192 x 2 B x 80 layers = 5 GiB of checkpoints; a
-    # gathered bf16 block is 1.7 GB (two in flight); ~48 GiB of 80 at micro-batch 1.
+    # state does not fit one node's 640 GB, so FULL_SHARD over all 32 GPUs. The planner: 43.9
+    # GiB per GPU of 80 (state 32.1, gathered blocks 4.2, activations 6.1) at micro-batch 1.
     _preset("llama2-70b-p5", 1, "llama2-70b-p5: Llama 2 70B, 4 x p5.48xlarge (FSDP)",
             target="eks", model="meta-llama/Llama-2-70b-hf", instance_type="p5.48xlarge",
             nodes=4, procs_per_node=8, strategy="FULL_SHARD", micro_batch=1, grad_accum=8,
             max_nodes=16, **_GPU_COMMON),
     # Llama 3 8B (8.0e9, hidden 4096, 32 layers, 128k vocabulary) on 1 x p5.48xlarge at 8192
-    # tokens: 16 B x 8e9 / 8 = 15 GiB of state per GPU; micro-batch 2 x 8192 tokens = 4 x the
-    # measured 2 GiB per 4096 tokens = 8 GiB; the 128k-vocabulary logits are chunked; ~28 GiB.
+    # tokens. The planner: 26.9 GiB per GPU of 80 (state 15.0, activations 6.2; the 128k
+    # vocabulary's logits are chunked: 2.0).
     _preset("llama3-8b-p5", 1, "llama3-8b-p5: Llama 3 8B, 1 x p5.48xlarge, 8k context",
             target="eks", model="meta-llama/Meta-Llama-3-8B", instance_type="p5.48xlarge",
             nodes=1, procs_per_node=8, strategy="FULL_SHARD", micro_batch=2, grad_accum=8,

@@ -201,6 +201,7 @@ def write_report(
     node_hourly_price: float | None = None,
     nodes: int | None = None,
     error: dict | None = None,
+    plan: dict | None = None,
 ) -> dict:
     """Build the report for `run_dir`, write `report.json` and `report.html` there, return it.
 
@@ -209,6 +210,8 @@ def write_report(
     `node_hourly_price` (USD per node-hour) and `nodes` the report estimates the cost of the
     training wall time. error: why a failed run failed ({"stage", "type", "message", "rank"}:
     the trainer's own root cause, finetune_contract/errors.py, or the failed stage's error).
+    plan: the planner's estimate made at validate (finetune.planning.RunPlan.to_dict()), put beside
+    what was measured.
     """
     if status not in STATUSES:
         raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
@@ -267,6 +270,7 @@ def write_report(
         "stages": stages or {},
         "metrics": metrics,
         "cost": cost,
+        "plan": plan_vs_measured(plan, metrics, cost, _device(stages)),
         "gpu": gpu,
         "host": host,
         "series": series,
@@ -377,6 +381,41 @@ def failure_error(error: dict | None) -> dict | None:
     return {"stage": str(error.get("stage") or "unknown"), "type": str(error.get("type") or ""),
             "message": str(error.get("message") or "")[:MAX_ERROR_CHARS],
             "rank": error.get("rank") if isinstance(error.get("rank"), int) else None}
+
+
+def _device(stages: dict | None) -> str | None:
+    train = (stages or {}).get("train")
+    resources = train.get("resources") if isinstance(train, dict) else None
+    return resources.get("device") if isinstance(resources, dict) else None
+
+
+def plan_vs_measured(plan: dict | None, metrics: dict, cost: dict | None,
+                     device: str | None) -> dict | None:
+    """The planner's estimate beside the run's measurements, with the relative error of each
+    (estimate / measured - 1); n/a where either side is missing. A CPU's peak is the process's
+    memory, not a GPU's: no memory comparison there."""
+    if not plan:
+        return None
+    peak = _finite(metrics.get("peak_memory_bytes"))
+    measured = {
+        "peak_gib": peak / 2**30 if peak is not None and device != "cpu" else None,
+        "step_time_s": _finite(metrics.get("median_step_time_s")),
+        "tokens_per_s_per_gpu": (_finite(metrics.get("tokens_per_s")) or 0) / metrics[
+            "world_size"] if metrics.get("world_size") and metrics.get("tokens_per_s") else None,
+        "wall_time_s": _finite(metrics.get("wall_time_s")),
+        "cost_usd": cost["usd"] if cost else None,
+    }
+    rows = {}
+    for key, actual in measured.items():
+        estimated = _finite(plan.get(key))
+        rows[key] = {"estimate": estimated, "measured": actual,
+                     "error": estimated / actual - 1 if estimated is not None and actual else None}
+    notes = [plan["note"]] if plan.get("note") else []
+    if device == "cpu":
+        notes.append("memory: n/a on a CPU (the process's memory is not a GPU peak)")
+    return {"compared": rows, "settings": {k: plan.get(k) for k in (
+        "activation_checkpointing", "activation_offload", "selective_ac", "chosen", "fits")},
+        "notes": notes}
 
 
 def _train_wall_time(stages: dict | None, metrics: dict) -> float | None:
@@ -580,6 +619,7 @@ def render_html(report: dict) -> str:
     parts += _evaluation_html(report.get("evaluation"), report.get("promotion"),
                               report.get("tracking"))
     parts += _gpu_html(report.get("gpu"), report.get("cost"))
+    parts += _plan_html(report.get("plan"))
     parts += _host_html(report.get("host"))
     parts += _rank_times_html(report.get("rank_step_times"))
     parts += _preflight_html(report.get("preflight"))
@@ -593,6 +633,16 @@ def render_html(report: dict) -> str:
         "</body></html>",
     ]
     return "\n".join(parts) + "\n"
+
+
+def _plan_html(plan: dict | None) -> list[str]:
+    if not plan:
+        return []
+    rows = [(key, f"{_fmt(row['estimate'], '.4g')} estimated, {_fmt(row['measured'], '.4g')} "
+                  f"measured" + (f" ({row['error']:+.1%})" if row["error"] is not None else ""))
+            for key, row in plan["compared"].items()]
+    notes = "".join(f'<p class="muted">{_esc(n)}</p>' for n in plan.get("notes") or [])
+    return ["<h2>Plan against measurement</h2>", _table(rows, "no plan"), notes]
 
 
 def _evaluation_html(evaluation: dict | None, promotion: dict | None,

@@ -33,6 +33,7 @@ from finetune.config import (
     run_output_dir,
 )
 from finetune.names import DNS_SUBDOMAIN, LABEL_VALUE, dns_label, run_dir_name
+from finetune.planning import model_config_of, run_hardware
 from finetune.presets import NO_PRESET, PRESET_NAMES, PRESETS, Preset, apply_preset
 from finetune.targets import get_target
 from finetune.trainer_config import trainer_config
@@ -45,6 +46,7 @@ from finetune_contract.fields import (
     quoted,
 )
 from finetune_contract.models import BUILTIN_MODELS, model_shape
+from finetune_contract.plan import memory_problems
 from finetune_contract.rules import config_problems, location_problems
 
 log = logging.getLogger(__name__)
@@ -58,11 +60,14 @@ _SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]{1,253}$")
 
 
 def validate_params(params: Mapping[str, Any], *, run_id: str, dag_id: str = "llm_finetune",
-                    given: Mapping[str, Any] | None = None) -> RunConfig:
+                    given: Mapping[str, Any] | None = None, plan_only: bool = False
+                    ) -> RunConfig:
     """Params (from the trigger form, REST conf or defaults) -> RunConfig, or ConfigError.
 
     A `preset` in params supplies the values of the fields not set on purpose (`given`: the
-    conf the run was triggered with; see finetune.presets.apply_preset).
+    conf the run was triggered with; see finetune.presets.apply_preset). plan_only (for
+    `python -m finetune.plan`): the training's fields and rules, not the cluster's (its name, node
+    group, image, the local machine's cores) nor the memory rule, whose estimate it prints.
     """
     errors: Problems = []
     preset = None
@@ -100,19 +105,21 @@ def validate_params(params: Mapping[str, Any], *, run_id: str, dag_id: str = "ll
         run_dir=run_output_dir(values["output_dir"], run_name, values["target"]),
         preset_version=preset.version if preset else 0, **values)
     target = get_target(cfg.target)
-    errors += run_problems(cfg, paths_are_local=target.paths_are_local)
-    errors += launcher_problems(cfg, target.launchers)
-    errors += target.check(values)
+    errors += run_problems(cfg, paths_are_local=target.paths_are_local, memory=not plan_only)
+    if not plan_only:
+        errors += launcher_problems(cfg, target.launchers)
+        errors += target.check(values)
     if errors:
         raise ConfigError(errors)
     return cfg
 
 
-def run_problems(cfg: RunConfig, paths_are_local: bool = True) -> Problems:
+def run_problems(cfg: RunConfig, paths_are_local: bool = True, memory: bool = True) -> Problems:
     """Every problem of a well-typed run config: fields, the contract's rules, data, tokenizer.
 
     paths_are_local: the target's (finetune.targets.base.Target): whether the trainer reads
-    paths on this machine, or absolute ones in its pods."""
+    paths on this machine, or absolute ones in its pods. memory: refuse a run whose estimated
+    peak exceeds its GPU's memory (finetune_contract.plan)."""
     errors = _field_problems(cfg)
     in_pod = not paths_are_local
     try:
@@ -127,6 +134,10 @@ def run_problems(cfg: RunConfig, paths_are_local: bool = True) -> Problems:
         train, world_size=cfg.world_size, local_world_size=cfg.procs_per_node, shape=shape)
         if not (field == "output_dir" and field in named)]
     errors += evaluation_problems(cfg, train, in_pod)
+    if memory and not errors:  # the planner needs a run the rules accept
+        errors += memory_problems(train, world_size=cfg.world_size,
+                                  local_world_size=cfg.procs_per_node,
+                                  hardware=run_hardware(cfg), config=model_config_of(cfg.model))
     if not errors:
         errors += data_problems(cfg, train, in_pod)
     return _dedupe(errors)

@@ -78,6 +78,23 @@ BUILTIN_MODELS: dict[str, dict[str, Any]] = {
 }
 
 
+def _llama2(hidden: int, layers: int, heads: int, kv_heads: int, mlp: int) -> dict[str, Any]:
+    return {"hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads, "intermediate_size": mlp, "vocab_size": 32000,
+            "max_position_embeddings": 4096, "tie_word_embeddings": False}
+
+
+# The shapes (config.json's) of hub models the presets name, so the planner can size them at
+# validate without downloading anything; the trainer still loads the real config.
+HUB_MODEL_CONFIGS: dict[str, dict[str, Any]] = {
+    "meta-llama/Llama-2-7b-hf": _llama2(4096, 32, 32, 32, 11008),
+    "meta-llama/Llama-2-13b-hf": _llama2(5120, 40, 40, 40, 13824),
+    "meta-llama/Llama-2-70b-hf": _llama2(8192, 80, 64, 8, 28672),
+    "meta-llama/Meta-Llama-3-8B": {**BUILTIN_MODELS["llama-8b"], "max_position_embeddings": 8192},
+    "meta-llama/Llama-3.1-70B": BUILTIN_MODELS["llama-70b"],
+}
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What the rules need of a model: heads, MLP width and positions (None: not stated)."""

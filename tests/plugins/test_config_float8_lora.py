@@ -39,6 +39,10 @@ def refusal(params: dict) -> dict[str, str]:
     ({"lora_rank": -1}, "lora_rank", ">= 0"),
     ({"lora_alpha": 0}, "lora_alpha", "> 0"),
     ({"lora_dropout": 1.0}, "lora_dropout", "<= 0.99"),
+    ({**EKS, "quantize_base": "nf4"}, "quantize_base", "lora_rank is 0"),
+    ({**EKS, "quantize_base": "nf4", "lora_rank": 8, "cpu_offload": True}, "quantize_base",
+     "cpu_offload"),
+    ({"quantize_base": "int4"}, "quantize_base", "nf4"),
     # p4de's A100s (compute capability 8.0) have no float8 tensor cores.
     ({**EKS, "instance_type": "p4de.24xlarge", "float8": True, "mixed_precision": "bf16"},
      "float8", "p4de.24xlarge"),
@@ -54,6 +58,16 @@ def test_float8_on_the_local_target_without_gpus_is_refused():
     if torch.cuda.is_available():
         pytest.skip("this machine has GPUs")
     assert "compute capability" in refusal({"float8": True, "mixed_precision": "bf16"})["float8"]
+
+
+def test_qlora_on_the_local_target_without_gpus_is_refused_and_on_gpu_nodes_reaches_the_trainer():
+    import torch
+
+    if not torch.cuda.is_available():
+        assert "needs CUDA GPUs" in refusal({"quantize_base": "nf4", "lora_rank": 8})[
+            "quantize_base"]
+    cfg = validate_params({**EKS, "quantize_base": "nf4", "lora_rank": 8}, run_id="r")
+    assert trainer_config(cfg, local_paths=False)["quantize_base"] == "nf4"
 
 
 def test_float8_on_hopper_nodes_and_lora_options_reach_the_trainer_config():

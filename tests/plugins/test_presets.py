@@ -7,16 +7,13 @@ import pytest
 from finetune.config import ConfigError, default_params
 from finetune.instance_types import INSTANCE_TYPES
 from finetune.params import dag_params
+from finetune.planning import plan_run
 from finetune.presets import PRESETS, apply_preset
 from finetune.validate import config_table, validate_params
 
 # What a deployment adds to an eks preset (its cluster, node group, output and image).
 EKS_SITE = {"cluster_name": "gpu", "nodegroup": "p5", "output_dir": "s3://bucket/runs",
             "image": "111122223333.dkr.ecr.us-east-1.amazonaws.com/finetune-trainer:abc"}
-# Parameters of the hub models the GPU presets name, for the memory budget check.
-MODEL_PARAMS = {"meta-llama/Llama-2-7b-hf": 6.74e9, "meta-llama/Llama-2-13b-hf": 13.0e9,
-                "meta-llama/Llama-2-70b-hf": 69.0e9, "meta-llama/Meta-Llama-3-8B": 8.03e9}
-GPU_GIB = {"p4de.24xlarge": 80, "p5.48xlarge": 80}
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
@@ -30,13 +27,12 @@ def test_every_preset_validates_with_its_values(name):
 
 
 @pytest.mark.parametrize("name", [n for n, p in PRESETS.items() if p.values["target"] == "eks"])
-def test_gpu_presets_use_every_gpu_and_keep_sharded_state_well_inside_gpu_memory(name):
+def test_gpu_presets_use_every_gpu_and_fit_the_gpu_by_the_planner_with_room_to_spare(name):
     v = PRESETS[name].values
     assert v["procs_per_node"] == INSTANCE_TYPES[v["instance_type"]].gpus
-    shard = v["procs_per_node"] if v["strategy"] == "HYBRID_SHARD" else \
-        v["nodes"] * v["procs_per_node"]
-    state_gib = 16 * MODEL_PARAMS[v["model"]] / shard / 2**30  # fp32 weights, grads, AdamW
-    assert state_gib < 0.5 * GPU_GIB[v["instance_type"]], state_gib
+    cfg = validate_params({"preset": name, **EKS_SITE}, run_id="r")
+    plan = plan_run(cfg)
+    assert plan.estimate.fits and plan.estimate.peak_gib < 0.6 * plan.estimate.gpu_memory_gib
     assert v["mixed_precision"] == "bf16"
 
 

@@ -559,3 +559,32 @@ def test_the_runs_page_links_a_tracked_run_to_its_mlflow_run_and_shows_the_decis
                  promotion={"decision": "rejected"})
     table = render_runs_table(list_runs([tmp_path / "runs"]))
     assert f'<a href="{url}">MLflow</a>' in table and "rejected" in table
+
+
+def test_report_puts_the_planners_estimate_beside_what_was_measured_with_the_error(
+        tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path / "run", NORMAL_RECORDS, summary=SUMMARY)
+    plan = {"peak_gib": 22.0, "step_time_s": 0.3, "tokens_per_s_per_gpu": 1600.0,
+            "wall_time_s": 3600.0, "cost_usd": None, "activation_checkpointing": "full",
+            "fits": True, "note": ""}
+
+    report = write_report(run_dir, run_id="r", status="success", config=CONFIG, plan=plan,
+                          node_hourly_price=10.0, nodes=1,
+                          stages={"train": {"resources": {"device": "cuda"}}})
+
+    compared = report["plan"]["compared"]
+    assert compared["peak_gib"] == {"estimate": 22.0, "measured": 20.0,
+                                    "error": pytest.approx(0.1)}
+    assert compared["step_time_s"]["error"] == pytest.approx(0.3 / 0.31 - 1)
+    assert compared["tokens_per_s_per_gpu"]["measured"] == pytest.approx(12345.6 / 8)
+    assert compared["cost_usd"]["estimate"] is None and compared["cost_usd"]["error"] is None
+    assert "Plan against measurement" in (run_dir / "report.html").read_text()
+
+
+def test_on_a_cpu_the_report_compares_no_memory_and_says_why(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path / "run", NORMAL_RECORDS, summary=SUMMARY)
+    report = write_report(run_dir, run_id="r", status="success", config=CONFIG,
+                          plan={"peak_gib": 0.5, "note": ""},
+                          stages={"train": {"resources": {"device": "cpu"}}})
+    assert report["plan"]["compared"]["peak_gib"]["measured"] is None
+    assert any("CPU" in note for note in report["plan"]["notes"])

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from finetune_contract.data import PROMPT_TEMPLATE
+from finetune_contract.throughput import flops_per_token
 from tests.support import REPO_ROOT
 from tests.support.training import demo_rows, torchrun, write_jsonl
 from trainer.checkpoint import Checkpointer
@@ -18,7 +19,6 @@ from trainer.config import load_config
 from trainer.demo import DEMO_TOKENIZER
 from trainer.export import export_hf
 from trainer.lora import apply_lora
-from trainer.metrics import flops_per_token
 from trainer.model import build_model, builtin_config, materialize_weights
 from trainer.optim import build_optimizer
 from trainer.parallel import apply_parallelism

@@ -2,7 +2,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from trainer.metrics import PEAK_FLOPS_BY_DEVICE, flops_per_token, parameter_count, peak_flops
+from finetune_contract.throughput import PEAK_FLOPS_BY_DEVICE, flops_per_token, parameter_count
+from trainer.metrics import peak_flops
 
 SMALL = {
     "hidden_size": 64,

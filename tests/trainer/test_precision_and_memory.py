@@ -98,3 +98,26 @@ def test_checkpointing_recomputes_the_chosen_blocks_and_ops_to_the_same_gradient
         assert ops[aten.rsqrt.default] > plain_ops[aten.rsqrt.default]
     else:
         assert ops[aten.mm.default] > plain_ops[aten.mm.default]
+
+
+def test_auto_checkpointing_at_trainer_start_is_the_choice_validate_makes_for_that_gpu(
+        monkeypatch):
+    from types import SimpleNamespace
+
+    from finetune.instance_types import INSTANCE_TYPES
+    from finetune.planning import hardware_of
+    from finetune_contract.fields import TrainConfig
+    from finetune_contract.plan import GIB, resolve_checkpointing
+    from trainer.activations import resolve_auto_checkpointing
+
+    config = TrainConfig(model="llama-3b", seq_len=4096, micro_batch=4, strategy="SHARD_GRAD_OP",
+                         mixed_precision="bf16", activation_checkpointing="auto")
+    on_cpu, why = resolve_auto_checkpointing(config, 1, 1, torch.device("cpu"))
+    assert on_cpu.activation_checkpointing == "none" and "no GPU memory known" in why
+    p5 = INSTANCE_TYPES["p5.48xlarge"]  # 80 GiB H100s: 3B micro-batch 4 needs checkpointing
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(
+        name=p5.gpu_model, total_memory=p5.gpu_memory_gib * GIB))
+    at_start, _ = resolve_auto_checkpointing(config, 1, 1, torch.device("cuda", 0))
+    at_validate, _ = resolve_checkpointing(config, world_size=1, local_world_size=1,
+                                           hardware=hardware_of(p5))
+    assert at_start == at_validate and at_start.activation_checkpointing != "none"

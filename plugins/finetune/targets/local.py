@@ -32,6 +32,7 @@ from finetune.gpu_metrics import (
 )
 from finetune.image import image_tag, local_environment
 from finetune.outputs import evaluation_result, summary, trainer_root_cause, write_run_file
+from finetune.planning import plan_run
 from finetune.preflight import (
     PREFLIGHT_FILE,
     PreflightFailed,
@@ -484,7 +485,8 @@ class LocalTarget(Target):
                               gpu=sampled_gpu_metrics(samples, node=os.uname().nodename)
                               if trained.get("resources", {}).get("device") == "cuda" else None,
                               host=host_section(samples),
-                              node_hourly_price=cfg.node_hourly_price, nodes=1)
+                              node_hourly_price=cfg.node_hourly_price, nodes=1,
+                              plan=plan_run(cfg).to_dict())
         return _summary(cfg, report)
 
     def teardown(self, cfg: RunConfig, snapshot: dict) -> dict:

@@ -42,6 +42,7 @@ from finetune.outputs import (
     trainer_root_cause,
     write_run_file,
 )
+from finetune.planning import plan_run
 from finetune.preflight import (
     PREFLIGHT_FILE,
     PREFLIGHT_TRIES,
@@ -539,7 +540,8 @@ class EksTarget(Target):
         result = build_report(cfg.run_dir, lambda: self._s3(cfg), run_id=cfg.run_id,
                               status="success", config=cfg.to_dict(),
                               stages={"train": trained}, gpu=self.gpu_metrics(cfg, trained),
-                              node_hourly_price=cfg.node_hourly_price, nodes=cfg.nodes)
+                              node_hourly_price=cfg.node_hourly_price, nodes=cfg.nodes,
+                              plan=plan_run(cfg).to_dict())
         log.info("report of %s: %s", cfg.run_dir, result["report_html"])
         return result
 

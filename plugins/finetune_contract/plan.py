@@ -1,0 +1,453 @@
+"""The planner: a run's peak memory per GPU, step time, wall time and cost, before it is paid for.
+
+Pure arithmetic on the model's shape (finetune_contract.models) and the run's TrainConfig; the GPU
+(memory, peak FLOPs) and the links (bus bandwidths) are arguments, so validate passes the instance
+profile's figures and the trainer at start its real GPU's. Calibrated against the measured H200
+rows in `plan_calibration.py`; `tests/plugins/test_plan.py` states and enforces the error.
+
+Memory per GPU is the larger of two moments of a step:
+- the end of forward: fp32 masters and AdamW state (12 bytes a parameter, sharded over the shard
+  group; plus fp32 gradients once a micro-batch has made them, with grad_accum > 1), the bf16
+  compute copies (one GPU without FSDP) or FSDP's gathered blocks, every saved activation, and
+  the loss's logits chunk;
+- the end of backward: the same state with all gradients (16 bytes a parameter), activations gone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+from finetune_contract.fields import TrainConfig
+from finetune_contract.models import BUILTIN_MODELS
+from finetune_contract.rules import fsdp_group, lora_module_names, selective_every
+from finetune_contract.throughput import (
+    LOGITS_PER_CHUNK,
+    PEAK_FLOPS_BY_DEVICE,
+    flops_per_token,
+    parameter_count,
+)
+
+GIB = 1 << 30
+AUTO = "auto"
+# The planner's stated error on peak memory over the calibration rows (tests/plugins/test_plan.py
+# fails when it is exceeded), and what a GPU holds outside the allocator's peak (CUDA context,
+# NCCL's buffers): a run fits when its estimate, this much larger, and that, fit.
+MEMORY_ERROR = 0.02
+RESERVED_GIB = 1.5
+# QLoRA's NF4 (trainer/qlora.py): values per absmax scale, and scales per quantized scale (double
+# quantization): 4 bits a value, an 8-bit scale per block, an fp32 scale per block of scales.
+NF4_BLOCK_SIZE = 64
+NF4_SCALER_BLOCK_SIZE = 256
+NF4_BYTES_PER_PARAM = 0.5 + 1 / NF4_BLOCK_SIZE + 4 / (NF4_BLOCK_SIZE * NF4_SCALER_BLOCK_SIZE)
+# Dequantizing NF4 weights for their matmuls: seconds per parameter per pass (forward, backward,
+# a recompute), fitted between the 8B and 70B QLoRA rows (+10% and -7% on tokens/s).
+NF4_DEQUANT_S_PER_PARAM = 1.0e-12
+# The stated error on tokens/s per GPU over the same rows.
+THROUGHPUT_ERROR = 0.10
+# Saved activations of one Llama block without checkpointing, bf16 elements per token: fitted to
+# the measured slope of peak memory over micro-batch (1B and 3B, seq 4096): 7 x hidden + 3 x MLP.
+ACT_HIDDEN, ACT_MLP = 7, 3
+# Selective per-op checkpointing keeps the matmul outputs: q, k, v, o, gate, up, down and the block
+# input (not measured on the H200 yet: an estimate from what the policy saves).
+SELECTIVE_HIDDEN, SELECTIVE_MLP = 4, 2
+# torchao float8 saves the Linears' inputs in float8: 72.5 GiB for 84.7 at 3B micro-batch 4.
+FLOAT8_ACTIVATION_FACTOR = 0.70
+# The CUDA caching allocator's fragmentation and small buffers: the fit's residual at the peak.
+OVERHEAD_GIB = 1.0
+# FSDP prefetches the next block while one runs: two blocks gathered at once.
+GATHERED_BLOCKS = 2
+# Fractions of the dense bf16 peak the kernels reach on the H200 (README "Where the time goes":
+# GEMMs 707 TFLOP/s; cuDNN attention 365 at head dim 128, 286 at 64, real causal FLOPs, which
+# are half the 12 x layers x hidden x seq_len counted).
+GEMM_EFFICIENCY = 707 / 989
+ATTENTION_EFFICIENCY = {128: 2 * 365 / 989, 64: 2 * 286 / 989}
+# cuDNN attention is faster on longer sequences: the 3B 32k-sequence rows need this exponent of
+# seq_len / 4096 on its rate (capped), the 4096 rows none.
+ATTENTION_SEQ_EXPONENT, ATTENTION_SEQ_CAP = 0.15, 1.4
+# Elementwise kernels (norms, SiLU, RoPE, residuals, the loss's pass) and the GPU's idle 2%, per
+# second of GEMM time (11% of the 1B and 3B steps, where GEMMs are 64-69%).
+ELEMENTWISE_PER_GEMM = 0.16
+# Kernel launches and small work per block and micro-batch, whatever its size (the fit of
+# micro-batch 4 against 8 on 1B and 3B).
+LAUNCH_S_PER_LAYER = 0.65e-3
+# Share of FSDP's collectives not hidden behind compute on the H200s measured (NCCL's kernels
+# share the SMs with the GEMMs): 3B FULL_SHARD at 2 and 4 GPUs shows nearly all, 8B full AC a
+# third.
+COMM_EXPOSED = 0.6
+# AdamW, the bf16 copies and the gradient casts: memory bound, seconds per parameter per optimizer
+# step (from 3B: micro-batch 4 with and without grad_accum 4, one H200).
+OPTIMIZER_S_PER_PARAM = 1.1e-11
+# FSDP's per-block work at any world size (casts, copy-in/out): 3B FULL_SHARD vs no FSDP, one GPU.
+FSDP_S_PER_LAYER = 0.5e-3
+# float8 block matmuls take this share of their bf16 time (3B micro-batch 4 tensorwise 1.20x,
+# rowwise 1.05x; the 8B full-AC rows check it).
+FLOAT8_GEMM_TIME = {"tensorwise": 0.69, "rowwise": 0.86}
+# Host-device copies (activation offload, cpu_offload) over PCIe, bytes per second a direction:
+# Gen4 x16's 25 GB/s at the 80% instance_types assumes of a link ([LINE]).
+PCIE_BYTES_PER_S = 0.8 * 25e9
+# AdamW on the CPU (cpu_offload): seconds per parameter per step, fused AdamW's GPU figure x 50 for
+# host memory bandwidth (an estimate, not measured here).
+CPU_OPTIMIZER_S_PER_PARAM = 50 * 1.1e-11
+# A ring collective's per-hop latency (NCCL over NVLink / EFA): what makes 1,000 ranks slower
+# than 8 at equal bytes per rank. An assumption, not a measurement of this project.
+HOP_LATENCY_S = {"intra": 5e-6, "inter": 15e-6}
+# Settings `activation_checkpointing: auto` chooses among, cheapest in recompute first.
+AUTO_CANDIDATES: tuple[dict[str, Any], ...] = (
+    {"activation_checkpointing": "none", "activation_offload": False},
+    {"activation_checkpointing": "selective", "selective_ac": "op", "activation_offload": False},
+    {"activation_checkpointing": "selective", "selective_ac": "2", "activation_offload": False},
+    {"activation_checkpointing": "full", "activation_offload": False},
+    {"activation_checkpointing": "full", "activation_offload": True},
+)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the planner needs of a GPU and its links; None where not known (a CPU, a new GPU)."""
+
+    gpu_memory_gib: float | None
+    peak_flops: float | None
+    busbw_intra_gbps: float | None = None
+    busbw_inter_gbps: float | None = None
+    name: str = "GPU"
+
+    @classmethod
+    def of_gpu(cls, gpu_model: str, gpu_memory_gib: float | None, **links: Any) -> Hardware:
+        """From a GPU's model name: its dense bf16 peak where the contract knows one."""
+        peak = next((f for key, f in PEAK_FLOPS_BY_DEVICE.items() if key in gpu_model), None)
+        return cls(gpu_memory_gib, peak, name=gpu_model, **links)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The planner's answer for one run; memory in GiB per GPU, times in seconds."""
+
+    peak_gib: float | None
+    parts_gib: dict[str, float]
+    step_time_s: float | None
+    tokens_per_s_per_gpu: float | None
+    mfu: float | None
+    comm_s: float | None  # communication time per step, before overlap
+    exposed_comm_s: float | None  # what of it is not hidden behind compute
+    gpu_memory_gib: float | None
+    note: str = ""  # why a figure is n/a
+
+    @property
+    def fits(self) -> bool | None:
+        if self.peak_gib is None or self.gpu_memory_gib is None:
+            return None
+        return self.peak_gib * (1 + MEMORY_ERROR) + RESERVED_GIB <= self.gpu_memory_gib
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"fits": self.fits}
+
+
+_SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+               "vocab_size")
+
+
+def model_config(model: str, config: Any = None) -> Any:
+    """Attribute access to a built-in model's config (or a given config mapping); None unknown."""
+    values = config if config is not None else BUILTIN_MODELS.get(model)
+    if values is None:
+        return None
+    if not isinstance(values, dict):
+        values = values.to_dict() if hasattr(values, "to_dict") else vars(values)
+    if not all(isinstance(values.get(key), int) and values[key] > 0 for key in _SHAPE_KEYS):
+        return None  # not a Llama-shaped config we can size; loading it says what is wrong
+    # LlamaConfig's defaults for what a config.json may leave out
+    return SimpleNamespace(**{"num_key_value_heads": values["num_attention_heads"],
+                              "tie_word_embeddings": False, **values})
+
+
+def _adapter_params(cfg: TrainConfig, config: Any) -> int:
+    hidden, mlp = config.hidden_size, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    kv = config.num_key_value_heads * head_dim
+    q = config.num_attention_heads * head_dim
+    shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
+              "o_proj": (q, hidden), "gate_proj": (hidden, mlp), "up_proj": (hidden, mlp),
+              "down_proj": (mlp, hidden)}
+    per_layer = sum(cfg.lora_rank * sum(shapes[name]) for name in
+                    lora_module_names(cfg.lora_target_modules) if name in shapes)
+    return per_layer * config.num_hidden_layers
+
+
+def activation_bytes_per_token(cfg: TrainConfig, config: Any) -> tuple[float, float]:
+    """(saved bytes per token of all blocks, of one block recomputed in backward)."""
+    hidden, mlp, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    elem = 4 if cfg.mixed_precision == "fp32" else 2
+    block = elem * (ACT_HIDDEN * hidden + ACT_MLP * mlp)
+    if cfg.float8:
+        block *= FLOAT8_ACTIVATION_FACTOR
+    boundary = elem * hidden  # a checkpointed block keeps only its input
+    mode = cfg.activation_checkpointing
+    if mode == "full":
+        saved, recompute = layers * boundary, block
+    elif mode == "selective" and selective_every(cfg.selective_ac) is None:
+        saved, recompute = layers * elem * (SELECTIVE_HIDDEN * hidden + SELECTIVE_MLP * mlp), block
+    elif mode == "selective":
+        every = selective_every(cfg.selective_ac) or 1
+        checkpointed = layers // every
+        saved, recompute = checkpointed * boundary + (layers - checkpointed) * block, block
+    else:
+        saved, recompute = layers * block, 0.0
+    if cfg.activation_offload:  # saved tensors wait in CPU memory; a block's are in flight
+        saved = min(saved, GATHERED_BLOCKS * saved / layers)
+    return saved, recompute
+
+
+def estimate(cfg: TrainConfig, *, world_size: int, local_world_size: int, hardware: Hardware,
+             config: Any = None) -> Estimate:
+    """Peak memory per GPU and step time of `cfg` on `world_size` GPUs of `hardware`.
+
+    config: the model's config (a transformers config or a mapping); None: a built-in model's.
+    An unknown model gives n/a with the reason, never an exception."""
+    config = model_config(cfg.model, config)
+    if config is None:
+        return Estimate(None, {}, None, None, None, None, None, hardware.gpu_memory_gib,
+                        note=f"model {cfg.model!r} is not built in and no Llama-shaped config "
+                             "of it is read here: n/a until the trainer starts")
+    counts = parameter_count(config)
+    params = sum(counts.values())
+    layers = config.num_hidden_layers
+    tp = cfg.tp_degree
+    dp, group = fsdp_group(cfg, world_size, local_world_size)
+    shard = {"FULL_SHARD": dp, "SHARD_GRAD_OP": dp, "HYBRID_SHARD": group, "NO_SHARD": 1}[
+        cfg.strategy] * tp
+    no_fsdp = (world_size == 1 and tp == 1 and cfg.strategy in ("SHARD_GRAD_OP", "NO_SHARD")
+               and not cfg.cpu_offload)
+    compute_bytes = 4 if cfg.mixed_precision == "fp32" else 2
+    tokens = cfg.micro_batch * cfg.seq_len  # per micro-batch per data-parallel rank
+    lora = _adapter_params(cfg, config) if cfg.lora_rank else 0
+    trained = lora or params
+    # QLoRA: the blocks' Linear weights in NF4, whole on every GPU (outside FSDP's sharding)
+    quantized = (counts["blocks"] - layers * 2 * config.hidden_size - config.hidden_size
+                 if cfg.quantize_base == "nf4" and lora else 0)
+    nf4 = NF4_BYTES_PER_PARAM * quantized
+    # fp32 masters (a LoRA run's frozen base too), AdamW's two moments, fp32 gradients.
+    masters = 4 * (params - quantized)
+    optimizer = 8 * trained
+    grads = 4 * trained
+    if cfg.cpu_offload:
+        masters = optimizer = grads = 0
+    block_params = (counts["blocks"] - quantized) / layers
+    embedding = counts["embedding"] + counts["lm_head"]
+    if no_fsdp:
+        sharded = 1
+        copies = compute_bytes * (params - quantized) if cfg.mixed_precision != "fp32" else 0
+    else:
+        sharded = shard
+        blocks_held = layers if cfg.strategy == "SHARD_GRAD_OP" else GATHERED_BLOCKS
+        copies = compute_bytes * (blocks_held * block_params + embedding) / tp
+    saved, recompute = activation_bytes_per_token(cfg, config)
+    activations = (saved * tokens + recompute * tokens) / tp
+    if quantized:  # a block run without checkpointing keeps its dequantized weights for backward
+        kept = {"none": layers, "full": 1}.get(cfg.activation_checkpointing)
+        if kept is None:
+            every = selective_every(cfg.selective_ac)
+            kept = 1 if every is None else layers - layers // every
+        activations += compute_bytes * quantized / layers * kept
+    chunk = min(tokens // tp or 1, max(1, LOGITS_PER_CHUNK // config.vocab_size))
+    loss = 4 * chunk * config.vocab_size  # the chunk's logits and their gradient, bf16
+    state_forward = (masters + optimizer + (grads if cfg.grad_accum > 1 else 0)) / sharded
+    state_backward = (masters + optimizer + grads) / sharded
+    forward_end = state_forward + nf4 + copies + activations + loss
+    backward_end = state_backward + nf4 + copies + recompute * tokens / tp
+    parts = {"parameters": (masters / sharded + nf4) / GIB, "optimizer": optimizer / sharded / GIB,
+             "gradients": grads / sharded / GIB, "compute_copies": copies / GIB,
+             "activations": activations / GIB, "loss_chunk": loss / GIB,
+             "overhead": OVERHEAD_GIB}
+    peak = max(forward_end, backward_end) / GIB + OVERHEAD_GIB
+    step, comm, exposed = _step_time(cfg, config, hardware, world_size, local_world_size, shard,
+                                     no_fsdp, params, trained, lora, quantized)
+    tokens_per_s = tokens * cfg.grad_accum / tp / step if step else None
+    token_flops = flops_per_token(config, cfg.seq_len, lora or None)
+    mfu = (tokens_per_s * token_flops / hardware.peak_flops
+           if tokens_per_s and hardware.peak_flops and not cfg.float8 else None)
+    return Estimate(round(peak, 2), {k: round(v, 2) for k, v in parts.items()}, step,
+                    tokens_per_s, mfu, comm, exposed, hardware.gpu_memory_gib,
+                    note="" if step else "no peak FLOPs for this device: no time estimate")
+
+
+def _step_time(cfg: TrainConfig, config: Any, hardware: Hardware, world_size: int,
+               local_world_size: int, shard: int, no_fsdp: bool, params: int, trained: int,
+               lora: int, quantized: float = 0
+               ) -> tuple[float | None, float | None, float | None]:
+    """(step seconds, communication seconds, of which exposed); Nones without a peak."""
+    if not hardware.peak_flops:
+        return None, None, None
+    counts = parameter_count(config)
+    layers, hidden = config.num_hidden_layers, config.hidden_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    tokens = cfg.micro_batch * cfg.seq_len / cfg.tp_degree
+    # Matmul FLOPs: 6 per parameter (forward, input and weight gradients), 4 when frozen (LoRA).
+    per_param = 4 if lora else 6
+    block_flops = per_param * counts["blocks"] * tokens
+    head_flops = per_param * config.vocab_size * hidden * tokens
+    attention_flops = 12 * layers * hidden * cfg.seq_len * tokens
+    recomputed = {"full": 1.0, "none": 0.0}.get(cfg.activation_checkpointing)
+    if recomputed is None:  # selective: per op recomputes only elementwise work; every k-th
+        every = selective_every(cfg.selective_ac)
+        recomputed = 0.0 if every is None else (layers // every) / layers
+    # A recomputed forward is a third of the block's training FLOPs.
+    block_flops *= 1 + recomputed * 2 / per_param
+    attention_flops *= 1 + recomputed / 3
+    gemm = block_flops * (FLOAT8_GEMM_TIME[cfg.float8_recipe] if cfg.float8 else 1) + head_flops
+    attention = ATTENTION_EFFICIENCY.get(head_dim, ATTENTION_EFFICIENCY[128]) * min(
+        ATTENTION_SEQ_CAP, (cfg.seq_len / 4096) ** ATTENTION_SEQ_EXPONENT)
+    compute = (gemm / GEMM_EFFICIENCY * (1 + ELEMENTWISE_PER_GEMM)
+               + attention_flops / attention) / hardware.peak_flops + LAUNCH_S_PER_LAYER * layers
+    if cfg.activation_checkpointing == "selective" and selective_every(cfg.selective_ac) is None:
+        # per op: the elementwise work of forward runs again (a third of it)
+        compute += gemm / GEMM_EFFICIENCY * ELEMENTWISE_PER_GEMM / 3 / hardware.peak_flops
+    if not no_fsdp:
+        compute += FSDP_S_PER_LAYER * layers
+    if cfg.activation_offload:  # saved activations out in forward and back in backward
+        saved, _ = activation_bytes_per_token(dataclasses.replace(cfg, activation_offload=False),
+                                              config)
+        compute += 2 * saved * tokens / PCIE_BYTES_PER_S * COMM_EXPOSED
+    if quantized:  # dequantized for forward, backward and any recompute
+        compute += NF4_DEQUANT_S_PER_PARAM * quantized * (2 + recomputed)
+    optimizer = OPTIMIZER_S_PER_PARAM * trained / max(1, shard)
+    if cfg.cpu_offload:  # the step on the CPU; parameters in, gradients out every micro-batch
+        optimizer = CPU_OPTIMIZER_S_PER_PARAM * trained / max(1, shard)
+        compute += (2 * params + 4 * trained) / max(1, shard) / PCIE_BYTES_PER_S
+    # the NF4 base is whole on every GPU: FSDP gathers only the rest
+    comm = communication(cfg, config, hardware, world_size, local_world_size, shard,
+                         int(params - quantized), trained)
+    # Gathers and reductions overlap the blocks' compute but slow it (COMM_EXPOSED); whatever
+    # exceeds the compute waits in full.
+    exposed_per_micro = max(comm - compute, COMM_EXPOSED * comm)
+    step = cfg.grad_accum * (compute + exposed_per_micro) + optimizer
+    return step, comm * cfg.grad_accum, exposed_per_micro * cfg.grad_accum
+
+
+def communication(cfg: TrainConfig, config: Any, hardware: Hardware, world_size: int,
+                  local_world_size: int, shard: int, params: int, trained: int) -> float:
+    """Seconds of collectives per micro-batch before overlap: FSDP's all-gathers (bf16, twice with
+    FULL_SHARD and HYBRID_SHARD: forward and backward) and reduce-scatters (fp32) over the shard
+    group, the gradients' all-reduce across replicas (HYBRID_SHARD, NO_SHARD), and tensor
+    parallelism's gathers and reductions of the hidden states within a node."""
+    tp, layers = cfg.tp_degree, config.num_hidden_layers
+    dp_shard = shard // tp
+    intra = (hardware.busbw_intra_gbps or 0) * 1e9
+    inter = (hardware.busbw_inter_gbps or 0) * 1e9
+
+    def crosses(group: int) -> bool:
+        return group * tp > local_world_size
+
+    def ring(nbytes: float, group: int, collectives: int) -> float:
+        """A ring collective's bandwidth term and its per-hop latency, once per collective."""
+        bw = inter if crosses(group) and inter else intra
+        hop = HOP_LATENCY_S["inter" if crosses(group) else "intra"]
+        return (nbytes / bw if bw else 0.0) + collectives * (group - 1) * hop
+
+    seconds = 0.0
+    if dp_shard > 1 and cfg.strategy != "NO_SHARD":
+        gathers = 2 if cfg.strategy in ("FULL_SHARD", "HYBRID_SHARD") else 1
+        fraction = (dp_shard - 1) / dp_shard
+        nbytes = (2 * gathers * params + 4 * trained) / tp * fraction
+        seconds += ring(nbytes, dp_shard, (gathers + 1) * layers)
+    replicas = world_size // shard if cfg.strategy in ("HYBRID_SHARD", "NO_SHARD") else 1
+    if replicas > 1:  # an all-reduce moves 2 (n-1)/n of the buffer: the bus bandwidth's basis
+        nbytes = 4 * trained / shard * 2 * (replicas - 1) / replicas
+        seconds += ring(nbytes, replicas * shard // tp, 2 * layers)
+    if tp > 1:  # sequence parallel: 2 gathers + 2 reductions of the hidden states per block,
+        # forward and backward (bf16)
+        hidden_bytes = 2 * cfg.micro_batch * cfg.seq_len * config.hidden_size * (tp - 1) / tp
+        seconds += 8 * layers * hidden_bytes / intra if intra else 0.0
+    return seconds
+
+
+def _with(cfg: TrainConfig, changes: dict[str, Any]) -> TrainConfig:
+    return dataclasses.replace(cfg, **changes)
+
+
+def resolve_checkpointing(cfg: TrainConfig, *, world_size: int, local_world_size: int,
+                          hardware: Hardware, config: Any = None) -> tuple[TrainConfig, str]:
+    """`activation_checkpointing: auto` made concrete: of AUTO_CANDIDATES, the fastest whose
+    estimated peak fits the GPU; the one line saying why. Validate (the instance type's GPU)
+    and the trainer at start (the real GPU) both call this. Other values come back unchanged."""
+    if cfg.activation_checkpointing != AUTO:
+        return cfg, ""
+    if hardware.gpu_memory_gib is None or model_config(cfg.model, config) is None:
+        why = ("no GPU memory known here" if hardware.gpu_memory_gib is None
+               else f"model {cfg.model!r}'s shape is not known here")
+        chosen = _with(cfg, AUTO_CANDIDATES[0])
+        return chosen, f"activation_checkpointing auto -> none ({why}: nothing to fit)"
+    options = [(changes, estimate(_with(cfg, changes), world_size=world_size,
+                                  local_world_size=local_world_size, hardware=hardware,
+                                  config=config)) for changes in AUTO_CANDIDATES]
+    fitting = [(c, e) for c, e in options if e.fits]
+    if not fitting:  # the most frugal; the memory rule then names what else to change
+        changes, est = options[-1]
+        return _with(cfg, changes), (f"activation_checkpointing auto -> {_describe(changes)}: "
+                                     f"nothing fits {hardware.gpu_memory_gib:g} GiB "
+                                     f"(estimated {est.peak_gib:g} GiB)")
+    changes, est = min(fitting, key=lambda ce: ce[1].step_time_s or 0.0)
+    return _with(cfg, changes), (f"activation_checkpointing auto -> {_describe(changes)} "
+                                 f"(estimated {est.peak_gib:g} of {hardware.gpu_memory_gib:g} "
+                                 "GiB, the fastest that fits)")
+
+
+def _describe(changes: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in changes.items() if v is not False)
+
+
+def search(cfg: TrainConfig, *, world_size: int, local_world_size: int, hardware: Hardware,
+           config: Any = None) -> list[tuple[dict[str, Any], Estimate]]:
+    """Settings that fit, fastest first: micro_batch (with grad_accum keeping the tokens per
+    optimizer step where it divides), checkpointing and offload, the strategy, cpu_offload.
+    Numerics (precision, float8, LoRA) and the world are the user's and stay."""
+    per_step = cfg.micro_batch * cfg.grad_accum
+    batches = sorted({mb for mb in (1, 2, 4, 8, 16, 32, cfg.micro_batch) if mb <= per_step})
+    strategies = [cfg.strategy] + [s for s in ("FULL_SHARD",) if s != cfg.strategy
+                                   and world_size > 1]
+    found: list[tuple[dict[str, Any], Estimate]] = []
+    for micro in batches:
+        accum = per_step // micro if per_step % micro == 0 else cfg.grad_accum
+        for strategy in strategies:
+            for checkpointing in AUTO_CANDIDATES:
+                for cpu_offload in (False, True):
+                    changes = {"micro_batch": micro, "grad_accum": accum, "strategy": strategy,
+                               **checkpointing, "cpu_offload": cpu_offload}
+                    est = estimate(_with(cfg, changes), world_size=world_size,
+                                   local_world_size=local_world_size, hardware=hardware,
+                                   config=config)
+                    if est.fits:
+                        found.append((changes, est))
+                        break  # offloading what already fits is only slower
+    found.sort(key=lambda ce: (-(ce[1].tokens_per_s_per_gpu or 0), ce[1].peak_gib or 0))
+    return found
+
+
+def memory_problems(cfg: TrainConfig, *, world_size: int, local_world_size: int,
+                    hardware: Hardware, config: Any = None) -> list[tuple[str, str]]:
+    """A run whose estimated peak exceeds the GPU's memory: the fields to change, and the
+    fastest setting found that fits. Nothing when the GPU or the model is not known here."""
+    cfg, _ = resolve_checkpointing(cfg, world_size=world_size, local_world_size=local_world_size,
+                                   hardware=hardware, config=config)
+    est = estimate(cfg, world_size=world_size, local_world_size=local_world_size,
+                   hardware=hardware, config=config)
+    if est.fits is not False:
+        return []
+    found = search(cfg, world_size=world_size, local_world_size=local_world_size,
+                   hardware=hardware, config=config)
+    largest = max(est.parts_gib, key=lambda k: est.parts_gib[k] if k != "overhead" else 0)
+    message = (f"estimated peak {est.peak_gib:g} GiB per GPU exceeds the {hardware.name}'s "
+               f"{hardware.gpu_memory_gib:g} GiB (largest part: {largest} "
+               f"{est.parts_gib[largest]:g} GiB); change micro_batch, grad_accum, "
+               "activation_checkpointing, activation_offload, strategy, cpu_offload or nodes")
+    if found:
+        changes, fit = found[0]
+        differ = {k: v for k, v in changes.items() if getattr(cfg, k) != v}
+        shown = ", ".join(f"{k}={v}" for k, v in differ.items()) or "the same"
+        message += (f"; fits: {shown} (estimated {fit.peak_gib:g} "
+                    f"GiB, {fit.tokens_per_s_per_gpu or 0:,.0f} tokens/s per GPU)")
+    else:
+        message += "; no setting of those fits this world: add nodes or use LoRA"
+    return [("micro_batch", message)]

@@ -1,0 +1,129 @@
+"""Measured runs the planner (finetune_contract.plan) is calibrated and checked against.
+
+One row a measurement: the settings that differ from `BASE` (the benchmark's: seq 4096, bf16,
+compile, one H200), what was measured (tokens/s per GPU, MFU, peak GiB from
+torch.cuda.max_memory_allocated), the command and the date. To add a row: run the command on the
+GPU, append a `Row`; `tests/plugins/test_plan.py` recomputes the planner's error over every row.
+All rows so far are from README.md's tables ("Benchmark: one H200", "Where the time goes",
+"Scaling: one host, several H200s").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# The benchmark's TrainConfig fields (trainer/bench.py with --compile).
+BASE: dict[str, Any] = {"seq_len": 4096, "mixed_precision": "bf16", "compile": True,
+                        "strategy": "SHARD_GRAD_OP", "activation_checkpointing": "none"}
+BENCH = "python -m trainer.bench --no-hf --compile"
+TORCHRUN = "torchrun --nproc-per-node {gpus} -m trainer.bench --no-hf --compile"
+# The machine every row so far was measured on (plugins/finetune/instance_types.py's H200 types
+# have its GPU; the 2- and 4-GPU hosts joined their GPUs by NVLink, NCCL_NVLS_ENABLE=0).
+H200 = "NVIDIA H200"
+
+
+@dataclass(frozen=True)
+class Row:
+    model: str
+    settings: dict[str, Any]  # TrainConfig fields beyond BASE
+    tokens_per_s: float  # per GPU (a tensor-parallel pair's tokens split between its GPUs)
+    mfu: float | None
+    peak_gib: float
+    command: str
+    date: str
+    gpus: int = 1
+    gpu: str = H200
+    note: str = ""
+    config: dict[str, Any] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "config", {**BASE, "model": self.model, **self.settings})
+
+
+def _mb(n: int, **more: Any) -> dict[str, Any]:
+    return {"micro_batch": n, **more}
+
+
+_FS = "FULL_SHARD"
+_AC = "full"
+OLD = "older version, about 2% slower"
+# README's scaling and long-sequence tables give no date (measured before 2026-12-01's profile).
+UNDATED = "undated"
+ROWS: tuple[Row, ...] = (
+    Row("llama-1b", _mb(2), 53_870, 0.492, 29.0, f"{BENCH} --models 1b --micro-batch 2",
+        "2026-11-29", note=OLD),
+    Row("llama-1b", _mb(4), 60_720, 0.554, 38.5, f"{BENCH} --models 1b --micro-batch 4",
+        "2026-11-29"),
+    Row("llama-1b", _mb(8), 63_140, 0.576, 57.4, f"{BENCH} --models 1b --micro-batch 8",
+        "2026-11-29"),
+    Row("llama-3b", _mb(2), 22_100, 0.525, 65.1, f"{BENCH} --models 3b --micro-batch 2",
+        "2026-11-29", note=OLD),
+    Row("llama-3b", _mb(4), 24_790, 0.589, 84.7, f"{BENCH} --models 3b --micro-batch 4",
+        "2026-11-29"),
+    Row("llama-8b", _mb(2, strategy=_FS, activation_checkpointing=_AC), 8_461, 0.440, 123.6,
+        f"{BENCH} --models 8b --micro-batch 2 --ac full --strategy FULL_SHARD", "2026-11-29"),
+    Row("llama-3b", _mb(4, grad_accum=4), 25_990, 0.618, 96.7,
+        f"{BENCH} --steps 6 --warmup 3 --models 3b --micro-batch 4 --grad-accum 4", "2026-12-01"),
+    Row("llama-3b", _mb(8), 26_050, 0.619, 123.7,
+        f"{BENCH} --steps 6 --warmup 3 --models 3b --micro-batch 8", "2026-12-01"),
+    Row("llama-1b", _mb(4, grad_accum=4), 63_600, 0.580, 43.1,
+        f"{BENCH} --steps 6 --warmup 3 --models 1b --micro-batch 4 --grad-accum 4", "2026-12-01"),
+    Row("llama-1b", _mb(8, grad_accum=2), 64_830, 0.592, 62.0,
+        f"{BENCH} --steps 6 --warmup 3 --models 1b --micro-batch 8 --grad-accum 2", "2026-12-01"),
+    Row("llama-3b", _mb(4, float8=True), 29_700, None, 72.5,
+        f"{BENCH} --models 3b --micro-batch 4 --float8", "2026-12-01"),
+    Row("llama-3b", _mb(4, float8=True, float8_recipe="rowwise"), 25_890, None, 72.5,
+        f"{BENCH} --models 3b --micro-batch 4 --float8 --float8-recipe rowwise", "2026-12-01"),
+    Row("llama-8b", _mb(2, strategy=_FS, activation_checkpointing=_AC, float8=True), 10_820,
+        None, 123.6, f"{BENCH} --models 8b --micro-batch 2 --ac full --strategy FULL_SHARD "
+        "--float8", "2026-12-01"),
+    Row("llama-8b", _mb(2, strategy=_FS, activation_checkpointing=_AC, float8=True,
+                        float8_recipe="rowwise"), 9_586, None, 123.6,
+        f"{BENCH} --models 8b --micro-batch 2 --ac full --strategy FULL_SHARD --float8 "
+        "--float8-recipe rowwise", "2026-12-01"),
+    Row("llama-3b", _mb(1, seq_len=32768, strategy=_FS, activation_checkpointing=_AC,
+                        tp_degree=2), 10_010, 0.537, 26.6,
+        TORCHRUN.format(gpus=2) + " --models 3b --seq-len 32768 --micro-batch 1 --ac full "
+        "--strategy FULL_SHARD --tp-degree 2", UNDATED, gpus=2),
+    Row("llama-3b", _mb(1, seq_len=32768, strategy=_FS, activation_checkpointing=_AC), 11_200,
+        0.601, 29.8, TORCHRUN.format(gpus=2) + " --models 3b --seq-len 32768 --micro-batch 1 "
+        "--ac full --strategy FULL_SHARD --tp-degree 1", UNDATED, gpus=2),
+    Row("llama-3b", _mb(4, strategy=_FS), 24_160, 0.574, 79.5,
+        f"{BENCH} --models 3b --micro-batch 4 --strategy FULL_SHARD", UNDATED),
+    Row("llama-3b", _mb(4, strategy=_FS), 23_750, 0.565, 61.7,
+        TORCHRUN.format(gpus=2) + " --models 3b --micro-batch 4 --strategy FULL_SHARD",
+        UNDATED, gpus=2),
+    Row("llama-3b", _mb(4, strategy="HYBRID_SHARD", shard_group_size=1), 22_990, 0.546, 79.5,
+        TORCHRUN.format(gpus=2) + " --models 3b --micro-batch 4 --strategy HYBRID_SHARD "
+        "--shard-group-size 1", UNDATED, gpus=2),
+    Row("llama-3b", _mb(4, strategy=_FS), 23_820, 0.566, 52.7,
+        TORCHRUN.format(gpus=4) + " --models 3b --micro-batch 4 --strategy FULL_SHARD",
+        UNDATED, gpus=4, note="the version before the 1- and 2-GPU rows"),
+    Row("llama-3b", _mb(4, strategy="HYBRID_SHARD", shard_group_size=2), 23_330, 0.555, 61.7,
+        TORCHRUN.format(gpus=4) + " --models 3b --micro-batch 4 --strategy HYBRID_SHARD "
+        "--shard-group-size 2", UNDATED, gpus=4, note="the version before"),
+    Row("llama-8b", _mb(2, lora_rank=16, quantize_base="nf4"), 14_620, 0.543, 61.0,
+        f"{BENCH} --models 8b --micro-batch 2 --lora-rank 16 --quantize-base nf4", "2026-12-01"),
+    Row("llama-70b", _mb(1, lora_rank=16, quantize_base="nf4", activation_checkpointing=_AC),
+        1_338, 0.421, 56.6, f"{BENCH} --models 70b --micro-batch 1 --ac full --lora-rank 16 "
+        "--quantize-base nf4", "2026-12-01"),
+    # One device call, 2026-12-01 (`--steps 5 --warmup 2`): the 8B settings auto chooses
+    # between, and the accumulation rows of issue 21's targets.
+    Row("llama-8b", _mb(2, strategy=_FS), 9_653, 0.502, 130.0,
+        f"{BENCH} --steps 5 --warmup 2 --models 8b --micro-batch 2 --strategy FULL_SHARD "
+        "--ac none", "2026-12-01"),
+    Row("llama-8b", _mb(2, strategy=_FS, activation_checkpointing="selective"), 9_856, 0.513,
+        123.6, f"{BENCH} --steps 5 --warmup 2 --models 8b --micro-batch 2 --strategy FULL_SHARD "
+        "--ac selective", "2026-12-01"),
+    Row("llama-3b", _mb(4, grad_accum=4), 26_340, 0.626, 96.69,
+        f"{BENCH} --steps 5 --warmup 2 --models 3b --micro-batch 4 --grad-accum 4", "2026-12-01"),
+    Row("llama-1b", _mb(8, grad_accum=4), 66_250, 0.605, 61.97,
+        f"{BENCH} --steps 5 --warmup 2 --models 1b --micro-batch 8 --grad-accum 4", "2026-12-01"),
+    Row("llama-8b", _mb(2, strategy=_FS, activation_checkpointing=_AC), 8_474, 0.441, 64.8,
+        TORCHRUN.format(gpus=2) + " --models 8b --micro-batch 2 --ac full --strategy FULL_SHARD",
+        UNDATED, gpus=2),
+    Row("llama-8b", _mb(2, strategy=_FS, activation_checkpointing=_AC), 8_535, 0.444, 35.0,
+        TORCHRUN.format(gpus=4) + " --models 8b --micro-batch 2 --ac full --strategy FULL_SHARD",
+        UNDATED, gpus=4, note="the version before"),
+)

@@ -1,0 +1,161 @@
+"""The planner: its error over the measured rows, the memory rule at validate, auto checkpointing,
+the plan command and the scaling prediction."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from finetune.config import ConfigError
+from finetune.instance_types import INSTANCE_TYPES
+from finetune.plan import main
+from finetune.planning import hardware_of, model_config_of, scaling_rows
+from finetune.validate import validate_params
+from finetune_contract.fields import TrainConfig
+from finetune_contract.plan import (
+    MEMORY_ERROR,
+    THROUGHPUT_ERROR,
+    Hardware,
+    estimate,
+    resolve_checkpointing,
+)
+from finetune_contract.plan_calibration import ROWS
+
+H200 = hardware_of(INSTANCE_TYPES["p5e.48xlarge"])
+EKS_SITE = {"target": "eks", "cluster_name": "gpu", "nodegroup": "ng",
+            "output_dir": "s3://bucket/runs",
+            "image": "111122223333.dkr.ecr.us-east-1.amazonaws.com/finetune-trainer:abc"}
+
+
+def _estimate_of(row):
+    return estimate(TrainConfig(**row.config), world_size=row.gpus, local_world_size=row.gpus,
+                    hardware=H200)
+
+
+def _errors(measured: str, estimated: str) -> list[tuple[str, float]]:
+    out = []
+    for row in ROWS:
+        est = getattr(_estimate_of(row), estimated)
+        out.append((f"{row.model} {row.gpus} GPU {row.settings}",
+                    abs(est - getattr(row, measured)) / getattr(row, measured)))
+    return out
+
+
+def test_estimated_peak_memory_is_within_the_stated_error_on_every_measured_row():
+    errors = _errors("peak_gib", "peak_gib")
+    worst = max(errors, key=lambda e: e[1])
+    assert worst[1] <= MEMORY_ERROR, worst
+
+
+def test_estimated_tokens_per_s_is_within_the_stated_error_on_every_measured_row():
+    errors = _errors("tokens_per_s", "tokens_per_s_per_gpu")
+    worst = max(errors, key=lambda e: e[1])
+    assert worst[1] <= THROUGHPUT_ERROR, worst
+    assert sum(e for _, e in errors) / len(errors) <= THROUGHPUT_ERROR / 2
+
+
+def test_every_calibration_row_says_how_and_when_it_was_measured_and_is_a_valid_config():
+    for row in ROWS:
+        assert row.command.startswith(("python -m trainer.bench", "torchrun")), row
+        assert row.date and row.gpu
+        TrainConfig(**row.config)  # the row's settings are ones the contract accepts
+
+
+def test_a_run_that_does_not_fit_the_gpu_is_refused_naming_fields_and_a_setting_that_fits():
+    conf = {**EKS_SITE, "instance_type": "g5.12xlarge", "nodes": 1, "procs_per_node": 4,
+            "model": "llama-8b", "mixed_precision": "bf16", "seq_len": 4096, "micro_batch": 4,
+            "strategy": "FULL_SHARD", "activation_checkpointing": "none", "max_steps": 10}
+    with pytest.raises(ConfigError) as err:
+        validate_params(conf, run_id="r")
+    (field, message), = [(f, m) for f, m in err.value.errors if "estimated peak" in m]
+    assert field == "micro_batch"
+    assert "24 GiB" in message and "activation_checkpointing" in message and "fits:" in message
+    suggestion = message.split("fits: ")[1].split(" (estimated")[0]
+    changes = dict(part.split("=") for part in suggestion.split(", "))
+    typed = {k: (int(v) if v.isdigit() else {"True": True, "False": False}.get(v, v))
+             for k, v in changes.items()}
+    assert validate_params({**conf, **typed}, run_id="r").model == "llama-8b"
+
+
+@pytest.mark.parametrize(("model", "micro_batch", "strategy", "best"), [
+    ("llama-1b", 4, "SHARD_GRAD_OP", "none"),  # the benchmark's hand-picked settings
+    ("llama-3b", 4, "SHARD_GRAD_OP", "none"),
+])
+def test_auto_checkpointing_on_one_h200_chooses_the_hand_picked_best(model, micro_batch,
+                                                                     strategy, best):
+    cfg = TrainConfig(model=model, micro_batch=micro_batch, seq_len=4096, strategy=strategy,
+                      mixed_precision="bf16", activation_checkpointing="auto")
+    chosen, why = resolve_checkpointing(cfg, world_size=1, local_world_size=1, hardware=H200)
+    assert chosen.activation_checkpointing == best and not chosen.activation_offload
+    assert "auto ->" in why and "fits" in why
+
+
+def test_auto_on_8b_micro_batch_2_predicts_no_checkpointing_fits_one_h200_faster_than_full():
+    # The benchmark hand-picked full AC (123.6 GiB measured); the planner puts no checkpointing
+    # at about 131 GiB of 141: a prediction to measure, the one row auto does not reproduce.
+    cfg = TrainConfig(model="llama-8b", micro_batch=2, seq_len=4096, strategy="FULL_SHARD",
+                      mixed_precision="bf16", activation_checkpointing="auto")
+    chosen, _ = resolve_checkpointing(cfg, world_size=1, local_world_size=1, hardware=H200)
+    full = estimate(TrainConfig(**{**cfg.to_dict(), "activation_checkpointing": "full"}),
+                    world_size=1, local_world_size=1, hardware=H200)
+    picked = estimate(chosen, world_size=1, local_world_size=1, hardware=H200)
+    assert chosen.activation_checkpointing == "none" and picked.fits
+    assert picked.tokens_per_s_per_gpu > full.tokens_per_s_per_gpu
+    assert 125 < picked.peak_gib < 135
+
+
+@pytest.mark.parametrize(("model", "micro_batch", "instance_type"), [
+    ("llama-3b", 4, "p5.48xlarge"),  # 80 GiB: 3B micro-batch 4 measured 84.7 GiB on the H200
+    ("llama-8b", 4, "p5e.48xlarge"),  # without checkpointing about 165 GiB
+])
+def test_auto_checkpointing_checkpoints_where_the_activations_do_not_fit(model, micro_batch,
+                                                                         instance_type):
+    cfg = TrainConfig(model=model, micro_batch=micro_batch, seq_len=4096,
+                      strategy="SHARD_GRAD_OP" if model == "llama-3b" else "FULL_SHARD",
+                      mixed_precision="bf16", activation_checkpointing="auto")
+    gpu = hardware_of(INSTANCE_TYPES[instance_type])
+    chosen, _ = resolve_checkpointing(cfg, world_size=1, local_world_size=1, hardware=gpu)
+    assert chosen.activation_checkpointing != "none"
+    assert estimate(chosen, world_size=1, local_world_size=1, hardware=gpu).fits
+
+
+def test_on_a_cpu_auto_is_none_and_the_memory_is_estimated_without_a_verdict():
+    cpu = Hardware(gpu_memory_gib=None, peak_flops=None, name="cpu")
+    cfg = TrainConfig(activation_checkpointing="auto")  # tiny-llama, the local demo
+    chosen, why = resolve_checkpointing(cfg, world_size=2, local_world_size=2, hardware=cpu)
+    assert chosen.activation_checkpointing == "none" and "no GPU memory known" in why
+    est = estimate(chosen, world_size=2, local_world_size=2, hardware=cpu)
+    assert est.peak_gib is not None and est.fits is None and est.step_time_s is None
+
+
+def test_a_model_of_unknown_shape_is_not_applicable_with_the_reason_not_an_error():
+    est = estimate(TrainConfig(model="someone/some-model"), world_size=8, local_world_size=8,
+                   hardware=H200)
+    assert est.peak_gib is None and est.fits is None and "not built in" in est.note
+
+
+def test_plan_command_prints_the_estimate_and_exits_1_with_a_setting_when_it_does_not_fit(
+        tmp_path, capsys):
+    conf = tmp_path / "conf.json"
+    conf.write_text(json.dumps({"target": "eks", "instance_type": "p4d.24xlarge", "nodes": 1,
+                                "procs_per_node": 8, "model": "llama-8b", "seq_len": 4096,
+                                "mixed_precision": "bf16", "micro_batch": 4,
+                                "max_steps": 100, "node_hourly_price": 5.672}))
+    assert main(["--conf", str(conf)]) == 1
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "search: fastest settings that fit" in out
+    assert main(["--conf", str(conf), "--set", "activation_checkpointing=full",
+                 "--set", "micro_batch=1"]) == 0
+    out = capsys.readouterr().out
+    assert "fits" in out and "cost $" in out and "100 steps" in out
+
+
+def test_predicted_scaling_falls_with_nodes_across_efa_and_not_within_one_node():
+    cfg = TrainConfig(model="meta-llama/Llama-2-7b-hf", seq_len=4096, micro_batch=4,
+                      mixed_precision="bf16", activation_checkpointing="full")
+    rows = scaling_rows(cfg, INSTANCE_TYPES["p4d.24xlarge"], model_config_of(cfg.model))
+    efficiencies = [eff for _, _, eff in rows]
+    assert efficiencies[0] == 1.0
+    assert all(a >= b for a, b in zip(efficiencies, efficiencies[1:], strict=False))
+    assert 0.5 < efficiencies[-1] < 1.0
