@@ -150,7 +150,10 @@ PARAM_SPECS: tuple[ParamSpec, ...] = (
        "sigmoid only: the share of pairs assumed mislabelled (conservative DPO)."),
     _S("dpo_reference", "model", "string", "Preference tuning (DPO)", "DPO reference",
        "model: the frozen initial weights, sharded like the policy, without optimizer state "
-       "(with LoRA: the base with its adapters disabled, no copy).", enum=DPO_REFERENCES),
+       "(with LoRA: the base with its adapters disabled, no copy). precompute (experimental): "
+       "the initial weights score every pair once before step 1, no reference is held; its "
+       "losses differ from model's from step 2 on, an open defect: use model.",
+       enum=DPO_REFERENCES),
     _S("nodes", 1, "integer", "Resources", "Nodes",
        "Nodes (local: torchrun agents on this machine)."),
     _S("procs_per_node", 2, "integer", "Resources", "Processes per node",
