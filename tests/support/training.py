@@ -21,6 +21,15 @@ def demo_rows(n: int) -> list[dict[str, str]]:
         return [json.loads(line) for _, line in zip(range(n), f)]
 
 
+def lm_step(model, optimizer, input_ids) -> float:
+    """One optimizer step of a Hugging Face causal LM on `input_ids` as its own labels."""
+    loss = model(input_ids=input_ids, labels=input_ids).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
 def write_jsonl(path: Path, rows: list[dict[str, object]]) -> Path:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from finetune_contract.data import PROMPT_TEMPLATE
 from finetune_contract.fields import ContractError
-from tests.support.training import demo_rows, torchrun, write_jsonl
+from tests.support.training import demo_rows, lm_step, torchrun, write_jsonl
 from trainer.checkpoint import Checkpointer
 from trainer.config import load_config
 from trainer.demo import DEMO_TOKENIZER
@@ -73,11 +73,7 @@ def test_qlora_trains_only_adapters_resumes_exactly_and_exports_the_dequantized_
     input_ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
 
     def step(model, optimizer) -> float:
-        loss = model(input_ids=input_ids, labels=input_ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss.item()
+        return lm_step(model, optimizer, input_ids)
 
     first = step(model, optimizer)
     for _ in range(3):
