@@ -15,6 +15,7 @@ report warns, and without a champion to compare with nothing is promoted.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -135,12 +136,22 @@ def unreachable(uri: str) -> str | None:
 
 @contextlib.contextmanager
 def _client(uri: str) -> Iterator[Any]:
-    """An MlflowClient that gives up in seconds, not MLflow's minutes of retries."""
+    """An MlflowClient that gives up in seconds, not MLflow's minutes of retries.
+
+    A SQLite store is used by one process at a time (a lock file beside it): two tasks that
+    first touch a new store would both create its tables, and one fails ("duplicate column").
+    """
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
     from mlflow import MlflowClient
 
-    yield MlflowClient(tracking_uri=uri, registry_uri=uri)
+    with contextlib.ExitStack() as stack:
+        if uri.startswith("sqlite:///"):
+            store = Path(uri.removeprefix("sqlite:///"))
+            store.parent.mkdir(parents=True, exist_ok=True)
+            lock = stack.enter_context(open(f"{store}.lock", "a"))
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
 def ui_link(uri: str | None, experiment_id: str | None, run_id: str | None) -> str | None:
