@@ -125,22 +125,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="write the DPO demo's preference pairs (1000 rows, seed 2) instead")
     args = parser.parse_args(argv)
     if args.preferences:
-        out = args.out or DEMO_PREFERENCES
-        pairs = make_preference_rows(1000, 2)
-        out.write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
-        print(f"wrote {len(pairs)} pairs to {out}")
-        return
-    if args.eval_task:
-        out = args.out or DEMO_EVAL_TASK_DATA
-        items = make_choice_rows(42, 1)
-        out.write_text("".join(json.dumps(item) + "\n" for item in items))
-        print(f"wrote {len(items)} items to {out}")
-        return
-    args.out = args.out or DEMO_DATASET
-    with open(args.out, "w") as f:
-        for row in make_rows(args.rows, args.seed):
-            f.write(json.dumps(row) + "\n")
-    print(f"wrote {args.rows} rows to {args.out}")
+        write_jsonl(args.out or DEMO_PREFERENCES, make_preference_rows(1000, 2), "pairs")
+    elif args.eval_task:
+        write_jsonl(args.out or DEMO_EVAL_TASK_DATA, make_choice_rows(42, 1), "items")
+    else:
+        write_jsonl(args.out or DEMO_DATASET, make_rows(args.rows, args.seed), "rows")
+
+
+def write_jsonl(out: Path, rows: list[dict], what: str) -> None:
+    Path(out).write_text("".join(json.dumps(row) + "\n" for row in rows))
+    print(f"wrote {len(rows)} {what} to {out}")
 
 
 if __name__ == "__main__":
