@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from trainer.config import TrainConfig
 from trainer.master_weights import follow_optimizer
@@ -12,6 +13,7 @@ def build_optimizer(
     model: torch.nn.Module, config: TrainConfig, device: torch.device
 ) -> torch.optim.Optimizer:
     """AdamW; norms (1-D weights) take no weight decay."""
+    reshard(model)
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": config.weight_decay},
@@ -22,6 +24,19 @@ def build_optimizer(
     )
     follow_optimizer(model, optimizer)  # one rank without FSDP: its compute copies
     return optimizer
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Register FSDP's sharded parameters on every module, freeing the unsharded ones.
+
+    A forward without a backward (an eval, DPO's precomputed reference pass) leaves the modules
+    that keep their weights after forward (the root; every block under SHARD_GRAD_OP) holding
+    the unsharded parameters: an optimizer built from `model.parameters()` then would step copies
+    that the next backward discards, and those weights would never train.
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def grad_norm(model: torch.nn.Module) -> torch.Tensor:

@@ -150,9 +150,9 @@ PARAM_SPECS: tuple[ParamSpec, ...] = (
        "sigmoid only: the share of pairs assumed mislabelled (conservative DPO)."),
     _S("dpo_reference", "model", "string", "Preference tuning (DPO)", "DPO reference",
        "model: the frozen initial weights, sharded like the policy, without optimizer state "
-       "(with LoRA: the base with its adapters disabled, no copy). precompute (experimental): "
-       "the initial weights score every pair once before step 1, no reference is held; its "
-       "losses differ from model's from step 2 on, an open defect: use model.",
+       "(with LoRA: the base with its adapters disabled, no copy). precompute: the initial "
+       "weights score every training pair once before step 1 and no reference is held (less "
+       "memory, one extra forward pass over the pairs); the same losses as model.",
        enum=DPO_REFERENCES),
     _S("nodes", 1, "integer", "Resources", "Nodes",
        "Nodes (local: torchrun agents on this machine)."),

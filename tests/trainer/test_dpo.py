@@ -4,6 +4,7 @@ the references (frozen copy, precomputed, LoRA's base) start at the policy."""
 import copy
 import json
 import math
+import shutil
 import types
 from collections import defaultdict
 
@@ -139,30 +140,61 @@ def test_dpo_loss_and_gradients_equal_trls_on_the_same_batch(loss_type, trl_loss
 
 # -- 2-process runs (gloo) ---------------------------------------------------------------------
 
-DPO_STEPS = 4
+DPO_STEPS, CHECKPOINT_AT = 4, 2
 
 
 def dpo_run(output_dir, *extra):
     torchrun(["-m", "trainer.train", "--method", "dpo", "--output_dir", str(output_dir),
               "--micro_batch", "4", "--max_steps", str(DPO_STEPS), "--eval_interval", "0",
-              "--log_interval", "2", "--lr", "1e-2", "--warmup_steps", "0", *extra])
+              "--log_interval", "1", "--lr", "1e-2", "--warmup_steps", "0", *extra])
     lines = (output_dir / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r.get("type") == "train"]
 
 
+@pytest.fixture(scope="module")
+def sharded_runs(tmp_path_factory):
+    """Both references under SHARD_GRAD_OP, whose blocks keep their weights after a forward
+    (precompute's reference pass has no backward to free them); checkpoints at CHECKPOINT_AT."""
+    runs = {}
+    for reference in ("model", "precompute"):
+        output_dir = tmp_path_factory.mktemp(reference)
+        runs[reference] = output_dir, dpo_run(
+            output_dir, "--dpo_reference", reference, "--strategy", "SHARD_GRAD_OP",
+            "--checkpoint_interval", str(CHECKPOINT_AT))
+    return runs
+
+
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="open: from step 2 the two runs' losses differ although the "
-                   "step-1 gradients and the reference log-probs agree (seen on 1 and 2 ranks)")
-def test_precomputed_reference_gives_the_frozen_copys_losses_and_the_first_is_log_2(tmp_path):
-    frozen = dpo_run(tmp_path / "model", "--dpo_reference", "model")
-    precomputed = dpo_run(tmp_path / "precompute", "--dpo_reference", "precompute")
+def test_precomputed_reference_gives_the_frozen_copys_losses_and_the_first_is_log_2(
+    sharded_runs
+):
+    frozen, precomputed = sharded_runs["model"][1], sharded_runs["precompute"][1]
     # Step 1: policy == reference, so every margin is 0 and the loss log(2).
     assert frozen[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert frozen[0]["reward_margin"] == pytest.approx(0, abs=1e-6)
+    assert [r["step"] for r in precomputed] == list(range(1, DPO_STEPS + 1))
     for a, b in zip(frozen, precomputed, strict=True):
-        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5), a["step"]
         assert a["reward_accuracy"] == b["reward_accuracy"]
     assert frozen[-1]["reward_margin"] != pytest.approx(0, abs=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reference", ["model", "precompute"])
+def test_a_dpo_run_resumed_from_its_checkpoint_reproduces_the_uninterrupted_losses(
+    sharded_runs, reference, tmp_path
+):
+    """The frozen copy is made again from the initial weights, and precompute scores the pairs
+    again with them, not with the restored policy."""
+    full_dir, uninterrupted = sharded_runs[reference]
+    step = f"step_{CHECKPOINT_AT:08d}"
+    shutil.copytree(full_dir / "checkpoints" / step, tmp_path / "checkpoints" / step)
+    resumed = dpo_run(tmp_path, "--dpo_reference", reference, "--strategy", "SHARD_GRAD_OP",
+                      "--checkpoint_interval", str(CHECKPOINT_AT))
+    assert [r["step"] for r in resumed] == list(range(CHECKPOINT_AT + 1, DPO_STEPS + 1))
+    for a, b in zip(uninterrupted[CHECKPOINT_AT:], resumed, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-5), a["step"]
+        assert b["reward_margin"] == pytest.approx(a["reward_margin"], abs=1e-5)
 
 
 @pytest.mark.slow

@@ -129,3 +129,28 @@ def test_a_model_with_master_weights_is_freed_when_dropped(world_of_one):
     del model
     gc.collect()
     assert alive() is None
+
+
+@pytest.mark.parametrize("options", [{"strategy": "FULL_SHARD"},
+                                     {"strategy": "NO_SHARD", "cpu_offload": True}],
+                         ids=["FULL_SHARD", "NO_SHARD-cpu_offload"])
+def test_an_optimizer_built_after_a_forward_without_backward_steps_every_weight(
+    world_of_one, options
+):
+    """A forward with no backward (an eval; DPO's precomputed reference pass) leaves FSDP's root
+    holding its unsharded weights: an optimizer built then stepped copies, and the embeddings,
+    final norm and head never trained (dpo_reference precompute's losses drifted from step 2)."""
+    config = TrainConfig(model=MODEL, seq_len=SEQ, lr=1e-2, warmup_steps=0, **options)
+    model = build_model(MODEL)
+    apply_parallelism(model, config, world_of_one)
+    materialize_weights(model, MODEL, config.seed, torch.device("cpu"))
+    add_loss_method(model)
+    data = batches(model.config.vocab_size, 2)
+    evaluate(model, data[:1], world_of_one.device)
+    optimizer = build_optimizer(model, config, world_of_one.device)
+    before = {name: p.full_tensor().clone() for name, p in model.named_parameters()}
+    train_step(model, data[1:], world_of_one)
+    optimizer_step(model, optimizer, config.max_grad_norm)
+    unchanged = [name for name, p in model.named_parameters()
+                 if torch.equal(p.full_tensor(), before[name])]
+    assert unchanged == []
