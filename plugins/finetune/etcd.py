@@ -43,6 +43,14 @@ class EtcdError(RuntimeError):
     pass
 
 
+class _PortTaken(Exception):
+    """etcd could not bind a port free_port found free a moment before."""
+
+
+# What etcd logs when a listen address is taken.
+ADDRESS_IN_USE = "address already in use"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -132,8 +140,24 @@ class LocalEtcd:
     log_file: str
 
     @classmethod
-    def start(cls, binary: str, log_dir: Path, timeout: float = 30.0) -> LocalEtcd:
-        """Start etcd on loopback (free ports, a temporary data dir) and wait until healthy."""
+    def start(cls, binary: str, log_dir: Path, timeout: float = 30.0,
+              attempts: int = 3) -> LocalEtcd:
+        """Start etcd on loopback (free ports, a temporary data dir) and wait until healthy.
+
+        A free port is free when asked, not when etcd binds it: another program may take it in
+        between, and then etcd exits at once; it is started again on new ports.
+        """
+        for attempt in range(1, attempts + 1):
+            try:
+                return cls._start_once(binary, log_dir, timeout)
+            except _PortTaken as exc:
+                if attempt == attempts:
+                    raise EtcdError(str(exc)) from None
+                log.info("etcd: %s; starting it again on new ports", str(exc).splitlines()[0])
+        raise AssertionError("unreachable")
+
+    @classmethod
+    def _start_once(cls, binary: str, log_dir: Path, timeout: float) -> LocalEtcd:
         data_dir = tempfile.mkdtemp(prefix="finetune-etcd-")
         client, peer = free_port(), free_port()
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -146,6 +170,7 @@ class LocalEtcd:
             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
             "--initial-cluster", f"finetune=http://127.0.0.1:{peer}",
         ]
+        start = log_file.stat().st_size if log_file.exists() else 0
         with log_file.open("ab") as out:
             # Its own session: etcd must outlive this task's process (train is another task).
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
@@ -156,7 +181,12 @@ class LocalEtcd:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 shutil.rmtree(data_dir, ignore_errors=True)
-                tail = log_file.read_text(errors="replace")[-2000:]
+                with log_file.open("rb") as log:  # this start's lines only
+                    log.seek(start)
+                    tail = log.read().decode(errors="replace")[-2000:]
+                if ADDRESS_IN_USE in tail:
+                    raise _PortTaken(f"port {client} or {peer} was taken before etcd bound it:"
+                                     f"\n{tail}")
                 raise EtcdError(f"etcd exited with code {proc.returncode}:\n{tail}")
             if is_healthy(server.endpoint):
                 return server

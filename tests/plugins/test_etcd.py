@@ -21,6 +21,7 @@ from finetune.etcd import (
     rendezvous_keys,
 )
 from finetune.targets.base import TORCHRUN_ENV
+from tests.support.system import etcd_or_skip
 
 WORKER = Path(__file__).with_name("rdzv_worker.py")
 
@@ -62,6 +63,29 @@ def test_local_etcd_starts_healthy_on_loopback_and_stops_cleanly(tmp_path, etcd_
 
 
 @pytest.mark.slow
+def test_a_port_taken_before_etcd_binds_it_starts_etcd_again_on_new_ports(tmp_path, monkeypatch):
+    """free_port's port is free when asked; another program may bind it before etcd does (CI
+    lost three local-target tests to this)."""
+    import socket
+
+    import finetune.etcd
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    ports = [port]
+    monkeypatch.setattr(finetune.etcd, "free_port", lambda: ports.pop() if ports else free_port())
+    with taken:
+        server = LocalEtcd.start(etcd_or_skip(), tmp_path / "logs")
+    try:
+        assert is_healthy(server.endpoint)
+        assert server.endpoint != f"127.0.0.1:{port}"
+        assert "address already in use" in (tmp_path / "logs" / "etcd.log").read_text()
+    finally:
+        server.stop()
+
+
 def test_second_run_with_the_same_rendezvous_id_needs_the_reset(etcd_server):
     first = torchrun(etcd_server.endpoint, "job-a")
     assert first.returncode == 0, first.stderr[-3000:]
