@@ -21,6 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.optim.lr_scheduler import LambdaLR
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from finetune_contract.data import optimizer_steps
 from finetune_contract.errors import ERROR_DIR_ENV
 from finetune_contract.fields import RESOLVED_CONFIG_FILE
 from finetune_contract.stragglers import RANK_STEP_TIMES, stragglers
@@ -178,9 +179,7 @@ class Trainer:
         if config.tp_degree > 1:
             batches = SequenceParallelBatches(batches, config.tp_degree, pad_id)
             evals = SequenceParallelBatches(evals, config.tp_degree, pad_id)
-        max_steps = config.max_steps or math.ceil(
-            config.epochs * sampler.batches_per_epoch / config.grad_accum
-        )
+        max_steps = optimizer_steps(config, sampler.batches_per_epoch)
         if env.rank == 0:
             print_data(splits, max_steps)
 

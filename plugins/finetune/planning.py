@@ -70,13 +70,15 @@ class RunPlan:
     steps: int | None
     wall_time_s: float | None
     cost_usd: float | None
+    train_rows: int | None = None  # max_steps 0: the rows its steps were counted from
 
     def to_dict(self) -> dict[str, Any]:
         return {"activation_checkpointing": self.train.activation_checkpointing,
                 "activation_offload": self.train.activation_offload,
                 "selective_ac": self.train.selective_ac, "chosen": self.chosen,
                 **self.estimate.to_dict(), "steps": self.steps,
-                "wall_time_s": self.wall_time_s, "cost_usd": self.cost_usd}
+                "wall_time_s": self.wall_time_s, "cost_usd": self.cost_usd,
+                "train_rows": self.train_rows}
 
 
 def plan_run(cfg: RunConfig, train: TrainConfig | None = None) -> RunPlan:
@@ -87,11 +89,17 @@ def plan_run(cfg: RunConfig, train: TrainConfig | None = None) -> RunPlan:
     world = dict(world_size=cfg.world_size, local_world_size=cfg.procs_per_node)
     train, chosen = resolve_checkpointing(train, hardware=hardware, config=config, **world)
     est = estimate(train, hardware=hardware, config=config, **world)
-    steps = train.max_steps or None  # epochs: known once the trainer has read the data
+    steps, data = train.max_steps or None, None
+    if not steps:  # epochs: from the training split, where validate can count it
+        from finetune.validate import data_size  # validate imports this module
+
+        data = data_size(cfg)
+        steps = data.steps(train) if data else None
     wall = est.step_time_s * steps if est.step_time_s and steps else None
     cost = cfg.nodes * cfg.node_hourly_price * wall / 3600 if wall and cfg.node_hourly_price \
         else None
-    return RunPlan(train, chosen, est, steps, wall, cost)
+    return RunPlan(train, chosen, est, steps, wall, cost,
+                   train_rows=data.train_rows if data else None)
 
 
 def _gib(value: float | None) -> str:
@@ -121,12 +129,18 @@ def plan_text(cfg: RunConfig, plan: RunPlan) -> str:
                      f"{est.exposed_comm_s or 0:.3f} s)")
     else:
         lines.append(f"  step time: n/a ({est.note or 'no peak FLOPs known'})")
+    counted = f" ({plan.train.epochs:g} epochs of {plan.train_rows:,} training rows)" \
+        if plan.train_rows else ""
     if plan.wall_time_s:
         cost = f", cost ${plan.cost_usd:,.2f}" if plan.cost_usd is not None else \
             " (node_hourly_price 0: no cost)"
-        lines.append(f"  {plan.steps} steps: {plan.wall_time_s / 3600:.2f} h of training{cost}")
-    elif not plan.steps:
-        lines.append("  wall time: n/a (max_steps 0: the steps follow from the data's size)")
+        lines.append(f"  {plan.steps} steps{counted}: {plan.wall_time_s / 3600:.2f} h of "
+                     f"training{cost}")
+    elif plan.steps:
+        lines.append(f"  {plan.steps} steps{counted}; wall time: n/a (no step time)")
+    else:
+        lines.append("  wall time: n/a (max_steps 0, and the data set is not readable here or "
+                     "too large to count: the trainer counts the steps at start)")
     lines.append(f"  (a model calibrated on one H200: memory within {MEMORY_ERROR:.0%}, tokens/s "
                  f"within {THROUGHPUT_ERROR:.0%} on the measured rows; README \"Planning a run\")")
     return "\n".join(lines)

@@ -9,6 +9,7 @@ step), and the target's own checks. Nothing here calls a cloud API.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import ipaddress
@@ -282,6 +283,34 @@ def _prometheus_problems(url: str) -> Problems:
 
 def data_problems(cfg: RunConfig, train: TrainConfig, in_pod: bool) -> Problems:
     """The data set and tokenizer as the trainer will read them, where they are visible here."""
+    return _checked_data(cfg, train, in_pod)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSize:
+    """The training split as validate counted it, for the plan's steps when max_steps is 0."""
+
+    train_rows: int  # packed: about how many sequences they pack into
+    batches_per_epoch: int  # per data-parallel rank
+
+    def steps(self, train: TrainConfig) -> int:
+        return contract_data.optimizer_steps(train, self.batches_per_epoch)
+
+
+def data_size(cfg: RunConfig) -> DataSize | None:
+    """The training split's size, where validate can count it (a local data set of fewer than
+    MAX_ROWS_CHECKED rows and its tokenizer here); None otherwise (the trainer counts it)."""
+    in_pod = not get_target(cfg.target).paths_are_local
+    try:
+        train = TrainConfig(**trainer_config(cfg, local_paths=not in_pod))
+    except ContractError:
+        return None
+    problems, size = _checked_data(cfg, train, in_pod)
+    return None if problems else size
+
+
+def _checked_data(cfg: RunConfig, train: TrainConfig, in_pod: bool
+                  ) -> tuple[Problems, DataSize | None]:
     errors: Problems = []
     tokenizer_dir = _tokenizer_dir(cfg, in_pod)
     if tokenizer_dir is not None:
@@ -291,10 +320,10 @@ def data_problems(cfg: RunConfig, train: TrainConfig, in_pod: bool) -> Problems:
         errors.append(("tokenizer", f"directory {quoted(cfg.tokenizer)} does not exist"))
     if not cfg.dataset:
         return errors + [("dataset", "is empty; give a data file, directory, s3:// URI or hub "
-                          "name")]
+                          "name")], None
     source = contract_data.dataset_source(train.dataset)
     if source in ("s3", "hub") or (in_pod and cfg.dataset.startswith("/")):
-        return errors  # read where the trainer runs (an s3:// one is checked at scale_up)
+        return errors, None  # read where the trainer runs (an s3:// one is checked at scale_up)
     path = Path(train.dataset)
     try:
         files = contract_data.data_files(path, cfg.dataset_format)
@@ -303,21 +332,22 @@ def data_problems(cfg: RunConfig, train: TrainConfig, in_pod: bool) -> Problems:
         rows = contract_data.read_rows(files, cfg.dataset_format, MAX_ROWS_CHECKED)
     except ValueError as exc:
         field = "dataset_format" if "dataset_format" in str(exc) else "dataset"
-        return errors + [(field, str(exc))]
+        return errors + [(field, str(exc))], None
     except OSError as exc:
-        return errors + [("dataset", f"cannot read {quoted(cfg.dataset)}: {exc.strerror}")]
+        return errors + [("dataset", f"cannot read {quoted(cfg.dataset)}: {exc.strerror}")], None
     if rows is None:  # parquet without pyarrow here: the trainer reads it
-        return errors
+        return errors, None
     if not rows.rows and not rows.malformed:
-        return errors + [("dataset", f"{quoted(cfg.dataset)} has no rows")]
+        return errors + [("dataset", f"{quoted(cfg.dataset)} has no rows")], None
     if rows.rows:
         errors += contract_data.missing_columns(train, rows.columns, cfg.dataset)
     if rows.malformed and cfg.bad_rows == "error":
         place, what = rows.malformed[0]
         errors.append(("dataset", contract_data.bad_row_error(train, place, what)))
     if errors or tokenizer_dir is None:
-        return errors
-    return errors + _row_problems(cfg, train, rows, tokenizer_dir, files)
+        return errors, None
+    problems, size = _row_problems(cfg, train, rows, tokenizer_dir, files)
+    return errors + problems, size
 
 
 def _tokenizer_dir(cfg: RunConfig, in_pod: bool) -> Path | None:
@@ -333,26 +363,28 @@ def _tokenizer_dir(cfg: RunConfig, in_pod: bool) -> Path | None:
 
 
 def _row_problems(cfg: RunConfig, train: TrainConfig, rows: contract_data.FileRows,
-                  tokenizer_dir: Path, files: list[str]) -> Problems:
-    """Encode every row as the trainer will: rows too long or empty, enough for a step."""
+                  tokenizer_dir: Path, files: list[str]) -> tuple[Problems, DataSize | None]:
+    """Encode every row as the trainer will: rows too long or empty, enough for a step; and
+    the training split's size."""
     if importlib.util.find_spec("transformers") is None:
         # an Airflow without transformers (MWAA): the trainer checks the lengths at start
         log.info("transformers is not installed here: row lengths are checked at trainer start")
-        return []
+        return [], None
     stamps = (cfg.dataset_format, *((file, *_stamp(Path(file))) for file in files))
     try:
         lengths, bad, first_bad = _encoded(stamps, _stamp(tokenizer_dir), str(tokenizer_dir),
                                            _encoding_fields(train), rows)
     except ValueError as exc:  # a chat template that cannot mask the prompt
-        return [("prompt_template", str(exc))]
+        return [("prompt_template", str(exc))], None
     if first_bad is not None and cfg.bad_rows == "error":
-        return [("dataset", contract_data.bad_row_error(train, *first_bad))]
+        return [("dataset", contract_data.bad_row_error(train, *first_bad))], None
     if len(rows.rows) + len(rows.malformed) >= MAX_ROWS_CHECKED:
-        return []  # a sample: the trainer counts the whole data set at start
+        return [], None  # a sample: the trainer counts the whole data set at start
     data_parallel = cfg.world_size // cfg.tp_degree
     try:
         n_train, _ = contract_data.split_sizes(len(lengths), train)
-        contract_data.batches_per_epoch(n_train, cfg.micro_batch, data_parallel)
+        size = DataSize(n_train, contract_data.batches_per_epoch(n_train, cfg.micro_batch,
+                                                                  data_parallel))
         if cfg.packing:
             packed = contract_data.min_packed_rows(lengths, cfg.seq_len, n_train)
             try:
@@ -360,6 +392,9 @@ def _row_problems(cfg: RunConfig, train: TrainConfig, rows: contract_data.FileRo
             except ValueError as exc:
                 raise ValueError(f"with packing, {n_train} training rows may pack into as few "
                                  f"as {packed} sequences: {exc}") from None
+            about = contract_data.expected_packed_rows(lengths, cfg.seq_len, n_train)
+            size = DataSize(about, contract_data.batches_per_epoch(about, cfg.micro_batch,
+                                                                    data_parallel))
     except ValueError as exc:
         skipped = f" ({bad} bad rows skipped)" if bad else ""
         # The eval split takes at least micro_batch rows: a micro_batch that large is the cause
@@ -367,8 +402,8 @@ def _row_problems(cfg: RunConfig, train: TrainConfig, rows: contract_data.FileRo
         usable = len(lengths)
         fits_one = usable - max(math.ceil(train.eval_fraction * usable), 1) >= data_parallel
         by_micro_batch = "micro_batch (" in str(exc) or fits_one
-        return [("micro_batch" if by_micro_batch else "dataset", f"{exc}{skipped}")]
-    return []
+        return [("micro_batch" if by_micro_batch else "dataset", f"{exc}{skipped}")], None
+    return [], size
 
 
 def _stamp(path: Path) -> tuple[int, int]:

@@ -242,6 +242,19 @@ def batches_per_epoch(train_rows: int, micro_batch: int, data_parallel: int) -> 
     return batches
 
 
+def optimizer_steps(cfg: TrainConfig, batches_per_epoch: int) -> int:
+    """The run's optimizer steps: max_steps, or (max_steps 0) `epochs` passes over the data, of
+    which each data-parallel rank draws batches_per_epoch micro-batches, grad_accum per step."""
+    return cfg.max_steps or math.ceil(cfg.epochs * batches_per_epoch / cfg.grad_accum)
+
+
+def expected_packed_rows(lengths: list[int], seq_len: int, train_rows: int) -> int:
+    """About how many sequences a random `train_rows` of these examples pack into: their
+    expected total length over seq_len (packing leaves a short row per 1000 examples)."""
+    total = sum(lengths) * train_rows / max(len(lengths), 1)
+    return max(1, math.ceil(total / seq_len))
+
+
 def min_packed_rows(lengths: list[int], seq_len: int, train_rows: int) -> int:
     """The fewest sequences `train_rows` of these examples can pack into (the shortest ones
     chosen): the split is random, so this is what validate can promise with packing on."""

@@ -10,7 +10,7 @@ import pytest
 from finetune.config import ConfigError
 from finetune.instance_types import INSTANCE_TYPES
 from finetune.plan import main
-from finetune.planning import hardware_of, model_config_of, scaling_rows
+from finetune.planning import hardware_of, model_config_of, plan_text, scaling_rows
 from finetune.validate import validate_params
 from finetune_contract.fields import TrainConfig
 from finetune_contract.plan import (
@@ -159,3 +159,35 @@ def test_predicted_scaling_falls_with_nodes_across_efa_and_not_within_one_node()
     assert efficiencies[0] == 1.0
     assert all(a >= b for a, b in zip(efficiencies, efficiencies[1:], strict=False))
     assert 0.5 < efficiencies[-1] < 1.0
+
+
+@pytest.mark.parametrize("conf", [
+    {"max_steps": 0, "epochs": 2, "micro_batch": 8},
+    {"max_steps": 0, "epochs": 1.5, "micro_batch": 4, "grad_accum": 3, "procs_per_node": 1},
+    {"max_steps": 0, "epochs": 1, "method": "dpo", "micro_batch": 4},
+    {"max_steps": 0, "epochs": 1, "packing": True, "seq_len": 512, "micro_batch": 2},
+], ids=["epochs-2", "grad-accum", "dpo", "packing"])
+def test_with_max_steps_0_the_plan_counts_the_steps_the_trainer_will_run(conf, tmp_path):
+    """The plan's steps (and so its wall time and cost) come from the data set at validate: the
+    same split and per-rank batches as the trainer's (packing: its expected sequences)."""
+    from transformers import AutoTokenizer
+
+    from finetune.planning import plan_run
+    from finetune.trainer_config import trainer_config
+    from finetune_contract.data import optimizer_steps
+    from trainer.config import resolve
+    from trainer.data import DistributedSampler, build_splits
+
+    cfg = validate_params({**conf, "output_dir": str(tmp_path)}, run_id="plan")
+    plan = plan_run(cfg)
+    train = resolve(TrainConfig(**trainer_config(cfg)))  # as the trainer reads it
+    tokenizer = AutoTokenizer.from_pretrained(train.tokenizer)
+    splits = build_splits(train, tokenizer)
+    sampler = DistributedSampler(len(splits.train), train.micro_batch, 0, cfg.world_size,
+                                 train.seed)
+    steps = optimizer_steps(train, sampler.batches_per_epoch)
+    if train.packing:
+        assert plan.steps == pytest.approx(steps, rel=0.05)
+    else:
+        assert (plan.train_rows, plan.steps) == (len(splits.train), steps)
+    assert f"{plan.steps} steps ({conf['epochs']:g} epochs of" in plan_text(cfg, plan)
