@@ -476,6 +476,10 @@ class RunConfig:
     dpo_loss: str = "sigmoid"
     dpo_label_smoothing: float = 0.0
     dpo_reference: str = "model"
+    # Counted by validate where it can read the data set (0: not counted): the training split's
+    # rows (packed: about how many sequences) and micro-batches per data-parallel rank per epoch.
+    counted_train_rows: int = 0
+    counted_batches_per_epoch: int = 0
 
     @property
     def world_size(self) -> int:

@@ -14,6 +14,7 @@ from typing import Any
 from finetune.config import RunConfig
 from finetune.instance_types import INSTANCE_TYPES, InstanceProfile
 from finetune.trainer_config import trainer_config
+from finetune_contract.data import optimizer_steps
 from finetune_contract.fields import TrainConfig
 from finetune_contract.models import BUILTIN_MODELS, HUB_MODEL_CONFIGS
 from finetune_contract.plan import (
@@ -89,17 +90,14 @@ def plan_run(cfg: RunConfig, train: TrainConfig | None = None) -> RunPlan:
     world = dict(world_size=cfg.world_size, local_world_size=cfg.procs_per_node)
     train, chosen = resolve_checkpointing(train, hardware=hardware, config=config, **world)
     est = estimate(train, hardware=hardware, config=config, **world)
-    steps, data = train.max_steps or None, None
-    if not steps:  # epochs: from the training split, where validate can count it
-        from finetune.validate import data_size  # validate imports this module
-
-        data = data_size(cfg)
-        steps = data.steps(train) if data else None
+    # epochs: from the training split where validate counted it (RunConfig.counted_*)
+    steps = train.max_steps or (optimizer_steps(train, cfg.counted_batches_per_epoch)
+                                if cfg.counted_batches_per_epoch else None)
     wall = est.step_time_s * steps if est.step_time_s and steps else None
     cost = cfg.nodes * cfg.node_hourly_price * wall / 3600 if wall and cfg.node_hourly_price \
         else None
     return RunPlan(train, chosen, est, steps, wall, cost,
-                   train_rows=data.train_rows if data else None)
+                   train_rows=None if train.max_steps else cfg.counted_train_rows or None)
 
 
 def _gib(value: float | None) -> str:

@@ -106,7 +106,12 @@ def validate_params(params: Mapping[str, Any], *, run_id: str, dag_id: str = "ll
         run_dir=run_output_dir(values["output_dir"], run_name, values["target"]),
         preset_version=preset.version if preset else 0, **values)
     target = get_target(cfg.target)
-    errors += run_problems(cfg, paths_are_local=target.paths_are_local, memory=not plan_only)
+    problems, size = _run_checks(cfg, paths_are_local=target.paths_are_local,
+                                 memory=not plan_only)
+    errors += problems
+    if size is not None:  # for the plan's steps when max_steps is 0 (finetune.planning)
+        cfg = dataclasses.replace(cfg, counted_train_rows=size.train_rows,
+                                  counted_batches_per_epoch=size.batches_per_epoch)
     if not plan_only:
         errors += launcher_problems(cfg, target.launchers)
         errors += target.check(values)
@@ -121,12 +126,18 @@ def run_problems(cfg: RunConfig, paths_are_local: bool = True, memory: bool = Tr
     paths_are_local: the target's (finetune.targets.base.Target): whether the trainer reads
     paths on this machine, or absolute ones in its pods. memory: refuse a run whose estimated
     peak exceeds its GPU's memory (finetune_contract.plan)."""
+    return _run_checks(cfg, paths_are_local, memory)[0]
+
+
+def _run_checks(cfg: RunConfig, paths_are_local: bool, memory: bool
+                ) -> tuple[Problems, DataSize | None]:
+    """run_problems, and the training split's size where the data was counted."""
     errors = _field_problems(cfg)
     in_pod = not paths_are_local
     try:
         train = TrainConfig(**trainer_config(cfg, local_paths=not in_pod))
     except ContractError as exc:
-        return errors + exc.errors
+        return errors + exc.errors, None
     errors += _model_problems(cfg, in_pod)
     shape = model_shape(cfg.model, _local_dir(cfg.model, in_pod))
     named = {field for field, _ in errors}
@@ -139,9 +150,11 @@ def run_problems(cfg: RunConfig, paths_are_local: bool = True, memory: bool = Tr
         errors += memory_problems(train, world_size=cfg.world_size,
                                   local_world_size=cfg.procs_per_node,
                                   hardware=run_hardware(cfg), config=model_config_of(cfg.model))
+    size = None
     if not errors:
-        errors += data_problems(cfg, train, in_pod)
-    return _dedupe(errors)
+        problems, size = _checked_data(cfg, train, in_pod)
+        errors += problems
+    return _dedupe(errors), size
 
 
 def evaluation_problems(cfg: RunConfig, train: TrainConfig, in_pod: bool) -> Problems:
@@ -288,25 +301,10 @@ def data_problems(cfg: RunConfig, train: TrainConfig, in_pod: bool) -> Problems:
 
 @dataclasses.dataclass(frozen=True)
 class DataSize:
-    """The training split as validate counted it, for the plan's steps when max_steps is 0."""
+    """The training split as validate counted it (RunConfig.counted_*)."""
 
     train_rows: int  # packed: about how many sequences they pack into
     batches_per_epoch: int  # per data-parallel rank
-
-    def steps(self, train: TrainConfig) -> int:
-        return contract_data.optimizer_steps(train, self.batches_per_epoch)
-
-
-def data_size(cfg: RunConfig) -> DataSize | None:
-    """The training split's size, where validate can count it (a local data set of fewer than
-    MAX_ROWS_CHECKED rows and its tokenizer here); None otherwise (the trainer counts it)."""
-    in_pod = not get_target(cfg.target).paths_are_local
-    try:
-        train = TrainConfig(**trainer_config(cfg, local_paths=not in_pod))
-    except ContractError:
-        return None
-    problems, size = _checked_data(cfg, train, in_pod)
-    return None if problems else size
 
 
 def _checked_data(cfg: RunConfig, train: TrainConfig, in_pod: bool

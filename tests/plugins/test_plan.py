@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from finetune.config import ConfigError
+from finetune.config import ConfigError, RunConfig
 from finetune.instance_types import INSTANCE_TYPES
 from finetune.plan import main
 from finetune.planning import hardware_of, model_config_of, plan_text, scaling_rows
@@ -179,7 +179,7 @@ def test_with_max_steps_0_the_plan_counts_the_steps_the_trainer_will_run(conf, t
     from trainer.data import DistributedSampler, build_splits
 
     cfg = validate_params({**conf, "output_dir": str(tmp_path)}, run_id="plan")
-    plan = plan_run(cfg)
+    plan = plan_run(RunConfig.from_dict(cfg.to_dict()))  # as a later stage gets it (XCom)
     train = resolve(TrainConfig(**trainer_config(cfg)))  # as the trainer reads it
     tokenizer = AutoTokenizer.from_pretrained(train.tokenizer)
     splits = build_splits(train, tokenizer)
