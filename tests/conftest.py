@@ -17,6 +17,15 @@ for path in (REPO_ROOT / "plugins", REPO_ROOT):
 
 # Before anything imports airflow: this project's DAGs and plugins, no examples.
 os.environ.setdefault("AIRFLOW_HOME", str(REPO_ROOT / ".airflow"))
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs the suite in two processes (pytest-xdist): each gets its own copy of the
+    # migrated Airflow home (its database, with the pool `make airflow-db` made), so their DAG
+    # runs and logs never share a SQLite file.
+    _home = Path(tempfile.mkdtemp(prefix=f"finetune-tests-{os.environ['PYTEST_XDIST_WORKER']}-"))
+    shutil.copytree(os.environ["AIRFLOW_HOME"], _home, dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("logs", "*.pid", "*.log"))
+    os.environ["AIRFLOW_HOME"] = str(_home)
+    os.environ["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] = f"sqlite:///{_home}/airflow.db"
 os.environ.setdefault("AIRFLOW__CORE__DAGS_FOLDER", str(REPO_ROOT / "dags"))
 os.environ.setdefault("AIRFLOW__CORE__PLUGINS_FOLDER", str(REPO_ROOT / "plugins"))
 os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")

@@ -2,6 +2,7 @@
 the references (frozen copy, precomputed, LoRA's base) start at the policy."""
 
 import copy
+import dataclasses
 import json
 import math
 import shutil
@@ -15,8 +16,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from finetune_contract.data import IGNORE_INDEX
 from tests.support.training import torchrun
 from trainer.batch import Batch
-from trainer.dpo import dpo_scores, response_tokens, sequence_logps
+from trainer.config import load_config
+from trainer.dpo import dpo_scores, dpo_train_step, response_tokens, sequence_logps
 from trainer.loss import add_loss_method
+from trainer.model import build_model, materialize_weights
+from trainer.optim import build_optimizer, optimizer_step
+from trainer.parallel import apply_parallelism
 
 trl_dpo = pytest.importorskip("trl.trainer.dpo_trainer")
 trl_utils = pytest.importorskip("trl.trainer.utils")
@@ -136,6 +141,45 @@ def test_dpo_loss_and_gradients_equal_trls_on_the_same_batch(loss_type, trl_loss
                                                                abs=1e-6)
     assert scores.rejected_rewards.mean().item() == pytest.approx(train["rewards/rejected"][0],
                                                                  abs=1e-6)
+
+
+def dpo_losses(env, steps: int = 3, **overrides) -> list[tuple[float, float]]:
+    """(loss, reward margin) of `steps` DPO steps on one batch of pairs, the trainer's pieces in
+    this process; the reference is a frozen, uncompiled copy."""
+    config = load_config(None, {"method": "dpo", "lr": 1e-2, "seed": 3, "dpo_beta": 0.5,
+                                **overrides})
+
+    def built(compile_blocks: bool):
+        model = build_model(config.model)
+        apply_parallelism(model, dataclasses.replace(config, compile=compile_blocks), env)
+        materialize_weights(model, config.model, config.seed, env.device)
+        add_loss_method(model)
+        return model
+
+    model, reference = built(config.compile), built(False)
+    reference.requires_grad_(False)
+    optimizer = build_optimizer(model, config, env.device)
+    batch, _ = pairs_batch()
+    out = []
+    for _ in range(steps):
+        loss, _, metrics = dpo_train_step(model, reference, [batch], config, env)
+        optimizer_step(model, optimizer, config.max_grad_norm)
+        optimizer.zero_grad(set_to_none=True)
+        out.append((loss, metrics["reward_margin"]))
+    return out
+
+
+@pytest.mark.slow  # Dynamo and AOT autograd on CPU: half a minute
+def test_compiled_blocks_give_the_same_dpo_losses_and_margins(world_of_one, monkeypatch):
+    monkeypatch.setenv("TRAINER_COMPILE_BACKEND", "aot_eager")  # as tests/trainer/test_compile
+    torch._dynamo.reset()
+    eager = dpo_losses(world_of_one)
+    compiled = dpo_losses(world_of_one, compile=True)
+    assert eager[0][0] == pytest.approx(math.log(2), abs=1e-6)  # policy == reference at step 1
+    assert eager[-1][1] > 1e-3  # the margin grew: later steps compare trained policies
+    for (loss, margin), (want_loss, want_margin) in zip(compiled, eager, strict=True):
+        assert loss == pytest.approx(want_loss, rel=1e-5)
+        assert margin == pytest.approx(want_margin, rel=1e-4, abs=1e-7)
 
 
 # -- 2-process runs (gloo) ---------------------------------------------------------------------
