@@ -14,6 +14,8 @@ from finetune_contract.models import BUILTIN_MODELS
 from tests.support.training import demo_rows, read_metrics, write_jsonl
 from trainer.config import load_config
 from trainer.data import (
+    REJECTED_IDS,
+    REJECTED_LABELS,
     DistributedSampler,
     EvalBatches,
     TrainBatches,
@@ -21,7 +23,7 @@ from trainer.data import (
     collate,
     pack,
 )
-from trainer.demo import DEMO_DATASET, DEMO_TOKENIZER
+from trainer.demo import DEMO_DATASET, DEMO_PREFERENCES, DEMO_TOKENIZER
 from trainer.demo.make_data import make_rows
 from trainer.model import builtin_config
 from trainer.train import train
@@ -182,6 +184,35 @@ def test_chat_template_rows_take_loss_on_the_assistant_turn_only(chat_tokenizer_
     # The template's own BOS and EOS, each once: none added on top.
     assert input_ids.count(tokenizer.bos_token_id) == 1 and input_ids[0] == tokenizer.bos_token_id
     assert input_ids.count(tokenizer.eos_token_id) == 1 and tokenizer.eos_token_id in input_ids[n:]
+
+
+def test_dpo_pairs_from_an_s3_prefix_with_the_chat_template_encode_both_responses_as_sft(
+    s3, tmp_path, chat_tokenizer_dir
+):
+    """Preference rows take the SFT path for each response: the same sources (here a moto S3
+    prefix), the same chat template with the loss on the assistant turn only."""
+    client, bucket = s3
+    rows = [json.loads(line) for line in DEMO_PREFERENCES.read_text().splitlines()[:40]]
+    client.put_object(Bucket=bucket, Key="prefs/a.jsonl",
+                      Body="".join(json.dumps(row) + "\n" for row in rows).encode())
+    config = load_config(None, {"method": "dpo", "dataset": f"s3://{bucket}/prefs/",
+                                "prompt_template": "chat", "tokenizer": str(chat_tokenizer_dir),
+                                "output_dir": str(tmp_path)})
+    tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer_dir)
+    splits = build_splits(config, tokenizer)
+    assert len(splits.train) + len(splits.eval) == len(rows)
+    expected = []
+    for row in rows:
+        chosen = encode_example(tokenizer, row["prompt"], row["chosen"], "chat")
+        rejected = encode_example(tokenizer, row["prompt"], row["rejected"], "chat")
+        expected.append((*chosen, *rejected))
+    for row in splits.train:
+        pair = (row["input_ids"], row["labels"], row[REJECTED_IDS], row[REJECTED_LABELS])
+        assert pair in expected
+        n = pair[1].count(IGNORE_INDEX)  # the prompt, template included, takes no loss
+        assert pair[0][:n] == pair[2][:n] and pair[3][:n] == [IGNORE_INDEX] * n
+        assert tokenizer.decode(pair[2][n:], skip_special_tokens=True).strip() in {
+            r["rejected"] for r in rows}
 
 
 def test_prompt_template_chat_tokenizes_every_row_with_the_chat_template(
