@@ -31,12 +31,16 @@ RUN = {"preset": "tiny-local", "procs_per_node": 1, "eval_interval": 0,
 SHORT_STEPS = 20  # ends during the outage
 LONG_STEPS = 2500  # still training when the retry comes (about 25 steps/s on 2 CPU cores)
 API_SERVER_LATE_S = 30
-# Short enough for a test: a dead scheduler's tasks are reset 10 s after its last heartbeat,
-# a retry waits 3 s, doubling (the DAG's own 30 s).
+# Short enough for a test: a dead scheduler's tasks are reset 10 s after its last heartbeat, a
+# task whose supervisor died is failed 45 s after its last heartbeat (sent every 5 s; Airflow's
+# default waits 300 s), a retry waits 3 s, doubling (the DAG's own 30 s).
 ENV = {
     "FINETUNE_RETRY_DELAY_S": "3",
     "AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_THRESHOLD": "10",
     "AIRFLOW__SCHEDULER__ORPHANED_TASKS_CHECK_INTERVAL": "5",
+    "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_SEC": "5",
+    "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "45",
+    "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "5",
 }
 
 
