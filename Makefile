@@ -21,10 +21,10 @@ export PATH := $(BIN):$(PATH)
 
 venv: $(VENV)/.installed
 
+# --no-compile: Python compiles what is imported when it is first imported; compiling every
+# installed module up front took 137 s of the install instead of 87 (2 cores).
 $(VENV)/.installed: requirements.txt requirements-dev.txt trainer/requirements.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	# --no-compile: Python compiles what is imported when it is first imported; compiling every
-	# installed module up front took 137 s of the install instead of 87.
 	$(BIN)/pip install --quiet --no-compile --requirement requirements-dev.txt
 	touch $@
 
