@@ -294,11 +294,6 @@ def _prometheus_problems(url: str) -> Problems:
     return []
 
 
-def data_problems(cfg: RunConfig, train: TrainConfig, in_pod: bool) -> Problems:
-    """The data set and tokenizer as the trainer will read them, where they are visible here."""
-    return _checked_data(cfg, train, in_pod)[0]
-
-
 @dataclasses.dataclass(frozen=True)
 class DataSize:
     """The training split as validate counted it (RunConfig.counted_*)."""
@@ -309,6 +304,8 @@ class DataSize:
 
 def _checked_data(cfg: RunConfig, train: TrainConfig, in_pod: bool
                   ) -> tuple[Problems, DataSize | None]:
+    """The data set and tokenizer as the trainer will read them, where they are visible here;
+    and the training split's size where it was counted."""
     errors: Problems = []
     tokenizer_dir = _tokenizer_dir(cfg, in_pod)
     if tokenizer_dir is not None:
