@@ -140,7 +140,8 @@ def plan_text(cfg: RunConfig, plan: RunPlan) -> str:
         lines.append("  wall time: n/a (max_steps 0, and the data set is not readable here or "
                      "too large to count: the trainer counts the steps at start)")
     lines.append(f"  (a model calibrated on one H200: memory within {MEMORY_ERROR:.0%}, tokens/s "
-                 f"within {THROUGHPUT_ERROR:.0%} on the measured rows; README \"Planning a run\")")
+                 f"within {THROUGHPUT_ERROR:.0%} on the measured rows; "
+                 "docs/trainer.md \"Planning a run\")")
     return "\n".join(lines)
 
 

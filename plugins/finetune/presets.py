@@ -10,7 +10,7 @@ full fine-tuning keeps fp32 weights, fp32 gradients and AdamW's two fp32 moments
 parameter, sharded over the shard group. Compute is bf16. With full activation checkpointing a
 sequence keeps one bf16 hidden state per layer (seq x hidden x 2 bytes x layers) plus one
 block's working set while it recomputes; the LM head's loss is computed in chunks. Measured
-anchor (README, one H200): an 8B model (hidden 4096, 32 layers) with full checkpointing at
+anchor (docs/trainer.md, one H200): an 8B model (hidden 4096, 32 layers) with full checkpointing at
 micro-batch 2 x 4096 tokens peaked at 123.6 GiB with 119.7 GiB of that weights and optimizer
 state, i.e. about 2 GiB of activations per 4096-token sequence.
 """

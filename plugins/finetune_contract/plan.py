@@ -59,7 +59,8 @@ FLOAT8_ACTIVATION_FACTOR = 0.70
 OVERHEAD_GIB = 1.0
 # FSDP prefetches the next block while one runs: two blocks gathered at once.
 GATHERED_BLOCKS = 2
-# Fractions of the dense bf16 peak the kernels reach on the H200 (README "Where the time goes":
+# Fractions of the dense bf16 peak the kernels reach on the H200 (docs/trainer.md "Where the
+# time goes":
 # GEMMs 707 TFLOP/s; cuDNN attention 365 at head dim 128, 286 at 64, real causal FLOPs, which
 # are half the 12 x layers x hidden x seq_len counted).
 GEMM_EFFICIENCY = 707 / 989

@@ -4,7 +4,7 @@ One row a measurement: the settings that differ from `BASE` (the benchmark's: se
 compile, one H200), what was measured (tokens/s per GPU, MFU, peak GiB from
 torch.cuda.max_memory_allocated), the command and the date. To add a row: run the command on the
 GPU, append a `Row`; `tests/plugins/test_plan.py` recomputes the planner's error over every row.
-All rows so far are from README.md's tables ("Benchmark: one H200", "Where the time goes",
+All rows so far are from docs/trainer.md's tables ("Benchmark: one H200", "Where the time goes",
 "Scaling: one host, several H200s").
 """
 
@@ -48,7 +48,8 @@ def _mb(n: int, **more: Any) -> dict[str, Any]:
 _FS = "FULL_SHARD"
 _AC = "full"
 OLD = "older version, about 2% slower"
-# README's scaling and long-sequence tables give no date (measured before 2026-12-01's profile).
+# docs/trainer.md's scaling and long-sequence tables give no date (measured before
+# 2026-12-01's profile).
 UNDATED = "undated"
 ROWS: tuple[Row, ...] = (
     Row("llama-1b", _mb(2), 53_870, 0.492, 29.0, f"{BENCH} --models 1b --micro-batch 2",
