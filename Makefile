@@ -17,7 +17,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # `airflow standalone` starts its components as `airflow ...` from PATH.
 export PATH := $(BIN):$(PATH)
 
-.PHONY: demo test test-fast lint airflow run venv system-deps airflow-db clean mlflow plan
+.PHONY: demo test test-fast lint airflow run venv system-deps airflow-db clean mlflow plan docs
 
 venv: $(VENV)/.installed
 
@@ -84,6 +84,11 @@ run: venv
 # Exit code 1: it does not fit the instance type's GPU (the fastest settings that fit follow).
 plan: venv
 	$(BIN)/python -m finetune.plan --conf '$(CONF)' $(ARGS)
+
+# docs/parameters.md from the parameter spec the trigger form is built from (finetune.config);
+# tests/test_docs.py fails when the committed page is not what this writes.
+docs: venv
+	$(BIN)/python -m finetune.docs
 
 # The MLflow UI on the local target's embedded store (runs, metrics, the registry's champion) on
 # http://127.0.0.1:5000.
