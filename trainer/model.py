@@ -231,13 +231,3 @@ def _read_shard(stored: Any, param: torch.Tensor) -> torch.Tensor:
         )
         return stored[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
     return _shard_of(stored[:], param)  # strided shards (FSDP over TP): one whole tensor
-
-
-def decoder_blocks(model: PreTrainedModel) -> torch.nn.ModuleList:
-    """The repeated transformer blocks: the unit of sharding and of activation checkpointing."""
-    blocks = getattr(getattr(model, "model", None), "layers", None)
-    if not isinstance(blocks, torch.nn.ModuleList):
-        raise ValueError(
-            f"{type(model).__name__} has no model.layers; only Llama-like models are supported"
-        )
-    return blocks

@@ -21,10 +21,10 @@ from finetune_contract.fields import ContractError
 from finetune_contract.models import ModelShape
 from finetune_contract.rules import config_problems, device_problems
 from trainer.activations import checkpoint_activations, offload_activations
+from trainer.blocks import decoder_blocks
 from trainer.config import TrainConfig
 from trainer.float8 import convert_to_float8
 from trainer.master_weights import use_master_weights
-from trainer.model import decoder_blocks
 from trainer.qlora import quantized_params
 from trainer.tensor_parallel import (
     TP_DIM,

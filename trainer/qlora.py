@@ -17,6 +17,7 @@ import torch
 
 from finetune_contract.plan import NF4_BLOCK_SIZE as BLOCK_SIZE
 from finetune_contract.plan import NF4_SCALER_BLOCK_SIZE as SCALER_BLOCK_SIZE
+from trainer.blocks import decoder_blocks
 from trainer.lora import is_adapter_param
 
 # The model attribute that lists the weights to quantize: {fqn: full shape}, set before the
@@ -28,8 +29,6 @@ def quantized_weight_fqns(model: torch.nn.Module) -> list[str]:
     """The frozen Linear weights of the decoder blocks (LoRA's base layers and the Linears it
     does not target): what `quantize_base` stores in NF4. Adapters, norms, embeddings and the
     head keep their dtype."""
-    from trainer.model import decoder_blocks
-
     blocks = decoder_blocks(model)
     prefix = next(name for name, module in model.named_modules() if module is blocks)
     return [

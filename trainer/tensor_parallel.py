@@ -27,7 +27,7 @@ from transformers import PreTrainedModel
 
 from finetune_contract.data import IGNORE_INDEX
 from trainer.batch import Batch
-from trainer.model import decoder_blocks
+from trainer.blocks import decoder_blocks
 
 TP_DIM = "tp"
 
