@@ -26,6 +26,7 @@ from finetune_contract.fields import (
     ACTIVATION_CHECKPOINTING,
     BAD_ROWS,
     BOUNDS,
+    CHOICES,
     DATASET_FORMATS,
     DEMO_DATASET,
     DEMO_PREFERENCES,
@@ -39,6 +40,7 @@ from finetune_contract.fields import (
     PROMPT_TEMPLATES,
     STRAGGLER_THRESHOLD,
     STRATEGIES,
+    TEXTS,
     Bounds,
     quoted,
 )
@@ -197,14 +199,15 @@ PARAM_SPECS: tuple[ParamSpec, ...] = (
     _S("float8_recipe", "tensorwise", "string", "Memory and speed", "float8 scaling",
        "tensorwise: one scale per tensor, weights all-gathered in float8 under FSDP (fastest); "
        "rowwise: one scale per row of each operand (closer to bf16's loss, weights all-gathered "
-       "in bf16). Only with float8."),
+       "in bf16). Only with float8.", enum=CHOICES["float8_recipe"]),
     _S("lora_rank", 0, "integer", "LoRA", "LoRA rank",
        "Train LoRA adapters of this rank instead of all weights (peft); 0: full fine-tune. The "
        "exported model has the adapters merged in; model/adapter/ holds them alone."),
     _S("quantize_base", "none", "string", "LoRA", "Quantize the base (QLoRA)",
        "nf4: keep the frozen base weights of the decoder blocks in 4-bit NormalFloat (torchao), "
        "the LoRA adapters in the compute dtype: QLoRA, about a quarter of the base's bf16 "
-       "memory. Needs lora_rank > 0 and GPUs; not with cpu_offload."),
+       "memory. Needs lora_rank > 0 and GPUs; not with cpu_offload.",
+       enum=CHOICES["quantize_base"]),
     _S("lora_alpha", 16.0, "number", "LoRA", "LoRA alpha",
        "The adapters' output is scaled by alpha / rank."),
     _S("lora_dropout", 0.0, "number", "LoRA", "LoRA dropout",
@@ -513,10 +516,13 @@ def check_type(spec: ParamSpec, value: Any) -> str | None:
 
 
 def check_value(spec: ParamSpec, value: Any) -> str | None:
-    """What is wrong with a well-typed value on its own: its choices and bounds."""
+    """What is wrong with a well-typed value on its own: its choices, bounds, length and
+    characters (the contract's tables)."""
     if spec.enum is not None and value not in spec.enum:
         return f"unknown value {_shown(spec, value)}; allowed: " + \
             ", ".join(str(v) for v in spec.enum)
+    if spec.name in TEXTS and isinstance(value, str):
+        return TEXTS[spec.name].problem(value, _shown(spec, value))
     return spec.bounds.problem(value)
 
 

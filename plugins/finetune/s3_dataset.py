@@ -11,6 +11,8 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from finetune.config import ConfigError
+from finetune_contract.fields import quoted
+from finetune_contract.rules import split_s3
 
 DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 _MISSING = ("404", "NoSuchKey", "NotFound")
@@ -40,32 +42,34 @@ def s3_dataset_problem(uri: str, dataset_format: str, s3: Any) -> str | None:
     """What makes the s3:// data set unusable (missing, unreadable, empty), or None."""
     from botocore.exceptions import ClientError
 
+    try:
+        split_s3(uri)  # the contract's one rule of what S3 takes
+    except ValueError as exc:
+        return str(exc)
     bucket, _, key = uri.removeprefix("s3://").partition("/")
-    if not bucket:
-        return f"{uri!r}: an s3:// URI needs a bucket (s3://bucket/key or prefix/)"
     try:
         if key and not key.endswith("/"):
             try:
                 size = s3.head_object(Bucket=bucket, Key=key)["ContentLength"]
-                return None if size else f"{uri!r} is an empty object (0 bytes)"
+                return None if size else f"{quoted(uri)} is an empty object (0 bytes)"
             except ClientError as error:
                 if error.response["Error"]["Code"] not in _MISSING:
                     raise
             key += "/"  # no such object: a prefix, as the trainer reads it
         objects = [obj for obj in _list_objects(s3, bucket, key) if not obj["Key"].endswith("/")]
     except ClientError as error:
-        return (f"{uri!r} cannot be read from Airflow ({error.response['Error']['Code']}: "
+        return (f"{quoted(uri)} cannot be read from Airflow ({error.response['Error']['Code']}: "
                 f"{error.response['Error'].get('Message', '')}); it needs s3:ListBucket and "
                 "s3:GetObject on the data set (containers/k8s/iam-policy.json)")
     if not objects:
-        return f"{uri!r}: no object has that key or is under that prefix"
+        return f"{quoted(uri)}: no object has that key or is under that prefix"
     files = [obj for obj in objects if _data_file(obj["Key"][len(key):], dataset_format)]
     if not files:
-        return (f"{uri!r}: no data files under the prefix ({', '.join(DATA_SUFFIXES)}"
+        return (f"{quoted(uri)}: no data files under the prefix ({', '.join(DATA_SUFFIXES)}"
                 f"{'' if dataset_format == 'auto' else f' of dataset_format {dataset_format}'}; "
                 "hidden and _ files are skipped)")
     if not any(obj["Size"] for obj in files):
-        return f"{uri!r}: every data file under the prefix is empty (0 bytes)"
+        return f"{quoted(uri)}: every data file under the prefix is empty (0 bytes)"
     return None
 
 

@@ -44,6 +44,7 @@ from finetune_contract.fields import (
     ContractError,
     TrainConfig,
     eval_task_names,
+    hub_id_problem,
     quoted,
 )
 from finetune_contract.models import BUILTIN_MODELS, model_shape
@@ -55,7 +56,6 @@ log = logging.getLogger(__name__)
 Problems = list[tuple[str, str]]
 # Rows validate tokenizes to check lengths and counts; past this the trainer checks at start.
 MAX_ROWS_CHECKED = 200_000
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _HOST = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$")
 _SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]{1,253}$")
 
@@ -216,11 +216,12 @@ def _model_problems(cfg: RunConfig, in_pod: bool) -> Problems:
         if not isinstance(config, dict):
             return [("model", f"{quoted(cfg.model)}: config.json holds no JSON object")]
         return []
-    if _HUB_ID.match(cfg.model) and not cfg.model.startswith((".", "/", "~")):
+    hub_problem = hub_id_problem(cfg.model, namespaced=True)
+    if hub_problem is None:
         return []
     return [("model", f"{quoted(cfg.model)} is not a built-in config ("
              + ", ".join(BUILTIN_MODELS) + "), an existing model directory or a hub id "
-             "(org/name)")]
+             f"(org/name): as a hub id it {hub_problem}")]
 
 
 def _field_problems(cfg: RunConfig) -> Problems:
@@ -291,6 +292,12 @@ def _prometheus_problems(url: str) -> Problems:
         return [("prometheus_url", "holds credentials (user:password@): they would be stored "
                  "with the run and shown in its report. Put them in an Airflow HTTP connection "
                  "and name it in prometheus_conn_id")]
+    netloc = match[2]
+    if re.fullmatch(r"\[[^\]]*\]|[^:]*", netloc):
+        netloc += ":80"  # no port: the scheme's (any port passes what follows)
+    if host_port(netloc) is None:
+        return [("prometheus_url", "its host is not a host name or IP address, or its port is "
+                 "not 1-65535 (http(s)://host[:port][/path]; the value is not shown)")]
     return []
 
 

@@ -10,13 +10,12 @@ from __future__ import annotations
 import csv
 import json
 import math
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from finetune_contract.fields import TrainConfig, quoted
+from finetune_contract.fields import TrainConfig, hub_id_problem, quoted
 
 # A data file's format from its extension; jsonl and json are both read by `datasets`' json.
 FORMAT_BY_SUFFIX = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -29,7 +28,6 @@ ROW_PROBLEMS = (MALFORMED, MISSING, NOT_STRING, EMPTY, TOO_LONG)
 # Files one of which a tokenizer directory needs (fast tokenizers, sentencepiece, BPE, WordPiece).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
                    "spiece.model")
-_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # org/name or name, as the hub allows
 
 
 def dataset_source(dataset: str) -> str:
@@ -45,8 +43,8 @@ def dataset_source(dataset: str) -> str:
         exists = path.exists()
     except OSError:  # a name too long to look up is no file here
         exists = False
-    if exists or path.suffix.lower() in FORMAT_BY_SUFFIX or not _HUB_NAME.match(dataset) \
-            or dataset.startswith((".", "/", "~")):
+    if exists or path.suffix.lower() in FORMAT_BY_SUFFIX or hub_id_problem(dataset) is not None \
+            or dataset.startswith((".", "/", "~", "_")):
         return "local"
     return "hub"
 
@@ -115,17 +113,18 @@ def field_problem(columns: dict[str, str], row: dict[str, Any]) -> tuple[str, st
     for option, column in columns.items():
         value = row.get(column)
         if value is None:
-            return MISSING, f"{option}={column!r} is missing or null"
+            return MISSING, f"{option}={quoted(column)} is missing or null"
         if not isinstance(value, str):
-            return NOT_STRING, f"{option}={column!r} is a {type(value).__name__}, not a string"
+            return NOT_STRING, (f"{option}={quoted(column)} is a {type(value).__name__}, not "
+                                "a string")
         if not value.strip():
-            return EMPTY, f"{option}={column!r} is empty"
+            return EMPTY, f"{option}={quoted(column)} is empty"
     return None
 
 
 def missing_columns(cfg: TrainConfig, columns: list[str], where: str) -> list[tuple[str, str]]:
     """A (field, message) for each column the config names that the data does not have."""
-    return [(option, f"{option}={column!r} is not a column of {where} (columns: "
+    return [(option, f"{option}={quoted(column)} is not a column of {where} (columns: "
              f"{', '.join(columns) or 'none'})")
             for option, column in row_columns(cfg).items() if column not in columns]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -136,6 +137,113 @@ BOUNDS: dict[str, Bounds] = {
 }
 
 
+@dataclass(frozen=True)
+class Text:
+    """A text field's rule: at most `max_length` characters, all of it matching `pattern`
+    (`what` says what in words). An empty value is "not set": whether a field must be set is
+    its own rule (_REQUIRED_STRINGS, the target's)."""
+
+    max_length: int
+    pattern: str
+    what: str
+
+    def problem(self, value: str, shown: str) -> str | None:
+        """`shown`: the value as the message may show it (cut by `quoted`, or hidden)."""
+        if len(value) > self.max_length:
+            return f"{shown} is {len(value)} characters long; at most {self.max_length}"
+        if value and not re.fullmatch(self.pattern, value):
+            return f"{shown} is not {self.what}"
+        return None
+
+
+# No control character (NUL, newline, tab, DEL): no file system, S3 key or log line takes one.
+PRINTABLE = r"[^\x00-\x1f\x7f]+"
+PATH_MAX = 4096  # Linux's longest path
+_DNS_LABEL = r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?"
+_DNS_SUBDOMAIN = rf"{_DNS_LABEL}(\.{_DNS_LABEL})*"
+# An OCI image reference (the distribution spec's grammar): [host[:port]/]path[:tag][@digest],
+# each path part lowercase alphanumerics joined by '.', '_', '__' or dashes (so no '..').
+_IMAGE_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_HOST_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
+IMAGE_REFERENCE = (rf"(?:{_HOST_LABEL}(?:\.{_HOST_LABEL})*(?::[0-9]{{1,5}})?/)?"
+                   rf"{_IMAGE_COMPONENT}(?:/{_IMAGE_COMPONENT})*"
+                   r"(?::\w[\w.-]{0,127})?(?:@sha256:[0-9a-f]{64})?")
+# ECR's repository name rule (2-256 characters).
+ECR_REPOSITORY = r"(?:[a-z0-9]+(?:[._-][a-z0-9]+)*/)*[a-z0-9]+(?:[._-][a-z0-9]+)*"
+# Airflow's connection id rule (airflow.models.connection: RE_SANITIZE_CONN_ID, CONN_ID_MAX_LEN;
+# a test holds these to the installed Airflow's).
+CONN_ID = r"[\w#!()\-.:/\\]{1,}"
+CONN_ID_MAX_LEN = 250
+_CONN = Text(CONN_ID_MAX_LEN, CONN_ID, "an Airflow connection id (letters, digits and "
+             "#!()-.:/\\_)")
+_PATH = Text(PATH_MAX, PRINTABLE, "a path, s3:// URI or hub id without control characters "
+             "(NUL, newline, tab)")
+_COLUMN = Text(256, PRINTABLE, "a column name without control characters")
+_NAME = Text(253, _DNS_SUBDOMAIN, "a Kubernetes name (lowercase letters, digits, '-' and '.')")
+_LABEL = Text(63, _DNS_LABEL, "a DNS label (lowercase letters, digits and '-', starting and "
+              "ending with a letter or digit)")
+# The rule of every text field without a fixed set of values (CHOICES, or the form's enum).
+TEXTS: dict[str, Text] = {
+    "model": _PATH, "tokenizer": _PATH, "dataset": _PATH, "eval_dataset": _PATH,
+    "output_dir": _PATH,
+    "dataset_split": Text(128, r"[\w.\[\]:%+-]+", "a split name (letters, digits, '_', '.'; "
+                          "a slice such as train[:10%])"),
+    "text_field": _COLUMN, "prompt_field": _COLUMN, "response_field": _COLUMN,
+    "chosen_field": _COLUMN, "rejected_field": _COLUMN,
+    # what the value means (op, or k > 0) is selective_every's rule (rules.py)
+    "selective_ac": Text(16, r"\w+", "op or a positive integer k"),
+    # each name's own rule: rules.py (module names), field_problem (task names)
+    "lora_target_modules": Text(4096, PRINTABLE, "comma-separated module names"),
+    "eval_tasks": Text(4096, PRINTABLE, "comma-separated task names"),
+    "promotion_metric": Text(256, r"[\w.-]+", "a metric name (eval_loss, perplexity or "
+                             "<task>.<metric>)"),
+    # host:port, [ipv6]:port (a host name is at most 253 characters).
+    "rdzv_endpoint": Text(263, r"\S+", "host:port without spaces"),
+    # EKS's cluster and node group name rules.
+    "cluster_name": Text(100, r"[0-9A-Za-z][A-Za-z0-9_-]*", "an EKS cluster name (letters, "
+                         "digits, '-' and '_', starting with a letter or digit)"),
+    "nodegroup": Text(63, r"[0-9A-Za-z][A-Za-z0-9_-]*", "an EKS node group name (letters, "
+                      "digits, '-' and '_', starting with a letter or digit)"),
+    "namespace": _LABEL, "etcd_service": _LABEL,
+    "service_account": _NAME, "queue_name": _NAME,
+    # the distribution spec: a name of at most 255 characters, a tag of 128, a digest.
+    "image": Text(255 + 129 + 72, IMAGE_REFERENCE, "an image reference "
+                  "([registry[:port]/]repository[:tag][@sha256:digest]; path parts lowercase "
+                  "letters and digits joined by '.', '_' or '-', no '..')"),
+    "image_repository": Text(256, rf"(?=.{{2}}){ECR_REPOSITORY}", "an ECR repository name "
+                             "(2-256 lowercase letters, digits, '.', '_', '-', '/')"),
+    "build_bucket": Text(63, r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", "an S3 bucket name"),
+    "codebuild_role": Text(2048, r"arn:aws[a-z-]*:iam::\d{12}:role/[\w+=,.@/-]+",
+                           "an IAM role ARN (arn:aws:iam::<account>:role/<name>)"),
+    "aws_conn_id": _CONN, "kubernetes_conn_id": _CONN, "prometheus_conn_id": _CONN,
+    "volumes": Text(PATH_MAX, PRINTABLE, "claim:/mount/path pairs without control characters"),
+    "hf_token_secret": Text(253 + 1 + 253, r"\S+", "a Secret's name or name:key"),
+    "prometheus_url": Text(2048, r"https?://\S+", "an http(s):// URL"),
+}
+# A Hugging Face hub repo id (huggingface_hub's validate_repo_id): name or namespace/name, each
+# part at most 96 letters, digits, '_', '.' and '-', starting and ending with a letter, digit
+# or '_', no '--' or '..', not ending in .git.
+HUB_PART_MAX = 96
+_HUB_PART = re.compile(r"\w(?:[\w.-]{0,94}\w)?")
+
+
+def hub_id_problem(value: str, namespaced: bool = False) -> str | None:
+    """Why the hub would refuse `value` as a repo id (namespaced: org/name required), or None."""
+    parts = value.split("/")
+    if len(parts) > 2 or (namespaced and len(parts) != 2):
+        return "is not a hub id (org/name)" if namespaced else \
+            "is not a hub id (name or org/name)"
+    for part in parts:
+        if len(part) > HUB_PART_MAX:
+            return f"has a part of {len(part)} characters; the hub allows {HUB_PART_MAX}"
+        if not _HUB_PART.fullmatch(part):
+            return ("has a part that is not letters, digits, '_', '.' and '-' starting and "
+                    "ending with a letter, digit or '_'")
+    if "--" in value or ".." in value or value.endswith(".git"):
+        return "holds '--' or '..', or ends in .git, which the hub refuses"
+    return None
+
+
 def quoted(value: Any, limit: int = MAX_QUOTED) -> str:
     """repr(value), cut to `limit` characters with the length said, for error messages."""
     text = repr(value)
@@ -258,6 +366,10 @@ def field_problem(name: str, value: Any) -> str | None:
         return f"unknown value {quoted(value)}; allowed: {', '.join(CHOICES[name])}"
     if name in BOUNDS and not isinstance(value, str):
         return BOUNDS[name].problem(value)
+    if name in TEXTS and isinstance(value, str):
+        problem = TEXTS[name].problem(value, quoted(value))
+        if problem:
+            return problem
     if name in _REQUIRED_STRINGS and not value.strip():
         return "must not be empty"
     if name == "eval_tasks":

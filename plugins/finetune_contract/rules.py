@@ -10,7 +10,7 @@ from __future__ import annotations
 import ipaddress
 import re
 
-from finetune_contract.fields import TrainConfig, quoted
+from finetune_contract.fields import PRINTABLE, TrainConfig, quoted
 from finetune_contract.models import ModelShape
 
 Problems = list[tuple[str, str]]
@@ -72,13 +72,16 @@ def split_s3(uri: str) -> tuple[str, str]:
                          "(s3://bucket/key)")
     if "//" in key or len(key.encode()) > 1024:
         raise ValueError(f"{quoted(uri)}: the key has an empty part ('//') or is over 1024 bytes")
+    if not re.fullmatch(PRINTABLE, key):
+        raise ValueError(f"{quoted(uri)}: the key holds a control character (NUL, newline, tab, "
+                         "DEL); S3 tools and logs cannot carry it")
     return bucket, key
 
 
 def path_problem(path: str) -> str | None:
     """Why no file system would hold this path (a NUL byte, a name over 255 bytes), or None."""
-    if "\0" in path:
-        return "holds a NUL byte"
+    if path and not re.fullmatch(PRINTABLE, path):
+        return "holds a control character (NUL, newline, tab, DEL)"
     for part in path.split("/"):
         if len(part.encode()) > MAX_NAME_BYTES:
             return (f"has a name of {len(part.encode())} bytes ({quoted(part, 40)}); file systems "

@@ -34,6 +34,8 @@ from finetune.config import RunConfig
 from finetune.image import context_files, image_tag
 from finetune.targets.eks.clients import adopt_or_create, create_or_replace, delete_object
 from finetune.targets.eks.manifests import APP, LABEL_APP
+from finetune_contract.fields import quoted
+from finetune_contract.rules import bucket_problem
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +66,6 @@ BUILD_RESOURCES = {"requests": {"cpu": "4", "memory": "16Gi", "ephemeral-storage
 _ECR_URI = re.compile(r"^(?P<account>\d{12})\.dkr\.ecr\.(?P<region>[a-z0-9-]+)\.amazonaws\.com"
                       r"(?:\.cn)?/(?P<repo>[a-z0-9._/-]+?)(?::(?P<tag>[\w][\w.-]{0,127}))?"
                       r"(?:@(?P<digest>sha256:[0-9a-f]{64}))?$")
-_IMAGE_REF = re.compile(r"^(?:[\w.-]+(?::\d+)?/)?[a-z0-9._/-]+(?::[\w][\w.-]{0,127})?"
-                        r"(?:@sha256:[0-9a-f]{64})?$")
-_ECR_REPOSITORY = re.compile(r"^(?:[a-z0-9]+(?:[._-][a-z0-9]+)*/)*[a-z0-9]+(?:[._-][a-z0-9]+)*$")
-_S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
-_ROLE_ARN = re.compile(r"^arn:aws[a-z-]*:iam::\d{12}:role/[\w+=,.@/-]+$")
 
 
 class ImageBuildError(RuntimeError):
@@ -84,30 +81,27 @@ def effective_builder(image: str, image_builder: str) -> str:
 
 
 def image_param_errors(values: dict[str, Any]) -> list[tuple[str, str]]:
-    """Validate-time checks of the image params on eks: (field, message) per problem."""
+    """Validate-time checks of the image params on eks: (field, message) per problem. Each
+    value's own form (an image reference, an ECR repository name, a role ARN) is the contract's
+    text rule (finetune_contract.fields.TEXTS), checked before this; here: what the builder
+    needs."""
     builder = effective_builder(values["image"], values["image_builder"])
     if builder == "prebuilt":
         if not values["image"]:
             return [("image", "is required with image_builder prebuilt: the image reference "
                      "(registry/repository:tag)")]
-        if not _IMAGE_REF.match(values["image"]):
-            return [("image", f"{values['image']!r} is not an image reference "
-                     "(registry/repository:tag or @sha256:digest)")]
         return []
     errors = []
-    repo = values["image_repository"]
-    if not (2 <= len(repo) <= 256 and _ECR_REPOSITORY.match(repo)):
-        errors.append(("image_repository", f"{repo!r} is not an ECR repository name "
-                       "(lowercase letters, digits, '.', '_', '-', '/')"))
     bucket = values["build_bucket"]
     if not bucket:
         errors.append(("build_bucket", f"is required to build the image with {builder}: the S3 "
                        "bucket for the build context (or set image to a prebuilt image)"))
-    elif not _S3_BUCKET.match(bucket) or ".." in bucket:
-        errors.append(("build_bucket", f"{bucket!r} is not an S3 bucket name"))
-    if builder == "codebuild" and not _ROLE_ARN.match(values["codebuild_role"]):
+    elif bucket_problem(bucket):
+        errors.append(("build_bucket", f"{quoted(bucket)} is not an S3 bucket name "
+                       f"({bucket_problem(bucket)})"))
+    if builder == "codebuild" and not values["codebuild_role"]:
         errors.append(("codebuild_role", "is required with image_builder codebuild: the IAM "
-                       f"role ARN the project runs as, got {values['codebuild_role']!r}"))
+                       "role ARN the project runs as"))
     return errors
 
 

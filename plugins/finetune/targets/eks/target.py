@@ -90,6 +90,7 @@ from finetune.targets.eks.triggers import (
     NodegroupActiveTrigger,
     NodesReadyTrigger,
 )
+from finetune_contract.fields import quoted
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +106,8 @@ def _pod_problems(values: dict[str, Any]) -> list[tuple[str, str]]:
     errors = []
     for field in ("service_account", "queue_name"):
         if values[field] and not DNS_SUBDOMAIN.match(values[field]):
-            errors.append((field, f"{values[field][:80]!r} is not a Kubernetes name (lowercase "
-                           "letters, digits, '-' and '.')"))
+            errors.append((field, f"{quoted(values[field])} is not a Kubernetes name "
+                           "(lowercase letters, digits, '-' and '.')"))
     try:
         mounts = [path for _, path in parse_volumes(values["volumes"])]
     except ValueError as exc:
@@ -115,7 +116,7 @@ def _pod_problems(values: dict[str, Any]) -> list[tuple[str, str]]:
         path = values[field]
         if path.startswith("/") and not path.startswith("/app/") and not any(
                 path == m or path.startswith(m + "/") for m in mounts):
-            errors.append((field, f"{path[:80]!r} is on no volume the pods mount ("
+            errors.append((field, f"{quoted(path)} is on no volume the pods mount ("
                            + (", ".join(mounts) or "volumes is empty") + "): mount its "
                            "PersistentVolumeClaim with volumes, or use s3://"))
     return errors
@@ -162,11 +163,11 @@ class EksTarget(Target):
                            "float8 to false"))
         for field in ("namespace", "etcd_service"):
             if not DNS_LABEL.match(values[field]):
-                errors.append((field, f"{values[field]!r} is not a DNS label (lowercase "
+                errors.append((field, f"{quoted(values[field])} is not a DNS label (lowercase "
                                "letters, digits and '-', at most 63)"))
         out = values["output_dir"]
         if not (out.startswith("s3://") or out.startswith("/")):
-            errors.append(("output_dir", f"{out[:80]!r}: on eks give s3://bucket/prefix or an "
+            errors.append(("output_dir", f"{quoted(out)}: on eks give s3://bucket/prefix or an "
                            "absolute path the pods mount (volumes)"))
         if values["rdzv_backend"] == "c10d" and values["metrics_port"] == C10D_PORT:
             errors.append(("metrics_port", f"{C10D_PORT} is the c10d rendezvous port on worker "
