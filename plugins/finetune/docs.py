@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.config import PARAM_SPECS, SECRET_FIELDS, ParamSpec
-from finetune_contract.fields import BOUNDS, Bounds, TrainConfig
+from finetune_contract.fields import BOUNDS, TEXTS, Bounds, TrainConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PAGE = REPO_ROOT / "docs" / "parameters.md"
@@ -82,7 +82,9 @@ def _allowed(spec: ParamSpec, schema: dict[str, Any]) -> str:
         return f"integer, {text}" if text else "integer"
     if spec.type == "number":
         return f"number, {text}" if text else "number"
-    return "text, may be empty" if spec.default == "" else "text"
+    rule = TEXTS.get(spec.name)
+    text = "text, may be empty" if spec.default == "" else "text"
+    return f"{text}; {rule.what}, at most {rule.max_length} characters" if rule else text
 
 
 def _sections() -> dict[str, list[ParamSpec]]:
