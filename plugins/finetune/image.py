@@ -1,4 +1,5 @@
-"""The trainer image's content-addressed tag and the environment a run uses."""
+"""The trainer image's content-addressed tags (the base's and the trainer's) and the environment a
+run uses."""
 
 from __future__ import annotations
 
@@ -13,6 +14,11 @@ from finetune import REPO_ROOT
 # What goes into the trainer image: the tag changes exactly when one of these files does. The
 # run contract is the trainer's too (it checks its config with it at start).
 IMAGE_CONTEXT = ("trainer", "plugins/finetune_contract", "containers")
+# The base image (CUDA, EFA, aws-ofi-nccl, python3) is built from this folder alone.
+BASE_CONTEXT = ("containers/trainer-base",)
+TRAINER_DOCKERFILE = "containers/trainer/Dockerfile"
+BASE_DOCKERFILE = "containers/trainer-base/Dockerfile"
+BASE_TAG_PREFIX = "base-"
 _SKIP_DIRS = {"__pycache__", ".pytest_cache", ".ruff_cache"}
 _SKIP_SUFFIXES = {".pyc", ".pyo"}
 
@@ -42,8 +48,17 @@ def content_hash(root: Path = REPO_ROOT, parts: tuple[str, ...] = IMAGE_CONTEXT)
     return digest.hexdigest()
 
 
-def image_tag(root: Path = REPO_ROOT) -> str:
-    return content_hash(root)[:16]
+def base_tag(root: Path = REPO_ROOT) -> str:
+    """The base image's tag: the content hash of its folder (it lives in the trainer's repository,
+    so the prefix keeps the two apart)."""
+    return BASE_TAG_PREFIX + content_hash(root, BASE_CONTEXT)[:16]
+
+
+def image_tag(root: Path = REPO_ROOT, base: str | None = None) -> str:
+    """The trainer image's tag: the hash of its context and of the base it is built FROM (`base`,
+    a reference; by default the pipeline's own base, `base_tag`)."""
+    base = base or base_tag(root)
+    return hashlib.sha256(f"{content_hash(root)}\0base\0{base}".encode()).hexdigest()[:16]
 
 
 ENVIRONMENT_PACKAGES = ("torch", "transformers", "datasets", "tokenizers", "safetensors",

@@ -1,5 +1,6 @@
-"""The trainer Dockerfile parses and names only pinned versions (no container engine runs here:
-this checks the file, it does not build the image)."""
+"""The trainer's two Dockerfiles parse and name only pinned versions. The base's (CUDA, EFA,
+aws-ofi-nccl) cannot be built here (no nvidia/cuda image, no EFA download): this file is what checks
+it. The trainer's is also built and run on a Debian base by tests/eks/test_image_buildah.py."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ from pathlib import Path
 import pytest
 from dockerfile_parse import DockerfileParser
 
-from finetune.image import IMAGE_CONTEXT
+from finetune.image import BASE_DOCKERFILE, IMAGE_CONTEXT, TRAINER_DOCKERFILE
 
 REPO = Path(__file__).resolve().parents[2]
-DOCKERFILE = REPO / "containers" / "trainer" / "Dockerfile"
+DOCKERFILE = REPO / TRAINER_DOCKERFILE
+BASE = REPO / BASE_DOCKERFILE
+# Global ARGs without a default that every builder passes (and the trainer's tag hashes).
+SUPPLIED_ARGS = ("BASE_IMAGE",)
 _PINNED_REQUIREMENT = re.compile(r"^[A-Za-z0-9][\w.\-\[\],]*==[\w.+!-]+$")
 
 
@@ -22,10 +26,12 @@ def _substitute(text: str, args: dict[str, str]) -> str:
     return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: args.get(m[1] or m[2], m[0]), text)
 
 
-def pinning_problems(dockerfile: str, requirements: dict[str, str]) -> list[str]:
+def pinning_problems(dockerfile: str, requirements: dict[str, str],
+                     supplied: tuple[str, ...] = ()) -> list[str]:
     """Every reason the Dockerfile's FROM images, ARG versions or pip installs are not pinned.
 
-    `requirements` maps the files a `pip install -r` may name to their text."""
+    `requirements` maps the files a `pip install -r` may name to their text; `supplied` names the
+    global ARGs the builders always pass (pinned by them)."""
     # A file object: given none, the parser writes ./Dockerfile.
     parser = DockerfileParser(fileobj=io.BytesIO(dockerfile.encode()))
     problems: list[str] = []
@@ -43,7 +49,7 @@ def pinning_problems(dockerfile: str, requirements: dict[str, str]) -> list[str]
                 problems.append(f"ARG {name} = {default!r} names 'latest'")
             if name.endswith("_VERSION") and not re.match(r"^\d+(\.\d+)+$", default):
                 problems.append(f"ARG {name} = {default!r} is not an exact version")
-        elif kind == "ARG" and not seen_from:
+        elif kind == "ARG" and not seen_from and value.strip() not in supplied:
             problems.append(f"global ARG {value} has no default: FROM would be unpinned")
         elif kind == "FROM":
             seen_from = True
@@ -51,7 +57,7 @@ def pinning_problems(dockerfile: str, requirements: dict[str, str]) -> list[str]
             image = _substitute(words[0], args)
             if len(words) >= 3 and words[1].upper() == "AS":
                 stages.add(words[2])
-            if image in stages:
+            if image in stages or image.strip("${}") in supplied:
                 continue
             if "$" in image:
                 problems.append(f"FROM {words[0]}: unresolved build argument")
@@ -99,8 +105,16 @@ def shipped_requirements() -> dict[str, str]:
             if src.endswith("requirements.txt")}
 
 
-def test_trainer_dockerfile_pins_every_base_image_version_and_package():
-    assert pinning_problems(DOCKERFILE.read_text(), shipped_requirements()) == []
+def test_trainer_and_base_dockerfiles_pin_every_image_version_and_package():
+    assert pinning_problems(DOCKERFILE.read_text(), shipped_requirements(), SUPPLIED_ARGS) == []
+    assert pinning_problems(BASE.read_text(), {}) == []
+
+
+def test_trainer_image_is_built_from_the_supplied_base_only():
+    parser = DockerfileParser(str(DOCKERFILE))
+    froms = [i["value"] for i in parser.structure if i["instruction"] == "FROM"]
+    assert froms == ["${BASE_IMAGE}"]
+    assert re.search(r"^ARG BASE_IMAGE$", DOCKERFILE.read_text(), re.M)  # no default to drift
 
 
 def test_trainer_image_installs_the_torch_the_trainer_pins():
@@ -111,15 +125,24 @@ def test_trainer_image_installs_the_torch_the_trainer_pins():
     assert pinned in reqs.values()
 
 
-def test_trainer_image_has_efa_aws_ofi_nccl_a_cuda_base_and_a_non_root_user():
+def test_base_image_has_cuda_efa_checked_by_its_checksum_and_aws_ofi_nccl():
+    content = BASE.read_text()
+    for name in ("CUDA_VERSION", "EFA_INSTALLER_VERSION", "AWS_OFI_NCCL_VERSION"):
+        assert re.search(rf"^ARG {name}=\d", content, re.M), name
+    assert re.search(r"^ARG EFA_INSTALLER_SHA256=[0-9a-f]{64}$", content, re.M)
+    # Both downloads of the installer are checked against the pinned checksum.
+    assert content.count("efa_installer.sh") == content.count("sha256sum -c") == 2
+    assert "--with-libfabric=/opt/amazon/efa" in content
+    assert "nvidia/cuda:" in content and "ubuntu" in content
+    assert "python3-venv" in content  # what the trainer image needs of its base
+    assert not re.search(r"^COPY\s+(?!--from)", content, re.M)  # nothing from the context
+
+
+def test_trainer_image_has_a_venv_and_a_non_root_user():
     parser = DockerfileParser(str(DOCKERFILE))
     args = parser.args  # the final stage's
     content = DOCKERFILE.read_text()
-    for name in ("CUDA_VERSION", "EFA_INSTALLER_VERSION", "AWS_OFI_NCCL_VERSION"):
-        assert re.search(rf"^ARG {name}=\d", content, re.M), name
-    assert "efa_installer.sh" in content and "sha256sum -c" in content
-    assert "--with-libfabric=/opt/amazon/efa" in content
-    assert "nvidia/cuda:" in content and "ubuntu" in content
+    assert "python3 -m venv /opt/venv" in content
     user = [i["value"] for i in parser.structure if i["instruction"] == "USER"]
     assert user and user[-1] not in ("root", "0")
     assert args["TRAINER_UID"] != "0"
@@ -129,20 +152,22 @@ def test_trainer_image_has_efa_aws_ofi_nccl_a_cuda_base_and_a_non_root_user():
     assert sources and all(s.startswith(context) for s in sources)
 
 
-def test_dockerignore_sits_beside_the_dockerfile():
+def test_dockerignore_sits_beside_each_dockerfile():
     ignore = (DOCKERFILE.parent / "Dockerfile.dockerignore").read_text().split()
     assert "**/__pycache__" in ignore and "tests" in ignore
+    assert "*" in (BASE.parent / "Dockerfile.dockerignore").read_text().split()
 
 
 @pytest.mark.parametrize(("snippet", "needle"), [
     ("FROM python:latest\n", "no pinned tag"),
     ("FROM python\n", "no pinned tag"),
     ("ARG BASE\nFROM ${BASE}\n", "no default"),
+    ("ARG BASE_IMAGE\nARG OTHER\nFROM ${BASE_IMAGE}\n", "OTHER has no default"),
     ("ARG EFA_INSTALLER_VERSION=latest\nFROM python:3.12\n", "latest"),
     ("FROM python:3.12\nRUN pip install torch\n", "pip install torch"),
     ("FROM python:3.12\nRUN pip install -U transformers==5.0 accelerate\n", "accelerate"),
     ("FROM python:3.12\nRUN pip install -r /tmp/req.txt\n", "torch>=2"),
 ])
 def test_pin_check_catches_unpinned_versions(snippet, needle):
-    problems = pinning_problems(snippet, {"/tmp/req.txt": "torch>=2\n"})
+    problems = pinning_problems(snippet, {"/tmp/req.txt": "torch>=2\n"}, SUPPLIED_ARGS)
     assert any(needle in p for p in problems), problems

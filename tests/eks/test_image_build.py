@@ -23,8 +23,9 @@ import kubernetes_validate
 import pytest
 
 from finetune.config import ConfigError, RunConfig
-from finetune.image import context_files, image_tag
+from finetune.image import BASE_DOCKERFILE, TRAINER_DOCKERFILE, base_tag, context_files, image_tag
 from finetune.targets.eks.image_build import (
+    BASE_BUILD_CONTAINER,
     BUILD_CONTAINER,
     BUILDKIT_IMAGE,
     FETCH_CONTAINER,
@@ -151,11 +152,14 @@ def test_missing_repository_is_created_with_scan_on_push_and_immutable_tags(sess
 
 def test_build_job_is_a_valid_kubernetes_job_with_the_context_and_secret_wired():
     ref, url = "123456789012.dkr.ecr.us-east-1.amazonaws.com/ft:0123abcd", "https://s3/x?sig=1"
+    base = "123456789012.dkr.ecr.us-east-1.amazonaws.com/ft:base-0123"
     job = buildkit_job_manifest("finetune-image-0123abcd", NS, ref, url, "reg-auth",
-                                {"app": "x"})
+                                {"app": "x"}, base_ref=base, build_base=False)
     kubernetes_validate.validate(job, K8S_VERSION, strict=True)
     pod = job["spec"]["template"]["spec"]
     (fetch,), (build,) = pod["initContainers"], pod["containers"]
+    assert f"build-arg:BASE_IMAGE={base}" in build["args"]
+    assert f"filename={TRAINER_DOCKERFILE.rsplit('/', 1)[1]}" in build["args"]
     assert fetch["name"] == FETCH_CONTAINER
     assert {"name": "CONTEXT_URL", "value": url} in fetch["env"]
     assert url not in " ".join(fetch["command"])  # passed by variable, not pasted in a script
@@ -201,10 +205,43 @@ def test_buildkit_build_pushes_verifies_and_deletes_the_secret(session, kube):
     # The init container's URL serves exactly the image context.
     job = controller.job
     assert job["metadata"]["name"] == build_job_name(tag)
+    # No base in ECR yet: the Job builds it first, and the trainer FROM it.
+    init = job["spec"]["template"]["spec"]["initContainers"]
+    assert [c["name"] for c in init] == [FETCH_CONTAINER, BASE_BUILD_CONTAINER]
+    assert result["base_image"] == result["image"].rsplit(":", 1)[0] + ":" + base_tag()
     url = job["spec"]["template"]["spec"]["initContainers"][0]["env"][0]["value"]
     with urllib.request.urlopen(url, timeout=10) as resp:
         archive = tarfile.open(fileobj=io.BytesIO(resp.read()), mode="r:gz")
     assert archive.getnames() == [p.as_posix() for p in context_files()]
+
+
+def test_build_job_builds_the_missing_base_first_then_the_trainer_from_it():
+    ref, base = "1.dkr.ecr.us-east-1.amazonaws.com/ft:0123abcd", "1.dkr.ecr/ft:base-0123"
+    job = buildkit_job_manifest("finetune-image-0123abcd", NS, ref, "https://s3/x", "reg-auth",
+                                {"app": "x"}, base_ref=base, build_base=True)
+    kubernetes_validate.validate(job, K8S_VERSION, strict=True)
+    pod = job["spec"]["template"]["spec"]
+    (fetch, base_build), (build,) = pod["initContainers"], pod["containers"]
+    assert fetch["name"] == FETCH_CONTAINER and base_build["name"] == BASE_BUILD_CONTAINER
+    assert f"type=image,name={base},push=true" in base_build["args"]
+    assert f"--local dockerfile=/workspace/{BASE_DOCKERFILE.rsplit('/', 1)[0]}" in \
+        " ".join(base_build["args"])
+    assert base_build["volumeMounts"] == build["volumeMounts"]  # the same context and auth
+    assert f"build-arg:BASE_IMAGE={base}" in build["args"]
+
+
+def test_base_already_in_ecr_is_not_built_again(session, kube):
+    ecr = session.client("ecr")
+    ensure_repository(ecr, REPO_NAME)
+    push(session, base_tag())
+    controller = JobController(kube, session)
+    controller.start()
+    result = run_stage("build_image", build_config())
+    controller.join(5)
+    uri = "123456789012.dkr.ecr.us-east-1.amazonaws.com/" + REPO_NAME
+    assert result["built"] is True and result["base_image"] == f"{uri}:{base_tag()}"
+    init = controller.job["spec"]["template"]["spec"]["initContainers"]
+    assert [c["name"] for c in init] == [FETCH_CONTAINER]
 
 
 def test_failed_build_fails_with_the_log_tail_and_deletes_the_secret(session, kube):
@@ -263,7 +300,10 @@ def test_codebuild_project_builds_the_s3_context_and_the_tag_is_verified(session
     key = f"finetune-build-context/{image_tag()}.zip"
     assert project["source"]["type"] == "S3"
     assert project["source"]["location"] == f"{BUCKET}/{key}"
-    assert 'docker push "$IMAGE_URI"' in project["source"]["buildspec"]
+    spec = project["source"]["buildspec"]
+    assert 'docker push "$IMAGE_URI"' in spec and 'docker push "$BASE_IMAGE"' in spec
+    assert f'--file {TRAINER_DOCKERFILE} --build-arg BASE_IMAGE="$BASE_IMAGE"' in spec
+    assert f"--file {BASE_DOCKERFILE}" in spec
     assert project["environment"]["privilegedMode"] is True
     assert project["serviceRole"] == ROLE
     body = session.client("s3").get_object(Bucket=BUCKET, Key=key)["Body"].read()

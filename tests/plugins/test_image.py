@@ -1,6 +1,6 @@
 """The image tag is the content hash of trainer/ and containers/."""
 
-from finetune.image import content_hash, image_tag, local_environment
+from finetune.image import base_tag, content_hash, image_tag, local_environment
 
 
 def test_same_tree_gives_the_same_hash(repo_copy):
@@ -31,9 +31,21 @@ def test_files_outside_the_context_and_bytecode_do_not_change_the_hash(repo_copy
     assert content_hash(repo_copy) == before
 
 
-def test_tag_is_a_short_prefix_of_the_hash():
-    tag = image_tag()
-    assert len(tag) == 16 and content_hash().startswith(tag)
+def test_trainer_tag_changes_with_its_base_reference(repo_copy):
+    tag = image_tag(repo_copy)
+    assert len(tag) == 16 and tag == image_tag(repo_copy, base_tag(repo_copy))
+    assert image_tag(repo_copy, "localhost/finetune-base:debian") != tag
+
+
+def test_base_tag_changes_only_with_the_base_folder(repo_copy):
+    base, trainer = base_tag(repo_copy), image_tag(repo_copy)
+    assert base.startswith("base-") and len(base) == 21
+    (repo_copy / "trainer" / "train.py").write_text("# changed\n")
+    assert base_tag(repo_copy) == base and image_tag(repo_copy) != trainer
+    changed = image_tag(repo_copy)
+    dockerfile = repo_copy / "containers" / "trainer-base" / "Dockerfile"
+    dockerfile.write_text(dockerfile.read_text() + "# changed\n")
+    assert base_tag(repo_copy) != base and image_tag(repo_copy) != changed
 
 
 def test_environment_records_the_training_stack():

@@ -1,7 +1,10 @@
 """The trainer image for the eks target: build it once per content hash, push it to ECR, verify.
 
-- The tag is `image.image_tag()`, the content hash of trainer/ and containers/; the ECR repository
-  is created when missing (scan on push, immutable tags); a tag already in ECR skips the build.
+- Two images in the run's ECR repository: the base (containers/trainer-base/: CUDA, EFA,
+  aws-ofi-nccl; tag `image.base_tag()`, built only when missing) and the trainer FROM it
+  (containers/trainer/; tag `image.image_tag()`, the content hash of trainer/, the contract and
+  containers/ with the base's reference). The repository is created when missing (scan on push,
+  immutable tags); a trainer tag already in ECR skips the build.
 - Builders (param `image_builder`; a set `image` param means `prebuilt`):
   - `buildkit`: the build context goes to S3 as tar.gz; a Kubernetes Job runs rootless BuildKit
     (daemonless), its init container fetches the context through a presigned URL, and the push
@@ -31,7 +34,7 @@ from typing import Any
 
 from finetune import REPO_ROOT
 from finetune.config import RunConfig
-from finetune.image import context_files, image_tag
+from finetune.image import BASE_DOCKERFILE, TRAINER_DOCKERFILE, base_tag, context_files, image_tag
 from finetune.targets.eks.clients import adopt_or_create, create_or_replace, delete_object
 from finetune.targets.eks.manifests import APP, LABEL_APP
 from finetune_contract.fields import quoted
@@ -45,12 +48,12 @@ CONTEXT_FETCH_IMAGE = "busybox:1.37.0"
 CODEBUILD_IMAGE = "aws/codebuild/amazonlinux-x86_64-standard:5.0"
 CODEBUILD_COMPUTE = "BUILD_GENERAL1_LARGE"
 
-DOCKERFILE = "containers/trainer/Dockerfile"
 CONTEXT_PREFIX = "finetune-build-context"
 # The Job may wait for a node before its init container fetches the context.
 CONTEXT_URL_TTL_S = 2 * 3600
 BUILD_TIMEOUT_S = 3 * 3600
 BUILD_CONTAINER = "buildkit"
+BASE_BUILD_CONTAINER = "buildkit-base"
 FETCH_CONTAINER = "fetch-context"
 WORKSPACE = "/workspace"
 # Rootless BuildKit runs as uid 1000 with this home (moby/buildkit's rootless image).
@@ -162,10 +165,22 @@ def registry_secret_manifest(name: str, namespace: str, config_json: str,
     }
 
 
+def buildctl_args(dockerfile: str, image_ref: str, build_args: dict[str, str]) -> list[str]:
+    """`buildctl build` of one Dockerfile of the fetched context, pushed as `image_ref`."""
+    dockerfile_dir, dockerfile_name = dockerfile.rsplit("/", 1)
+    return ["build", "--frontend", "dockerfile.v0",
+            "--local", f"context={WORKSPACE}",
+            "--local", f"dockerfile={WORKSPACE}/{dockerfile_dir}",
+            "--opt", f"filename={dockerfile_name}",
+            *[a for k, v in sorted(build_args.items()) for a in ("--opt", f"build-arg:{k}={v}")],
+            "--output", f"type=image,name={image_ref},push=true"]
+
+
 def buildkit_job_manifest(name: str, namespace: str, image_ref: str, context_url: str,
-                          secret_name: str, labels: dict[str, str], *,
-                          deadline_s: int = BUILD_TIMEOUT_S) -> dict[str, Any]:
-    """A Job that fetches the context from S3 and builds and pushes it with rootless BuildKit."""
+                          secret_name: str, labels: dict[str, str], *, base_ref: str,
+                          build_base: bool, deadline_s: int = BUILD_TIMEOUT_S) -> dict[str, Any]:
+    """A Job that fetches the context from S3 and builds and pushes it with rootless BuildKit:
+    the base first (an init container, when `build_base`), then the trainer FROM it."""
     rootless = {"runAsUser": BUILDKIT_UID, "runAsGroup": BUILDKIT_UID, "runAsNonRoot": True}
     fetch = {
         "name": FETCH_CONTAINER,
@@ -177,16 +192,11 @@ def buildkit_job_manifest(name: str, namespace: str, image_ref: str, context_url
         "securityContext": {**rootless, "allowPrivilegeEscalation": False},
         "volumeMounts": [{"name": "workspace", "mountPath": WORKSPACE}],
     }
-    dockerfile_dir, dockerfile_name = DOCKERFILE.rsplit("/", 1)
     build = {
         "name": BUILD_CONTAINER,
         "image": BUILDKIT_IMAGE,
         "command": ["buildctl-daemonless.sh"],
-        "args": ["build", "--frontend", "dockerfile.v0",
-                 "--local", f"context={WORKSPACE}",
-                 "--local", f"dockerfile={WORKSPACE}/{dockerfile_dir}",
-                 "--opt", f"filename={dockerfile_name}",
-                 "--output", f"type=image,name={image_ref},push=true"],
+        "args": buildctl_args(TRAINER_DOCKERFILE, image_ref, {"BASE_IMAGE": base_ref}),
         "env": [
             # No user namespaces for the build's RUN steps inside an unprivileged pod.
             {"name": "BUILDKITD_FLAGS", "value": "--oci-worker-no-process-sandbox"},
@@ -201,6 +211,8 @@ def buildkit_job_manifest(name: str, namespace: str, image_ref: str, context_url
             {"name": "buildkitd", "mountPath": f"{BUILDKIT_HOME}/.local/share/buildkit"},
         ],
     }
+    base = {**build, "name": BASE_BUILD_CONTAINER,
+            "args": buildctl_args(BASE_DOCKERFILE, base_ref, {})}
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -215,7 +227,7 @@ def buildkit_job_manifest(name: str, namespace: str, image_ref: str, context_url
                 "spec": {
                     "restartPolicy": "Never",
                     "automountServiceAccountToken": False,
-                    "initContainers": [fetch],
+                    "initContainers": [fetch, base] if build_base else [fetch],
                     "containers": [build],
                     "volumes": [
                         {"name": "workspace", "emptyDir": {}},
@@ -231,7 +243,8 @@ def buildkit_job_manifest(name: str, namespace: str, image_ref: str, context_url
 
 
 def buildspec() -> str:
-    """CodeBuild's steps; the image URI and registry come in as environment variables."""
+    """CodeBuild's steps; the image URIs, the registry and whether the base is built (BUILD_BASE
+    1 or 0) come in as environment variables."""
     return (
         "version: 0.2\n"
         "env:\n"
@@ -242,7 +255,10 @@ def buildspec() -> str:
         "    commands:\n"
         '      - aws ecr get-login-password --region "$AWS_REGION" | docker login --username AWS'
         ' --password-stdin "$REGISTRY"\n'
-        f'      - docker build --file {DOCKERFILE} --tag "$IMAGE_URI" .\n'
+        f'      - if [ "$BUILD_BASE" = 1 ]; then docker build --file {BASE_DOCKERFILE}'
+        ' --tag "$BASE_IMAGE" . && docker push "$BASE_IMAGE"; fi\n'
+        f'      - docker build --file {TRAINER_DOCKERFILE} --build-arg BASE_IMAGE="$BASE_IMAGE"'
+        ' --tag "$IMAGE_URI" .\n'
         '      - docker push "$IMAGE_URI"\n'
     )
 
@@ -300,13 +316,17 @@ def start_image(cfg: RunConfig, session: Any, kube_api: Callable[[], Any], *,
     ecr = session.client("ecr")
     if builder == "prebuilt":
         return {**use_prebuilt(session, cfg.image), "pending": None}
-    tag = image_tag(root)
-    ref = f"{ensure_repository(ecr, cfg.image_repository)}:{tag}"
-    result = {"image": ref, "image_tag": tag, "builder": builder, "built": False}
+    tag, base = image_tag(root), base_tag(root)
+    repository_uri = ensure_repository(ecr, cfg.image_repository)
+    ref, base_ref = f"{repository_uri}:{tag}", f"{repository_uri}:{base}"
+    result = {"image": ref, "image_tag": tag, "base_image": base_ref, "builder": builder,
+              "built": False}
     digest = image_digest(ecr, cfg.image_repository, tag)
     if digest:
         log.info("image %s is already in ECR (%s): build skipped", ref, digest)
         return {**result, "digest": digest, "pending": None}
+    build_base = image_digest(ecr, cfg.image_repository, base) is None
+    log.info("base image %s: %s", base_ref, "to build" if build_base else "in ECR, reused")
     fmt = "tar.gz" if builder == "buildkit" else "zip"  # CodeBuild's S3 source must be a zip
     key = context_key(tag, fmt)
     s3 = session.client("s3")
@@ -315,9 +335,11 @@ def start_image(cfg: RunConfig, session: Any, kube_api: Callable[[], Any], *,
     if builder == "buildkit":
         url = s3.generate_presigned_url("get_object", ExpiresIn=CONTEXT_URL_TTL_S,
                                         Params={"Bucket": cfg.build_bucket, "Key": key})
-        pending = start_buildkit(kube_api(), ecr, cfg.namespace, ref, tag, url, timeout=timeout)
+        pending = start_buildkit(kube_api(), ecr, cfg.namespace, ref, tag, url, base_ref=base_ref,
+                                 build_base=build_base, timeout=timeout)
     else:
-        pending = start_codebuild(session, cfg, ref, key, timeout=timeout)
+        pending = start_codebuild(session, cfg, ref, key, base_ref=base_ref,
+                                  build_base=build_base, timeout=timeout)
     return {**result, "pending": pending}
 
 
@@ -374,6 +396,7 @@ def use_prebuilt(session: Any, image: str) -> dict[str, Any]:
 
 
 def start_buildkit(api: Any, ecr: Any, namespace: str, ref: str, tag: str, context_url: str, *,
+                   base_ref: str, build_base: bool,
                    timeout: float = BUILD_TIMEOUT_S) -> dict[str, Any]:
     """Hand over ECR's push credentials as a Secret and create (or adopt) the BuildKit Job."""
     import kubernetes
@@ -389,7 +412,8 @@ def start_buildkit(api: Any, ecr: Any, namespace: str, ref: str, tag: str, conte
                       secret_manifest)
     try:
         _create_or_adopt_job(batch, buildkit_job_manifest(
-            name, namespace, ref, context_url, secret, labels, deadline_s=int(timeout)))
+            name, namespace, ref, context_url, secret, labels, base_ref=base_ref,
+            build_base=build_base, deadline_s=int(timeout)))
     except BaseException:
         delete_registry_secret(core, namespace, secret)
         raise
@@ -505,8 +529,8 @@ def _delete_job(batch: Any, namespace: str, name: str, wait: bool = False) -> No
         lambda: batch.read_namespaced_job(name, namespace), wait=wait, timeout=60.0)
 
 
-def start_codebuild(session: Any, cfg: RunConfig, ref: str, key: str, *,
-                    timeout: float = BUILD_TIMEOUT_S) -> dict[str, Any]:
+def start_codebuild(session: Any, cfg: RunConfig, ref: str, key: str, *, base_ref: str,
+                    build_base: bool, timeout: float = BUILD_TIMEOUT_S) -> dict[str, Any]:
     """Create or update the CodeBuild project and start a build of the S3 context."""
     codebuild = session.client("codebuild")
     name = codebuild_project_name(cfg.image_repository)
@@ -533,6 +557,8 @@ def start_codebuild(session: Any, cfg: RunConfig, ref: str, key: str, *,
         sourceLocationOverride=f"{cfg.build_bucket}/{key}",
         environmentVariablesOverride=[
             {"name": "IMAGE_URI", "value": ref, "type": "PLAINTEXT"},
+            {"name": "BASE_IMAGE", "value": base_ref, "type": "PLAINTEXT"},
+            {"name": "BUILD_BASE", "value": str(int(build_base)), "type": "PLAINTEXT"},
             {"name": "REGISTRY", "value": registry, "type": "PLAINTEXT"},
             {"name": "DOCKER_BUILDKIT", "value": "1", "type": "PLAINTEXT"}])["build"]
     log.info("started CodeBuild build %s", build["id"])
