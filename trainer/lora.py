@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from finetune_contract.rules import lora_module_names
+from finetune_contract.families import lora_target_problem, lora_targets
 
 if TYPE_CHECKING:
     from peft import LoraConfig
@@ -40,7 +40,10 @@ def apply_lora(model: torch.nn.Module, config: TrainConfig) -> int:
     number of adapter parameters. Run on the meta-device model, before any wrapping."""
     from peft import LoraConfig, inject_adapter_in_model
 
-    targets = lora_module_names(config.lora_target_modules)
+    problem = lora_target_problem(model.config, config.lora_target_modules)
+    if problem:
+        raise ValueError(f"lora_target_modules {problem}")
+    targets = lora_targets(model.config, config.lora_target_modules)
     lora_config = LoraConfig(
         r=config.lora_rank,
         lora_alpha=config.lora_alpha,
@@ -49,15 +52,6 @@ def apply_lora(model: torch.nn.Module, config: TrainConfig) -> int:
         bias="none",
         base_model_name_or_path=config.model,
     )
-    blocks = getattr(getattr(model, "model", None), "layers", None)
-    names = {name.rsplit(".", 1)[-1] for name, _ in blocks.named_modules()} if blocks else set()
-    missing = [name for name in targets if name not in names]
-    if missing:
-        raise ValueError(
-            f"lora_target_modules names {', '.join(missing)}, which model {config.model}'s "
-            f"decoder blocks do not have; their Linear layers: "
-            + ", ".join(sorted(_linear_names(blocks)))
-        )
     inject_adapter_in_model(lora_config, model)
     adapters = 0
     for fqn, param in model.named_parameters():
@@ -66,16 +60,6 @@ def apply_lora(model: torch.nn.Module, config: TrainConfig) -> int:
     if not adapters:
         raise ValueError(f"lora_target_modules ({config.lora_target_modules}) matched no Linear")
     return adapters
-
-
-def _linear_names(blocks: torch.nn.Module | None) -> set[str]:
-    if blocks is None:
-        return set()
-    return {
-        name.rsplit(".", 1)[-1]
-        for name, module in blocks.named_modules()
-        if isinstance(module, torch.nn.Linear)
-    }
 
 
 def lora_config_of(model: torch.nn.Module) -> LoraConfig | None:

@@ -17,22 +17,30 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from finetune_contract.families import family_of, softcap
 from finetune_contract.throughput import LOGITS_PER_CHUNK
 
 LOSS_METHOD = "causal_lm_loss_sum"
 ROW_LOSS_METHOD = "causal_lm_row_loss_sums"  # per sequence: DPO's log-probabilities
 
 
-def _chunk_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+def capped(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """The logits soft-capped as the model's head does (Gemma 2/3: cap x tanh(logits / cap))."""
+    return logits if not cap else cap * torch.tanh(logits / cap)
+
+
+def _chunk_loss(
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, cap: float | None = None
+) -> torch.Tensor:
     """Summed cross entropy of one chunk, in fp32."""
-    logits = logits.float()
+    logits = capped(logits.float(), cap)
     valid = labels != ignore_index
     target = logits.gather(1, labels.masked_fill(~valid, 0)[:, None]).squeeze(1)
     return ((torch.logsumexp(logits, dim=-1) - target) * valid).sum()
 
 
 def _chunk_loss_and_grad(
-    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, cap: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed loss, its gradient w.r.t. the logits in their dtype), computed in fp32.
 
@@ -40,6 +48,9 @@ def _chunk_loss_and_grad(
     torch.compile fuses it into a pass or two over the chunk.
     """
     logits32 = logits.float()
+    tanh = torch.tanh(logits32 / cap) if cap else None
+    if tanh is not None:
+        logits32 = cap * tanh
     valid = labels != ignore_index
     target = labels.masked_fill(~valid, 0)
     lse = torch.logsumexp(logits32, dim=-1)
@@ -47,6 +58,8 @@ def _chunk_loss_and_grad(
     classes = torch.arange(logits.shape[1], device=logits.device)
     one_hot = classes[None, :] == target[:, None]
     grad = (torch.exp(logits32 - lse[:, None]) - one_hot.float()) * valid[:, None]
+    if tanh is not None:
+        grad = grad * (1 - tanh * tanh)  # through the cap
     return loss, grad.to(logits.dtype)
 
 
@@ -65,6 +78,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         labels: torch.Tensor,
         ignore_index: int,
         chunk_tokens: int,
+        cap: float | None,
     ) -> torch.Tensor:
         needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         loss_and_grad, loss_only = _chunk_loss_and_grad, _chunk_loss
@@ -77,9 +91,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             h, y = hidden[start : start + chunk_tokens], labels[start : start + chunk_tokens]
             logits = h @ weight.T
             if grad_hidden is None or grad_weight is None:
-                loss += loss_only(logits, y, ignore_index)
+                loss += loss_only(logits, y, ignore_index, cap)
                 continue
-            chunk_loss, grad_logits = loss_and_grad(logits, y, ignore_index)
+            chunk_loss, grad_logits = loss_and_grad(logits, y, ignore_index, cap)
             del logits
             loss += chunk_loss
             torch.mm(grad_logits, weight, out=grad_hidden[start : start + chunk_tokens])
@@ -92,7 +106,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         # In place: the stored gradients are used once (no double backward).
         scale = grad_loss.to(grad_hidden.dtype)
-        return grad_hidden.mul_(scale), grad_weight.mul_(scale), None, None, None
+        return grad_hidden.mul_(scale), grad_weight.mul_(scale), None, None, None, None
 
 
 def linear_cross_entropy_sum(
@@ -101,17 +115,18 @@ def linear_cross_entropy_sum(
     labels: torch.Tensor,
     ignore_index: int = -100,
     chunk_tokens: int | None = None,
+    cap: float | None = None,
 ) -> torch.Tensor:
-    """sum(cross_entropy(hidden @ weight.T, labels)) over labels != ignore_index, in fp32.
+    """sum(cross_entropy(capped(hidden @ weight.T), labels)) over labels != ignore_index, fp32.
 
     hidden: (tokens, hidden), weight: (vocab, hidden), labels: (tokens,). Equal to the plain
     loss (logits upcast to fp32) within rounding, without ever holding more than `chunk_tokens`
-    rows of logits.
+    rows of logits. cap: the model's final logit soft cap (None: none).
     """
     if chunk_tokens is None:
         chunk_tokens = max(1, LOGITS_PER_CHUNK // weight.shape[0])
     result = _LinearCrossEntropy.apply(
-        hidden.contiguous(), weight, labels.contiguous(), ignore_index, chunk_tokens
+        hidden.contiguous(), weight, labels.contiguous(), ignore_index, chunk_tokens, cap
     )
     return result  # type: ignore[no-any-return]
 
@@ -132,17 +147,24 @@ def causal_lm_loss_sum(
     """
     hidden = model.model(**inputs, use_cache=False).last_hidden_state
     head = model.get_output_embeddings()
-    weight = head.weight
+    weight, cap = head.weight, final_softcap(model)
     if (isinstance(weight, DTensor) and isinstance(hidden, DTensor)
             and weight.placements in ((Shard(0),), (Replicate(),))
             and hidden.placements == (Shard(1),) and getattr(head, "bias", None) is None):
-        return _sequence_parallel_loss_sum(hidden, weight, labels, ignore_index, chunk_tokens)
+        return _sequence_parallel_loss_sum(hidden, weight, labels, ignore_index, chunk_tokens,
+                                           cap)
     labels = labels[:, 1:].flatten()
     if isinstance(weight, DTensor) or getattr(head, "bias", None) is not None:
-        logits = head(hidden)[:, :-1].flatten(0, 1).float()
+        logits = capped(head(hidden)[:, :-1].flatten(0, 1).float(), cap)
         return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
     hidden = hidden[:, :-1].flatten(0, 1)
-    return linear_cross_entropy_sum(hidden, head.weight, labels, ignore_index, chunk_tokens)
+    return linear_cross_entropy_sum(hidden, head.weight, labels, ignore_index, chunk_tokens, cap)
+
+
+def final_softcap(model: torch.nn.Module) -> float | None:
+    """The model's final logit soft cap (its family's config key), None without one."""
+    config = getattr(model, "config", None)
+    return None if config is None else softcap(config, family_of(config).final_softcap_key)
 
 
 def causal_lm_row_loss_sums(
@@ -155,15 +177,15 @@ def causal_lm_row_loss_sums(
     """(batch,) summed cross entropy of each row's labelled next-token predictions: minus the
     log-probability of its response. The head runs chunked, row by row."""
     hidden = model.model(**inputs, use_cache=False).last_hidden_state
-    head = model.get_output_embeddings()
+    head, cap = model.get_output_embeddings(), final_softcap(model)
     if isinstance(head.weight, DTensor) or getattr(head, "bias", None) is not None:
-        logits = head(hidden)[:, :-1].float()
+        logits = capped(head(hidden)[:, :-1].float(), cap)
         losses = F.cross_entropy(logits.transpose(1, 2), labels[:, 1:], ignore_index=ignore_index,
                                  reduction="none")
         return losses.sum(dim=1)
     return torch.stack([
         linear_cross_entropy_sum(hidden[row, :-1], head.weight, labels[row, 1:], ignore_index,
-                                 chunk_tokens)
+                                 chunk_tokens, cap)
         for row in range(hidden.shape[0])
     ])
 
@@ -174,6 +196,7 @@ def _sequence_parallel_loss_sum(
     labels: torch.Tensor,
     ignore_index: int,
     chunk_tokens: int | None,
+    cap: float | None = None,
 ) -> torch.Tensor:
     """The loss of a tensor-parallel model without whole logits on any rank.
 
@@ -195,7 +218,7 @@ def _sequence_parallel_loss_sum(
         grad_placements=[Partial()]
     )
     part = linear_cross_entropy_sum(
-        local.flatten(0, 1), full_weight, local_targets, ignore_index, chunk_tokens
+        local.flatten(0, 1), full_weight, local_targets, ignore_index, chunk_tokens, cap
     )
     total = part.detach().clone()
     dist.all_reduce(total, group=group)

@@ -21,6 +21,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from finetune_contract.families import Family, family_of, softcap
 from finetune_contract.models import BUILTIN_MODELS
 from trainer.lora import init_adapter_weights, is_adapter_param
 from trainer.qlora import defer_quantized, pending_shape, quantize_into
@@ -55,10 +56,18 @@ def build_model(model: str, tokenizer: PreTrainedTokenizerBase | None = None) ->
         config = builtin_config(model, tokenizer)
     else:
         config = AutoConfig.from_pretrained(pretrained_dir(model))
+    family = family_of(config)  # the architecture table's row; ValueError outside it
+    attention = attention_implementation(config, family)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(
-            config, dtype=torch.float32, attn_implementation="sdpa"
+            config, dtype=torch.float32, attn_implementation=attention
         )
+
+
+def attention_implementation(config: Any, family: Family) -> str:
+    """sdpa, or eager where the attention scores are soft-capped (Gemma 2): sdpa has no cap, and
+    the exported model (eager by default then) would compute another loss."""
+    return "eager" if softcap(config, family.attention_softcap_key) else "sdpa"
 
 
 def pretrained_dir(model: str) -> Path:
@@ -104,12 +113,24 @@ def materialize_weights(
 
 @torch.no_grad()
 def init_buffers(model: PreTrainedModel) -> None:
-    """Non-persistent buffers (the rotary frequencies) are in no checkpoint: recompute them."""
+    """Non-persistent buffers (the rotary frequencies, Gemma's embedding scale) are in no
+    checkpoint: recompute them. A module with parameters too gets only its buffers filled, from
+    the attributes the architecture table names (its init would redraw the weights)."""
+    values = dict(family_of(model.config).buffer_values)
     for module in model.modules():
-        if next(module.buffers(recurse=False), None) is not None:
-            if next(module.parameters(recurse=False), None) is not None:
-                raise ValueError(f"{type(module).__name__} has buffers and parameters: no init")
+        buffers = dict(module.named_buffers(recurse=False))
+        if not buffers:
+            continue
+        if next(module.parameters(recurse=False), None) is None:
             model._init_weights(module)
+            continue
+        unknown = [name for name in buffers if name not in values]
+        if unknown:
+            raise ValueError(f"{type(module).__name__} has parameters and buffers "
+                             f"({', '.join(unknown)}) the architecture table does not fill "
+                             "(finetune_contract.families buffer_values)")
+        for name, buffer in buffers.items():
+            buffer.fill_(getattr(module, values[name]))
 
 
 @torch.no_grad()
@@ -131,14 +152,15 @@ def init_adapters(model: torch.nn.Module, seed: int) -> None:
 def init_random_weights(
     model: torch.nn.Module, seed: int, quantize_dtype: torch.dtype | None = None
 ) -> None:
-    """Hugging Face's init for Llama-like models: normal(0, initializer_range) matrices and
-    embeddings (padding row zero), norms one, biases zero.
+    """Hugging Face's init for the table's families: normal(0, initializer_range) matrices and
+    embeddings (padding row zero), norms the family's norm_init (one; Gemma's zero), biases zero.
 
     Each parameter is drawn whole on its device, in model order from one generator seeded with
     `seed`, then cut to this rank's shard: every rank draws the same numbers, so the model is the
     same on every rank and for every world size (the device type decides the random stream).
     """
     std = model.config.initializer_range  # type: ignore[union-attr]
+    norm_init = family_of(model.config).norm_init
     generator: torch.Generator | None = None
     seen: set[int] = set()
     for module_name, module in model.named_modules():
@@ -158,9 +180,10 @@ def init_random_weights(
                 if isinstance(module, torch.nn.Embedding) and module.padding_idx is not None:
                     full[module.padding_idx] = 0
             elif "Norm" in type(module).__name__:
-                full.fill_(1.0)
+                full.fill_(norm_init)
             else:
-                raise ValueError(f"no init for {type(module).__name__}.{name}: not Llama-like")
+                raise ValueError(f"no init for {type(module).__name__}.{name}: not in the "
+                                 "architecture table's families")
             if shape is not None:
                 quantize_into(model, fqn, full, quantize_dtype)
             else:

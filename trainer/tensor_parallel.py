@@ -1,10 +1,12 @@
-"""Tensor parallelism with sequence parallelism (DTensor) for Llama-like Hugging Face models.
+"""Tensor parallelism with sequence parallelism (DTensor) for the architecture table's families.
 
 The layout is Megatron's, as torchtitan applies it to Llama: inside a decoder block the attention
 heads and the MLP's hidden units are split over the "tp" ranks (q/k/v and gate/up column-wise,
 o_proj/down_proj row-wise), and between the matmuls (norms, residual adds) the activations are
 split along the sequence instead, so no rank holds a whole (batch, seq_len, hidden) activation.
-FSDP then shards the resulting DTensors over the data-parallel dims of the same mesh.
+FSDP then shards the resulting DTensors over the data-parallel dims of the same mesh. Each
+family's block plan is a row of finetune_contract.families (its norms, per-head or
+whole-projection q/k norms); the styles are here.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
@@ -25,6 +28,7 @@ from torch.distributed.tensor.parallel import (
 )
 from transformers import PreTrainedModel
 
+from finetune_contract import families
 from finetune_contract.data import IGNORE_INDEX
 from trainer.batch import Batch
 from trainer.blocks import decoder_blocks
@@ -50,8 +54,9 @@ def mesh_plan(
 
 def apply_tensor_parallel(model: PreTrainedModel, tp_mesh: DeviceMesh) -> None:
     """Split every decoder block, the embedding and the LM head over `tp_mesh` (1-D)."""
+    plan = block_plan(families.family_of(model.config))
     for block in decoder_blocks(model):
-        parallelize_module(block, tp_mesh, _BLOCK_PLAN)
+        parallelize_module(block, tp_mesh, plan)
     parallelize_module(model.model.norm, tp_mesh, SequenceParallel())
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head.weight is embedding.weight
@@ -89,26 +94,51 @@ def _to_local(module: torch.nn.Module, output: DTensor, mesh: DeviceMesh) -> tor
     return output.to_local()
 
 
-_BLOCK_PLAN = {
-    "input_layernorm": SequenceParallel(),
-    # HF passes hidden_states to attention by keyword.
-    "self_attn": PrepareModuleInput(
-        input_kwarg_layouts={"hidden_states": Shard(1)},
-        desired_input_kwarg_layouts={"hidden_states": Replicate()},
-        use_local_output=True,
-    ),
-    "self_attn.q_proj": ColwiseParallel(),
-    "self_attn.k_proj": ColwiseParallel(),
-    "self_attn.v_proj": ColwiseParallel(),
-    "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-    "post_attention_layernorm": SequenceParallel(),
-    "mlp": PrepareModuleInput(
-        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-    ),
-    "mlp.gate_proj": ColwiseParallel(),
-    "mlp.up_proj": ColwiseParallel(),
-    "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-}
+class _ProjectionNorm(ParallelStyle):
+    """A norm over a whole column-split projection (OLMo 2's q/k norms): its weight split as the
+    projection's features, its input the projection's DTensor output, so the mean of squares
+    is reduced across the ranks; out: this rank's features, local."""
+
+    def _apply(self, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
+        def partition(name: str, part: torch.nn.Module, mesh: DeviceMesh) -> None:
+            for key, param in list(part.named_parameters(recurse=False)):
+                part.register_parameter(key, torch.nn.Parameter(
+                    distribute_tensor(param, mesh, [Shard(0)]), param.requires_grad))
+
+        return distribute_module(module, device_mesh, partition, output_fn=_to_local)
+
+
+def _styles() -> dict[str, ParallelStyle]:
+    """The architecture table's tensor-parallel styles (finetune_contract.families)."""
+    return {
+        families.COLWISE: ColwiseParallel(),
+        families.COLWISE_DTENSOR: ColwiseParallel(use_local_output=False),
+        families.ROWWISE: RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        families.SEQUENCE_NORM: SequenceParallel(),
+        # Row-wise over head_dim: any split but the last gives each rank whole rows; the weight's
+        # gradient is the ranks' sum (SequenceParallel marks it partial).
+        families.HEAD_NORM: SequenceParallel(use_local_output=True),
+        families.PROJECTION_NORM: _ProjectionNorm(),
+        # HF passes hidden_states to attention by keyword.
+        families.ATTENTION_INPUT: PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": Shard(1)},
+            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            use_local_output=True,
+        ),
+        families.MLP_INPUT: PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+            use_local_output=True,
+        ),
+    }
+
+
+def block_plan(family: families.Family) -> dict[str, ParallelStyle]:
+    """The family's block plan as parallelize_module takes it; ValueError where it has none."""
+    if family.tp_refused or not family.tp_plan:
+        raise ValueError(f"tp_degree > 1 with {family.label} ({family.model_type}): "
+                         f"{family.tp_refused or 'no tensor-parallel plan'}")
+    styles = _styles()
+    return {path: styles[style] for path, style in family.tp_plan}
 
 
 def pad_to_multiple(batch: Batch, multiple: int, pad_id: int) -> Batch:

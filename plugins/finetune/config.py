@@ -34,7 +34,7 @@ from finetune_contract.fields import (
     DPO_REFERENCES,
     EVAL_TASKS,
     HANG_TIMEOUT_S,
-    LORA_TARGET_MODULES,
+    LORA_TARGETS_DEFAULT,
     METHODS,
     MIXED_PRECISION,
     PROMPT_TEMPLATES,
@@ -212,8 +212,9 @@ PARAM_SPECS: tuple[ParamSpec, ...] = (
        "The adapters' output is scaled by alpha / rank."),
     _S("lora_dropout", 0.0, "number", "LoRA", "LoRA dropout",
        "Dropout on the adapters' input."),
-    _S("lora_target_modules", LORA_TARGET_MODULES, "string", "LoRA", "LoRA target modules",
-       "Comma-separated names of the decoder blocks' Linear layers that get adapters."),
+    _S("lora_target_modules", LORA_TARGETS_DEFAULT, "string", "LoRA", "LoRA target modules",
+       "Comma-separated names of the decoder blocks' Linear layers that get adapters; auto: "
+       "the model family's set (all attention and MLP projections; docs/model-families.md)."),
     _S("seq_len", 128, "integer", "Training", "Sequence length",
        "Tokens per sequence. An example longer than this is never truncated: bad_rows "
        "decides (skip: skipped and counted in the report; error: the run fails at validate "

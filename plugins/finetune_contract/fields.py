@@ -56,6 +56,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 # Every Linear of a Llama block: attention and MLP projections.
 LORA_TARGET_MODULES = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+# lora_target_modules' default: the model family's set (finetune_contract.families).
+LORA_TARGETS_DEFAULT = "auto"
 # The demo data set, relative to the repository root (the trainer's working dir).
 DEMO_DATASET = "trainer/demo/instructions.jsonl"
 DEMO_PREFERENCES = "trainer/demo/preferences.jsonl"  # the demo data of method dpo
@@ -307,7 +309,8 @@ class TrainConfig:
     lora_rank: int = 0  # LoRA adapters of this rank (peft); 0: full fine-tune
     lora_alpha: float = 16.0  # adapter output scaled by lora_alpha / lora_rank
     lora_dropout: float = 0.0
-    lora_target_modules: str = LORA_TARGET_MODULES  # comma-separated Linear names in the blocks
+    # comma-separated Linear names in the blocks; auto: the family's (finetune_contract.families)
+    lora_target_modules: str = LORA_TARGETS_DEFAULT
     quantize_base: str = "none"  # QUANTIZE_BASE; nf4: QLoRA (needs lora_rank > 0 and a GPU)
     eval_interval: int = 50
     eval_fraction: float = EVAL_FRACTION

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from finetune_contract.families import BUILTIN_MODEL_TYPE, architecture_problem, model_type_of
+
 _LLAMA3_ROPE = {"rope_type": "default", "rope_theta": 500000.0}
 
 # LlamaConfig kwargs. tiny-llama is sized for the CPU demo; the others are Llama 3.x shapes.
@@ -97,13 +99,16 @@ HUB_MODEL_CONFIGS: dict[str, dict[str, Any]] = {
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the rules need of a model: heads, MLP width and positions (None: not stated)."""
+    """What the rules need of a model: heads, MLP width, positions (None: not stated) and its
+    architecture."""
 
     name: str
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None
     intermediate_size: int | None = None
     max_position_embeddings: int | None = None
+    model_type: str = BUILTIN_MODEL_TYPE  # config.json's: its row of finetune_contract.families
+    architecture_problem: str | None = None  # why the trainer cannot run it (not in the table)
 
     @classmethod
     def from_config(cls, name: str, config: Any) -> ModelShape:
@@ -116,7 +121,8 @@ class ModelShape:
 
         heads = number("num_attention_heads")
         return cls(name, heads, number("num_key_value_heads") or heads,
-                   number("intermediate_size"), number("max_position_embeddings"))
+                   number("intermediate_size"), number("max_position_embeddings"),
+                   model_type_of(config), architecture_problem(config))
 
 
 def model_shape(model: str, model_dir: Path | None = None) -> ModelShape | None:

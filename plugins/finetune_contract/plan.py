@@ -20,9 +20,11 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+from finetune_contract.families import adapter_params, architecture_problem, dimensions
+from finetune_contract.families import head_dim as family_head_dim
 from finetune_contract.fields import TrainConfig
 from finetune_contract.models import BUILTIN_MODELS
-from finetune_contract.rules import fsdp_group, lora_module_names, selective_every
+from finetune_contract.rules import fsdp_group, selective_every
 from finetune_contract.throughput import (
     LOGITS_PER_CHUNK,
     PEAK_FLOPS_BY_DEVICE,
@@ -151,30 +153,24 @@ _SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "inter
 
 
 def model_config(model: str, config: Any = None) -> Any:
-    """Attribute access to a built-in model's config (or a given config mapping); None unknown."""
+    """Attribute access to a built-in model's config (or a given config mapping); None unknown
+    or outside the architecture table (finetune_contract.families)."""
     values = config if config is not None else BUILTIN_MODELS.get(model)
     if values is None:
         return None
     if not isinstance(values, dict):
         values = values.to_dict() if hasattr(values, "to_dict") else vars(values)
     if not all(isinstance(values.get(key), int) and values[key] > 0 for key in _SHAPE_KEYS):
-        return None  # not a Llama-shaped config we can size; loading it says what is wrong
+        return None  # not a config we can size; loading it says what is wrong
+    if architecture_problem(values):
+        return None  # not in the architecture table: the rules name it
     # LlamaConfig's defaults for what a config.json may leave out
     return SimpleNamespace(**{"num_key_value_heads": values["num_attention_heads"],
                               "tie_word_embeddings": False, **values})
 
 
 def _adapter_params(cfg: TrainConfig, config: Any) -> int:
-    hidden, mlp = config.hidden_size, config.intermediate_size
-    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
-    kv = config.num_key_value_heads * head_dim
-    q = config.num_attention_heads * head_dim
-    shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
-              "o_proj": (q, hidden), "gate_proj": (hidden, mlp), "up_proj": (hidden, mlp),
-              "down_proj": (mlp, hidden)}
-    per_layer = sum(cfg.lora_rank * sum(shapes[name]) for name in
-                    lora_module_names(cfg.lora_target_modules) if name in shapes)
-    return per_layer * config.num_hidden_layers
+    return adapter_params(config, cfg.lora_rank, cfg.lora_target_modules)
 
 
 def activation_bytes_per_token(cfg: TrainConfig, config: Any) -> tuple[float, float]:
@@ -283,13 +279,13 @@ def _step_time(cfg: TrainConfig, config: Any, hardware: Hardware, world_size: in
         return None, None, None
     counts = parameter_count(config)
     layers, hidden = config.num_hidden_layers, config.hidden_size
-    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    head_dim = family_head_dim(config)
     tokens = cfg.micro_batch * cfg.seq_len / cfg.tp_degree
     # Matmul FLOPs: 6 per parameter (forward, input and weight gradients), 4 when frozen (LoRA).
     per_param = 4 if lora else 6
     block_flops = per_param * counts["blocks"] * tokens
     head_flops = per_param * config.vocab_size * hidden * tokens
-    attention_flops = 12 * layers * hidden * cfg.seq_len * tokens
+    attention_flops = 12 * layers * dimensions(config)["q"] * cfg.seq_len * tokens
     recomputed = {"full": 1.0, "none": 0.0}.get(cfg.activation_checkpointing)
     if recomputed is None:  # selective: per op recomputes only elementwise work; every k-th
         every = selective_every(cfg.selective_ac)

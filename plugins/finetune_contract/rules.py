@@ -10,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 import re
 
+from finetune_contract.families import FAMILIES, lora_target_problem
 from finetune_contract.fields import PRINTABLE, TrainConfig, quoted
 from finetune_contract.models import ModelShape
 
@@ -120,6 +121,7 @@ def config_problems(cfg: TrainConfig, *, world_size: int, local_world_size: int,
     problems += _float8_and_lora(cfg)
     problems += _preference(cfg)
     problems += _parallelism(cfg, world_size, local_world_size, shape)
+    problems += _architecture(cfg, shape)
     if shape and shape.max_position_embeddings and cfg.seq_len > shape.max_position_embeddings:
         problems.append(("seq_len", f"{cfg.seq_len} exceeds model {_name(shape)}'s "
                          f"max_position_embeddings ({shape.max_position_embeddings}): lower "
@@ -235,6 +237,25 @@ def _preference(cfg: TrainConfig) -> Problems:
     if cfg.chosen_field == cfg.rejected_field:
         problems.append(("rejected_field", f"{quoted(cfg.rejected_field)} is also chosen_field: "
                          "the two responses of a pair must be different columns"))
+    return problems
+
+
+def _architecture(cfg: TrainConfig, shape: ModelShape | None) -> Problems:
+    """The model's architecture against the table: in it, and with what the run asks of it."""
+    if shape is None:
+        return []
+    if shape.architecture_problem:
+        return [("model", f"{_name(shape)}: {shape.architecture_problem}")]
+    family = FAMILIES[shape.model_type]
+    problems: Problems = []
+    if cfg.lora_rank:
+        problem = lora_target_problem({"model_type": shape.model_type}, cfg.lora_target_modules)
+        if problem:
+            problems.append(("lora_target_modules", f"{quoted(cfg.lora_target_modules)} "
+                             f"{problem}: name those or leave it at auto"))
+    if cfg.tp_degree > 1 and family.tp_refused:
+        problems.append(("tp_degree", f"{cfg.tp_degree} with model {_name(shape)} "
+                         f"({family.label}): {family.tp_refused}; set tp_degree to 1"))
     return problems
 
 

@@ -1,6 +1,6 @@
-"""FLOPs per token of a Llama shape, the GPUs' peaks, and a run's throughput from its per-step
-train records (metrics.jsonl): the one definition the trainer's summary.json, the run report,
-the runs page, experiment tracking and the planner (finetune_contract.plan) all use.
+"""FLOPs per token (finetune_contract.families), the GPUs' peaks, and a run's throughput from
+its per-step train records (metrics.jsonl): the one definition the trainer's summary.json, the
+run report, the runs page, experiment tracking and the planner (finetune_contract.plan) all use.
 
 tokens/s is the run's total tokens over its total step time, not the mean of per-step rates: a
 mean of rates weighs a 0.05 s step like a 7 s stall and overstates a run on a loaded machine
@@ -14,6 +14,10 @@ import math
 import statistics
 from collections.abc import Sequence
 from typing import Any
+
+# The architecture table's (one definition per family), re-exported for their callers.
+from finetune_contract.families import flops_per_token as flops_per_token
+from finetune_contract.families import parameter_count as parameter_count
 
 # Dense bf16 peak per device (no sparsity), by a substring of the CUDA device name.
 PEAK_FLOPS_BY_DEVICE = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
@@ -78,41 +82,3 @@ def run_throughput(train: Sequence[dict[str, Any]]) -> dict[str, float | int | N
         "timed_tokens": int(total_tokens) if counted else None,
         "timed_time_s": total_time if counted else None,
     }
-
-
-def parameter_count(config: Any) -> dict[str, int]:
-    """Parameters of a Llama-shaped model, read off its config: embedding, blocks, head."""
-    hidden, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
-    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
-    q_size = config.num_attention_heads * head_dim
-    kv_size = config.num_key_value_heads * head_dim
-    attention = hidden * (q_size + 2 * kv_size) + q_size * hidden
-    if getattr(config, "attention_bias", False):
-        attention += q_size + 2 * kv_size + hidden
-    mlp = 3 * hidden * config.intermediate_size
-    if getattr(config, "mlp_bias", False):
-        mlp += 2 * config.intermediate_size + hidden
-    block = attention + mlp + 2 * hidden  # two RMSNorm weights
-    return {
-        "embedding": vocab * hidden,
-        "blocks": layers * block + hidden,  # plus the final norm
-        "lm_head": 0 if config.tie_word_embeddings else vocab * hidden,
-    }
-
-
-def flops_per_token(
-    config: Any, seq_len: int, adapter_params: int | None = None
-) -> float:
-    """Training FLOPs per token: 6 x (params - input embedding) + 12 x layers x hidden x seq_len.
-
-    The input embedding is a lookup, not a matmul; a tied embedding still does the head's matmul,
-    so it is counted once, as the head. With LoRA (`adapter_params` trainable, the rest frozen)
-    frozen weights cost 2 (forward) + 2 (input gradients) FLOPs per parameter, not 6 (no weight
-    gradient), and the adapters 6: counting 6 for all would overstate MFU by up to 1.5x.
-    """
-    counts = parameter_count(config)
-    matmul_params = counts["blocks"] + config.vocab_size * config.hidden_size
-    attention = 12 * config.num_hidden_layers * config.hidden_size * seq_len
-    if adapter_params is not None:
-        return 4 * matmul_params + 6 * adapter_params + attention
-    return 6 * matmul_params + attention

@@ -143,3 +143,22 @@ def test_on_cuda_the_compiled_chunked_loss_matches_the_plain_loss_in_less_memory
     for a, e in zip(chunked[1:], plain[1:], strict=True):
         assert (a.float() - e.float()).norm() / e.float().norm() < 1e-2
     assert chunked_memory < plain_memory / 2
+
+
+@pytest.mark.parametrize("chunk_tokens", [8, 1000])
+def test_a_soft_capped_head_gives_the_loss_and_gradients_of_the_capped_logits(chunk_tokens):
+    """Gemma 2/3's final_logit_softcapping: cap x tanh(logits / cap) before the cross entropy."""
+    h, w, labels = random_problem(torch.float32)
+    cap = 2.0
+    hidden, weight = h.detach().requires_grad_(), w.detach().requires_grad_()
+    expected = F.cross_entropy(cap * torch.tanh((hidden @ weight.T) / cap), labels,
+                               reduction="sum")
+    expected.backward()
+    chunked_h, chunked_w = h.detach().requires_grad_(), w.detach().requires_grad_()
+    loss = linear_cross_entropy_sum(chunked_h, chunked_w, labels, chunk_tokens=chunk_tokens,
+                                    cap=cap)
+    loss.backward()
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(chunked_h.grad, hidden.grad)
+    torch.testing.assert_close(chunked_w.grad, weight.grad)
+    assert not torch.isclose(loss, linear_cross_entropy_sum(h, w, labels))  # the cap mattered

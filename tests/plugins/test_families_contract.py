@@ -1,0 +1,97 @@
+"""The architecture table at validate: what the trainer would refuse is refused before any cost,
+read from the model directory's config.json (finetune_contract.families, torch-free)."""
+
+import json
+
+import pytest
+
+from finetune_contract.families import (
+    FAMILIES,
+    TP_STYLES,
+    adapter_params,
+    architecture_problem,
+    flops_per_token,
+    lora_targets,
+)
+from finetune_contract.fields import TrainConfig
+from finetune_contract.models import model_shape
+from finetune_contract.rules import config_problems
+
+SHAPE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 100}
+
+
+def saved_config(tmp_path, **config):
+    (tmp_path / "config.json").write_text(json.dumps({**SHAPE, **config}))
+    return model_shape(str(tmp_path), tmp_path)
+
+
+def problems(shape, world: int = 2, **fields):
+    return config_problems(TrainConfig(**fields), world_size=world, local_world_size=world,
+                           shape=shape)
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_every_family_accepts_lora_with_the_default_targets_and_tp_where_it_has_a_plan(
+        tmp_path, model_type):
+    shape = saved_config(tmp_path, model_type=model_type)
+    assert problems(shape, lora_rank=8) == []
+    tp = problems(shape, tp_degree=2)
+    assert tp == [] if not FAMILIES[model_type].tp_refused else [f for f, _ in tp] == ["tp_degree"]
+
+
+def test_phi3_lora_defaults_to_its_fused_projections_and_refuses_llama_names(tmp_path):
+    shape = saved_config(tmp_path, model_type="phi3")
+    assert lora_targets({"model_type": "phi3"}, "auto") == ["qkv_proj", "o_proj",
+                                                            "gate_up_proj", "down_proj"]
+    [(field, message)] = problems(shape, lora_rank=8, lora_target_modules="q_proj,v_proj")
+    assert field == "lora_target_modules"
+    assert "q_proj, v_proj" in message and "qkv_proj" in message and "Phi-3" in message
+
+
+def test_phi3_with_tp_is_refused_at_validate_naming_its_fused_projections(tmp_path):
+    [(field, message)] = problems(saved_config(tmp_path, model_type="phi3"), tp_degree=2)
+    assert field == "tp_degree" and "fused" in message
+
+
+@pytest.mark.parametrize(("config", "words"), [
+    ({"model_type": "mixtral", "num_local_experts": 8}, "mixture-of-experts"),
+    ({"model_type": "qwen3_moe"}, "mixture-of-experts"),
+    ({"model_type": "llama", "num_experts": 4}, "mixture-of-experts"),
+    ({"model_type": "gemma3"}, "gemma3_text"),
+    ({"model_type": "gpt2"}, "not in the trainer's architecture table"),
+])
+def test_an_architecture_outside_the_table_is_refused_naming_it_and_why(tmp_path, config, words):
+    [(field, message)] = problems(saved_config(tmp_path, **config))
+    assert field == "model"
+    assert config["model_type"] in message and words in message
+
+
+def test_tp_degree_is_checked_against_the_models_kv_heads(tmp_path):
+    shape = saved_config(tmp_path, model_type="qwen3", num_key_value_heads=1)
+    assert [f for f, _ in problems(shape, tp_degree=2)] == ["tp_degree"]
+
+
+def test_every_tp_style_of_the_table_is_a_known_style():
+    assert {style for family in FAMILIES.values() for _, style in family.tp_plan} <= set(TP_STYLES)
+
+
+def test_attention_flops_use_heads_times_head_dim_not_hidden():
+    config = {"model_type": "gemma2", **SHAPE, "head_dim": 32, "tie_word_embeddings": True}
+    wider = flops_per_token(config, 1000) - flops_per_token({**config, "head_dim": 16}, 1000)
+    # per layer: 6 x the q/k/v/o weights that grew + 12 x seq_len x the q width that grew
+    grown = 4 * 64 + 2 * (2 * 2 * 64)  # q and o: 4 heads x 16 more x 64; k and v: 2 heads
+    assert wider == 2 * (6 * 16 * grown + 12 * 1000 * 4 * 16)
+
+
+def test_lora_adapter_params_follow_the_familys_linear_shapes():
+    phi3 = {"model_type": "phi3", **SHAPE}
+    # qkv: 64 -> 64 + 2 x 32; o: 64 -> 64; gate_up: 64 -> 256; down: 128 -> 64
+    assert adapter_params(phi3, 8, "auto") == 2 * 8 * ((64 + 128) + 128 + (64 + 256) + 192)
+
+
+def test_every_family_row_is_its_own_architecture():
+    for model_type, family in FAMILIES.items():
+        assert family.model_type == model_type
+        assert architecture_problem({"model_type": model_type}) is None
+        assert set(family.lora_default) <= {linear.name for linear in family.linears}

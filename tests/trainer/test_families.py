@@ -1,0 +1,129 @@
+"""The architecture table's families through every path: small random models of each family
+(transformers config classes, saved by the test; the demo tokenizer; no hub) on 2 CPU ranks."""
+
+import json
+import math
+import time
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from finetune_contract.families import FAMILIES, parameter_count
+from finetune_contract.fields import DEMO_PREFERENCES
+from tests.support import REPO_ROOT
+from tests.support.training import demo_rows, read_metrics, torchrun, write_jsonl
+from tests.trainer.families_worker import CHECKPOINT_AT, STEPS, setups_of
+from trainer.config import load_config
+from trainer.evaluate import eval_rows, loss_on
+from trainer.model import build_model, init_buffers, materialize_weights
+
+TOKENIZER = "trainer/demo/tokenizer"
+# Every family of the table, with what its tiny config sets beyond SHAPE: a head_dim that is not
+# hidden / heads where the family has one, soft caps small enough to change the numbers.
+MATRIX: dict[str, dict[str, object]] = {
+    "llama": {"attention_bias": True},
+    "qwen2": {},
+    "qwen3": {"head_dim": 16},
+    "mistral": {"sliding_window": 16},
+    "gemma2": {"head_dim": 16, "final_logit_softcapping": 2.0, "query_pre_attn_scalar": 16},
+    "gemma3_text": {"head_dim": 16, "final_logit_softcapping": 2.0, "sliding_window": 16},
+    "phi3": {},
+    "olmo2": {},
+}
+# 726: an even vocabulary (the demo tokenizer has 725 tokens), so TP splits the embedding.
+SHAPE = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 726,
+         "max_position_embeddings": 256}
+
+
+def family_config(model_type: str):
+    tokenizer = AutoTokenizer.from_pretrained(REPO_ROOT / TOKENIZER)
+    return AutoConfig.for_model(model_type, **SHAPE, **MATRIX[model_type],
+                                pad_token_id=tokenizer.pad_token_id,
+                                bos_token_id=tokenizer.bos_token_id,
+                                eos_token_id=tokenizer.eos_token_id)
+
+
+def test_every_family_of_the_architecture_table_is_in_the_matrix():
+    assert sorted(MATRIX) == sorted(FAMILIES)
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_the_tables_parameter_count_is_the_built_models(model_type):
+    config = family_config(model_type)
+    for tied in (False, True):
+        config.tie_word_embeddings = tied
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        assert sum(parameter_count(config).values()) == sum(p.numel() for p in model.parameters())
+        assert sum(parameter_count(config.to_dict()).values()) == sum(parameter_count(
+            config).values())
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_a_pretrained_family_model_loads_on_the_meta_build_with_its_buffers(model_type,
+                                                                            tmp_path):
+    """The meta-device build, filled from the saved weights, computes the saved model's logits
+    (Gemma's embedding scale is a buffer in no checkpoint)."""
+    torch.manual_seed(0)
+    saved = AutoModelForCausalLM.from_config(family_config(model_type)).eval()
+    saved.save_pretrained(tmp_path)
+    model = build_model(str(tmp_path))
+    materialize_weights(model, str(tmp_path), seed=0, device=torch.device("cpu"))
+    init_buffers(model)
+    input_ids = torch.tensor([[1, 5, 9, 200, 3, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(input_ids=input_ids).logits,
+                                   saved(input_ids=input_ids).logits)
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    """Every family's set-ups (families_worker.SETUPS) in one torchrun; its seconds."""
+    models = tmp_path_factory.mktemp("families")
+    tokenizer = AutoTokenizer.from_pretrained(REPO_ROOT / TOKENIZER)
+    for model_type in MATRIX:
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(family_config(model_type)).save_pretrained(
+            models / model_type)
+        tokenizer.save_pretrained(models / model_type)
+    # 80 rows: 4 held out, more than the steps take.
+    dataset = write_jsonl(tmp_path_factory.mktemp("data") / "rows.jsonl", demo_rows(80))
+    out = tmp_path_factory.mktemp("matrix")
+    started = time.time()
+    torchrun(["tests/trainer/families_worker.py", str(models), str(dataset),
+              str(REPO_ROOT / DEMO_PREFERENCES), str(out), *MATRIX], timeout=900)
+    seconds = time.time() - started
+    print(f"\nfamily matrix: {len(MATRIX)} families, {seconds:.0f} s")
+    return out
+
+
+def train_losses(output_dir) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(output_dir) if r["type"] == "train"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", sorted(MATRIX))
+def test_every_family_trains_resumes_and_exports_on_every_path(matrix, model_type):
+    """full, resumed from its checkpoint, LoRA with packing, DPO with LoRA and TP 2 (where the
+    table has a plan): each exports a model that loads as the family's class and whose
+    teacher-forced eval loss is the run's reported final eval loss."""
+    runs = matrix / model_type
+    full, resumed = train_losses(runs / "full"), train_losses(runs / "resumed")
+    assert sorted(full) == list(range(1, STEPS + 1))
+    assert sorted(resumed) == list(range(1, STEPS + 1))  # the log keeps the steps before
+    assert resumed[STEPS] == pytest.approx(full[STEPS], rel=1e-5)
+    assert all(math.isfinite(loss) for loss in full.values())
+    for setup in setups_of(model_type):
+        summary = json.loads((runs / setup / "summary.json").read_text())
+        exported = AutoModelForCausalLM.from_pretrained(runs / setup / "model")
+        assert type(exported).__name__ == FAMILIES[model_type].causal_lm
+        if summary["config"]["method"] == "dpo":
+            continue  # its eval measures preference, not the loss of the rows
+        config = load_config(None, summary["config"])
+        tokenizer = AutoTokenizer.from_pretrained(runs / setup / "model")
+        loss = loss_on(exported, eval_rows(config, tokenizer), 4, tokenizer.pad_token_id,
+                       torch.device("cpu"))
+        assert loss == pytest.approx(summary["final_eval_loss"], rel=1e-5), setup
+    assert (runs / "full" / "checkpoints" / f"step_{CHECKPOINT_AT:08d}").is_dir()
