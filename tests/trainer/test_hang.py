@@ -19,7 +19,8 @@ from tests.support.training import logged_steps, read_metrics, torchrun
 from trainer.errors import read_root_cause
 from trainer.watchdog import HANG_EXIT_CODE
 
-pytestmark = pytest.mark.slow  # two torchrun runs, one hung for hang_timeout_s and restarted
+# two torchrun runs, one hung for hang_timeout_s and restarted; a straggler found by its delay
+pytestmark = [pytest.mark.slow, pytest.mark.solo]
 
 STEPS, INTERVAL, STOP_AFTER, HANG_TIMEOUT_S = 10, 2, 5, 8
 
