@@ -19,6 +19,10 @@ BASE_CONTEXT = ("containers/trainer-base",)
 TRAINER_DOCKERFILE = "containers/trainer/Dockerfile"
 BASE_DOCKERFILE = "containers/trainer-base/Dockerfile"
 BASE_TAG_PREFIX = "base-"
+# What the trainer image's working directory (/app) holds under the same relative path as in
+# this repository (containers/trainer/Dockerfile: COPY trainer/ /app/trainer/): a relative model,
+# tokenizer or data set path the pods can read lies under one of these.
+IN_POD_PATHS = ("trainer",)
 _SKIP_DIRS = {"__pycache__", ".pytest_cache", ".ruff_cache"}
 _SKIP_SUFFIXES = {".pyc", ".pyo"}
 

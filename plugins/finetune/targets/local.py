@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune import REPO_ROOT
-from finetune.config import RunConfig
+from finetune.config import RunConfig, resolve_path
 from finetune.etcd import LocalEtcd, delete_rendezvous_keys, etcd_binary, free_port
 from finetune.gpu_metrics import (
     HOST_SAMPLES_FILE,
@@ -30,7 +30,7 @@ from finetune.gpu_metrics import (
     load_samples,
     sampled_gpu_metrics,
 )
-from finetune.image import image_tag, local_environment
+from finetune.image import IMAGE_CONTEXT, image_tag, local_environment
 from finetune.outputs import evaluation_result, summary, trainer_root_cause, write_run_file
 from finetune.planning import plan_run
 from finetune.preflight import (
@@ -46,7 +46,7 @@ from finetune.s3_dataset import check_s3_dataset
 from finetune.targets.base import TORCHRUN_ENV, Target, TrainingFailed
 from finetune.trainer_config import trainer_config
 from finetune_contract.errors import ERROR_DIR_ENV
-from finetune_contract.fields import EVALUATION_FILE
+from finetune_contract.fields import EVALUATION_FILE, quoted
 from finetune_contract.rules import device_problems
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,65 @@ def gpu_count() -> int:
     if "CUDA_VISIBLE_DEVICES" in os.environ:
         count = min(count, len(os.environ["CUDA_VISIBLE_DEVICES"].split(",")))
     return count
+
+
+# File systems no run directory can be made in (the kernel's views, not storage).
+PSEUDO_FILESYSTEMS = frozenset({
+    "proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "securityfs", "debugfs",
+    "tracefs", "pstore", "bpf", "configfs", "fusectl", "mqueue", "hugetlbfs", "autofs",
+    "efivarfs", "binfmt_misc", "nsfs", "rpc_pipefs"})
+
+
+def _mount_types(mounts: Path = Path("/proc/self/mounts")) -> dict[Path, str]:
+    """Mount point -> file system type, from the kernel's table (empty where there is none)."""
+    try:
+        lines = mounts.read_text().splitlines()
+    except OSError:
+        return {}
+    table = {}
+    for line in lines:
+        fields = line.split()
+        if len(fields) >= 3:  # spaces in a mount point are written \040
+            table[Path(fields[1].replace("\\040", " "))] = fields[2]
+    return table
+
+
+def output_dir_problems(output_dir: str) -> list[tuple[str, str]]:
+    """Why the run directory `<output_dir>/<run>` could not be made here, before any stage
+    tries: a file on the way, a pseudo-file system, no write permission, a relative path that
+    leaves the repository, or a place inside the trainer image's build context (every run's
+    outputs would change its content hash and be packed into the next build)."""
+    given = quoted(output_dir)
+    path = Path(os.path.abspath(resolve_path(output_dir)))  # '..' folded, links kept
+    if not Path(output_dir).expanduser().is_absolute() and not path.is_relative_to(REPO_ROOT):
+        return [("output_dir", f"{given} leaves the repository (relative paths are from "
+                 f"{REPO_ROOT}); give an absolute path to write elsewhere")]
+    real = path.resolve()
+    for part in IMAGE_CONTEXT:
+        if real.is_relative_to((REPO_ROOT / part).resolve()):
+            return [("output_dir", f"{given} lies in {part}/, part of the trainer image's build "
+                     "context (finetune.image.IMAGE_CONTEXT): every run would change the image's "
+                     "content hash and its outputs be packed into the next build; use runs or "
+                     "a path outside " + ", ".join(IMAGE_CONTEXT))]
+    existing = path
+    try:
+        while not existing.exists() and not existing.is_symlink():
+            existing = existing.parent
+    except OSError:  # a name too long to look up: the contract's location rule names it
+        return []
+    if not existing.is_dir():
+        where = "is a file" if existing == path else f"lies under the file {quoted(str(existing))}"
+        return [("output_dir", f"{given} {where}: the run directory cannot be made there")]
+    mounts = _mount_types()
+    mount = max((point for point in mounts if existing.resolve().is_relative_to(point)),
+                key=lambda point: len(point.parts), default=None)
+    if mount is not None and mounts[mount] in PSEUDO_FILESYSTEMS:
+        return [("output_dir", f"{given} is on {mount}, a {mounts[mount]} pseudo-file system: "
+                 "no directory can be made there")]
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return [("output_dir", f"{given}: {quoted(str(existing))} is not writable by this "
+                 "user, so the run directory cannot be made")]
+    return []
 
 
 def local_resources(nodes: int, procs_per_node: int) -> dict[str, Any]:
@@ -229,6 +288,8 @@ class LocalTarget(Target):
         if values["output_dir"].startswith("s3://"):
             errors.append(("output_dir", "s3:// output needs target eks; give a local "
                            "directory"))
+        else:
+            errors += output_dir_problems(values["output_dir"])
         if res["fits"]:
             return errors
         unit = "GPUs" if res["device"] == "cuda" else "CPU cores"

@@ -23,16 +23,18 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from typing import Any
 
-from finetune.config import RunConfig
+from finetune.config import RunConfig, resolve_path
 from finetune.gpu_metrics import (
     missing_section,
     prometheus_endpoint,
     prometheus_gpu_metrics,
     xid_codes_by_node,
 )
+from finetune.image import IN_POD_PATHS
 from finetune.instance_types import EFA_RESOURCE, GPU_RESOURCE, INSTANCE_TYPES
 from finetune.names import DNS_LABEL, DNS_SUBDOMAIN
 from finetune.outputs import (
@@ -91,6 +93,7 @@ from finetune.targets.eks.triggers import (
     NodesReadyTrigger,
 )
 from finetune_contract.fields import quoted
+from finetune_contract.models import BUILTIN_MODELS
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +115,7 @@ def _pod_problems(values: dict[str, Any]) -> list[tuple[str, str]]:
         mounts = [path for _, path in parse_volumes(values["volumes"])]
     except ValueError as exc:
         return errors + [("volumes", str(exc))]
+    errors += _worker_only_paths(values)
     for field in ("model", "tokenizer", "dataset", "output_dir"):
         path = values[field]
         if path.startswith("/") and not path.startswith("/app/") and not any(
@@ -119,6 +123,30 @@ def _pod_problems(values: dict[str, Any]) -> list[tuple[str, str]]:
             errors.append((field, f"{quoted(path)} is on no volume the pods mount ("
                            + (", ".join(mounts) or "volumes is empty") + "): mount its "
                            "PersistentVolumeClaim with volumes, or use s3://"))
+    return errors
+
+
+def _worker_only_paths(values: dict[str, Any]) -> list[tuple[str, str]]:
+    """A relative path that exists on this Airflow worker but not in the pods: their working
+    directory (/app) holds only the trainer and the contract (finetune.image.IN_POD_PATHS)."""
+    errors = []
+    for field in ("model", "tokenizer", "dataset", "eval_dataset"):
+        value = values[field]
+        if not value or value.startswith(("/", "s3://")) or value in BUILTIN_MODELS:
+            continue
+        normal = os.path.normpath(value)
+        if any(normal == part or normal.startswith(part + "/") for part in IN_POD_PATHS):
+            continue  # shipped in the image at the same relative path
+        try:
+            here = resolve_path(value).exists()
+        except OSError:
+            continue
+        if here:
+            errors.append((field, f"{quoted(value)} exists on the Airflow worker but not in the "
+                           "training pods (their working directory holds only "
+                           + ", ".join(f"{part}/" for part in IN_POD_PATHS) + " and the "
+                           "contract): upload it and give its s3:// URI, give a hub id, or put "
+                           "it on a volume the pods mount (volumes) and give the absolute path"))
     return errors
 
 
