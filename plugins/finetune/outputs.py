@@ -23,7 +23,7 @@ from finetune.report import (
     add_sections,
     write_report,
 )
-from finetune_contract.errors import ERRORS_DIR, root_cause
+from finetune_contract.errors import ERRORS_DIR, failure_records
 from finetune_contract.preflight import PREFLIGHT_FILE
 
 
@@ -53,18 +53,24 @@ def has_outputs(run_dir: str, s3_client: Callable[[], Any]) -> bool:
     return found.get("KeyCount", 0) > 0
 
 
-def trainer_root_cause(run_dir: str, s3_client: Callable[[], Any]) -> dict | None:
-    """The trainer's record of why it failed (finetune_contract/errors.py), from the run
-    directory (a path or an S3 prefix); None when no rank wrote one."""
+def trainer_failures(run_dir: str, s3_client: Callable[[], Any]) -> list[dict]:
+    """The trainer's records of its failing ranks (finetune_contract/errors.py), earliest
+    first, from the run directory (a path or an S3 prefix)."""
     if not run_dir.startswith("s3://"):
         files = sorted((Path(run_dir) / ERRORS_DIR).glob("rank_*.json"))
-        return root_cause(path.read_text(errors="replace") for path in files)
+        return failure_records(path.read_text(errors="replace") for path in files)
     bucket, prefix = split_s3(run_dir)
     s3 = s3_client()
     listed = s3.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/{ERRORS_DIR}/", MaxKeys=1000)
     keys = [obj["Key"] for obj in listed.get("Contents", []) if obj["Key"].endswith(".json")]
-    return root_cause(s3.get_object(Bucket=bucket, Key=key)["Body"].read().decode(
+    return failure_records(s3.get_object(Bucket=bucket, Key=key)["Body"].read().decode(
         errors="replace") for key in keys)
+
+
+def trainer_root_cause(run_dir: str, s3_client: Callable[[], Any]) -> dict | None:
+    """The first of the trainer's failure records by time; None when no rank wrote one."""
+    records = trainer_failures(run_dir, s3_client)
+    return records[0] if records else None
 
 
 def write_run_file(run_dir: str, s3_client: Callable[[], Any], name: str, text: str) -> str:

@@ -76,8 +76,8 @@ def workers(cfg) -> dict[int, int]:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"torch.distributed.run" in cmdline:
-            continue
+        if b"torch.distributed.run" in cmdline or b"trainer.launch" in cmdline:
+            continue  # a torchrun agent
         for item in environ:
             if item.startswith(b"RANK="):
                 found[int(item[5:])] = pid
@@ -152,6 +152,51 @@ def test_a_killed_rank_is_restarted_by_torchrun_and_resumes_to_the_uninterrupted
     assert "failed (exitcode: -9) local_rank: 1" in train_log
     assert train_log.count("failed (exitcode") == 1, train_log  # its first restart trained on
     assert_resumed_to_the_uninterrupted_losses(run_dir, uninterrupted)
+
+
+@pytest.mark.slow
+def test_a_rank_killed_by_sigkill_is_named_as_the_first_failure_before_its_consequences(
+        tmp_path):
+    """As the kernel's OOM killer does: the task's error and the failed report name rank 1, its
+    node and SIGKILL with what it usually means, not rank 0's broken collective after it."""
+    from finetune.targets.base import TrainingFailed
+
+    target, cfg, rdzv = start(tmp_path, "sigkilled-rank", max_restarts=0,
+                              active_deadline_s=240)
+    run_dir = Path(cfg.run_dir)
+
+    def kill_rank_1() -> None:
+        wait_for_step(run_dir, 3)
+        os.kill(workers(cfg)[1], signal.SIGKILL)
+
+    errors: list[BaseException] = []
+    thread = threading.Thread(target=lambda: errors.extend(
+        [exc for exc in [_raised(kill_rank_1)] if exc]), daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(TrainingFailed) as err:
+            target.train(cfg, IMAGE, rdzv)
+    finally:
+        thread.join(5)
+        assert_nothing_left(target, cfg)
+    assert not errors, errors
+    message = str(err.value)
+    first = message.splitlines()[0]
+    assert first.startswith("training failed: first failure: rank 1 killed by SIGKILL"), message
+    assert "on node 0 (" in first and "OOM killer" in first, first
+    assert "peak memory use on this machine" in first, first
+    report = json.loads((run_dir / "report.json").read_text())  # written by teardown
+    assert report["status"] == "failed"
+    assert report["error"]["rank"] == 1 and report["error"]["type"] == "SIGKILL", report["error"]
+    assert "OOM killer" in report["error"]["message"]
+
+
+def _raised(fault) -> BaseException | None:
+    try:
+        fault()
+    except BaseException as exc:  # surfaced by the test
+        return exc
+    return None
 
 
 @pytest.mark.slow

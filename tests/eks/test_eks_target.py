@@ -119,7 +119,8 @@ def test_a_failed_job_leads_with_the_trainers_root_cause_and_the_failed_report_c
     with pytest.raises(AirflowFailException) as err:
         run_stage("train", cfg, image=IMAGE, rendezvous=RDZV)
     operator.join(5)
-    assert str(err.value).startswith("rank 9 raised ValueError: prompt_field='promt'")
+    assert str(err.value).startswith(
+        "first failure: rank 9 raised ValueError: prompt_field='promt'")
     assert "OOMKilled" in str(err.value)  # and still the pods' reasons
 
     t.teardown(cfg, snap)

@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -31,7 +32,13 @@ from finetune.gpu_metrics import (
     sampled_gpu_metrics,
 )
 from finetune.image import IMAGE_CONTEXT, image_tag, local_environment
-from finetune.outputs import evaluation_result, summary, trainer_root_cause, write_run_file
+from finetune.outputs import (
+    evaluation_result,
+    summary,
+    trainer_failures,
+    trainer_root_cause,
+    write_run_file,
+)
 from finetune.planning import plan_run
 from finetune.preflight import (
     PREFLIGHT_FILE,
@@ -45,7 +52,7 @@ from finetune.report import write_report
 from finetune.s3_dataset import check_s3_dataset
 from finetune.targets.base import TORCHRUN_ENV, Target, TrainingFailed
 from finetune.trainer_config import trainer_config
-from finetune_contract.errors import ERROR_DIR_ENV
+from finetune_contract.errors import ERROR_DIR_ENV, NODE_NAME_ENV, failure_summary
 from finetune_contract.fields import EVALUATION_FILE, quoted
 from finetune_contract.rules import device_problems
 
@@ -420,9 +427,10 @@ class LocalTarget(Target):
         stop_processes(_trainer_processes(str(config_path)))
         if failed:
             node, reason = failed
-            cause = trainer_root_cause(str(run_dir), _no_s3)
-            because = (f"rank {cause['rank']} raised {cause['type']}: {cause['message']}\n"
-                       if cause else "")
+            failures = trainer_failures(str(run_dir), _no_s3)
+            if failures and failures[0].get("signal") == "SIGKILL":
+                failures[0]["message"] += _peak_memory(run_dir)
+            because = failure_summary(failures)
             raise TrainingFailed(f"training failed: {because}node {node} {reason}; last "
                                  f"{len(follower.tail)} lines of {follower.log_path}:\n"
                                  + "\n".join(follower.tail))
@@ -490,7 +498,7 @@ class LocalTarget(Target):
     def _start_agent(self, cfg: RunConfig, node: int, res: dict, rendezvous: dict,
                      config_path: Path) -> subprocess.Popen:
         cmd = [
-            sys.executable, "-m", "torch.distributed.run",
+            sys.executable, "-m", "trainer.launch",  # torchrun, recording ranks killed
             "--nnodes", str(cfg.nodes), "--nproc-per-node", str(cfg.procs_per_node),
             "--rdzv-backend", rendezvous["backend"], "--rdzv-endpoint", rendezvous["endpoint"],
             "--rdzv-id", rendezvous["rdzv_id"], "--max-restarts", str(cfg.max_restarts),
@@ -498,6 +506,7 @@ class LocalTarget(Target):
         ]
         first = node * cfg.procs_per_node
         env = _torchrun_env(cfg, res, range(first, first + cfg.procs_per_node))
+        env[NODE_NAME_ENV] = f"{node} ({socket.gethostname()})"
         log.info("starting torchrun agent %d: %s", node, " ".join(cmd))
         # Output to a file and a session of its own: the training outlives this task's process
         # (a lost Airflow worker), and the retry reattaches to it.
@@ -578,6 +587,17 @@ class LocalTarget(Target):
             stopped["report"] = _summary(cfg, report)
         log.info("teardown: %s; outputs kept in %s", stopped or "nothing was running", run_dir)
         return stopped
+
+
+def _peak_memory(run_dir: Path) -> str:
+    """The machine's peak memory use while the run trained (the resource sampler's), or ""."""
+    samples = [s for s in load_samples(run_dir / HOST_SAMPLES_FILE)
+               if s.get("memory_used_bytes") and s.get("memory_total_bytes")]
+    if not samples:
+        return ""
+    peak = max(samples, key=lambda s: s["memory_used_bytes"])
+    return (f"; the run's peak memory use on this machine: {peak['memory_used_bytes'] / 2**30:.1f}"
+            f" of {peak['memory_total_bytes'] / 2**30:.1f} GiB")
 
 
 def _write_train_state(cfg: RunConfig, agents: list[Agent], started: float,

@@ -37,6 +37,7 @@ from finetune.targets.eks.manifests import (
     run_selector,
     trainer_configmap_manifest,
 )
+from finetune_contract.errors import MAX_MESSAGE_CHARS, death_record
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,38 @@ def pod_failure(pod: dict[str, Any]) -> str | None:
     if not reasons and status.get("phase") == "Failed":
         reasons.append("Failed")
     return "; ".join(reasons) or None
+
+
+# What an eviction usually means (the kubelet's message says which resource).
+EVICTED_MEANING = "the kubelet evicted it to reclaim the node's memory or disk"
+
+
+def pod_death(pod: dict[str, Any]) -> dict[str, Any] | None:
+    """The failure record (finetune_contract.errors) of a pod whose training died: its
+    container OOMKilled, killed by a signal or exited with a code, or the pod evicted; with the
+    node's name and the time the container status gives (None for a pod that did not fail)."""
+    status = pod.get("status") or {}
+    node = (pod.get("spec") or {}).get("nodeName") or "(not scheduled)"
+    where = f"{node} (pod {pod['metadata']['name']})"
+    for cs in status.get("containerStatuses") or []:
+        for which in ("state", "lastState"):
+            term = (cs.get(which) or {}).get("terminated") or {}
+            if term.get("exitCode", 0) != 0:
+                return death_record(None, int(term["exitCode"]), where,
+                                    _epoch(term.get("finishedAt")) or time.time(),
+                                    reason=str(term.get("reason") or ""))
+    if status.get("reason") == "Evicted":
+        since = [_epoch(c.get("lastTransitionTime")) for c in status.get("conditions") or []]
+        return {"stage": "train", "type": "Evicted", "rank": None, "node": where,
+                "time": max([t for t in since if t] or [time.time()]),
+                "message": f"evicted from node {where}: {status.get('message', '')} "
+                           f"({EVICTED_MEANING})"[:MAX_MESSAGE_CHARS]}
+    return None
+
+
+def pod_deaths(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """pod_death of every failed pod, earliest first."""
+    return sorted(filter(None, map(pod_death, pods)), key=lambda record: record["time"])
 
 
 def split_log(text: str, after: str) -> tuple[list[str], str]:
@@ -289,6 +322,12 @@ def stream_leader_log(api: Any, namespace: str, name: str, after: str,
     for line in lines:
         log.info("[rank 0] %s", line)
     return after
+
+
+def failed_pods(api: Any, namespace: str, name: str,
+                launcher: Launcher = PYTORCHJOB) -> list[dict[str, Any]]:
+    """The failure records of the job's pods that died, earliest first (pod_deaths)."""
+    return pod_deaths(_pods(api, namespace, launcher.pod_selector(name)))
 
 
 def failure_report(api: Any, namespace: str, name: str, message: str,

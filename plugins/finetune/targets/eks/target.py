@@ -41,6 +41,7 @@ from finetune.outputs import (
     build_report,
     has_outputs,
     report_exists,
+    trainer_failures,
     trainer_root_cause,
     write_run_file,
 )
@@ -92,6 +93,7 @@ from finetune.targets.eks.triggers import (
     NodegroupActiveTrigger,
     NodesReadyTrigger,
 )
+from finetune_contract.errors import ERRORS_DIR, failure_summary
 from finetune_contract.fields import quoted
 from finetune_contract.models import BUILTIN_MODELS
 
@@ -492,15 +494,7 @@ class EksTarget(Target):
             return self._wait_for_job(cfg, state)
         if event["status"] == "failed":
             report = job.failure_report(api, cfg.namespace, name, event["message"], launcher)
-            try:
-                cause = trainer_root_cause(cfg.run_dir, lambda: self._s3(cfg))
-            except Exception as exc:  # the pods' reasons still say what happened
-                log.warning("could not read the trainer's error records: %s", exc)
-                cause = None
-            if cause:
-                report = (f"rank {cause['rank']} raised {cause['type']}: {cause['message']}\n"
-                          + report)
-            raise TrainingFailed(report)
+            raise TrainingFailed(self._first_failure(cfg, api, name, launcher) + report)
         return job.train_result(cfg, state["job"], state["image"], state["rendezvous"])
 
     def _renew_reservation(self, cfg: RunConfig) -> None:
@@ -509,6 +503,24 @@ class EksTarget(Target):
             lambda state: renew(state, cfg.rdzv_id, time.time(), self.reservation_ttl))
 
     # -- evaluate ---------------------------------------------------------------------------
+
+    def _first_failure(self, cfg: RunConfig, api: Any, name: str, launcher: Any) -> str:
+        """The failures by time, first the first: the ranks' own records (on the output) and
+        the pods that died (their container status, with the node); each dead pod's record is
+        stored with the ranks' so the failed report names it too."""
+        deaths = job.failed_pods(api, cfg.namespace, name, launcher)
+        try:
+            records = trainer_failures(cfg.run_dir, lambda: self._s3(cfg))
+            for record in deaths:
+                pod = record["node"].rsplit("(pod ", 1)[-1].rstrip(")")
+                write_run_file(cfg.run_dir, lambda: self._s3(cfg), f"{ERRORS_DIR}/pod_{pod}.json",
+                               json.dumps(record))
+        except Exception as exc:  # the pods' reasons still say what happened
+            log.warning("could not read or store the failure records: %s", exc)
+            records = []
+        # a pod's record stored by an earlier read is the one derived again above
+        records = [r for r in records if "(pod " not in str(r.get("node", ""))]
+        return failure_summary(sorted(records + deaths, key=lambda record: record["time"]))
 
     def evaluate(self, cfg: RunConfig, trained: dict, image: dict, champion: dict) -> Wait:
         """trainer.evaluate as a one-GPU job of the run's launcher (PyTorchJob or TrainJob) on

@@ -1,0 +1,59 @@
+"""torchrun, recording each rank that dies without a record of its own.
+
+`python -m trainer.launch <torchrun arguments>` runs torchrun (torch.distributed.run) as is.
+When its workers fail, torchrun's elastic agent raises ChildFailedError with a failure per rank
+(exit code, pid, error file, the moment it saw it). A rank that raised has recorded its error
+itself (trainer/errors.py); one killed by a signal (SIGKILL from the kernel's OOM killer) or
+that exited with a code could not: this writes its record (finetune_contract.errors.death_record)
+into errors/rank_<N>.json under the run directory (FINETUNE_ERROR_DIR), so the first failure by
+time is that rank, not the collective errors of the ranks that survived it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+from finetune_contract.errors import ERROR_DIR_ENV, NODE_NAME_ENV, death_record, error_file
+
+# The agent polls its workers this often (torchrun's --monitor-interval default, 0.1 s) and its
+# failure times are whole seconds: a death is at most this long before the agent's time.
+DETECTION_SLACK_S = 1.1
+
+
+def record_deaths(run_dir: Path, failures: dict, node: str) -> list[int]:
+    """A record for each failed rank that wrote none; the ranks recorded."""
+    recorded = []
+    for rank, failure in sorted(failures.items()):
+        path = run_dir / error_file(rank)
+        if path.exists() or failure.exitcode == 0:
+            continue  # the rank recorded its own error
+        record = death_record(rank, failure.exitcode, node, failure.timestamp - DETECTION_SLACK_S)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record) + "\n")
+        recorded.append(rank)
+    return recorded
+
+
+def main(argv: list[str]) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    try:
+        torchrun(argv)
+    except ChildFailedError as failed:
+        run_dir = os.environ.get(ERROR_DIR_ENV)
+        if run_dir and not run_dir.startswith("s3://"):
+            node = os.environ.get(NODE_NAME_ENV) or socket.gethostname()
+            try:
+                record_deaths(Path(run_dir), failed.failures, node)
+            except OSError as exc:  # the failure itself matters more
+                print(f"could not record the failed ranks in {run_dir}: {exc}", file=sys.stderr)
+        raise
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
