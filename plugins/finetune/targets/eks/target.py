@@ -511,7 +511,8 @@ class EksTarget(Target):
         deaths = job.failed_pods(api, cfg.namespace, name, launcher)
         try:
             records = trainer_failures(cfg.run_dir, lambda: self._s3(cfg))
-            for record in deaths:
+            # an output on a volume the pods mount is not mounted here: nothing to store there
+            for record in deaths if cfg.run_dir.startswith("s3://") else []:
                 pod = record["node"].rsplit("(pod ", 1)[-1].rstrip(")")
                 write_run_file(cfg.run_dir, lambda: self._s3(cfg), f"{ERRORS_DIR}/pod_{pod}.json",
                                json.dumps(record))
