@@ -25,6 +25,8 @@ import functools
 import gc
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -32,24 +34,49 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import transformers
 from torch.distributed.fsdp import FSDPModule
-from transformers import LlamaForCausalLM, PretrainedConfig
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from finetune_contract.fields import LORA_TARGET_MODULES, QUANTIZE_BASE
+from finetune_contract.fields import ATTENTION, LORA_TARGET_MODULES, QUANTIZE_BASE
 from finetune_contract.models import BUILTIN_MODELS
 from finetune_contract.rules import lora_module_names
 from finetune_contract.throughput import flops_per_token, mfu
+from trainer.attention import attn_implementation
 from trainer.config import TrainConfig
 from trainer.float8 import check_float8_device, precompute_float8_scales
 from trainer.lora import apply_lora
 from trainer.loss import LOSS_METHOD, add_loss_method
 from trainer.master_weights import compute_weights
 from trainer.metrics import peak_flops
-from trainer.model import build_model, builtin_config, materialize_weights
+from trainer.model import (
+    build_model,
+    builtin_config,
+    init_buffers,
+    init_random_weights,
+    materialize_weights,
+)
 from trainer.optim import build_optimizer, optimizer_step
 from trainer.parallel import DistEnv, apply_parallelism, init_distributed, quantize_dtype
 from trainer.qlora import nf4_bytes
 
+# Family shapes for the benchmark (issue 31): published configs of each family, random weights.
+FAMILY_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen2.5-7b": ("Qwen2Config", dict(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
+        rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)),
+    "mistral-7b": ("MistralConfig", dict(
+        vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768,
+        rope_theta=1e6, sliding_window=None, tie_word_embeddings=False)),
+    "gemma2-2b": ("Gemma2Config", dict(
+        vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+        max_position_embeddings=8192, tie_word_embeddings=True)),
+}
+# The peers beside ours: Hugging Face Trainer, and Trainer with Liger's kernels.
+PEERS = ("hf", "liger")
 SHORT_NAMES = {"1b": "llama-1b", "3b": "llama-3b", "8b": "llama-8b", "70b": "llama-70b",
                "tiny": "tiny-llama"}
 GIB = 1024**3
@@ -79,14 +106,31 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--shard-group-size", type=int, default=0, help="HYBRID_SHARD group")
     parser.add_argument("--tp-degree", type=int, default=1,
                         help="tensor (and sequence) parallel degree, under torchrun")
+    parser.add_argument("--attention", default="sdpa",
+                        help="ours: comma-separated ATTENTION values, one run each (sdpa, fa4)")
+    parser.add_argument("--attention-check", action="store_true",
+                        help="first: fa4's kernels against cuDNN's (error, TFLOP/s) at the "
+                        "models' head shapes")
     parser.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--peers", default="hf",
+                        help="comma-separated: hf (Trainer), liger (Trainer + Liger kernels)")
+    parser.add_argument("--peer-worker", default="", help=argparse.SUPPRESS)
     parser.add_argument("--profile", action="store_true", help="print a profile of our steps")
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args(argv)
     args.models = [SHORT_NAMES.get(m, m) for m in args.models.split(",") if m]
-    unknown = [m for m in args.models if m not in BUILTIN_MODELS]
+    unknown = [m for m in args.models if m not in BUILTIN_MODELS and m not in FAMILY_SHAPES]
     if unknown:
-        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(SHORT_NAMES)}")
+        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from "
+                     f"{', '.join([*SHORT_NAMES, *FAMILY_SHAPES])}")
+    args.attention = [a for a in args.attention.split(",") if a]
+    bad = [a for a in args.attention if a not in ATTENTION]
+    if bad:
+        parser.error(f"unknown --attention {', '.join(bad)}; choose from {', '.join(ATTENTION)}")
+    args.peers = [p for p in args.peers.split(",") if p] if args.hf else []
+    bad = [p for p in args.peers if p not in PEERS]
+    if bad:
+        parser.error(f"unknown --peers {', '.join(bad)}; choose from {', '.join(PEERS)}")
     return args
 
 
@@ -160,8 +204,42 @@ def _rounded(value: float | None) -> float | None:
     return None if value is None else float(f"{value:.4g}")
 
 
+def bench_config(name: str) -> PretrainedConfig:
+    """A built-in model's LlamaConfig, or a family shape's config (FAMILY_SHAPES)."""
+    if name not in FAMILY_SHAPES:
+        return builtin_config(name)
+    class_name, kwargs = FAMILY_SHAPES[name]
+    config = getattr(transformers, class_name)(**kwargs)
+    config.architectures = [class_name.replace("Config", "ForCausalLM")]
+    return config
+
+
+def build_bench_model(name: str, attention: str) -> torch.nn.Module:
+    """The model on the meta device, as trainer.model.build_model builds it."""
+    if name in BUILTIN_MODELS:
+        return build_model(name, attention=attention)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(
+            bench_config(name), dtype=torch.float32,
+            attn_implementation=attn_implementation(attention))
+
+
+def materialize_bench_model(model: torch.nn.Module, name: str, config: TrainConfig,
+                            device: torch.device) -> None:
+    """Seeded random weights: a family shape has no checkpoint, so trainer.model's random init
+    (the built-in models' path) fills it too."""
+    if name in BUILTIN_MODELS:
+        materialize_weights(model, name, config.seed, device, quantize_dtype(config))
+        return
+    model.to_empty(device=device)
+    model.tie_weights()
+    init_random_weights(model, config.seed)
+    init_buffers(model)
+
+
 def run_trainer(
-    name: str, args: argparse.Namespace, env: DistEnv, peak: float | None
+    name: str, args: argparse.Namespace, env: DistEnv, peak: float | None,
+    attention: str = "sdpa",
 ) -> dict[str, Any]:
     """This trainer's step (as train.py runs it) on random tokens."""
     config = TrainConfig(
@@ -181,14 +259,15 @@ def run_trainer(
         tp_degree=args.tp_degree,
         lora_rank=args.lora_rank,
         quantize_base=args.quantize_base,
+        attention=attention,
     )
     if args.float8:
         check_float8_device(env.device)
-    model = build_model(name)
+    model = build_bench_model(name, attention)
     model_config = model.config
     adapter_params = apply_lora(model, config) if args.lora_rank else None
     apply_parallelism(model, config, env)
-    materialize_weights(model, name, config.seed, env.device, quantize_dtype(config))
+    materialize_bench_model(model, name, config, env.device)
     add_loss_method(model)
     optimizer = build_optimizer(model, config, env.device)
     loss_sum: Callable[..., torch.Tensor] = getattr(model, LOSS_METHOD)
@@ -236,6 +315,7 @@ def run_trainer(
         "nf4_gib": _rounded(nf4_bytes(model) / GIB) if args.quantize_base != "none" else None,
         "loss": "chunked",
         "optimizer": "AdamW fused" if env.device.type == "cuda" else "AdamW",
+        "attention": attention,
     }
     return result(
         "trainer", name, options, args, model_config, step_times, losses, env.device, peak,
@@ -244,12 +324,14 @@ def run_trainer(
 
 
 def run_hf_trainer(
-    name: str, args: argparse.Namespace, device: torch.device, peak: float | None
+    name: str, args: argparse.Namespace, device: torch.device, peak: float | None,
+    liger: bool = False,
 ) -> dict[str, Any]:
-    """Hugging Face Trainer on the same model, batches and hyper-parameters."""
+    """Hugging Face Trainer on the same model, batches and hyper-parameters; with `liger`, its
+    use_liger_kernel (Liger's RMSNorm, SwiGLU, RoPE and fused linear cross-entropy)."""
     from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
-    model_config = builtin_config(name)
+    model_config = bench_config(name)
     torch.manual_seed(args.seed)
     model, adapter_params, base_dir = hf_model(model_config, args, device)
     batches = random_batches(model_config.vocab_size, args, torch.device("cpu"))
@@ -293,6 +375,7 @@ def run_hf_trainer(
             disable_tqdm=True,
             seed=args.seed,
             use_cpu=not cuda,
+            use_liger_kernel=liger,
         )
         trainer = Trainer(
             model=model, args=training_args, train_dataset=rows, callbacks=[StepTimer()]
@@ -302,6 +385,7 @@ def run_hf_trainer(
     if base_dir is not None:
         base_dir.cleanup()
     options = {
+        "liger": _liger_version() if liger else None,
         "mixed_precision": "bf16 autocast (fp32 weights)",
         "gradient_checkpointing": args.ac != "none",
         "attention": model_config._attn_implementation,
@@ -311,9 +395,15 @@ def run_hf_trainer(
         if args.quantize_base == "nf4" else "none",
     }
     return result(
-        "hf_trainer", name, options, args, model_config, step_times, losses, device, peak,
-        adapter_params,
+        "hf_liger" if liger else "hf_trainer", name, options, args, model_config, step_times,
+        losses, device, peak, adapter_params,
     )
+
+
+def _liger_version() -> str:
+    from importlib.metadata import version
+
+    return f"liger-kernel {version('liger-kernel')}"
 
 
 def hf_model(
@@ -323,8 +413,9 @@ def hf_model(
     get_peft_model; with --quantize-base nf4 the QLoRA recipe (a checkpoint loaded with
     bitsandbytes' 4-bit NF4, prepare_model_for_kbit_training, then the adapters)."""
     if args.quantize_base == "none":
-        with torch.device(device):
-            model = LlamaForCausalLM(model_config)  # fp32: bf16=True autocasts, as users run it
+        with torch.device(device):  # fp32: bf16=True autocasts, as users run it
+            model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32,
+                                                     attn_implementation="sdpa")
         base_dir = None
     else:
         from peft import prepare_model_for_kbit_training
@@ -332,13 +423,14 @@ def hf_model(
 
         base_dir = tempfile.TemporaryDirectory()  # bitsandbytes quantizes while loading
         with torch.device(device):
-            LlamaForCausalLM(model_config).to(torch.bfloat16).save_pretrained(base_dir.name)
+            AutoModelForCausalLM.from_config(model_config).to(torch.bfloat16).save_pretrained(
+                base_dir.name)
         release_memory(device)
         quantization = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=torch.bfloat16,
         )  # fmt: skip
-        model = LlamaForCausalLM.from_pretrained(
+        model = AutoModelForCausalLM.from_pretrained(
             base_dir.name, quantization_config=quantization, dtype=torch.bfloat16,
             device_map={"": device.index or 0}, attn_implementation="sdpa",
         )  # fmt: skip
@@ -375,29 +467,152 @@ def guarded(run: Callable[[], dict[str, Any]], run_name: str, model: str) -> dic
         return run()
     except torch.OutOfMemoryError as error:
         return {"run": run_name, "model": model, "error": f"out of memory: {error}"[:300]}
+    except Exception as error:  # a peer or shape that cannot run: its row says why
+        return {"run": run_name, "model": model,
+                "error": f"{type(error).__name__}: {error}"[:400]}
+
+
+def attention_check(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
+    """fa4's kernels (trainer/attention.py's ops) against sdpa (cuDNN on an H200) at each model's
+    heads, micro-batch and sequence: relative error of out and of dq, dk, dv, and TFLOP/s of
+    forward and backward (causal FLOPs: 2 matmuls of B x H x S^2 / 2 x D forward, 2.5x that
+    backward), medians of 10 timed calls after 3."""
+    rows = []
+    for name in args.models:
+        rows.append(_attention_row(name, args, device))
+        release_memory(device)
+    return rows
+
+
+def _attention_row(name: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    from trainer.attention import fa4_bwd, fa4_fwd
+
+    config = bench_config(name)
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    generator = torch.Generator(device).manual_seed(args.seed)
+    q, k, v = (torch.randn(args.micro_batch, args.seq_len, h, head_dim, device=device,
+                           dtype=torch.bfloat16, generator=generator)
+               for h in (heads, kv_heads, kv_heads))
+    dout = torch.randn_like(q)
+    scale = head_dim**-0.5
+    groups = heads // kv_heads
+
+    def sdpa(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        """As transformers' sdpa path calls it: (B, H, S, D), KV heads repeated."""
+        return torch.nn.functional.scaled_dot_product_attention(
+            a.transpose(1, 2), b.transpose(1, 2).repeat_interleave(groups, 1),
+            c.transpose(1, 2).repeat_interleave(groups, 1), is_causal=True,
+            scale=scale).transpose(1, 2)
+
+    out, lse = fa4_fwd(q, k, v, scale, True)
+    grads = fa4_bwd(dout, q, k, v, out, lse, scale, True)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    expected = sdpa(*leaves)
+    expected.backward(dout)
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float | None:
+        return _rounded(((a.float() - b.float()).norm() / b.float().norm()).item())
+
+    errors = {"out": rel(out, expected)}
+    errors.update({f"d{n}": rel(g, leaf.grad) for n, g, leaf in zip("qkv", grads, leaves)})
+
+    def sdpa_forward_backward() -> None:
+        torch.autograd.grad(sdpa(*leaves), leaves, dout)
+
+    fwd_flops = 4 * args.micro_batch * heads * args.seq_len**2 / 2 * head_dim
+    fa4_f = _median_ms(lambda: fa4_fwd(q, k, v, scale, True))
+    fa4_b = _median_ms(lambda: fa4_bwd(dout, q, k, v, out, lse, scale, True))
+    sdpa_f = _median_ms(lambda: sdpa(q, k, v))
+    sdpa_b = max(_median_ms(sdpa_forward_backward) - sdpa_f, 1e-9)  # the rest is backward
+    return {
+        "run": "attention_check", "model": name, "heads": heads, "kv_heads": kv_heads,
+        "head_dim": head_dim, "batch": args.micro_batch, "seq_len": args.seq_len,
+        "fa4_vs_sdpa_rel_error": errors,
+        "fa4_fwd_tflops": _rounded(fwd_flops / fa4_f / 1e9),
+        "fa4_bwd_tflops": _rounded(2.5 * fwd_flops / fa4_b / 1e9),
+        "sdpa_fwd_tflops": _rounded(fwd_flops / sdpa_f / 1e9),
+        "sdpa_bwd_tflops": _rounded(2.5 * fwd_flops / sdpa_b / 1e9),
+        "sdpa": "default dispatch, KV heads repeated (as transformers calls it)",
+    }
+
+
+def _median_ms(run: Callable[[], Any], warmup: int = 3, repeats: int = 10) -> float:
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def peer_in_child(peer: str, name: str, argv: Sequence[str]) -> dict[str, Any]:
+    """A peer run in its own process: Liger patches transformers' modules for good, which must
+    not reach the next model's runs; its JSON line, or an error row with the child's last words."""
+    drop = {"--attention-check"}
+    child = [a for a in argv if a not in drop] + ["--models", name, "--peer-worker", peer]
+    done = subprocess.run([sys.executable, "-m", "trainer.bench", *child], capture_output=True,
+                          text=True, check=False)
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    return {"run": f"hf_{peer}", "model": name,
+            "error": f"exit {done.returncode}: {done.stderr[-400:]}"}
+
+
+def print_ratios(ours_rows: list[dict[str, Any]], theirs: dict[str, Any],
+                 args: argparse.Namespace) -> None:
+    for ours in ours_rows:
+        if "error" in ours or "error" in theirs:
+            continue
+        ratio = ours["tokens_per_s"] / theirs["tokens_per_s"]
+        print(json.dumps({"run": "ratio", "model": ours["model"], "micro_batch": args.micro_batch,
+                          "grad_accum": args.grad_accum, "ours": ours["options"]["attention"],
+                          "peer": theirs["run"], "ours_over_peer_tokens_per_s": round(ratio, 3)}),
+              flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    if args.peer_worker:  # a child of peer_in_child: that peer alone
+        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        peak, _ = peak_flops(device, torch.bfloat16)
+        for name in args.models:
+            run = functools.partial(run_hf_trainer, name, args, device, peak, liger=True)
+            print(json.dumps(guarded(run, "hf_liger", name)), flush=True)
+        return
+    if args.attention_check and torch.cuda.is_available():
+        for row in attention_check(args, torch.device("cuda", 0)):
+            print(json.dumps(row), flush=True)
     for name in args.models:
         env = init_distributed()
         peak, _ = peak_flops(env.device, torch.bfloat16)
-        ours = guarded(functools.partial(run_trainer, name, args, env, peak), "trainer", name)
-        dist.destroy_process_group()  # HF Trainer runs as a plain single process
-        release_memory(env.device)
-        if env.rank == 0:
-            print(json.dumps(ours), flush=True)
-        if not args.hf or env.world_size > 1:  # the baseline is the single-GPU comparison
+        ours_rows = []
+        for attention in args.attention:
+            run = functools.partial(run_trainer, name, args, env, peak, attention)
+            ours = guarded(run, "trainer", name)
+            release_memory(env.device)
+            if env.rank == 0:
+                print(json.dumps(ours), flush=True)
+            ours_rows.append(ours)
+        dist.destroy_process_group()  # Hugging Face Trainer runs as a plain single process
+        if env.world_size > 1:  # the peers are the single-GPU comparison
             continue
-        hf_run = functools.partial(run_hf_trainer, name, args, env.device, peak)
-        theirs = guarded(hf_run, "hf_trainer", name)
-        release_memory(env.device)
-        print(json.dumps(theirs), flush=True)
-        if "error" not in ours and "error" not in theirs:
-            ratio = ours["tokens_per_s"] / theirs["tokens_per_s"]
-            summary = {"run": "ratio", "model": name, "micro_batch": args.micro_batch,
-                       "grad_accum": args.grad_accum}
-            print(json.dumps({**summary, "trainer_over_hf_tokens_per_s": round(ratio, 3)}))
+        for peer in args.peers:
+            if peer == "hf":
+                hf_run = functools.partial(run_hf_trainer, name, args, env.device, peak)
+                theirs = guarded(hf_run, "hf_trainer", name)
+                release_memory(env.device)
+            else:
+                theirs = peer_in_child(peer, name, argv)
+            print(json.dumps(theirs), flush=True)
+            print_ratios(ours_rows, theirs, args)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from transformers import (
 
 from finetune_contract.families import Family, family_of, softcap
 from finetune_contract.models import BUILTIN_MODELS
+from trainer.attention import attn_implementation
 from trainer.lora import init_adapter_weights, is_adapter_param
 from trainer.qlora import defer_quantized, pending_shape, quantize_into
 
@@ -46,8 +47,10 @@ def builtin_config(name: str, tokenizer: PreTrainedTokenizerBase | None = None) 
     return config
 
 
-def build_model(model: str, tokenizer: PreTrainedTokenizerBase | None = None) -> PreTrainedModel:
-    """The model's modules on the meta device, fp32 and without storage.
+def build_model(model: str, tokenizer: PreTrainedTokenizerBase | None = None,
+                attention: str = "sdpa") -> PreTrainedModel:
+    """The model's modules on the meta device, fp32 and without storage; `attention` the
+    contract's kernel (trainer/attention.py).
 
     Shard it first, then `materialize_weights` allocates each rank's shards and fills them, so no
     process ever holds the whole model.
@@ -57,10 +60,13 @@ def build_model(model: str, tokenizer: PreTrainedTokenizerBase | None = None) ->
     else:
         config = AutoConfig.from_pretrained(pretrained_dir(model))
     family = family_of(config)  # the architecture table's row; ValueError outside it
-    attention = attention_implementation(config, family)
+    # Soft-capped scores (eager) win over the contract's kernel; else sdpa or fa4.
+    implementation = attention_implementation(config, family)
+    if implementation == "sdpa":
+        implementation = attn_implementation(attention)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(
-            config, dtype=torch.float32, attn_implementation=attention
+            config, dtype=torch.float32, attn_implementation=implementation
         )
 
 

@@ -116,6 +116,13 @@ def mixed_precision_policy(
     )
 
 
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    """The CUDA compute capability of `device` (None on a CPU), which attention fa4 needs."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device)
+    return None
+
+
 def check_start(
     config: TrainConfig, env: DistEnv, model_config: PretrainedConfig | None = None
 ) -> None:
@@ -129,7 +136,9 @@ def check_start(
     problems = config_problems(config, world_size=env.world_size,
                                local_world_size=env.local_world_size, shape=shape)
     problems += device_problems(quantize_base=config.quantize_base,
-                                gpu=env.device.type == "cuda" or quantize_emulated())
+                                gpu=env.device.type == "cuda" or quantize_emulated(),
+                                attention=config.attention,
+                                capability=_capability(env.device))
     if problems:
         raise ContractError(problems, "the run config cannot run here")
     if env.device.type == "cpu" and model_config is None:

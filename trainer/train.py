@@ -183,7 +183,7 @@ class Trainer:
         if env.rank == 0:
             print_data(splits, max_steps)
 
-        model = build_model(config.model, tokenizer)
+        model = build_model(config.model, tokenizer, config.attention)
         # LoRA: adapters in the blocks before any wrapping; the base weights are frozen.
         adapter_params = apply_lora(model, config) if config.lora_rank else None
         model_config = model.config
@@ -201,7 +201,7 @@ class Trainer:
                                                 pad_id)
             batches = TrainBatches(splits.train, sampler, pad_id, pad_to)
         elif config.method == "dpo" and not config.lora_rank:  # LoRA: the adapters disabled
-            reference = build_model(config.model, tokenizer)
+            reference = build_model(config.model, tokenizer, config.attention)
             apply_parallelism(reference, config, env)
             materialize_weights(reference, config.model, config.seed, param_device,
                                 quantize_dtype(config))

@@ -192,6 +192,10 @@ PARAM_SPECS: tuple[ParamSpec, ...] = (
        "Parameters, gradients and the optimizer step on the CPU (FSDP2 CPU offload)."),
     _S("compile", False, "boolean", "Memory and speed", "torch.compile",
        "Compile each decoder block with torch.compile."),
+    _S("attention", "sdpa", "string", "Memory and speed", "attention kernel",
+       "sdpa: cuDNN flash attention through torch (any GPU, and CPUs); fa4: FlashAttention 4 "
+       "(flash-attn-4's kernels, faster on H100/H200 and B200: compute capability 9.0 or 10.0), "
+       "with mixed precision bf16 or fp16, no packing and tp_degree 1."),
     _S("float8", False, "boolean", "Memory and speed", "float8 matmuls",
        "The decoder blocks' Linear layers compute in float8 (torchao; weights all-gathered in "
        "float8). Needs GPUs with compute capability >= 8.9 (H100, H200, L4) and mixed "
@@ -411,6 +415,7 @@ class RunConfig:
     activation_offload: bool
     cpu_offload: bool
     compile: bool
+    attention: str
     float8: bool
     float8_recipe: str
     lora_rank: int

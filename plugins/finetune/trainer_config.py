@@ -56,6 +56,7 @@ def trainer_config(cfg: RunConfig, *, local_paths: bool = True) -> dict[str, Any
         "activation_offload": cfg.activation_offload,
         "cpu_offload": cfg.cpu_offload,
         "compile": cfg.compile,
+        "attention": cfg.attention,
         "float8": cfg.float8,
         "float8_recipe": cfg.float8_recipe,
         "lora_rank": cfg.lora_rank,

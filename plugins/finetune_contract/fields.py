@@ -26,6 +26,12 @@ BAD_ROWS = ("skip", "error")
 FLOAT8_RECIPES = ("tensorwise", "rowwise")
 # QLoRA: the frozen base Linears of the decoder blocks stored in 4-bit NormalFloat (torchao).
 QUANTIZE_BASE = ("none", "nf4")
+# The decoder blocks' attention kernel: cuDNN's flash attention through torch's sdpa, or
+# FlashAttention 4 (flash-attn-4's CuTe-DSL kernels, trainer/attention.py) where it runs.
+ATTENTION = ("sdpa", "fa4")
+# fa4's kernels: the CUDA capabilities they are built for (Hopper, Blackwell) and head dims.
+FA4_CAPABILITIES = ((9, 0), (10, 0))
+FA4_HEAD_DIMS = (64, 96, 128)
 # sft: next-token loss on the responses; dpo: preference tuning on (prompt, chosen, rejected) rows.
 METHODS = ("sft", "dpo")
 # DPO's loss on the policy-minus-reference log-ratio margin: sigmoid (DPO, cDPO with
@@ -50,6 +56,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "bad_rows": BAD_ROWS,
     "float8_recipe": FLOAT8_RECIPES,
     "quantize_base": QUANTIZE_BASE,
+    "attention": ATTENTION,
     "method": METHODS,
     "dpo_loss": DPO_LOSSES,
     "dpo_reference": DPO_REFERENCES,
@@ -303,6 +310,7 @@ class TrainConfig:
     activation_offload: bool = False  # saved activations to CPU memory
     cpu_offload: bool = False  # parameters, gradients and optimizer step on CPU (FSDP2 policy)
     compile: bool = False  # torch.compile each decoder block
+    attention: str = "sdpa"  # ATTENTION; fa4 needs bf16/fp16 on sm_90/sm_100, no packing, tp 1
     tp_degree: int = 1  # tensor (and sequence) parallel degree: a 2-D mesh with FSDP
     float8: bool = False  # torchao float8 matmuls in the decoder blocks (CUDA capability >= 8.9)
     float8_recipe: str = "tensorwise"  # FLOAT8_RECIPES

@@ -109,6 +109,7 @@ class ModelShape:
     max_position_embeddings: int | None = None
     model_type: str = BUILTIN_MODEL_TYPE  # config.json's: its row of finetune_contract.families
     architecture_problem: str | None = None  # why the trainer cannot run it (not in the table)
+    head_dim: int | None = None  # config head_dim, else hidden_size / num_attention_heads
 
     @classmethod
     def from_config(cls, name: str, config: Any) -> ModelShape:
@@ -120,9 +121,11 @@ class ModelShape:
             return value if isinstance(value, int) and not isinstance(value, bool) else None
 
         heads = number("num_attention_heads")
+        hidden = number("hidden_size")
+        head_dim = number("head_dim") or (hidden // heads if hidden and heads else None)
         return cls(name, heads, number("num_key_value_heads") or heads,
                    number("intermediate_size"), number("max_position_embeddings"),
-                   model_type_of(config), architecture_problem(config))
+                   model_type_of(config), architecture_problem(config), head_dim)
 
 
 def model_shape(model: str, model_dir: Path | None = None) -> ModelShape | None:

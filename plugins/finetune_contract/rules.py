@@ -11,7 +11,13 @@ import ipaddress
 import re
 
 from finetune_contract.families import FAMILIES, lora_target_problem
-from finetune_contract.fields import PRINTABLE, TrainConfig, quoted
+from finetune_contract.fields import (
+    FA4_CAPABILITIES,
+    FA4_HEAD_DIMS,
+    PRINTABLE,
+    TrainConfig,
+    quoted,
+)
 from finetune_contract.models import ModelShape
 
 Problems = list[tuple[str, str]]
@@ -119,6 +125,7 @@ def config_problems(cfg: TrainConfig, *, world_size: int, local_world_size: int,
     problems: Problems = []
     problems += _checkpointing(cfg)
     problems += _float8_and_lora(cfg)
+    problems += _attention(cfg, shape)
     problems += _preference(cfg)
     problems += _parallelism(cfg, world_size, local_world_size, shape)
     problems += _architecture(cfg, shape)
@@ -137,14 +144,54 @@ def config_problems(cfg: TrainConfig, *, world_size: int, local_world_size: int,
     return problems
 
 
-def device_problems(*, quantize_base: str, gpu: bool) -> Problems:
+def device_problems(*, quantize_base: str, gpu: bool, attention: str = "sdpa",
+                    capability: tuple[int, int] | None = None) -> Problems:
     """Options that need a GPU, for a world whose processes have none (`gpu` false): the
-    local target's check (this machine) and the trainer's start (its device) ask the same."""
+    local target's check (this machine) and the trainer's start (its device) ask the same.
+    `capability`: the GPUs' CUDA compute capability where known (the trainer knows it)."""
+    problems: Problems = []
     if quantize_base != "none" and not gpu:
-        return [("quantize_base", f"{quantize_base} needs CUDA GPUs (the 4-bit weights are "
-                 "dequantized by GPU kernels, as QLoRA runs); this run has none: set "
-                 "quantize_base to none or run on GPUs")]
-    return []
+        problems.append(("quantize_base", f"{quantize_base} needs CUDA GPUs (the 4-bit weights "
+                         "are dequantized by GPU kernels, as QLoRA runs); this run has none: "
+                         "set quantize_base to none or run on GPUs"))
+    if attention == "fa4" and (not gpu or (capability and capability not in FA4_CAPABILITIES)):
+        has = f"compute capability {capability[0]}.{capability[1]}" if gpu and capability \
+            else "no CUDA GPU"
+        problems.append(("attention", f"fa4 runs FlashAttention 4's kernels, built for CUDA "
+                         f"compute capability {_capabilities()} (H100/H200, B200); this run has "
+                         f"{has}: set attention to sdpa"))
+    return problems
+
+
+def _capabilities() -> str:
+    return " or ".join(f"{major}.{minor}" for major, minor in FA4_CAPABILITIES)
+
+
+def _attention(cfg: TrainConfig, shape: ModelShape | None) -> Problems:
+    """fa4 against the options its kernels do not take; each message says what to change."""
+    if cfg.attention != "fa4":
+        return []
+    problems: Problems = []
+    if cfg.mixed_precision == "fp32":
+        problems.append(("attention", "fa4 with mixed_precision fp32: its kernels take bf16 or "
+                         "fp16; set mixed_precision to bf16 or attention to sdpa"))
+    conflicts = (
+        ("packing", cfg.packing, "false",
+         "packed rows need a block-diagonal mask, which the fa4 path leaves to sdpa"),
+        ("tp_degree", cfg.tp_degree > 1, "1",
+         "sequence parallelism gathers attention's inputs through DTensor, which the fa4 "
+         "kernels do not take"),
+    )  # fmt: skip
+    for name, conflicting, working, reason in conflicts:
+        if conflicting:
+            problems.append(("attention", f"fa4 cannot be combined with {name} = "
+                             f"{getattr(cfg, name)}: {reason}; set attention to sdpa or {name} "
+                             f"to {working}"))
+    head_dim = shape.head_dim if shape is not None else None
+    if head_dim and head_dim not in FA4_HEAD_DIMS:
+        problems.append(("attention", f"fa4 takes head dims {', '.join(map(str, FA4_HEAD_DIMS))}; "
+                         f"model {_name(shape)} has {head_dim}: set attention to sdpa"))
+    return problems
 
 
 def _checkpointing(cfg: TrainConfig) -> Problems:

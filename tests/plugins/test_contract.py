@@ -147,7 +147,7 @@ def test_choices_and_bounds_cover_every_enum_and_number_field():
 
 
 def test_builtin_shapes_give_heads_mlp_and_positions():
-    assert TINY == ModelShape("tiny-llama", 4, 2, 352, 1024)
+    assert TINY == ModelShape("tiny-llama", 4, 2, 352, 1024, head_dim=32)  # hidden 128 / 4 heads
     assert set(BUILTIN_MODELS) == {"tiny-llama", "llama-1b", "llama-3b", "llama-8b", "llama-70b"}
 
 

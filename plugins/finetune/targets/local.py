@@ -291,7 +291,7 @@ class LocalTarget(Target):
             errors.append(("float8", "needs GPUs with compute capability >= 8.9; this machine "
                            "has none (the trainer would run on the CPU)"))
         errors += device_problems(quantize_base=values["quantize_base"],
-                                  gpu=res["device"] == "cuda")
+                                  gpu=res["device"] == "cuda", attention=values["attention"])
         if values["output_dir"].startswith("s3://"):
             errors.append(("output_dir", "s3:// output needs target eks; give a local "
                            "directory"))

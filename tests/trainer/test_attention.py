@@ -1,0 +1,140 @@
+"""attention fa4: the FlashAttention 4 custom ops, their autograd and compile, and the rules.
+
+On the CPU the ops run their torch reference (trainer/attention.py), so these tests prove the
+wiring (registration, fake shapes, backward, transformers' dispatch, compile) and the function
+the kernels must compute; the kernels against cuDNN are checked on the GPU by the benchmark
+(`python -m trainer.bench --attention-check`).
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import trainer.attention as attention
+from finetune_contract.fields import ContractError, TrainConfig
+from finetune_contract.models import ModelShape
+from finetune_contract.rules import config_problems, device_problems
+from trainer.config import load_config
+from trainer.parallel import check_start
+
+
+def qkv(batch=2, seq=33, heads=4, kv_heads=2, dim=16, dtype=torch.float64):
+    generator = torch.Generator().manual_seed(seq)
+    shape = lambda h: (batch, seq, h, dim)  # noqa: E731
+    return [torch.randn(shape(h), generator=generator, dtype=dtype, requires_grad=True)
+            for h in (heads, kv_heads, kv_heads)]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_fa4_ops_compute_sdpa_attention_and_its_gradients_with_grouped_kv_heads(causal):
+    q, k, v = qkv()
+    scale = 1 / math.sqrt(q.shape[-1])
+    out, lse = attention.fa4_fwd(q, k, v, scale, causal)
+    expected = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
+        enable_gqa=True).transpose(1, 2)
+    assert out.shape == q.shape and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+    torch.testing.assert_close(out, expected.to(out.dtype), rtol=1e-6, atol=1e-6)
+    weights = torch.randn_like(out)
+    grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    expected_grads = torch.autograd.grad((expected * weights).sum(), (q, k, v))
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_fa4_ops_pass_torch_library_opcheck():
+    q, k, v = qkv(dtype=torch.float32)
+    torch.library.opcheck(torch.ops.trainer.fa4_fwd.default, (q, k, v, 0.25, True))
+    out, lse = attention.fa4_fwd(q.detach(), k.detach(), v.detach(), 0.25, True)
+    torch.library.opcheck(torch.ops.trainer.fa4_bwd.default,
+                          (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse,
+                           0.25, True))
+
+
+def losses_of(monkeypatch, implementation, compile, steps=3):
+    """Losses of `steps` AdamW steps of a small Llama (head dim 64, grouped KV heads) in bf16,
+    and how many times the fa4 forward ran (the trainer refuses fa4 on a CPU at start, so the
+    model is built here as trainer/model.py builds it, without the trainer's start check)."""
+    calls = []
+    reference = attention._reference_fwd
+    monkeypatch.setattr(attention, "_reference_fwd",
+                        lambda *a: calls.append(1) or reference(*a))
+    config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM._from_config(config, attn_implementation=implementation)
+    model.to(torch.bfloat16)
+    if compile:  # per decoder block, as trainer/parallel.py compiles (masks are made outside)
+        for layer in model.model.layers:
+            layer.compile(backend="aot_eager")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    input_ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, len(calls)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_fa4_trains_to_the_losses_of_sdpa(monkeypatch, compile):
+    torch._dynamo.reset()
+    sdpa, sdpa_calls = losses_of(monkeypatch, "sdpa", compile)
+    fa4, fa4_calls = losses_of(monkeypatch, attention.attn_implementation("fa4"), compile)
+    assert sdpa_calls == 0
+    assert fa4_calls > 0  # the fa4 op ran, not sdpa's fallback
+    assert sdpa[-1] < sdpa[0]
+    assert fa4 == pytest.approx(sdpa, rel=1e-2)
+
+
+def test_fa4_hands_masked_and_fp32_attention_to_sdpa():
+    q = torch.zeros(1, 4, 8, 64, dtype=torch.bfloat16)
+    assert attention.kernel_takes(q, q, None, 0.0, {})
+    assert not attention.kernel_takes(q, q, torch.ones(1, 1, 8, 8, dtype=torch.bool), 0.0, {})
+    assert not attention.kernel_takes(q.float(), q.float(), None, 0.0, {})
+    assert not attention.kernel_takes(q, q[:, :, :1], None, 0.0, {})  # decoding with a cache
+    assert not attention.kernel_takes(q, q, None, 0.0, {"sliding_window": 4096})
+    assert not attention.kernel_takes(q[..., :48], q[..., :48], None, 0.0, {})
+
+
+@pytest.mark.parametrize("overrides, wrong", [
+    ({"packing": True, "mixed_precision": "bf16"}, "packing"),
+    ({"tp_degree": 2, "mixed_precision": "bf16"}, "tp_degree"),
+    ({"mixed_precision": "fp32"}, "fp32"),
+])
+def test_validate_and_the_trainer_refuse_what_fa4_cannot_run(overrides, wrong):
+    cfg = TrainConfig(attention="fa4", **overrides)
+    problems = config_problems(cfg, world_size=2, local_world_size=2, shape=None)
+    assert [field for field, _ in problems] == ["attention"]
+    assert wrong in problems[0][1] and "sdpa" in problems[0][1]
+
+
+def test_fa4_refuses_a_head_dim_its_kernels_lack():
+    shape = ModelShape.from_config("odd", {"num_attention_heads": 4, "hidden_size": 192})
+    assert shape.head_dim == 48
+    problems = config_problems(TrainConfig(attention="fa4", mixed_precision="bf16"),
+                               world_size=1, local_world_size=1, shape=shape)
+    assert problems and "48" in problems[0][1]
+
+
+@pytest.mark.parametrize("gpu, capability, refused", [
+    (False, None, True), (True, (8, 0), True), (True, (8, 9), True), (True, (9, 0), False),
+    (True, (10, 0), False)])
+def test_fa4_needs_a_hopper_or_blackwell_gpu(gpu, capability, refused):
+    problems = device_problems(quantize_base="none", gpu=gpu, attention="fa4",
+                               capability=capability)
+    assert bool(problems) == refused
+    assert not device_problems(quantize_base="none", gpu=gpu, attention="sdpa",
+                               capability=capability)
+
+
+def test_the_trainer_refuses_fa4_at_start_on_a_cpu(world_of_one):
+    config = load_config(None, {"attention": "fa4", "mixed_precision": "bf16"})
+    with pytest.raises(ContractError, match="attention.*no CUDA GPU"):
+        check_start(config, world_of_one)

@@ -1,0 +1,193 @@
+"""The attention kernel of the decoder blocks: cuDNN through sdpa, or FlashAttention 4 (`fa4`).
+
+`attention: fa4` runs the CuTe-DSL FlashAttention 4 kernels (package `flash-attn-4`, forward and
+backward for Hopper sm_90 and Blackwell sm_100) as two torch custom ops, `trainer::fa4_fwd` and
+`trainer::fa4_bwd`, tied together by `torch.library.register_autograd`: `torch.compile` sees
+them as opaque calls with known output shapes, so the compiled blocks keep them as they are.
+
+The attention function registered with transformers (ATTN_IMPLEMENTATION) calls them for what
+the kernels compute, causal self-attention over whole rows (no mask, as many queries as keys,
+bf16 or fp16, a head dim the kernels take), and hands anything else to transformers' sdpa
+function with the mask sdpa would get: a padded or packed batch (the contract refuses packing
+with fa4, `finetune_contract.rules`), generation with a KV cache, sliding windows, soft-capping.
+
+Where the tensors are not on a CUDA device (the tests) the ops run a plain torch reference of
+the same function (fp32 softmax, the kernels' log-sum-exp and backward formulas), so the
+op registration, the autograd wiring and compile are tested on the CPU; the kernels themselves
+are checked against cuDNN on the GPU (`python -m trainer.bench --attention-check`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from finetune_contract.fields import FA4_HEAD_DIMS
+
+# The name under which transformers finds the fa4 attention function (config._attn_implementation).
+ATTN_IMPLEMENTATION = "trainer_fa4"
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def attn_implementation(attention: str) -> str:
+    """The transformers attn_implementation of the contract's `attention` value."""
+    if attention == "fa4":
+        register()
+        return ATTN_IMPLEMENTATION
+    return "sdpa"
+
+
+@functools.cache
+def _kernels() -> Any:
+    """flash_attn.cute's interface module (imported on first use: it loads CUTLASS's DSL)."""
+    from flash_attn.cute import interface
+
+    return interface
+
+
+def _reference_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                   causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of softmax(q k^T * scale) v in fp32; layouts (batch, seq, heads, dim)."""
+    groups = q.shape[2] // k.shape[2]
+    qf = q.float().transpose(1, 2)
+    kf = k.float().transpose(1, 2).repeat_interleave(groups, dim=1)
+    vf = v.float().transpose(1, 2).repeat_interleave(groups, dim=1)
+    scores = qf @ kf.transpose(-1, -2) * scale
+    if causal:
+        keep = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # (batch, heads, seq)
+    out = (torch.exp(scores - lse.unsqueeze(-1)) @ vf).transpose(1, 2)
+    return out.to(q.dtype).contiguous(), lse.contiguous()
+
+
+def _reference_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   out: torch.Tensor, lse: torch.Tensor, scale: float,
+                   causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashAttention's backward from the saved out and lse, in fp32 (GQA: summed per KV head)."""
+    heads, kv_heads = q.shape[2], k.shape[2]
+    groups = heads // kv_heads
+    qf, of, dof = (t.float().transpose(1, 2) for t in (q, out, dout))
+    kf = k.float().transpose(1, 2).repeat_interleave(groups, dim=1)
+    vf = v.float().transpose(1, 2).repeat_interleave(groups, dim=1)
+    scores = qf @ kf.transpose(-1, -2) * scale
+    if causal:
+        keep = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    dv = probs.transpose(-1, -2) @ dof
+    dprobs = dof @ vf.transpose(-1, -2)
+    delta = (dof * of).sum(-1, keepdim=True)
+    dscores = probs * (dprobs - delta) * scale
+    dq = dscores @ kf
+    dk = dscores.transpose(-1, -2) @ qf
+
+    def per_kv_head(grad: torch.Tensor) -> torch.Tensor:
+        b, _, s, d = grad.shape
+        return grad.view(b, kv_heads, groups, s, d).sum(2)
+
+    dk, dv = per_kv_head(dk), per_kv_head(dv)
+    return tuple(t.transpose(1, 2).to(q.dtype).contiguous() for t in (dq, dk, dv))  # type: ignore[return-value]
+
+
+@torch.library.custom_op("trainer::fa4_fwd", mutates_args=())
+def fa4_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+            causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse): out (batch, seq, heads, dim) like q, lse (batch, heads, seq) fp32."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if q.device.type != "cuda":
+        return _reference_fwd(q, k, v, scale, causal)
+    result = _kernels()._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=causal,
+                                        return_lse=True)
+    return result[0], result[1]
+
+
+@fa4_fwd.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+      causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, seq, heads, dim = q.shape
+    out = q.new_empty(batch, seq, heads, v.shape[-1])
+    return out, q.new_empty(batch, heads, seq, dtype=torch.float32)
+
+
+@torch.library.custom_op("trainer::fa4_bwd", mutates_args=())
+def fa4_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            out: torch.Tensor, lse: torch.Tensor, scale: float,
+            causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dout = dout.contiguous()
+    if q.device.type != "cuda":
+        return _reference_bwd(dout, q, k, v, out, lse, scale, causal)
+    dq, dk, dv = _kernels()._flash_attn_bwd(q, k, v, out, dout, lse, scale, causal)[:3]
+    return dq, dk, dv
+
+
+@fa4_bwd.register_fake
+def _(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+      lse: torch.Tensor, scale: float,
+      causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+    q, k, v, scale, causal = inputs
+    out, lse = output
+    ctx.save_for_backward(q.contiguous(), k.contiguous(), v.contiguous(), out, lse)
+    ctx.scale, ctx.causal = scale, causal
+
+
+def _backward(ctx: Any, dout: torch.Tensor, _dlse: torch.Tensor | None) -> tuple[Any, ...]:
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = fa4_bwd(dout, q, k, v, out, lse, ctx.scale, ctx.causal)
+    return dq, dk, dv, None, None
+
+
+torch.library.register_autograd("trainer::fa4_fwd", _backward, setup_context=_setup_context)
+
+
+def kernel_takes(query: torch.Tensor, key: torch.Tensor, attention_mask: Any, dropout: float,
+                 kwargs: dict[str, Any]) -> bool:
+    """Whether the fa4 kernels compute this call (else sdpa does): plain causal self-attention."""
+    return (
+        attention_mask is None
+        and not dropout
+        and query.shape[2] == key.shape[2]
+        and query.dtype in _KERNEL_DTYPES
+        and query.shape[-1] in FA4_HEAD_DIMS
+        and not kwargs.get("sliding_window")
+        and not kwargs.get("softcap")
+        and kwargs.get("is_causal", True) is not False
+    )
+
+
+def fa4_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                          value: torch.Tensor, attention_mask: torch.Tensor | None,
+                          dropout: float = 0.0, scaling: float | None = None,
+                          **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention signature: q, k, v (batch, heads, seq, dim); the output
+    (batch, seq, heads, dim), as sdpa_attention_forward returns it."""
+    if not getattr(module, "is_causal", True) or not kernel_takes(
+            query, key, attention_mask, dropout, kwargs):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    scale = scaling if scaling is not None else 1 / math.sqrt(query.shape[-1])
+    out, _ = fa4_fwd(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                     float(scale), True)
+    return out, None
+
+
+@functools.cache
+def register() -> None:
+    """The fa4 attention function and its mask function (sdpa's) under ATTN_IMPLEMENTATION."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, fa4_attention_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, sdpa_mask)
+
+
+def fa4_device_capability(device: torch.device) -> tuple[int, int] | None:
+    """The CUDA capability the fa4 rule checks (None: no CUDA device)."""
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
