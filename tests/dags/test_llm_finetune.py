@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from finetune.demo import load_dag, run_dag, task_results
-from finetune.etcd import LocalEtcd, etcd_binary, is_healthy
+from finetune.etcd import LocalEtcd, is_healthy
 from finetune.names import run_dir_name
 from finetune.targets.local import _trainer_processes
+from tests.support.system import etcd_or_skip, has_etcd
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DAG_FILE = REPO_ROOT / "dags" / "llm_finetune.py"
@@ -159,7 +160,7 @@ def test_full_local_run_trains_a_model_transformers_loads_and_writes_the_report(
     assert model(ids).logits.shape[-1] == model.config.vocab_size
 
     # teardown stopped the run's etcd and left no trainer process behind
-    if etcd_binary() is not None:
+    if has_etcd():
         assert_etcd_stopped(run_dir)
     assert _trainer_processes(str(run_dir / "trainer_config.json")) == []
     train_log = (run_dir / "train.log").read_text()
@@ -242,8 +243,7 @@ def test_conf_outside_the_form_schema_is_refused_before_the_run_starts(tmp_path)
 @pytest.mark.slow
 def test_teardown_stops_etcd_and_trainers_when_train_fails_and_the_report_says_why(
         tmp_path, capfd):
-    if etcd_binary() is None:
-        pytest.skip("needs etcd to check that teardown stops it")
+    etcd_or_skip()  # teardown must be seen stopping it
     broken = tmp_path / "broken-model"
     broken.mkdir()
     # Valid JSON validate can read, an architecture only loading it finds unknown.
@@ -286,5 +286,5 @@ def test_a_training_past_its_deadline_is_stopped_and_the_run_gives_everything_ba
     run_dir = run_dir_of(dag_run, out)
     assert _trainer_processes(str(run_dir / "trainer_config.json")) == []
     assert json.loads((run_dir / "report.json").read_text())["status"] == "failed"
-    if etcd_binary() is not None:
+    if has_etcd():
         assert_etcd_stopped(run_dir)

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import kubernetes_validate
-import pytest
 import yaml
 
 from finetune.gpu_metrics import DCGM_SERIES
@@ -22,6 +20,7 @@ from finetune.targets.eks.manifests import (
 )
 from tests.support.eks import eks_config
 from tests.support.schemas import K8S_VERSION
+from tests.support.system import system_binary_or_skip
 from trainer.metrics_endpoint import EVAL_GAUGE, MAX_STEPS_GAUGE, TRAIN_GAUGES
 
 OBSERVABILITY = Path(__file__).resolve().parents[2] / "containers" / "observability"
@@ -57,7 +56,7 @@ def test_scrape_config_passes_promtool_and_finds_the_exporter_and_the_trainer(tm
         # only worker 0 (rank 0) serves the endpoint
         ("__meta_kubernetes_pod_label_" + re.sub(r"[^a-zA-Z0-9_]", "_", LABEL_REPLICA_INDEX),):
             "0"}
-    promtool = shutil.which("promtool") or pytest.skip("promtool is not installed (prometheus)")
+    promtool = system_binary_or_skip("promtool", "prometheus")
     # Debian's Prometheus is built without Kubernetes discovery: check the rest with static
     # targets in its place (the relabelling rules, intervals, job names)
     for job in config["scrape_configs"]:

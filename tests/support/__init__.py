@@ -1,7 +1,9 @@
 """What the tests share, imported as `tests.support.<module>` (never copied into a test module,
 never imported from another test module):
 
-- `system`: the Debian programs the tests need (etcd, prometheus, chromium), or a skip.
+- `system`: what the tests need from outside the clone, or a skip saying how to get it (a failure
+  with FINETUNE_REQUIRE_SYSTEM_DEPS=1, as CI runs): `missing_dependency`, and the Debian
+  programs (etcd, prometheus, promtool, chromium).
 - `aws`: moto in server mode; fixtures `moto_endpoint`, `aws`, `s3`.
 - `etcd`: fixture `etcd_server`, a real etcd.
 - `mlflow`: a real `mlflow server` (SQLite; local or S3 artifacts): `start_mlflow`, fixture
@@ -17,7 +19,7 @@ never imported from another test module):
   processes, each killed and started again on its own, `Airflow`), a REST client (`Api`) and a
   bounded wait (`wait_for`).
 - `schemas`: manifests checked against the Kubernetes, PyTorchJob and Kubeflow Trainer v2 CRD
-  schemas.
+  schemas (the CRDs from $FINETUNE_K8S_SCHEMAS or ../shared/k8s-schemas).
 - `trainer`: the test playing Kubeflow Trainer v2 and JobSet for a TrainJob
   (`TrainerController`, `trainjob_config`, `set_trainjob_status`).
 - `preflight`: what the preflight program measures, made to order (`measured`).
