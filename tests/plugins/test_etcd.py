@@ -86,6 +86,7 @@ def test_a_port_taken_before_etcd_binds_it_starts_etcd_again_on_new_ports(tmp_pa
         server.stop()
 
 
+@pytest.mark.slow  # three torchrun launches
 def test_second_run_with_the_same_rendezvous_id_needs_the_reset(etcd_server):
     first = torchrun(etcd_server.endpoint, "job-a")
     assert first.returncode == 0, first.stderr[-3000:]
