@@ -53,3 +53,28 @@ def test_check_mode_fails_naming_make_docs_when_the_page_differs(tmp_path, monke
     assert "run `make docs`" in capsys.readouterr().err
     assert docs.main([]) == 0
     assert docs.main(["--check"]) == 0
+
+
+def _anchors(markdown: str) -> set[str]:
+    """GitHub's anchors of a page's headings."""
+    return {docs._anchor(line.lstrip("#").strip()) for line in markdown.splitlines()
+            if line.startswith("#")}
+
+
+def test_every_link_between_the_readme_and_docs_reaches_a_file_and_heading():
+    import re
+
+    pages = [docs.REPO_ROOT / "README.md", *sorted((docs.REPO_ROOT / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        text = page.read_text()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+://", target):
+                continue
+            file, _, anchor = target.partition("#")
+            path = (page.parent / file).resolve() if file else page
+            if not path.exists():
+                broken.append(f"{page.name}: {target} (no such file)")
+            elif anchor and path.suffix == ".md" and anchor not in _anchors(path.read_text()):
+                broken.append(f"{page.name}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
