@@ -99,17 +99,18 @@ def make_choice_rows(rows: int, seed: int, choices: int = 4) -> list[dict]:
 
 
 def make_preference_rows(rows: int, seed: int) -> list[dict[str, str]]:
-    """Preference pairs of the same tasks: chosen is the right answer, rejected the answer to
-    another draw of the same task (a plausible wrong answer, of the same vocabulary)."""
+    """Preference pairs of the same tasks: chosen is the right answer, rejected the right answer
+    to a question of another task (a number to "Which month comes after July?", a month to
+    "Write in capitals: owl"). The rule every rejected answer breaks is answering the question
+    asked, which the prompt's first words tell: a tiny model learns it within the demo's steps.
+    A wrong answer of the right kind (another month) would ask it to know the tasks first."""
     rng = random.Random(seed)
     pairs = []
     for i in range(rows):
         task = TASKS[i % len(TASKS)]
         prompt, answer = task(rng)
-        wrong = answer
-        while wrong == answer:
-            wrong = task(rng)[1]
-        pairs.append({"prompt": prompt, "chosen": answer, "rejected": wrong})
+        other = TASKS[(i + rng.randrange(1, len(TASKS))) % len(TASKS)]
+        pairs.append({"prompt": prompt, "chosen": answer, "rejected": other(rng)[1]})
     rng.shuffle(pairs)
     return pairs
 
