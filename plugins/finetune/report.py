@@ -6,7 +6,6 @@ libraries, and the page must open offline (no scripts, no external resources).
 
 from __future__ import annotations
 
-import html
 import json
 import math
 import os
@@ -15,6 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from finetune.pages import Markup, render
 from finetune_contract.errors import ERRORS_DIR
 from finetune_contract.fields import DPO_METRICS, EVALUATION_FILE, STRAGGLER_THRESHOLD
 from finetune_contract.preflight import PREFLIGHT_FILE
@@ -293,25 +293,18 @@ def write_report(
     return report
 
 
-def _preflight_html(preflight: dict | None) -> list[str]:
+def _preflight_view(preflight: dict | None) -> dict | None:
     """The preflight's table: one row per node, its GPUs, bandwidth and problems."""
     if not preflight:
-        return []
-    head = ("<tr><th>node</th><th>ranks</th><th>GPUs</th><th>matmul TFLOP/s</th>"
-            "<th>all-reduce in node (GB/s)</th><th>expected</th><th>verdict</th></tr>")
-    rows = "".join(
-        f"<tr><td>{_esc(n['node_name'])}</td><td>{n['ranks']}</td>"
-        f"<td>{_esc(', '.join(n['gpus']))}</td>"
-        f"<td>{_esc(', '.join(f'{t:.3g}' for t in n['matmul_tflops']))}</td>"
-        f"<td>{_fmt(n['intra_busbw_gbps'], '.1f')}</td>"
-        f"<td>{_fmt(n['expected_intra_gbps'], '.0f')}</td>"
-        f"<td>{'ok' if n['ok'] else _esc('; '.join(n['problems']))}</td></tr>"
-        for n in preflight["nodes"])
-    across = (f"<p>all-reduce across nodes: {_fmt(preflight['inter_busbw_gbps'], '.1f')} GB/s "
-              f"bus bandwidth (expected {_fmt(preflight['expected_inter_gbps'], '.0f')}); "
-              f"{preflight['message_mib']:g} MiB messages, {_esc(preflight['backend'])}</p>")
-    problems = "".join(f"<p class=\"warn\">{_esc(p)}</p>" for p in preflight["problems"])
-    return ["<h2>Preflight</h2>", f"<table>{head}{rows}</table>", across, problems]
+        return None
+    nodes = [[n["node_name"], n["ranks"], ", ".join(n["gpus"]),
+              ", ".join(f"{t:.3g}" for t in n["matmul_tflops"]),
+              _fmt(n["intra_busbw_gbps"], ".1f"), _fmt(n["expected_intra_gbps"], ".0f"),
+              "ok" if n["ok"] else "; ".join(n["problems"])] for n in preflight["nodes"]]
+    across = (f"{_fmt(preflight['inter_busbw_gbps'], '.1f')} GB/s bus bandwidth (expected "
+              f"{_fmt(preflight['expected_inter_gbps'], '.0f')}); {preflight['message_mib']:g} "
+              f"MiB messages, {preflight['backend']}")
+    return {"nodes": nodes, "across": across, "problems": preflight["problems"]}
 
 
 def load_evaluation(path: Path) -> tuple[dict | None, str | None]:
@@ -364,14 +357,13 @@ def rank_step_times(train: list[dict], config: dict) -> dict | None:
             "stragglers": stragglers(per_step, threshold)}
 
 
-def _rank_times_html(ranks: dict | None) -> list[str]:
+def _rank_times_view(ranks: dict | None) -> dict | None:
     if not ranks:
-        return []
+        return None
     flagged = {s["rank"] for s in ranks["stragglers"]}
     rows = [(f"rank {rank}" + (" (straggler)" if rank in flagged else ""), _fmt(t, ".3g", " s"))
             for rank, t in enumerate(ranks["median_step_time_s"])]
-    return [f"<h2>Per-rank step time (median; stragglers: > {ranks['threshold']:.0%} slower)</h2>",
-            _table(rows, "no per-rank step times")]
+    return {"threshold": f"{ranks['threshold']:.0%}", "rows": rows}
 
 
 def failure_error(error: dict | None) -> dict | None:
@@ -443,29 +435,6 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 # --- HTML ------------------------------------------------------------------------------------
-
-_CSS = """
-body { font-family: system-ui, sans-serif; margin: 2rem auto; max-width: 70rem; color: #222; }
-h1 .status { font-size: 0.6em; padding: 0.2em 0.6em; border-radius: 0.3em; color: #fff; }
-.status-success { background: #2e7d32; } .status-failed { background: #c62828; }
-.error { border-left: 4px solid #c62828; padding: 0 1rem; background: #fdecea; }
-.error pre { white-space: pre-wrap; }
-.figures { display: flex; flex-wrap: wrap; gap: 1rem; margin: 1rem 0; }
-.figure { border: 1px solid #ddd; border-radius: 0.4rem; padding: 0.6rem 1rem; min-width: 9rem; }
-.figure .label { font-size: 0.8em; color: #666; } .figure .value { font-size: 1.4em; }
-.charts svg { border: 1px solid #eee; margin: 0.5rem 0.5rem 0 0; }
-table { border-collapse: collapse; } td, th { border: 1px solid #ddd; padding: 0.2rem 0.6rem; }
-td { font-family: ui-monospace, monospace; vertical-align: top; white-space: pre-wrap; }
-.muted { color: #666; }
-.missing { background: #fff8e1; border-left: 4px solid #f9a825; padding: 0.5rem 1rem; }
-.xid { background: #ffebee; border-left: 6px solid #c62828; padding: 0.5rem 1rem;
-       color: #b71c1c; font-weight: bold; }
-"""
-
-
-def _esc(value: Any) -> str:
-    return html.escape(str(value), quote=True)
-
 
 def _fmt(value: Any, spec: str, suffix: str = "") -> str:
     return "n/a" if _finite(value) is None else f"{value:{spec}}{suffix}"
@@ -543,11 +512,7 @@ def _flatten(mapping: dict, prefix: str = "") -> list[tuple[str, str]]:
     return rows
 
 
-def _table(rows: list[tuple[str, str]], empty: str) -> str:
-    if not rows:
-        return f'<p class="muted">{_esc(empty)}</p>'
-    body = "".join(f"<tr><th>{_esc(k)}</th><td>{_esc(v)}</td></tr>" for k, v in rows)
-    return f"<table><tr><th>key</th><th>value</th></tr>{body}</table>"
+
 
 
 def _points(records: list[dict], x_key: str, y_key: str) -> list[tuple[float, float]]:
@@ -557,31 +522,23 @@ def _points(records: list[dict], x_key: str, y_key: str) -> list[tuple[float, fl
 MAX_ERROR_CHARS = 2000
 
 
-def _error_html(error: dict | None) -> str:
+def _error_view(error: dict | None) -> dict | None:
     if not error:
-        return ""
+        return None
     where = f"stage {error['stage']}" + (f", rank {error['rank']}" if error.get("rank") is not
                                           None else "")
-    return (f'<section class="error"><h2>Why it failed</h2><p>{_esc(where)}: '
-            f"<b>{_esc(error['type'])}</b></p><pre>{_esc(error['message'])}</pre></section>")
+    return {"where": where, "type": error["type"], "message": error["message"]}
 
 
 def render_html(report: dict) -> str:
-    """The report dict -> one self-contained HTML page (inline CSS and SVG, no scripts)."""
+    """The report dict -> one self-contained HTML page (templates/report.html.j2)."""
     train, evals = report["series"]["train"], report["series"]["eval"]
     charts = [
-        svg_line_chart(
-            {
-                "train loss": _points(train, "step", "loss"),
-                "eval loss": _points(evals, "step", "eval_loss"),
-            },
-            "Loss",
-            "step",
-            "loss",
-        ),
-        svg_line_chart(
-            {"tokens/s": _points(train, "step", "tokens_per_s")}, "Throughput", "step", "tokens/s"
-        ),
+        svg_line_chart({"train loss": _points(train, "step", "loss"),
+                        "eval loss": _points(evals, "step", "eval_loss")},
+                       "Loss", "step", "loss"),
+        svg_line_chart({"tokens/s": _points(train, "step", "tokens_per_s")},
+                       "Throughput", "step", "tokens/s"),
         svg_line_chart({"lr": _points(train, "step", "lr")}, "Learning rate", "step", "lr"),
     ]
     if any(r.get("reward_accuracy") is not None for r in train):  # a dpo run
@@ -589,66 +546,44 @@ def render_html(report: dict) -> str:
             {"reward accuracy": _points(train, "step", "reward_accuracy"),
              "reward margin": _points(train, "step", "reward_margin")},
             "Preference rewards (DPO)", "step", "value"))
-    figures = "".join(
-        f'<div class="figure"><div class="label">{_esc(label)}</div>'
-        f'<div class="value">{_esc(value)}</div></div>'
-        for label, value in _headline_figures(report["metrics"])
-        + _gpu_headlines(report.get("gpu"))
+    cost = report.get("cost")
+    return render(
+        "report.html.j2",
+        run_id=report["run_id"],
+        status=report["status"],
+        generated_at=report["generated_at"],
+        error=_error_view(report.get("error")),
+        figures=_headline_figures(report["metrics"]) + _gpu_headlines(report.get("gpu")),
+        charts=charts,
+        config=_flatten(report["config"]),
+        evaluation=_evaluation_view(report.get("evaluation"), report.get("promotion"),
+                                    report.get("tracking")),
+        cost=cost and {"nodes": cost["nodes"], "price": f"{cost['node_hourly_price_usd']:g}",
+                       "hours": f"{cost['hours']:.2f}", "usd": f"{cost['usd']:,.2f}"},
+        gpu=_gpu_view(report.get("gpu")),
+        plan=_plan_view(report.get("plan")),
+        host=_host_view(report.get("host")),
+        ranks=_rank_times_view(report.get("rank_step_times")),
+        preflight=_preflight_view(report.get("preflight")),
+        stages=_flatten(report["stages"]),
+        artifacts=[(k, "n/a" if v is None else v) for k, v in report["artifacts"].items()],
+        warnings=report["warnings"],
     )
-    warnings = report["warnings"]
-    warning_list = (
-        "<ul>" + "".join(f"<li>{_esc(w)}</li>" for w in warnings) + "</ul>"
-        if warnings
-        else '<p class="muted">none</p>'
-    )
-    artifacts = [(k, "n/a" if v is None else v) for k, v in report["artifacts"].items()]
-    run_id, status = _esc(report["run_id"]), _esc(report["status"])
-    parts = [
-        "<!DOCTYPE html>",
-        '<html lang="en"><head><meta charset="utf-8">',
-        f"<title>Run {run_id}: {status}</title>",
-        f"<style>{_CSS}</style></head><body>",
-        f'<h1>Run {run_id} <span class="status status-{status}">{status}</span></h1>',
-        f'<p class="muted">generated {_esc(report["generated_at"])}</p>',
-        _error_html(report.get("error")),
-        f'<section class="figures">{figures}</section>',
-        f'<section class="charts">{"".join(charts)}</section>',
-        "<h2>Config</h2>",
-        _table(_flatten(report["config"]), "no config"),
-    ]
-    parts += _evaluation_html(report.get("evaluation"), report.get("promotion"),
-                              report.get("tracking"))
-    parts += _gpu_html(report.get("gpu"), report.get("cost"))
-    parts += _plan_html(report.get("plan"))
-    parts += _host_html(report.get("host"))
-    parts += _rank_times_html(report.get("rank_step_times"))
-    parts += _preflight_html(report.get("preflight"))
-    if report["stages"]:
-        parts += ["<h2>Stages</h2>", _table(_flatten(report["stages"]), "no stages")]
-    parts += [
-        "<h2>Artifacts</h2>",
-        _table(artifacts, "no artifacts"),
-        "<h2>Warnings</h2>",
-        warning_list,
-        "</body></html>",
-    ]
-    return "\n".join(parts) + "\n"
 
 
-def _plan_html(plan: dict | None) -> list[str]:
+def _plan_view(plan: dict | None) -> dict | None:
     if not plan:
-        return []
+        return None
     rows = [(key, f"{_fmt(row['estimate'], '.4g')} estimated, {_fmt(row['measured'], '.4g')} "
                   f"measured" + (f" ({row['error']:+.1%})" if row["error"] is not None else ""))
             for key, row in plan["compared"].items()]
-    notes = "".join(f'<p class="muted">{_esc(n)}</p>' for n in plan.get("notes") or [])
-    return ["<h2>Plan against measurement</h2>", _table(rows, "no plan"), notes]
+    return {"rows": rows, "notes": plan.get("notes") or []}
 
 
-def _evaluation_html(evaluation: dict | None, promotion: dict | None,
-                     tracking: dict | None) -> list[str]:
+def _evaluation_view(evaluation: dict | None, promotion: dict | None,
+                     tracking: dict | None) -> dict | None:
     if not evaluation:
-        return []
+        return None
     champion = evaluation.get("champion") or {}
     rows = [("eval set", f"{evaluation.get('eval_set')} ({evaluation.get('eval_rows')} rows)"),
             ("loss", _fmt(evaluation.get("loss"), ".4f")
@@ -660,27 +595,18 @@ def _evaluation_html(evaluation: dict | None, promotion: dict | None,
         for metric, value in scores.items():
             rows.append((f"{task} {metric}", _fmt(value, ".4f") + (
                 f" (champion {_fmt(theirs.get(metric), '.4f')})" if metric in theirs else "")))
-    parts = ["<h2>Evaluation</h2>", _table(rows, "no evaluation")]
-    if promotion:
-        parts.append(f'<p>promotion: <b>{_esc(promotion.get("decision"))}</b> on '
-                     f'{_esc(promotion.get("metric"))}: challenger '
-                     f'{_fmt(promotion.get("challenger"), ".4f")}, champion '
-                     f'{_fmt(promotion.get("champion"), ".4f")}, margin '
-                     f'{_fmt(promotion.get("margin"), "g")}. {_esc(promotion.get("reason", ""))}'
-                     "</p>")
-    if tracking and tracking.get("run_id"):
-        parts.append(f'<p class="muted">MLflow: experiment {_esc(tracking.get("experiment_id"))}'
-                     f', run {_esc(tracking["run_id"])} at {_esc(tracking.get("uri"))}</p>')
-    samples = evaluation.get("samples") or []
-    if samples:
-        body = "".join(f"<tr><td>{_esc(s.get('prompt'))}</td><td>{_esc(s.get('reference'))}"
-                       f"</td><td>{_esc(s.get('output'))}</td></tr>" for s in samples)
-        parts += ["<h3>Samples (greedy)</h3>", "<table><tr><th>prompt</th><th>reference</th>"
-                  f"<th>model</th></tr>{body}</table>"]
-    return parts
+    return {
+        "rows": rows,
+        "promotion": promotion and {
+            "decision": promotion.get("decision"), "metric": promotion.get("metric"),
+            "challenger": _fmt(promotion.get("challenger"), ".4f"),
+            "champion": _fmt(promotion.get("champion"), ".4f"),
+            "margin": _fmt(promotion.get("margin"), "g"), "reason": promotion.get("reason", "")},
+        "tracking": tracking if tracking and tracking.get("run_id") else None,
+        "samples": evaluation.get("samples") or [],
+    }
 
 
-# GPU metrics: the table's columns and the plots, (key, label, unit).
 _GPU_COLUMNS = (("gpu_util_pct", "GPU util", "%"), ("mem_copy_util_pct", "mem copy util", "%"),
                 ("sm_clock_mhz", "SM clock", "MHz"), ("fb_used_mib", "FB used", "MiB"),
                 ("power_w", "power", "W"), ("temperature_c", "temperature", "°C"))
@@ -689,45 +615,25 @@ _GPU_PLOTS = (("gpu_util_pct", "GPU utilisation", "%"), ("fb_used_mib", "GPU mem
 _MAX_PLOTTED_GPUS = 32
 
 
-def _gpu_table(rows: list[dict], key_cols: tuple[str, ...]) -> str:
-    head = "".join(f"<th>{_esc(c)}</th>" for c in key_cols) + "".join(
-        f"<th>{_esc(label)} mean / max ({_esc(unit)})</th>" for _, label, unit in _GPU_COLUMNS)
-    body = []
-    for row in rows:
-        cells = "".join(f"<td>{_esc(row.get(c))}</td>" for c in key_cols)
-        for key, _, _ in _GPU_COLUMNS:
-            stat = row["metrics"].get(key) or {}
-            cells += f"<td>{_fmt(stat.get('mean'), ',.1f')} / {_fmt(stat.get('max'), ',.1f')}</td>"
-        body.append(f"<tr>{cells}</tr>")
-    return f"<table><tr>{head}</tr>{''.join(body)}</table>"
+def _gpu_rows(rows: list[dict], key_cols: tuple[str, ...]) -> list[list[Any]]:
+    """One row of cells per node or GPU: its keys, then each column's mean / max."""
+    return [[row.get(c) for c in key_cols] + [
+        f"{_fmt(stat.get('mean'), ',.1f')} / {_fmt(stat.get('max'), ',.1f')}"
+        for stat in (row["metrics"].get(key) or {} for key, _, _ in _GPU_COLUMNS)]
+        for row in rows]
 
 
-def _gpu_html(gpu: dict | None, cost: dict | None) -> list[str]:
-    parts = ["<h2>GPUs</h2>"]
-    if cost:
-        parts.append(
-            f'<p class="muted">cost estimate: {cost["nodes"]} node(s) x '
-            f'{cost["node_hourly_price_usd"]:g} USD/h x {cost["hours"]:.2f} h = '
-            f'{cost["usd"]:,.2f} USD</p>')
+def _gpu_view(gpu: dict | None) -> dict | None:
     if not gpu:
-        return parts + ['<p class="missing">GPU metrics missing: none were collected (a CPU '
-                        "run has none)</p>"]
-    for entry in gpu.get("xid_errors") or []:
-        parts.append(f'<p class="xid">XID ERROR on {_esc(entry["node"])} GPU '
-                     f'{_esc(entry["gpu"])} (pods {_esc(", ".join(entry["pods"]) or "n/a")}): '
-                     f'XID {_esc(", ".join(str(c) for c in entry["codes"]))}</p>')
+        return None
+    view: dict[str, Any] = {"xid_errors": [
+        {"node": e["node"], "gpu": e["gpu"], "pods": ", ".join(e["pods"]) or "n/a",
+         "codes": ", ".join(str(c) for c in e["codes"])} for e in gpu.get("xid_errors") or []]}
     if not gpu.get("available"):
-        return parts + [f'<p class="missing">{_esc(gpu.get("missing") or "GPU metrics missing")}'
-                        "</p>"]
+        return view | {"missing": gpu.get("missing") or "GPU metrics missing"}
     query = gpu.get("query") or {}
-    parts.append(f'<p class="muted">source: {_esc(gpu["source"])}'
-                 + (f' {_esc(query["url"])}, {_esc(query["selector"])}, '
-                    f'{_esc(query["start"])} to {_esc(query["end"])}' if "url" in query else "")
-                 + "</p>")
-    parts.append("<h3>Per node</h3>")
-    parts.append(_gpu_table(gpu["nodes"], ("node", "gpus")))
-    parts.append("<h3>Per GPU</h3>")
-    parts.append(_gpu_table(gpu["gpus"], ("node", "gpu", "model")))
+    source = gpu["source"] + (f" {query['url']}, {query['selector']}, {query['start']} to "
+                              f"{query['end']}" if "url" in query else "")
     t0 = min((p[0] for per_gpu in gpu["series"].values() for points in per_gpu.values()
               for p in points[:1]), default=0)
     charts = []
@@ -736,32 +642,34 @@ def _gpu_html(gpu: dict | None, cost: dict | None) -> list[str]:
         charts.append(svg_line_chart(
             {name: [(t - t0, v) for t, v in points] for name, points in per_gpu.items()},
             f"{title} per GPU", "seconds", unit))
-    parts.append(f'<section class="charts">{"".join(charts)}</section>')
-    if len(gpu["gpus"]) > _MAX_PLOTTED_GPUS:
-        parts.append(f'<p class="muted">plots show the first {_MAX_PLOTTED_GPUS} of '
-                     f'{len(gpu["gpus"])} GPUs; the tables show all</p>')
-    return parts
+    return view | {
+        "missing": None, "source": source,
+        "columns": [(label, unit) for _, label, unit in _GPU_COLUMNS],
+        "nodes": _gpu_rows(gpu["nodes"], ("node", "gpus")),
+        "gpus": _gpu_rows(gpu["gpus"], ("node", "gpu", "model")),
+        "charts": charts, "count": len(gpu["gpus"]),
+        "plotted": min(len(gpu["gpus"]), _MAX_PLOTTED_GPUS),
+    }
 
 
-def _host_html(host: dict | None) -> list[str]:
+def _host_view(host: dict | None) -> dict | None:
     if not host:
-        return []
+        return None
     cpu, mem = host["metrics"]["cpu_percent"], host["metrics"]["memory_used_bytes"]
     series = host["series"]
     t0 = min((s[0][0] for s in series.values() if s), default=0)
-    return [
-        "<h2>Host</h2>",
-        f'<p class="muted">{host["samples"]} samples; CPU mean {_fmt(cpu["mean"], ".1f", "%")}'
-        f', max {_fmt(cpu["max"], ".1f", "%")}; memory used max {_fmt_bytes(mem["max"])} of '
-        f'{_fmt_bytes(host.get("memory_total_bytes"))}</p>',
-        '<section class="charts">'
-        + svg_line_chart({"CPU %": [(t - t0, v) for t, v in series["cpu_percent"]]},
-                         "Host CPU", "seconds", "%")
-        + svg_line_chart({"memory used (GiB)": [(t - t0, v / GIB)
-                                                for t, v in series["memory_used_bytes"]]},
-                         "Host memory", "seconds", "GiB")
-        + "</section>",
-    ]
+    return {
+        "summary": f'{host["samples"]} samples; CPU mean {_fmt(cpu["mean"], ".1f", "%")}, max '
+                   f'{_fmt(cpu["max"], ".1f", "%")}; memory used max {_fmt_bytes(mem["max"])} of '
+                   f'{_fmt_bytes(host.get("memory_total_bytes"))}',
+        "charts": [
+            svg_line_chart({"CPU %": [(t - t0, v) for t, v in series["cpu_percent"]]},
+                           "Host CPU", "seconds", "%"),
+            svg_line_chart({"memory used (GiB)": [(t - t0, v / GIB)
+                                                  for t, v in series["memory_used_bytes"]]},
+                           "Host memory", "seconds", "GiB"),
+        ],
+    }
 
 
 # --- SVG charts ------------------------------------------------------------------------------
@@ -808,8 +716,9 @@ def _padded_range(values: list[float]) -> tuple[float, float]:
 
 def svg_line_chart(
     series: dict[str, list[tuple[float, float]]], title: str, x_label: str, y_label: str
-) -> str:
-    """Inline SVG line chart of named (x, y) series; None/NaN points are skipped."""
+) -> Markup:
+    """Inline SVG line chart of named (x, y) series; None/NaN points are skipped. The geometry
+    is computed here, the markup is templates/chart.svg.j2."""
     w, h = CHART_WIDTH, CHART_HEIGHT
     left, right = _MARGIN_LEFT, w - _MARGIN_RIGHT
     top, bottom = _MARGIN_TOP, h - _MARGIN_BOTTOM
@@ -821,30 +730,11 @@ def svg_line_chart(
         ]
         for name, points in series.items()
     }
-    out = [
-        (
-            f'<svg width="{w}" height="{h}" viewBox="0 0 {w} {h}" role="img" '
-            f'aria-label="{_esc(title)}" font-family="sans-serif" font-size="11">'
-        ),
-        f"<title>{_esc(title)}</title>",
-        f'<text x="{left}" y="18" font-size="13" font-weight="bold">{_esc(title)}</text>',
-        f'<text x="{(left + right) / 2}" y="{h - 6}" text-anchor="middle">{_esc(x_label)}</text>',
-        (
-            f'<text x="14" y="{(top + bottom) / 2}" text-anchor="middle" '
-            f'transform="rotate(-90 14 {(top + bottom) / 2})">{_esc(y_label)}</text>'
-        ),
-        (
-            f'<rect x="{left}" y="{top}" width="{right - left}" height="{bottom - top}" '
-            f'fill="none" stroke="#999"/>'
-        ),
-    ]
+    box = {"w": w, "h": h, "left": left, "right": right, "top": top, "bottom": bottom,
+           "x_mid": (left + right) / 2, "y_mid": (top + bottom) / 2}
     all_points = [p for points in clean.values() for p in points]
     if not all_points:
-        out.append(
-            f'<text x="{(left + right) / 2}" y="{(top + bottom) / 2}" text-anchor="middle" '
-            f'fill="#999" font-size="14">no data</text></svg>'
-        )
-        return "".join(out)
+        return _chart(box, title, x_label, y_label, None)
 
     x_lo, x_hi = _padded_range([x for x, _ in all_points])
     y_lo, y_hi = _padded_range([y for _, y in all_points])
@@ -855,43 +745,27 @@ def svg_line_chart(
     def sy(y: float) -> float:
         return round(bottom - (y - y_lo) / (y_hi - y_lo) * (bottom - top), 2)
 
-    for tick in _nice_ticks(x_lo, x_hi):
-        x = sx(tick)
-        out.append(
-            f'<line x1="{x}" y1="{bottom}" x2="{x}" y2="{bottom + 4}" stroke="#999"/>'
-            f'<text x="{x}" y="{bottom + 16}" text-anchor="middle">{_fmt_tick(tick)}</text>'
-        )
-    for tick in _nice_ticks(y_lo, y_hi):
-        y = sy(tick)
-        out.append(
-            f'<line x1="{left}" y1="{y}" x2="{right}" y2="{y}" stroke="#eee"/>'
-            f'<text x="{left - 6}" y="{y + 4}" text-anchor="end">{_fmt_tick(tick)}</text>'
-        )
-
-    for i, points in enumerate(clean.values()):
-        color = _COLORS[i % len(_COLORS)]
-        if len(points) > 1:
-            coords = " ".join(f"{sx(x)},{sy(y)}" for x, y in points)
-            out.append(
-                f'<polyline points="{coords}" fill="none" stroke="{color}" stroke-width="1.5"/>'
-            )
+    lines = [{
+        "color": _COLORS[i % len(_COLORS)],
+        "coords": " ".join(f"{sx(x)},{sy(y)}" for x, y in points) if len(points) > 1 else "",
         # sparse series (eval loss, a single point) would be invisible as a bare line
-        if len(points) <= _MAX_MARKED_POINTS:
-            out.extend(
-                f'<circle cx="{sx(x)}" cy="{sy(y)}" r="2.5" fill="{color}"/>' for x, y in points
-            )
-    # legend sits in the top margin, laid out right to left, so it never hides a line
-    legend_x = right
+        "markers": [(sx(x), sy(y)) for x, y in points] if len(points) <= _MAX_MARKED_POINTS
+        else [],
+    } for i, points in enumerate(clean.values())]
+    # the legend sits in the top margin, laid out right to left, so it never hides a line
+    legend, legend_x = [], right
     for i, name in reversed(list(enumerate(clean))):
-        color = _COLORS[i % len(_COLORS)]
         text_x = legend_x - _LEGEND_CHAR_WIDTH * len(name)
         if text_x - 22 < left:  # many series (GPUs): the legend shows those that fit
             break
-        out.append(
-            f'<line x1="{text_x - 22}" y1="14" x2="{text_x - 4}" y2="14" '
-            f'stroke="{color}" stroke-width="2"/>'
-            f'<text x="{text_x}" y="18">{_esc(name)}</text>'
-        )
+        legend.append({"name": name, "x": text_x, "color": _COLORS[i % len(_COLORS)]})
         legend_x = text_x - 34
-    out.append("</svg>")
-    return "".join(out)
+    return _chart(box, title, x_label, y_label, {
+        "x_ticks": [(sx(t), _fmt_tick(t)) for t in _nice_ticks(x_lo, x_hi)],
+        "y_ticks": [(sy(t), _fmt_tick(t)) for t in _nice_ticks(y_lo, y_hi)],
+        "lines": lines, "legend": legend})
+
+
+def _chart(box: dict, title: str, x_label: str, y_label: str, plot: dict | None) -> Markup:
+    return Markup(render("chart.svg.j2", box=box, title=title, x_label=x_label,
+                         y_label=y_label, plot=plot).strip())

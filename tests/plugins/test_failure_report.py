@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+from markupsafe import escape
+
 from finetune.report import write_report
 from finetune.runs_page import list_runs, render_runs_page
 from finetune.validate import config_table, validate_params
@@ -23,7 +25,7 @@ def test_a_failed_report_carries_the_root_cause_and_shows_it(tmp_path):
     assert report["error"] == {"stage": "train", "type": "ValueError", "message": CAUSE,
                                "rank": 1}
     page = (run / "report.html").read_text()
-    assert "Why it failed" in page and "text_field=&#x27;body&#x27;" in page
+    assert "Why it failed" in page and escape("text_field='body'") in page
     rows = list_runs([tmp_path / "runs"])
     html = render_runs_page(rows, [tmp_path / "runs"])
     assert "train: ValueError: text_field=&#x27;body&#x27; is not a column" in html

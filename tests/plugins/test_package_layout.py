@@ -1,9 +1,14 @@
 """The packages' shape: no import circle among the modules of plugins/ and trainer/ (lazy imports
-included), and every module opens with a docstring saying what it owns."""
+included), every module opens with a docstring saying what it owns, and the plugin works from
+MWAA's plugins.zip, its page templates included."""
 
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -91,3 +96,37 @@ def test_every_module_opens_with_a_docstring():
                for p in root.rglob("*.py")
                if p.stat().st_size and ast.get_docstring(ast.parse(p.read_text())) is None]
     assert missing == []
+
+
+def plugins_zip(out: Path) -> Path:
+    """plugins.zip as docs/deploy.md makes it: finetune, finetune_contract and the plugin file at
+    the zip's root, every file but the bytecode."""
+    with zipfile.ZipFile(out, "w") as zf:
+        for path in sorted([*(PLUGINS / "finetune").rglob("*"),
+                            *(PLUGINS / "finetune_contract").rglob("*"),
+                            PLUGINS / "finetune_runs_plugin.py"]):
+            if path.is_file() and "__pycache__" not in path.parts:
+                zf.write(path, path.relative_to(PLUGINS).as_posix())
+    return out
+
+
+def test_report_html_renders_from_the_plugins_zip_with_its_templates(tmp_path):
+    """A page template left out of the package (or read by a file path a zip has not) fails
+    here: Airflow on MWAA imports the plugin from the zip, not from a folder."""
+    archive = plugins_zip(tmp_path / "plugins.zip")
+    assert "finetune/templates/report.html.j2" in zipfile.ZipFile(archive).namelist()
+    run_dir = tmp_path / "run"
+    code = (
+        "import json, sys\n"
+        f"sys.path.insert(0, {str(archive)!r})\n"
+        "import finetune.report as report\n"
+        "assert report.__file__.startswith(sys.path[0]), report.__file__\n"
+        f"report.write_report({str(run_dir)!r}, run_id='zip-1', status='success', config={{}})\n"
+    )
+    # -I: no PYTHONPATH, so plugins/ of this checkout cannot stand in for the zip
+    done = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr
+    page = (run_dir / "report.html").read_text()
+    assert "<title>Run zip-1: success</title>" in page and page.count("<svg") == 3
+    assert json.loads((run_dir / "report.json").read_text())["run_id"] == "zip-1"
