@@ -218,7 +218,8 @@ PARAM_SPECS: tuple[ParamSpec, ...] = (
        "Dropout on the adapters' input."),
     _S("lora_target_modules", LORA_TARGETS_DEFAULT, "string", "LoRA", "LoRA target modules",
        "Comma-separated names of the decoder blocks' Linear layers that get adapters; auto: "
-       "the model family's set (all attention and MLP projections; docs/model-families.md)."),
+       "the model family's set (all attention and MLP projections; docs/trainer.md, Model "
+       "families)."),
     _S("seq_len", 128, "integer", "Training", "Sequence length",
        "Tokens per sequence. An example longer than this is never truncated: bad_rows "
        "decides (skip: skipped and counted in the report; error: the run fails at validate "

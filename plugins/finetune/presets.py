@@ -78,6 +78,39 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
             target="eks", model="meta-llama/Meta-Llama-3-8B", instance_type="p5.48xlarge",
             nodes=1, procs_per_node=8, strategy="FULL_SHARD", micro_batch=2, grad_accum=8,
             **{**_GPU_COMMON, "seq_len": 8192}),
+    # Other families of the architecture table (finetune_contract.families), one per GPU class;
+    # memory per GPU from the planner (`make plan CONF='{"preset": NAME}'`).
+    # Qwen2.5 1.5B (1.5e9, hidden 1536, 28 layers, tied 152k vocabulary) on 1 x g5.12xlarge
+    # (4 x A10G 24 GB): a full fine-tune at 2048 tokens. The planner: 8.8 GiB per GPU of 24.
+    _preset("qwen2.5-1.5b-g5", 1, "qwen2.5-1.5b-g5: Qwen2.5 1.5B, 1 x g5.12xlarge (4 A10G)",
+            target="eks", model="Qwen/Qwen2.5-1.5B", instance_type="g5.12xlarge", nodes=1,
+            procs_per_node=4, strategy="FULL_SHARD", micro_batch=1, grad_accum=8,
+            **{**_GPU_COMMON, "seq_len": 2048}),
+    # Phi-3.5-mini (3.8e9, fused qkv_proj/gate_up_proj) on 1 x g6.12xlarge (4 x L4 24 GB): LoRA
+    # on its four Linears (lora_target_modules auto), the frozen base sharded. The planner: 7.0
+    # GiB per GPU of 24.
+    _preset("phi3.5-mini-lora-g6", 1, "phi3.5-mini-lora-g6: Phi-3.5-mini LoRA, 1 x g6.12xlarge",
+            target="eks", model="microsoft/Phi-3.5-mini-instruct", instance_type="g6.12xlarge",
+            nodes=1, procs_per_node=4, strategy="FULL_SHARD", micro_batch=2, grad_accum=4,
+            lora_rank=16, lora_alpha=32.0, **{**_GPU_COMMON, "lr": 2e-4, "seq_len": 2048}),
+    # Qwen2.5 7B (7.6e9, hidden 3584, 28 layers, 4 KV heads) on 1 x p4de.24xlarge (8 x A100).
+    # The planner: 22.9 GiB per GPU of 80.
+    _preset("qwen2.5-7b-p4de", 1, "qwen2.5-7b-p4de: Qwen2.5 7B, 1 x p4de.24xlarge (8 A100)",
+            target="eks", model="Qwen/Qwen2.5-7B", instance_type="p4de.24xlarge", nodes=1,
+            procs_per_node=8, strategy="FULL_SHARD", micro_batch=2, grad_accum=4,
+            **_GPU_COMMON),
+    # Mistral 7B v0.3 (7.2e9, hidden 4096, 32 layers) on 1 x p5.48xlarge (8 x H100). The
+    # planner: 24.0 GiB per GPU of 80.
+    _preset("mistral-7b-p5", 1, "mistral-7b-p5: Mistral 7B v0.3, 1 x p5.48xlarge (8 H100)",
+            target="eks", model="mistralai/Mistral-7B-v0.3", instance_type="p5.48xlarge",
+            nodes=1, procs_per_node=8, strategy="FULL_SHARD", micro_batch=4, grad_accum=4,
+            **_GPU_COMMON),
+    # Qwen3 8B (8.2e9, head_dim 128 with per-head q/k norms, 36 layers) on 1 x p5e.48xlarge
+    # (8 x H200 141 GB) at 8192 tokens. The planner: 27.8 GiB per GPU of 141.
+    _preset("qwen3-8b-p5e", 1, "qwen3-8b-p5e: Qwen3 8B, 1 x p5e.48xlarge (8 H200), 8k context",
+            target="eks", model="Qwen/Qwen3-8B", instance_type="p5e.48xlarge", nodes=1,
+            procs_per_node=8, strategy="FULL_SHARD", micro_batch=2, grad_accum=4,
+            **{**_GPU_COMMON, "seq_len": 8192}),
 )}
 
 PRESET_NAMES = (NO_PRESET, *PRESETS)

@@ -86,6 +86,14 @@ def _llama2(hidden: int, layers: int, heads: int, kv_heads: int, mlp: int) -> di
             "max_position_embeddings": 4096, "tie_word_embeddings": False}
 
 
+def _hub(model_type: str, hidden: int, layers: int, heads: int, kv_heads: int, mlp: int,
+         vocab: int, positions: int, tied: bool, **more: Any) -> dict[str, Any]:
+    return {"model_type": model_type, "hidden_size": hidden, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+            "intermediate_size": mlp, "vocab_size": vocab, "max_position_embeddings": positions,
+            "tie_word_embeddings": tied, **more}
+
+
 # The shapes (config.json's) of hub models the presets name, so the planner can size them at
 # validate without downloading anything; the trainer still loads the real config.
 HUB_MODEL_CONFIGS: dict[str, dict[str, Any]] = {
@@ -94,6 +102,12 @@ HUB_MODEL_CONFIGS: dict[str, dict[str, Any]] = {
     "meta-llama/Llama-2-70b-hf": _llama2(8192, 80, 64, 8, 28672),
     "meta-llama/Meta-Llama-3-8B": {**BUILTIN_MODELS["llama-8b"], "max_position_embeddings": 8192},
     "meta-llama/Llama-3.1-70B": BUILTIN_MODELS["llama-70b"],
+    "Qwen/Qwen2.5-1.5B": _hub("qwen2", 1536, 28, 12, 2, 8960, 151936, 131072, True),
+    "Qwen/Qwen2.5-7B": _hub("qwen2", 3584, 28, 28, 4, 18944, 152064, 131072, False),
+    "Qwen/Qwen3-8B": _hub("qwen3", 4096, 36, 32, 8, 12288, 151936, 40960, False, head_dim=128),
+    "mistralai/Mistral-7B-v0.3": _hub("mistral", 4096, 32, 32, 8, 14336, 32768, 32768, False),
+    "microsoft/Phi-3.5-mini-instruct": _hub("phi3", 3072, 32, 32, 32, 8192, 32064, 131072,
+                                            False),
 }
 
 
@@ -129,10 +143,13 @@ class ModelShape:
 
 
 def model_shape(model: str, model_dir: Path | None = None) -> ModelShape | None:
-    """A built-in model's shape, or a model directory's (its config.json); None when unknown
-    here (a hub id, or a path read in the trainer's pod): the trainer checks it at start."""
+    """A built-in or known hub model's shape, or a model directory's (its config.json); None
+    when unknown here (another hub id, or a path read in the trainer's pod): the trainer checks
+    it at start."""
     if model in BUILTIN_MODELS:
         return ModelShape.from_config(model, BUILTIN_MODELS[model])
+    if model_dir is None and model in HUB_MODEL_CONFIGS:
+        return ModelShape.from_config(model, HUB_MODEL_CONFIGS[model])
     if model_dir is None or not (model_dir / "config.json").is_file():
         return None
     try:

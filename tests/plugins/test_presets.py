@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from finetune.config import ConfigError, default_params
@@ -10,6 +12,8 @@ from finetune.params import dag_params
 from finetune.planning import plan_run
 from finetune.presets import PRESETS, apply_preset
 from finetune.validate import config_table, validate_params
+from finetune_contract.families import model_type_of
+from finetune_contract.models import HUB_MODEL_CONFIGS
 
 # What a deployment adds to an eks preset (its cluster, node group, output and image).
 EKS_SITE = {"cluster_name": "gpu", "nodegroup": "p5", "output_dir": "s3://bucket/runs",
@@ -77,7 +81,8 @@ def test_the_form_shows_what_each_preset_sets_and_the_rule_for_fields_left_at_th
     # a field a preset changes says so where it is set; one no preset changes does not
     assert params["max_steps"].description.endswith(
         "leaving this at its default (150) runs the preset's value: 40 (tiny-local); 1000 "
-        "(llama2-7b-p4de, llama2-13b-p5, llama2-70b-p5, llama3-8b-p5).")
+        "(llama2-7b-p4de, llama2-13b-p5, llama2-70b-p5, llama3-8b-p5, qwen2.5-1.5b-g5, "
+        "phi3.5-mini-lora-g6, qwen2.5-7b-p4de, mistral-7b-p5, qwen3-8b-p5e).")
     assert "preset" not in params["seed"].description
 
 
@@ -89,3 +94,15 @@ def test_the_validate_table_says_where_each_value_comes_from():
     assert rows["seq_len"] == ["96", "preset", "tiny-local"]
     assert rows["max_steps"] == ["12", "this", "run"]
     assert rows["seed"] == ["1234", "default"]
+
+
+def test_every_gpu_instance_class_has_a_preset_of_a_family_other_than_llama():
+    """g5, g6, p4, p5: a preset of another family of the architecture table on each."""
+    def instance_class(name: str) -> str:
+        return re.match(r"[a-z]+\d+", name).group()
+
+    classes = {instance_class(name) for name in INSTANCE_TYPES}
+    covered = {instance_class(p.values["instance_type"]) for p in PRESETS.values()
+               if p.values["target"] == "eks"
+               and model_type_of(HUB_MODEL_CONFIGS[p.values["model"]]) != "llama"}
+    assert covered == classes

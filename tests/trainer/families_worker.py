@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+import trainer  # noqa: F401 (first: it puts the contract package, plugins/, on the path)
 from finetune_contract.families import FAMILIES
 from trainer.config import load_config
 from trainer.parallel import init_distributed
