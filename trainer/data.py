@@ -1,60 +1,41 @@
-"""Data: load rows with `datasets`, tokenize with the prompt masked from the loss, pack, sample.
+"""Data: the prepared splits loaded memory-mapped, collated into batches, sampled per rank.
 
-Sources: a jsonl/json/parquet/csv file, a directory of them, an s3:// object or prefix (downloaded
-first), or a Hugging Face hub data set name.
-
-Bad rows (a jsonl line that is not a JSON object, a missing or non-string field, an empty example,
-one longer than seq_len) are skipped and counted by reason, or with bad_rows=error the first one
-fails the run at start, named by file and line (jsonl) or row.
+The data set is read, encoded, packed and split by the prepare_data stage
+(finetune_contract.prepare, the one encoding); the trainer loads its Arrow files on every rank
+and never tokenizes at start.
 """
 
 from __future__ import annotations
 
-import bisect
-import json
 import math
 import os
 import tempfile
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import datasets
 import torch
 import torch.distributed as dist
-from transformers import PreTrainedTokenizerBase
 
-from finetune_contract.data import (
-    IGNORE_INDEX,
-    MALFORMED,
-    bad_row_error,
-    batches_per_epoch,
-    builder_name,
-    data_files,
-    dataset_source,
-    encode_pair,
-    encode_row,
-    field_problem,
-    missing_columns,
-    row_columns,
-    split_sizes,
+from finetune_contract.data import IGNORE_INDEX, batches_per_epoch
+from finetune_contract.prepare import (
+    PREPARED_DIR,
+    REJECTED_IDS,
+    REJECTED_LABELS,
+    download_s3,
+    load_prepared,
+    prepare,
+    s3_cache_dir,
 )
 from trainer.batch import Batch
 from trainer.config import TrainConfig
+from trainer.storage import is_s3
 
-# DPO rows: input_ids/labels hold the chosen example (what the eval loss is taken on), these the
-# rejected one.
-REJECTED_IDS, REJECTED_LABELS = "rejected_input_ids", "rejected_labels"
 # dpo_reference precompute: (chosen, rejected) reference log-probabilities of a pair.
 REFERENCE_LOGPS = "reference_logps"
-S3_CACHE_DIR = "dataset_cache"  # under output_dir: where s3:// data sets are downloaded
-
-
-# Columns the loader adds to the rows it reads itself (jsonl): the problem and where the row is.
-_PROBLEM, _DETAIL, _FILE, _LINE = "_problem", "_detail", "_file", "_line"
 
 
 @dataclass
@@ -62,236 +43,11 @@ class Splits:
     train: datasets.Dataset
     eval: datasets.Dataset
     skipped: dict[str, int]  # rows skipped, by reason (ROW_PROBLEMS)
+    stats: dict[str, Any] = field(default_factory=dict)  # the prepared set's (prepare_data)
 
     @property
     def skipped_rows(self) -> int:
         return sum(self.skipped.values())
-
-
-@dataclass
-class RawRows:
-    """A data set's rows and where each came from, to name a bad one."""
-
-    rows: datasets.Dataset
-    files: list[str]  # the data files read, in order; empty for a hub data set
-    starts: list[int]  # index of each file's first row (files not read line by line)
-    name: str = ""  # the hub data set and split
-
-    def where(self, index: int, row: dict[str, Any]) -> str:
-        if row.get(_LINE) is not None:
-            return f"{self.files[row[_FILE]]} line {row[_LINE]}"
-        if not self.files:
-            return f"{self.name} row {index + 1}"
-        file = bisect.bisect_right(self.starts, index) - 1
-        return f"{self.files[file]} row {index - self.starts[file] + 1}"
-
-
-def s3_cache_dir(output_dir: str) -> Path:
-    """Where s3:// data sets are downloaded: the output dir, or the temp dir if that is on S3."""
-    if output_dir.startswith("s3://"):
-        return Path(tempfile.gettempdir()) / "trainer" / S3_CACHE_DIR
-    return Path(output_dir) / S3_CACHE_DIR
-
-
-def download_s3(uri: str, cache_dir: Path) -> Path:
-    """Copy an s3:// object, or every object under a prefix, to cache_dir/<bucket>/<key>.
-
-    As `aws s3 sync` does, a file already there with the object's size and time is kept.
-    """
-    import boto3  # only S3 data sets need it
-    from botocore.exceptions import ClientError
-
-    bucket, _, key = uri.removeprefix("s3://").partition("/")
-    s3 = boto3.client("s3")
-    try:
-        key, objects = _s3_objects(s3, bucket, key)
-    except ClientError as error:
-        raise ValueError(f"dataset {uri!r} cannot be read: {error}") from error
-    if not objects:
-        raise ValueError(f"dataset {uri!r}: no object has that key or is under that prefix")
-    bucket_dir = (cache_dir / bucket).absolute()
-    for obj in objects:
-        local = (bucket_dir / obj["Key"]).resolve()
-        if not local.is_relative_to(bucket_dir.resolve()):
-            raise ValueError(f"dataset {uri!r}: object key {obj['Key']!r} leaves the cache dir")
-        size, mtime = obj["Size"], obj["LastModified"].timestamp()
-        if local.is_file() and (local.stat().st_size, local.stat().st_mtime) == (size, mtime):
-            continue
-        local.parent.mkdir(parents=True, exist_ok=True)
-        # A unique hidden name: nodes sharing the cache may fetch the same object at the same time.
-        partial = local.with_name(f".{local.name}.{uuid.uuid4().hex}")
-        s3.download_file(bucket, obj["Key"], str(partial))
-        os.utime(partial, (mtime, mtime))
-        os.replace(partial, local)
-    return bucket_dir / key
-
-
-def _s3_objects(s3: Any, bucket: str, key: str) -> tuple[str, list[dict[str, Any]]]:
-    """(key or prefix, its objects): the object at `key`, else the objects under `key/`."""
-    from botocore.exceptions import ClientError
-
-    if key and not key.endswith("/"):
-        try:
-            head = s3.head_object(Bucket=bucket, Key=key)
-            return key, [
-                {"Key": key, "Size": head["ContentLength"], "LastModified": head["LastModified"]}
-            ]
-        except ClientError as error:
-            if error.response["Error"]["Code"] not in ("404", "NoSuchKey", "NotFound"):
-                raise
-        key += "/"
-    pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key)
-    objects = [obj for page in pages for obj in page.get("Contents", [])]
-    return key, [obj for obj in objects if not obj["Key"].endswith("/")]
-
-
-def local_dataset(config: TrainConfig) -> Path | None:
-    """The data set's local file or directory, downloaded first if on S3; None for a hub name."""
-    source = dataset_source(config.dataset)
-    if source == "hub":
-        return None
-    if source == "s3":
-        return download_s3(config.dataset, s3_cache_dir(config.output_dir))
-    return Path(config.dataset)
-
-
-def is_jsonl(path: str, dataset_format: str) -> bool:
-    return dataset_format == "jsonl" or (
-        dataset_format == "auto" and Path(path).suffix.lower() == ".jsonl")
-
-
-def _jsonl_rows(files: list[str], columns: dict[str, str],
-                stamps: list[tuple[int, int]]) -> Iterator[dict[str, Any]]:
-    """Every non-blank line of the files as a row of the needed columns, its problem, its place.
-
-    Read here rather than by `datasets`, whose json loader fails on a whole file for one bad
-    line. stamps (size, mtime) make a changed file a new cache entry.
-    """
-    del stamps
-    for file_index, path in enumerate(files):
-        with open(path, "rb") as f:
-            for line_number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                row: dict[str, Any] = {}
-                try:
-                    parsed = json.loads(line)
-                except ValueError as error:  # JSONDecodeError, UnicodeDecodeError
-                    problem: tuple[str, str] | None = (MALFORMED, f"not JSON ({error})")
-                else:
-                    if isinstance(parsed, dict):
-                        row, problem = parsed, field_problem(columns, parsed)
-                    else:
-                        problem = (MALFORMED, f"a JSON {type(parsed).__name__}, not an object")
-                yield {
-                    **{c: v if isinstance(v := row.get(c), str) else None
-                       for c in columns.values()},
-                    _PROBLEM: problem[0] if problem else None,
-                    _DETAIL: problem[1] if problem else None,
-                    _FILE: file_index,
-                    _LINE: line_number,
-                }
-
-
-def _has_a_line(path: str) -> bool:
-    with open(path, "rb") as f:
-        return any(line.strip() for line in f)  # stops at the first
-
-
-def read_jsonl(files: list[str], columns: dict[str, str]) -> datasets.Dataset:
-    """The jsonl files' rows (see _jsonl_rows), written to the `datasets` cache."""
-    features = datasets.Features({
-        **{c: datasets.Value("string") for c in columns.values()},
-        _PROBLEM: datasets.Value("string"),
-        _DETAIL: datasets.Value("string"),
-        _FILE: datasets.Value("int32"),
-        _LINE: datasets.Value("int64"),
-    })
-    stamps = [(os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
-    return datasets.Dataset.from_generator(
-        _jsonl_rows, features=features,
-        gen_kwargs={"files": files, "columns": columns, "stamps": stamps})
-
-
-def load_rows(config: TrainConfig, local_path: Path | None) -> RawRows:
-    """The raw rows of the local file or directory, or (for None) of the hub data set."""
-    if local_path is None:
-        try:
-            rows = datasets.load_dataset(config.dataset, split=config.dataset_split)
-        except OSError as error:  # not found (DatasetNotFoundError) or hub unreachable
-            raise ValueError(
-                f"dataset {config.dataset!r} is no local file or directory, so it was looked up "
-                f"as a Hugging Face hub data set: {error}"
-            ) from error
-        return RawRows(rows, [], [], name=f"{config.dataset} split {config.dataset_split}")
-    files = data_files(local_path, config.dataset_format)
-    if is_jsonl(files[0], config.dataset_format):
-        if not any(_has_a_line(file) for file in files):
-            raise ValueError(f"dataset {config.dataset} has no rows: its jsonl files are empty "
-                             "or blank")
-        return RawRows(read_jsonl(files, row_columns(config)), files, [])
-    builder = builder_name(files[0], config.dataset_format)
-    parts, starts = [], []
-    for file in files:  # one at a time, to tell which file a bad row is in
-        starts.append(sum(len(part) for part in parts))
-        try:
-            parts.append(datasets.load_dataset(builder, data_files=[file], split="train"))
-        except Exception as error:  # the builders raise their own types (arrow, pandas)
-            raise ValueError(f"dataset file {file} cannot be read as {builder}: {error}") \
-                from error
-    try:
-        rows = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
-    except ValueError as error:
-        raise ValueError(
-            f"the files of dataset {config.dataset} do not share one set of columns and types: "
-            f"{error}") from error
-    return RawRows(rows, files, starts)
-
-
-def tokenize(raw: RawRows, tokenizer: PreTrainedTokenizerBase,
-             config: TrainConfig) -> tuple[datasets.Dataset, dict[str, int]]:
-    """(tokenized usable rows, skipped rows by reason); bad_rows=error raises at the first bad row.
-
-    A row longer than seq_len is bad rather than truncated: truncation would cut the response
-    (and its EOS, so the model would not learn to stop) without anyone noticing.
-    """
-    rows = raw.rows
-    dpo = config.method == "dpo"  # a row is a pair: the chosen example and the rejected one
-    missing = missing_columns(config, rows.column_names, config.dataset)
-    if missing:
-        raise ValueError("; ".join(message for _, message in missing))
-
-    def encode_batch(batch: dict[str, list[Any]], indices: list[int]) -> dict[str, list[Any]]:
-        out: dict[str, list[Any]] = {"input_ids": [], "labels": [], _PROBLEM: []}
-        if dpo:
-            out.update({REJECTED_IDS: [], REJECTED_LABELS: []})
-        for i, index in enumerate(indices):
-            row = {key: values[i] for key, values in batch.items()}
-            rejected: tuple[list[int], list[int]] = ([], [])
-            if row.get(_PROBLEM):
-                problem, input_ids, labels = (row[_PROBLEM], row[_DETAIL]), [], []
-            elif dpo:
-                problem, (input_ids, labels), rejected = encode_pair(tokenizer, config, row)
-            else:
-                problem, input_ids, labels = encode_row(tokenizer, config, row)
-            if problem is not None and config.bad_rows == "error":
-                raise ValueError(bad_row_error(config, raw.where(index, row), problem[1]))
-            out["input_ids"].append(input_ids)
-            out["labels"].append(labels)
-            if dpo:
-                out[REJECTED_IDS].append(rejected[0])
-                out[REJECTED_LABELS].append(rejected[1])
-            out[_PROBLEM].append(problem[0] if problem else None)
-        return out
-
-    encoded = rows.map(encode_batch, batched=True, with_indices=True,
-                       remove_columns=rows.column_names)
-    problems = encoded.data.column(_PROBLEM)
-    skipped = {str(v["values"]): int(v["counts"])
-               for v in problems.value_counts().to_pylist() if v["values"] is not None}
-    if skipped:
-        encoded = encoded.filter(lambda problem: problem is None, input_columns=_PROBLEM)
-    return encoded.remove_columns(_PROBLEM), skipped
 
 
 @contextmanager
@@ -312,78 +68,32 @@ def _rank_zero_first(per_node: bool = False) -> Iterator[None]:
         dist.barrier()
 
 
-def check_prompt_template(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> None:
-    """Fail at start, before any download, when the tokenizer has no chat template to apply
-    (chat with text_field is the contract's rule, checked before this)."""
-    if config.prompt_template != "chat":
-        return
-    if not tokenizer.chat_template:
-        raise ValueError(
-            f"prompt_template=chat but tokenizer {config.tokenizer} has no chat template: use "
-            "prompt_template=instruction or a tokenizer with a chat template"
-        )
+def build_splits(config: TrainConfig, unpacked_eval: bool = False) -> Splits:
+    """The prepared train and eval splits, memory-mapped: the same on every rank and every run.
 
-
-def build_splits(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> Splits:
-    """Tokenized train and held-out eval rows: the same split on every rank and every run."""
-    datasets.disable_progress_bars()
-    check_prompt_template(config, tokenizer)
-    with _rank_zero_first(per_node=True):
-        local_path = local_dataset(config)
-    with _rank_zero_first():
-        raw = load_rows(config, local_path)
-        tokenized, skipped = tokenize(raw, tokenizer, config)
-    try:
-        _, n_eval = split_sizes(len(tokenized), config)
-    except ValueError as error:
-        reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(skipped.items()))
-        raise ValueError(
-            str(error) + (f"; skipped rows: {reasons} ({_first_problem(raw, config)})"
-                          if skipped else "")) from None
-    split = tokenized.train_test_split(test_size=n_eval, shuffle=True, seed=config.seed)
-    train, held_out = split["train"], split["test"]
-    if config.packing:
-        # Split before packing: the eval split holds the same examples with packing on or off.
-        with _rank_zero_first():
-            train, held_out = pack(train, config.seq_len), pack(held_out, config.seq_len)
-    if REJECTED_IDS in held_out.column_names:
-        # DPO: the eval loss is the chosen responses' (a held-out SFT loss on what is preferred).
-        held_out = held_out.remove_columns([REJECTED_IDS, REJECTED_LABELS])
-    return Splits(train=train, eval=held_out, skipped=skipped)
-
-
-def _first_problem(raw: RawRows, config: TrainConfig) -> str:
-    """The first bad row and what is wrong with it (checks fields only: no tokenizing)."""
-    columns = row_columns(config)
-    for index, row in enumerate(raw.rows):
-        problem = (row[_PROBLEM], row[_DETAIL]) if row.get(_PROBLEM) else \
-            field_problem(columns, row)
-        if problem is not None:
-            return f"first: {raw.where(index, row)}: {problem[1]}"
-    return f"every row is longer than seq_len {config.seq_len} or has no token to learn"
-
-
-def pack(ds: datasets.Dataset, seq_len: int) -> datasets.Dataset:
-    """Examples concatenated in order into rows of up to seq_len tokens; none is split.
-
-    position_ids restart at 0 for each example, so the model sees each one as it would alone
-    (see Batch.model_inputs). An example's first token takes no loss, as it would be predicted
-    from the example before: the labelled tokens are those of the unpacked examples.
+    config.prepared_data names the set the prepare_data stage wrote (a directory or an s3://
+    prefix, copied to this node first). A trainer started by hand without one prepares the data
+    set first with the stage's own function, into output_dir/prepared_data (rank 0 encodes, the
+    other ranks find its key there); the trainer's start never encodes rows itself.
+    unpacked_eval: the eval split one example a row also when packed (for evaluate).
     """
+    datasets.disable_progress_bars()
+    path = config.prepared_data
+    if not path:
+        with _rank_zero_first():
+            path = _prepare_here(config)
+    elif is_s3(path):
+        with _rank_zero_first(per_node=True):
+            path = str(download_s3(path.rstrip("/") + "/", s3_cache_dir(config.output_dir)))
+    train, held_out, stats = load_prepared(path, unpacked_eval)
+    return Splits(train=train, eval=held_out, skipped=stats["skipped_rows_by_reason"],
+                  stats=stats)
 
-    def pack_batch(batch: dict[str, list[list[int]]]) -> dict[str, list[list[int]]]:
-        packed: dict[str, list[list[int]]] = {"input_ids": [], "labels": [], "position_ids": []}
-        for input_ids, labels in zip(batch["input_ids"], batch["labels"]):
-            if not packed["input_ids"] or len(packed["input_ids"][-1]) + len(input_ids) > seq_len:
-                for column in packed.values():
-                    column.append([])
-            packed["input_ids"][-1] += input_ids
-            packed["labels"][-1] += [IGNORE_INDEX, *labels[1:]]
-            packed["position_ids"][-1] += range(len(input_ids))
-        return packed
 
-    # Packed per map batch (1000 examples): memory stays bounded, one short row per batch.
-    return ds.map(pack_batch, batched=True, remove_columns=ds.column_names)
+def _prepare_here(config: TrainConfig) -> str:
+    root = (Path(tempfile.gettempdir()) / "trainer" if is_s3(config.output_dir)
+            else Path(config.output_dir)) / PREPARED_DIR
+    return prepare(config, root)["path"]
 
 
 def collate(rows: list[dict[str, list[int]]], pad_id: int, pad_to: int | None = None) -> Batch:

@@ -27,15 +27,9 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from finetune_contract.fields import EVALUATION_FILE, eval_task_names
+from finetune_contract.prepare import load_rows, local_dataset, tokenize
 from trainer.config import TrainConfig, load_config
-from trainer.data import (
-    IGNORE_INDEX,
-    EvalBatches,
-    build_splits,
-    load_rows,
-    local_dataset,
-    tokenize,
-)
+from trainer.data import IGNORE_INDEX, EvalBatches, build_splits
 from trainer.demo import EVAL_TASKS_DIR
 from trainer.storage import RunOutput, S3Prefix, is_s3
 
@@ -44,11 +38,12 @@ MODEL_DIR = "model"
 
 def eval_rows(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> datasets.Dataset:
     """The tokenized eval set, unpacked (one example a row, whatever the training packed)."""
-    config = dataclasses.replace(config, packing=False)
     if not config.eval_dataset:
-        return build_splits(config, tokenizer).eval
+        return build_splits(config, unpacked_eval=True).eval
+    config = dataclasses.replace(config, packing=False)
     config = dataclasses.replace(config, dataset=config.eval_dataset)
-    rows, _ = tokenize(load_rows(config, local_dataset(config)), tokenizer, config)
+    rows, _, _ = tokenize(load_rows(config, local_dataset(config)), tokenizer, config)
+    rows = rows.remove_columns("_tokens")
     if not len(rows):
         raise ValueError(f"eval_dataset {config.eval_dataset} has no usable rows")
     return rows

@@ -138,6 +138,9 @@ class Trainer:
     peak_source: str
     # DPO without LoRA: the frozen initial weights, sharded like the policy (no optimizer state).
     reference: torch.nn.Module | None = None
+    data_load_s: float = 0.0  # loading the prepared splits at start (memory-mapped)
+    # From the process's start to the end of its first optimizer step (model, data, compile).
+    time_to_first_step_s: float | None = None
     # Opened by resume(): a resumed run's log keeps its records up to the checkpoint.
     log: MetricsLog = field(init=False)
     # Started by train() when hang_timeout_s is set: ends this rank when it stops progressing.
@@ -162,7 +165,9 @@ class Trainer:
         pad_id = (
             tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
         )
-        splits = build_splits(config, tokenizer)
+        data_started = time.perf_counter()
+        splits = build_splits(config)
+        data_load_s = time.perf_counter() - data_started
         # The ranks of a tensor-parallel group work on the same batch: sample per data-parallel
         # rank.
         dp_rank, dp_size = data_parallel_rank(env.rank, env.world_size, config.tp_degree)
@@ -227,6 +232,7 @@ class Trainer:
             model=model, model_config=model_config, token_flops=token_flops, optimizer=optimizer,
             scaler=scaler, scheduler=scheduler, checkpointer=checkpointer,
             compute_dtype=compute_dtype, peak=peak, peak_source=peak_source, reference=reference,
+            data_load_s=data_load_s,
         )  # fmt: skip
 
     def resume(self) -> TrainState:
@@ -283,6 +289,11 @@ class Trainer:
             self.scheduler.step()
         state.step += 1
         step_time = time.perf_counter() - step_start
+        if self.time_to_first_step_s is None:
+            self.time_to_first_step_s = time.time() - self.started
+            if env.rank == 0:
+                print(f"first step {self.time_to_first_step_s:.1f} s after start (data loaded "
+                      f"in {self.data_load_s:.2f} s, nothing tokenized)", flush=True)
         # Without the wait for the others at the step's first collective: a rank slow to get
         # its batches or to finish its previous step shows; the others would report its delay.
         rank_times = gather_floats(step_time - sum(waits), env)
@@ -405,6 +416,9 @@ class Trainer:
             "resumed_from_step": state.resumed_from_step,
             "skipped_rows": splits.skipped_rows,
             "skipped_rows_by_reason": splits.skipped,
+            "time_to_first_step_s": self.time_to_first_step_s,
+            "data_load_s": self.data_load_s,
+            "prepared_data": splits.stats.get("path"),
             "skipped_steps": state.skipped_steps,
             "stragglers": stragglers(
                 [r[RANK_STEP_TIMES] for r in self.log.train], self.config.straggler_threshold

@@ -134,6 +134,10 @@ PARAM_SPECS: tuple[ParamSpec, ...] = (
        "Rows that are not JSON, miss a field, hold a non-string or empty one, or are longer than "
        "seq_len tokens: `skip` skips them and counts them by reason in the report; `error` fails "
        "the run at the first one, naming its file and line.", enum=BAD_ROWS),
+    _S("max_skipped_fraction", 0.1, "number", "Data", "Max skipped fraction",
+       "The share of the data set's rows that may be skipped as bad (bad_rows skip) before the "
+       "run fails at prepare_data, before any GPU is up, naming the count and the longest rows. "
+       "1: never fail for skipped rows."),
     _S("method", "sft", "string", "Preference tuning (DPO)", "Method",
        "sft: learn the responses (next-token loss). dpo: direct preference optimisation on rows "
        "of prompt, chosen and rejected response; left at the demo data set it trains on "
@@ -470,6 +474,7 @@ class RunConfig:
     preset: str = NO_PRESET
     preset_version: int = 0  # the preset's version; 0 without a preset
     bad_rows: str = "skip"
+    max_skipped_fraction: float = 0.1
     hang_timeout_s: int = HANG_TIMEOUT_S
     straggler_threshold: float = STRAGGLER_THRESHOLD
     launcher: str = "pytorchjob"
@@ -490,6 +495,8 @@ class RunConfig:
     # rows (packed: about how many sequences) and micro-batches per data-parallel rank per epoch.
     counted_train_rows: int = 0
     counted_batches_per_epoch: int = 0
+    # Set by prepare_data: the prepared set the trainer loads (finetune_contract.prepare).
+    prepared_data: str = ""
 
     @property
     def world_size(self) -> int:

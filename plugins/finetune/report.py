@@ -26,6 +26,7 @@ STATUSES = ("success", "failed")
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
+PREPARE_DATA_FILE = "prepare_data.json"  # the prepare_data stage's record (finetune.prepare_data)
 MODEL_DIR = "model"
 REPORT_JSON = "report.json"
 REPORT_HTML = "report.html"
@@ -147,6 +148,8 @@ def summarize(train: list[dict], evals: list[dict], summary: dict | None) -> dic
             default=None,
         ),
         "wall_time_s": None,
+        "time_to_first_step_s": None,  # the trainer's, from its summary
+        "data_load_s": None,
         "steps": train[-1]["step"] if train else None,
         "world_size": None,
     }
@@ -254,6 +257,9 @@ def write_report(
     evaluation, evaluation_warning = load_evaluation(run_dir / EVALUATION_FILE)
     if evaluation_warning:
         warnings.append(evaluation_warning)
+    data, data_problem = _read_object(run_dir / PREPARE_DATA_FILE)
+    if data_problem:
+        warnings.append(data_problem)
     metrics = summarize(train, evals, summary)
     cost = cost_estimate(node_hourly_price, nodes, _train_wall_time(stages, metrics))
     metrics["cost_usd"] = cost["usd"] if cost else None
@@ -284,6 +290,7 @@ def write_report(
         "rank_step_times": ranks,
         "preflight": preflight,
         "evaluation": evaluation,
+        "data": data_section(data),
         "promotion": None,  # the promote stage's (add_sections)
         "tracking": None,
     }
@@ -291,6 +298,34 @@ def write_report(
     _write_atomic(run_dir / REPORT_JSON, json.dumps(report, indent=2, default=str) + "\n")
     _write_atomic(run_dir / REPORT_HTML, render_html(report))
     return report
+
+
+def data_section(record: dict | None) -> dict | None:
+    """The prepare_data stage's record (finetune.prepare_data) as the report shows it."""
+    if not record:
+        return None
+    keys = ("path", "cache_hit", "seconds", "num_proc", "rows_read", "rows_kept",
+            "skipped_rows", "skipped_rows_by_reason", "longest_skipped_rows", "train_rows",
+            "eval_rows", "train_examples", "eval_examples", "packing", "seq_len", "tokens",
+            "tokens_per_epoch", "length_histogram")
+    return {key: record.get(key) for key in keys}
+
+
+def _data_view(data: dict | None) -> dict | None:
+    """The Data section's rows: the prepared set, its counts, lengths and longest skipped rows."""
+    if not data:
+        return None
+    how = "reused (cache hit)" if data.get("cache_hit") else "prepared by this run"
+    took = _fmt(data.get("seconds"), ".1f", " s")
+    rows = [("prepared set", f"{data.get('path')}: {how} in {took}"),
+            *[(key, str(data.get(key))) for key in (
+                "rows_read", "rows_kept", "skipped_rows", "skipped_rows_by_reason", "train_rows",
+                "eval_rows", "tokens_per_epoch")]]
+    histogram = data.get("length_histogram") or {}
+    rows += [(f"examples of {bin_} tokens", str(n)) for bin_, n in histogram.items()]
+    rows += [(f"skipped: {r['where']}", f"{r['tokens']} tokens, {r['reason']}")
+             for r in data.get("longest_skipped_rows") or []]
+    return {"rows": rows}
 
 
 def _preflight_view(preflight: dict | None) -> dict | None:
@@ -558,6 +593,7 @@ def render_html(report: dict) -> str:
         config=_flatten(report["config"]),
         evaluation=_evaluation_view(report.get("evaluation"), report.get("promotion"),
                                     report.get("tracking")),
+        data=_data_view(report.get("data")),
         cost=cost and {"nodes": cost["nodes"], "price": f"{cost['node_hourly_price_usd']:g}",
                        "hours": f"{cost['hours']:.2f}", "usd": f"{cost['usd']:,.2f}"},
         gpu=_gpu_view(report.get("gpu")),

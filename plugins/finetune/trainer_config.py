@@ -35,6 +35,7 @@ def trainer_config(cfg: RunConfig, *, local_paths: bool = True) -> dict[str, Any
         "dataset": dataset,
         "dataset_format": cfg.dataset_format,
         "dataset_split": cfg.dataset_split,
+        "prepared_data": cfg.prepared_data or None,
         "text_field": cfg.text_field or None,
         "prompt_field": cfg.prompt_field,
         "response_field": cfg.response_field,

@@ -129,6 +129,7 @@ BOUNDS: dict[str, Bounds] = {
     "seed": _B(0, 2**31 - 1),
     "eval_interval": _B(0, 10_000_000),
     "eval_fraction": _B(maximum=0.99, exclusive_minimum=0),
+    "max_skipped_fraction": _B(minimum=0, maximum=1),
     "checkpoint_interval": _B(0, 10_000_000),
     "keep_checkpoints": _B(1, 1000),
     "max_restarts": _B(0, 100),
@@ -277,6 +278,9 @@ class TrainConfig:
     dataset: str = DEMO_DATASET
     dataset_format: str = "auto"
     dataset_split: str = "train"  # for hub data sets
+    # The prepare_data stage's set (a directory or s3:// prefix) the trainer loads; None: the
+    # trainer prepares the data set itself first, with the same function (a run by hand).
+    prepared_data: str | None = None
     text_field: str | None = None
     prompt_field: str = "prompt"
     response_field: str = "response"

@@ -18,8 +18,9 @@ from tests.support.system import etcd_or_skip, has_etcd
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DAG_FILE = REPO_ROOT / "dags" / "llm_finetune.py"
-STAGES = ["validate", "snapshot", "scale_up", "build_image", "reset_etcd", "preflight",
-          "find_champion", "train", "evaluate", "collect_metrics", "promote", "teardown"]
+STAGES = ["validate", "prepare_data", "snapshot", "scale_up", "build_image", "reset_etcd",
+          "preflight", "find_champion", "train", "evaluate", "collect_metrics", "promote",
+          "teardown"]
 # Fake credentials in the environment of the full run, which must appear nowhere it writes.
 SECRETS = {
     "HF_TOKEN": "hf_FakeLocalTokenThatMustNeverLeak0123456",
@@ -73,16 +74,17 @@ def test_dag_wires_the_stages_with_a_guaranteed_teardown():
     assert sorted(dag.task_ids) == sorted(STAGES)
     assert type(dag.timetable).__name__ == "NullTimetable"  # triggered: form, REST, CLI
     up = {t: set(dag.get_task(t).upstream_task_ids) for t in STAGES}
-    assert up["snapshot"] == {"validate"}
-    assert up["scale_up"] == {"validate", "snapshot"}
-    assert up["build_image"] == up["reset_etcd"] == {"validate", "scale_up"}
-    assert up["preflight"] == {"validate", "build_image", "reset_etcd"}
-    assert up["train"] == {"validate", "build_image", "reset_etcd", "preflight"}
-    assert up["find_champion"] == {"validate"}
-    assert up["evaluate"] == {"validate", "train", "build_image", "find_champion"}
-    assert up["collect_metrics"] == {"validate", "train", "evaluate"}
-    assert up["promote"] == {"validate", "collect_metrics", "find_champion"}
-    assert up["teardown"] == {"validate", "snapshot", "collect_metrics"}
+    assert up["prepare_data"] == {"validate"}
+    assert up["snapshot"] == {"prepare_data"}
+    assert up["scale_up"] == {"prepare_data", "snapshot"}
+    assert up["build_image"] == up["reset_etcd"] == {"prepare_data", "scale_up"}
+    assert up["preflight"] == {"prepare_data", "build_image", "reset_etcd"}
+    assert up["train"] == {"prepare_data", "build_image", "reset_etcd", "preflight"}
+    assert up["find_champion"] == {"prepare_data"}
+    assert up["evaluate"] == {"prepare_data", "train", "build_image", "find_champion"}
+    assert up["collect_metrics"] == {"prepare_data", "train", "evaluate"}
+    assert up["promote"] == {"prepare_data", "collect_metrics", "find_champion"}
+    assert up["teardown"] == {"prepare_data", "snapshot", "collect_metrics"}
     assert dag.get_task("snapshot").is_setup
     assert dag.get_task("teardown").is_teardown
 
@@ -165,6 +167,13 @@ def test_full_local_run_trains_a_model_transformers_loads_and_writes_the_report(
     assert _trainer_processes(str(run_dir / "trainer_config.json")) == []
     train_log = (run_dir / "train.log").read_text()
     assert "step" in train_log
+    # prepare_data encoded the data set once, before scale_up; the trainer only loaded it
+    data = report["data"]
+    assert data["cache_hit"] is False and data["rows_read"] == 3000 == data["rows_kept"]
+    assert data["train_rows"] + data["eval_rows"] == 3000 and data["tokens_per_epoch"] > 0
+    assert Path(data["path"]).parent == tmp_path / "prepared_data"
+    assert "nothing tokenized" in train_log and report["metrics"]["time_to_first_step_s"] > 0
+    assert "<h2>Data</h2>" in html
 
 
 def metadata_rows_of_run(run_id: str) -> dict[str, list[str]]:

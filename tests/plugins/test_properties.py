@@ -121,12 +121,10 @@ def later_stages(cfg) -> None:
 
 @functools.lru_cache(maxsize=64)
 def _splits(train):
-    from transformers import AutoTokenizer
 
     from trainer.data import build_splits
 
-    tokenizer = AutoTokenizer.from_pretrained(train.tokenizer)
-    return build_splits(train, tokenizer)
+    return build_splits(train)
 
 
 def trainer_data_start(train, data_parallel: int) -> None:

@@ -52,7 +52,7 @@ def test_bad_jsonl_rows_are_skipped_and_counted_by_reason(tmp_path, tokenizer, p
     path = tmp_path / "rows.jsonl"
     path.write_text("\n".join(lines) + "\n")
 
-    splits = build_splits(config_for(path, packing=packing), tokenizer)
+    splits = build_splits(config_for(path, packing=packing))
 
     assert splits.skipped == {"malformed": 2, "missing_field": 2, "not_string": 1, "empty": 2,
                               "too_long": 1}  # blank lines are no rows
@@ -79,7 +79,7 @@ def test_with_bad_rows_error_the_first_bad_row_fails_naming_file_line_and_proble
 
     with pytest.raises(ValueError, match=f"{re.escape(str(path))} line 4: .*"
                                          f"{re.escape(message)}.*bad_rows=error"):
-        build_splits(config_for(path, bad_rows="error"), tokenizer)
+        build_splits(config_for(path, bad_rows="error"))
 
 
 def test_a_bad_row_of_a_csv_in_a_directory_is_named_by_file_and_row(tmp_path, tokenizer):
@@ -91,8 +91,8 @@ def test_a_bad_row_of_a_csv_in_a_directory_is_named_by_file_and_row(tmp_path, to
     pd.DataFrame(rows).to_csv(data / "b.csv", index=False)
 
     with pytest.raises(ValueError, match=re.escape(f"{data / 'b.csv'} row 3: response_field=")):
-        build_splits(config_for(data, bad_rows="error"), tokenizer)
-    assert build_splits(config_for(data), tokenizer).skipped == {"missing_field": 1}
+        build_splits(config_for(data, bad_rows="error"))
+    assert build_splits(config_for(data)).skipped == {"missing_field": 1}
 
 
 def test_a_bad_row_of_a_hub_data_set_is_named_by_split_and_row(monkeypatch, tokenizer):
@@ -101,7 +101,7 @@ def test_a_bad_row_of_a_hub_data_set_is_named_by_split_and_row(monkeypatch, toke
                         lambda *args, **kwargs: datasets.Dataset.from_list(rows))
     config = config_for("org/birds", dataset_split="validation", bad_rows="error")
     with pytest.raises(ValueError, match="org/birds split validation row 31: .* tokens"):
-        build_splits(config, tokenizer)
+        build_splits(config)
 
 
 def test_a_data_set_of_only_bad_rows_fails_with_the_counts_and_the_first_bad_row(
@@ -109,22 +109,22 @@ def test_a_data_set_of_only_bad_rows_fails_with_the_counts_and_the_first_bad_row
     path = write_jsonl(tmp_path / "rows.jsonl", [{"text": "no prompt here"}] * 30)
     with pytest.raises(ValueError, match=r"0 usable rows.*30 missing_field.*"
                                          r"rows.jsonl line 1: prompt_field='prompt' is missing"):
-        build_splits(config_for(path), tokenizer)
+        build_splits(config_for(path))
 
 
 def test_an_empty_or_blank_jsonl_data_set_is_an_error_naming_it(tmp_path, tokenizer):
     (tmp_path / "a.jsonl").write_text("")
     (tmp_path / "b.jsonl").write_text("\n  \n")
     with pytest.raises(ValueError, match=f"dataset {re.escape(str(tmp_path))} has no rows"):
-        build_splits(config_for(tmp_path), tokenizer)
+        build_splits(config_for(tmp_path))
 
 
 def test_an_edited_jsonl_file_is_read_again_not_taken_from_the_cache(tmp_path, tokenizer):
     path = tmp_path / "rows.jsonl"
     path.write_text("\n".join(good_lines(30)) + "\n")
-    assert build_splits(config_for(path), tokenizer).skipped == {}
+    assert build_splits(config_for(path)).skipped == {}
     path.write_text("\n".join(good_lines(30) + ["{not json"]) + "\n")
-    assert build_splits(config_for(path), tokenizer).skipped == {"malformed": 1}
+    assert build_splits(config_for(path)).skipped == {"malformed": 1}
 
 
 def test_bad_rows_accepts_skip_or_error_only():

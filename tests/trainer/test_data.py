@@ -11,6 +11,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 from finetune_contract.data import IGNORE_INDEX, PROMPT_TEMPLATE, encode_example
 from finetune_contract.models import BUILTIN_MODELS
+from finetune_contract.prepare import pack
 from tests.support.training import demo_rows, read_metrics, write_jsonl
 from trainer.config import load_config
 from trainer.data import (
@@ -21,7 +22,6 @@ from trainer.data import (
     TrainBatches,
     build_splits,
     collate,
-    pack,
 )
 from trainer.demo import DEMO_DATASET, DEMO_PREFERENCES, DEMO_TOKENIZER
 from trainer.demo.make_data import MONTHS, WEEKDAYS, make_preference_rows, make_rows
@@ -78,7 +78,7 @@ def test_rows_with_empty_or_missing_fields_are_skipped_and_counted(tmp_path, tok
         {"prompt": "Write in capitals: owl"},
     ]
     config = load_config(None, {"dataset": str(write_jsonl(tmp_path / "d.jsonl", rows))})
-    splits = build_splits(config, tokenizer)
+    splits = build_splits(config)
     assert splits.skipped_rows == 3
     assert len(splits.train) + len(splits.eval) == 40
 
@@ -93,7 +93,7 @@ def test_csv_parquet_and_json_files_load_by_extension(tmp_path, tokenizer, suffi
         frame.to_parquet(path)
     else:
         path.write_text(json.dumps(frame.to_dict(orient="records")))
-    splits = build_splits(load_config(None, {"dataset": str(path)}), tokenizer)
+    splits = build_splits(load_config(None, {"dataset": str(path)}))
     assert len(splits.train) + len(splits.eval) == 30
 
 
@@ -101,12 +101,12 @@ def test_a_missing_column_is_named_with_the_option_that_chose_it(tmp_path, token
     path = write_jsonl(tmp_path / "d.jsonl", demo_rows(20))
     config = load_config(None, {"dataset": str(path), "text_field": "body"})
     with pytest.raises(ValueError, match="text_field='body'"):
-        build_splits(config, tokenizer)
+        build_splits(config)
 
 
 def test_the_eval_split_is_held_out_deterministically_and_holds_at_least_a_batch(tokenizer):
     config = load_config(None, {"eval_fraction": 0.001, "micro_batch": 8})
-    first, second = build_splits(config, tokenizer), build_splits(config, tokenizer)
+    first, second = build_splits(config), build_splits(config)
     assert len(first.eval) == 8
     assert first.eval["input_ids"] == second.eval["input_ids"]
     assert first.train["input_ids"] == second.train["input_ids"]
@@ -141,7 +141,7 @@ def test_each_epoch_is_a_new_permutation():
 
 def test_every_rank_runs_the_same_number_of_eval_batches_and_each_row_is_counted_once(tokenizer):
     config = load_config(None, {})
-    ds = build_splits(config, tokenizer).eval.select(range(21))
+    ds = build_splits(config).eval.select(range(21))
     per_rank = [list(EvalBatches(ds, 4, rank, 4, tokenizer.pad_token_id)) for rank in range(4)]
     assert {len(batches) for batches in per_rank} == {2}  # ceil(ceil(21 / 4) / 4)
     labelled = sum(
@@ -233,7 +233,7 @@ def test_dpo_pairs_from_an_s3_prefix_with_the_chat_template_encode_both_response
                                 "prompt_template": "chat", "tokenizer": str(chat_tokenizer_dir),
                                 "output_dir": str(tmp_path)})
     tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer_dir)
-    splits = build_splits(config, tokenizer)
+    splits = build_splits(config)
     assert len(splits.train) + len(splits.eval) == len(rows)
     expected = []
     for row in rows:
@@ -258,7 +258,7 @@ def test_prompt_template_chat_tokenizes_every_row_with_the_chat_template(
         {"dataset": str(path), "prompt_template": "chat", "tokenizer": str(chat_tokenizer_dir)},
     )
     tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer_dir)
-    splits = build_splits(config, tokenizer)
+    splits = build_splits(config)
     expected = [
         encode_example(tokenizer, row["prompt"], row["response"], "chat")
         for row in demo_rows(30)
@@ -276,7 +276,7 @@ def test_prompt_template_chat_without_a_chat_template_fails_at_start_naming_both
     )
     expected = f"prompt_template=chat.*tokenizer {re.escape(config.tokenizer)} has no chat"
     with pytest.raises(ValueError, match=expected):
-        build_splits(config, tokenizer)
+        build_splits(config)
 
 
 def tokenized_examples(tokenizer, pairs, seq_len=128) -> datasets.Dataset:
@@ -358,9 +358,9 @@ def labelled_tokens(ds: datasets.Dataset) -> int:
 
 def test_packing_keeps_every_labelled_token_and_the_same_split_on_every_run(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "d.jsonl", demo_rows(200))
-    plain = build_splits(load_config(None, {"dataset": str(path)}), tokenizer)
+    plain = build_splits(load_config(None, {"dataset": str(path)}))
     config = load_config(None, {"dataset": str(path), "packing": True, "seq_len": 128})
-    packed, again = build_splits(config, tokenizer), build_splits(config, tokenizer)
+    packed, again = build_splits(config), build_splits(config)
     assert len(packed.train) < len(plain.train) / 2
     assert labelled_tokens(packed.train) == labelled_tokens(plain.train)
     assert labelled_tokens(packed.eval) == labelled_tokens(plain.eval)

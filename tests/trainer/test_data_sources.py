@@ -7,9 +7,10 @@ import pandas as pd
 import pytest
 from transformers import AutoTokenizer
 
+from finetune_contract.prepare import S3_CACHE_DIR, download_s3
 from tests.support.training import demo_rows, write_jsonl
 from trainer.config import dataset_source, load_config
-from trainer.data import S3_CACHE_DIR, build_splits, download_s3
+from trainer.data import build_splits
 from trainer.demo import DEMO_TOKENIZER
 
 
@@ -23,7 +24,7 @@ def jsonl_bytes(rows: list[dict[str, str]]) -> bytes:
 
 
 def usable_rows(config, tokenizer) -> int:
-    splits = build_splits(config, tokenizer)
+    splits = build_splits(config)
     return len(splits.train) + len(splits.eval)
 
 
@@ -68,7 +69,7 @@ def test_a_hub_name_is_loaded_with_the_configured_split(monkeypatch, tmp_path, t
 def test_an_unknown_hub_name_says_it_was_looked_up_on_the_hub(tokenizer):
     config = load_config(None, {"dataset": "nobody-here/no-such-data"})
     with pytest.raises(ValueError, match="'nobody-here/no-such-data' is no local file or dir"):
-        build_splits(config, tokenizer)
+        build_splits(config)
 
 
 def test_a_directory_loads_its_data_files_and_skips_hidden_and_underscore_files(
@@ -88,7 +89,7 @@ def test_a_directory_of_mixed_formats_needs_dataset_format(tmp_path, tokenizer):
     write_jsonl(tmp_path / "a.jsonl", demo_rows(20))
     pd.DataFrame(demo_rows(30)).to_csv(tmp_path / "b.csv", index=False)
     with pytest.raises(ValueError, match="formats csv, json.*dataset_format"):
-        build_splits(load_config(None, {"dataset": str(tmp_path)}), tokenizer)
+        build_splits(load_config(None, {"dataset": str(tmp_path)}))
     config = load_config(None, {"dataset": str(tmp_path), "dataset_format": "csv"})
     assert usable_rows(config, tokenizer) == 30
 
@@ -134,4 +135,4 @@ def test_a_missing_s3_object_or_prefix_is_named(s3, tmp_path, tokenizer):
     uri = f"s3://{bucket}/nothing/here.jsonl"
     config = load_config(None, {"dataset": uri, "output_dir": str(tmp_path)})
     with pytest.raises(ValueError, match=f"dataset '{uri}': no object"):
-        build_splits(config, tokenizer)
+        build_splits(config)

@@ -1,0 +1,73 @@
+"""Benchmark of the data path: prepare (1 core and all), validate, the trainer's data start.
+
+python -m finetune.bench_data [--rows 100000 1000000]
+
+For each size, generated demo-style instruction rows (trainer/demo/make_data.py) are written to a
+temporary jsonl, then timed: validate_params on them; the prepare_data stage's work with one
+process and with all this machine's cores (a cold key each); the same prepare again (the cache
+hit a second identical run gets); the trainer's data start (build_splits on the prepared set,
+memory-mapped, what every rank does). Figures are wall-clock seconds on this machine; on a shared
+machine they are noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import tempfile
+import time
+from pathlib import Path
+
+
+def _timed(fn):
+    started = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - started, result
+
+
+def bench(rows: int, work: Path) -> dict[str, float]:
+    from finetune.validate import validate_params
+    from finetune_contract.prepare import cpu_count, prepare
+    from trainer.config import load_config
+    from trainer.data import build_splits
+    from trainer.demo.make_data import make_rows
+
+    data = work / f"rows-{rows}.jsonl"
+    with open(data, "w") as f:
+        for row in make_rows(rows, 0):
+            f.write(json.dumps(row) + "\n")
+    out: dict[str, float] = {}
+    out["validate_s"], _ = _timed(lambda: validate_params(
+        {"dataset": str(data), "output_dir": str(work / "runs")}, run_id=f"bench{rows}"))
+    config = load_config(None, {"dataset": str(data), "output_dir": str(work / "out")})
+    cores = cpu_count()
+    out["prepare_1_core_s"], _ = _timed(lambda: prepare(config, work / "p1", 1, log=_quiet))
+    out[f"prepare_{cores}_cores_s"], stats = _timed(
+        lambda: prepare(config, work / "pn", cores, log=_quiet))
+    out["prepare_cache_hit_s"], _ = _timed(lambda: prepare(config, work / "pn", log=_quiet))
+    prepared = dataclasses.replace(config, prepared_data=stats["path"])
+    out["trainer_data_start_s"], splits = _timed(lambda: build_splits(prepared))
+    assert len(splits.train) == stats["train_rows"]
+    return out
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[100_000, 1_000_000])
+    args = parser.parse_args(argv)
+    import datasets
+
+    datasets.disable_progress_bars()
+    for rows in args.rows:
+        with tempfile.TemporaryDirectory(prefix="bench-data-") as work:
+            for name, seconds in bench(rows, Path(work)).items():
+                print(f"rows {rows}: {name} {seconds:.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
