@@ -1,7 +1,7 @@
 """Data: the prepared splits loaded memory-mapped, collated into batches, sampled per rank.
 
 The data set is read, encoded, packed and split by the prepare_data stage
-(finetune_contract.prepare, the one encoding); the trainer loads its Arrow files on every rank
+(finetune_data.prepare, the one encoding); the trainer loads its Arrow files on every rank
 and never tokenizes at start.
 """
 
@@ -19,9 +19,7 @@ from typing import Any
 import datasets
 import torch
 import torch.distributed as dist
-
-from finetune_contract.data import IGNORE_INDEX, batches_per_epoch
-from finetune_contract.prepare import (
+from finetune_data.prepare import (
     PREPARED_DIR,
     REJECTED_IDS,
     REJECTED_LABELS,
@@ -30,6 +28,8 @@ from finetune_contract.prepare import (
     prepare,
     s3_cache_dir,
 )
+
+from finetune_contract.data import IGNORE_INDEX, batches_per_epoch
 from trainer.batch import Batch
 from trainer.config import TrainConfig
 from trainer.storage import is_s3

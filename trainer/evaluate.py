@@ -24,10 +24,10 @@ from typing import Any
 import datasets
 import torch
 import torch.nn.functional as F
+from finetune_data.prepare import load_rows, local_dataset, tokenize
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from finetune_contract.fields import EVALUATION_FILE, eval_task_names
-from finetune_contract.prepare import load_rows, local_dataset, tokenize
 from trainer.config import TrainConfig, load_config
 from trainer.data import IGNORE_INDEX, EvalBatches, build_splits
 from trainer.demo import EVAL_TASKS_DIR

@@ -27,8 +27,9 @@ def _timed(fn):
 
 
 def bench(rows: int, work: Path) -> dict[str, float]:
+    from finetune_data.prepare import cpu_count, prepare
+
     from finetune.validate import validate_params
-    from finetune_contract.prepare import cpu_count, prepare
     from trainer.config import load_config
     from trainer.data import build_splits
     from trainer.demo.make_data import make_rows

@@ -495,7 +495,7 @@ class RunConfig:
     # rows (packed: about how many sequences) and micro-batches per data-parallel rank per epoch.
     counted_train_rows: int = 0
     counted_batches_per_epoch: int = 0
-    # Set by prepare_data: the prepared set the trainer loads (finetune_contract.prepare).
+    # Set by prepare_data: the prepared set the trainer loads (finetune_data.prepare).
     prepared_data: str = ""
 
     @property

@@ -12,8 +12,9 @@ from pathlib import Path
 from finetune import REPO_ROOT
 
 # What goes into the trainer image: the tag changes exactly when one of these files does. The
-# run contract is the trainer's too (it checks its config with it at start).
-IMAGE_CONTEXT = ("trainer", "plugins/finetune_contract", "containers")
+# run contract is the trainer's too (it checks its config with it at start), and so is the
+# prepared data set's module (it loads the set with it).
+IMAGE_CONTEXT = ("trainer", "plugins/finetune_contract", "plugins/finetune_data", "containers")
 # The base image (CUDA, EFA, aws-ofi-nccl, python3) is built from this folder alone.
 BASE_CONTEXT = ("containers/trainer-base",)
 TRAINER_DOCKERFILE = "containers/trainer/Dockerfile"

@@ -1,5 +1,5 @@
 """The prepare_data stage on the Airflow worker: the run's data set encoded once, before any GPU
-node is up (finetune_contract.prepare does the work; this decides where and whether it is good
+node is up (finetune_data.prepare does the work; this decides where and whether it is good
 enough to pay GPUs for).
 
 The prepared set lives under <output_dir>/prepared_data/<key>, beside the runs, so a later run of
@@ -34,7 +34,7 @@ def prepare_run_data(cfg: RunConfig, s3_client: Callable[[], Any] | None = None,
                      num_proc: int | None = None) -> tuple[RunConfig, dict[str, Any]]:
     """(the run config with prepared_data and the counted split sizes set, the statistics);
     ConfigError naming the field when the prepared data cannot make the run the user asked."""
-    from finetune_contract import prepare
+    from finetune_data import prepare
 
     train = TrainConfig(**{**trainer_config(cfg, local_paths=True),
                            "output_dir": _local_run_dir(cfg)})
@@ -90,8 +90,7 @@ def _prepare_on_s3(cfg: RunConfig, train: TrainConfig, s3_client: Callable[[], A
                    num_proc: int | None) -> dict[str, Any]:
     """Prepared here, uploaded to <output_dir>/prepared_data/<key>/ (stats.json last)."""
     from botocore.exceptions import ClientError
-
-    from finetune_contract import prepare
+    from finetune_data import prepare
 
     s3 = s3_client() if s3_client else _boto3_s3()
     bucket, _, prefix = cfg.output_dir.removeprefix("s3://").partition("/")

@@ -92,7 +92,8 @@ def _row(name: str, run_dir: str, report: dict | None, has_report: bool, mtime: 
             "metrics": report.get("metrics") or {}, "config": report.get("config") or {},
             "gpu": report.get("gpu"), "has_report": has_report, "mtime": mtime,
             "error": report.get("error"), "progress": None,
-            "tracking": report.get("tracking"), "promotion": report.get("promotion")}
+            "tracking": report.get("tracking"), "promotion": report.get("promotion"),
+            "data": report.get("data")}
 
 
 def run_progress(metrics_lines: list[str], finished_training: bool,
@@ -298,7 +299,7 @@ td.progress { min-width: 11rem; }
 .bar div { background: #1565c0; height: 6px; border-radius: 3px; }
 """
 
-_HEADINGS = ("run", "status", "progress", "where", "tokens/s",
+_HEADINGS = ("run", "status", "progress", "where", "data", "tokens/s",
              "TFLOPs/device", "MFU", "wall time", "eval loss", "GPU util", "XID errors",
              "cost")
 
@@ -356,6 +357,17 @@ def _run_cell(row: dict[str, Any]) -> str:
             f'<span class="small">{extra}</span></td>')
 
 
+def _data_cell(data: dict | None) -> str:
+    """The prepare_data stage's figures: rows kept of read, skipped, its time and cache hit."""
+    if not data:
+        return '<td class="muted">n/a</td>'
+    how = "cache hit" if data.get("cache_hit") else "prepared"
+    return (f'<td class="num">{_fmt(data.get("rows_kept"), ",.0f")} of '
+            f'{_fmt(data.get("rows_read"), ",.0f")} rows<div class="small muted">'
+            f'{_fmt(data.get("skipped_rows"), ",.0f")} skipped; {how} in '
+            f'{_fmt_duration(data.get("seconds"))}</div></td>')
+
+
 def _where_cell(cfg: dict) -> str:
     """Target and model, and nodes x processes per node under them."""
     esc = html.escape
@@ -388,6 +400,7 @@ def render_runs_table(rows: list[dict[str, Any]]) -> str:
             f"</span>{_error_cell(row.get('error'))}</td>",
             f"<td class=\"progress\">{_progress_cell(progress, row['metrics'])}</td>",
             _where_cell(cfg),
+            _data_cell(row.get("data")),
             f'<td class="num">{_fmt(m.get("tokens_per_s"), ",.0f")}</td>',
             f'<td class="num">{_fmt(m.get("tflops_per_device"), ".4g")}</td>',
             f'<td class="num">{esc(mfu_text(m))}</td>',

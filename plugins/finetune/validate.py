@@ -54,8 +54,12 @@ from finetune_contract.rules import config_problems, location_problems
 log = logging.getLogger(__name__)
 
 Problems = list[tuple[str, str]]
-# Rows validate tokenizes to check lengths and counts; past this the trainer checks at start.
+# Rows validate reads (to check columns and count rows); past this prepare_data counts them.
 MAX_ROWS_CHECKED = 200_000
+# Rows validate encodes: a sample that finds a template or tokenizer that cannot encode this data.
+# A data set no larger is checked whole here; a larger one is encoded by prepare_data, whose
+# statistics decide (skipped rows, rows for a step) before scale-up.
+ROWS_ENCODED = 512
 _HOST = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$")
 _SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]{1,253}$")
 
@@ -366,23 +370,35 @@ def _tokenizer_dir(cfg: RunConfig, in_pod: bool) -> Path | None:
 
 def _row_problems(cfg: RunConfig, train: TrainConfig, rows: contract_data.FileRows,
                   tokenizer_dir: Path, files: list[str]) -> tuple[Problems, DataSize | None]:
-    """Encode every row as the trainer will: rows too long or empty, enough for a step; and
-    the training split's size."""
+    """Encode a sample of the rows as prepare_data will (the template and tokenizer work on this
+    data; bad_rows=error and a bad row in it); a data set no larger than the sample is checked
+    whole: rows too long or empty, enough for a step, the training split's size."""
     if importlib.util.find_spec("transformers") is None:
-        # an Airflow without transformers (MWAA): the trainer checks the lengths at start
-        log.info("transformers is not installed here: row lengths are checked at trainer start")
+        # an Airflow without transformers (MWAA): prepare_data encodes, where it runs
+        log.info("transformers is not installed here: rows are encoded by prepare_data")
         return [], None
-    stamps = (cfg.dataset_format, *((file, *_stamp(Path(file))) for file in files))
+    whole = len(rows.rows) <= ROWS_ENCODED
+    sample = rows if whole else dataclasses.replace(
+        rows, rows=rows.rows[:ROWS_ENCODED], places=rows.places[:ROWS_ENCODED])
+    stamps = (cfg.dataset_format, len(sample.rows),
+              *((file, *_stamp(Path(file))) for file in files))
     try:
         lengths, bad, first_bad = _encoded(stamps, _stamp(tokenizer_dir), str(tokenizer_dir),
-                                           _encoding_fields(train), rows)
+                                           _encoding_fields(train), sample)
     except ValueError as exc:  # a chat template that cannot mask the prompt
         return [("prompt_template", str(exc))], None
     if first_bad is not None and cfg.bad_rows == "error":
         return [("dataset", contract_data.bad_row_error(train, *first_bad))], None
-    if len(rows.rows) + len(rows.malformed) >= MAX_ROWS_CHECKED:
-        return [], None  # a sample: the trainer counts the whole data set at start
     data_parallel = cfg.world_size // cfg.tp_degree
+    if not whole:
+        # Counted unencoded, every row as if usable: too few even so is too few.
+        if len(rows.rows) + len(rows.malformed) < MAX_ROWS_CHECKED:
+            try:
+                n_train, _ = contract_data.split_sizes(len(rows.rows), train)
+                contract_data.batches_per_epoch(n_train, cfg.micro_batch, data_parallel)
+            except ValueError as exc:
+                return [("micro_batch", str(exc))], None
+        return [], None
     try:
         n_train, _ = contract_data.split_sizes(len(lengths), train)
         size = DataSize(n_train, contract_data.batches_per_epoch(n_train, cfg.micro_batch,
@@ -441,7 +457,7 @@ def _encoded(stamps: tuple, tokenizer_stamp: tuple, tokenizer_dir: str, fields: 
 def _encoded_cached(rows: _Rows, tokenizer_stamp: tuple, tokenizer_dir: str, fields: tuple
                     ) -> tuple[list[int], int, tuple[str, str] | None]:
     """(lengths of the usable rows, bad rows, the first bad row's (place, what)): every row
-    encoded as the trainer will. Cached: validate runs often on one data set (tests, retries)."""
+    encoded as prepare_data will. Cached: validate runs often on one data set (tests, retries)."""
     from transformers import AutoTokenizer
 
     names = ("text_field", "prompt_field", "response_field", "prompt_template", "seq_len",

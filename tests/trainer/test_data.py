@@ -7,11 +7,11 @@ import datasets
 import pandas as pd
 import pytest
 import torch
+from finetune_data.prepare import pack
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from finetune_contract.data import IGNORE_INDEX, PROMPT_TEMPLATE, encode_example
 from finetune_contract.models import BUILTIN_MODELS
-from finetune_contract.prepare import pack
 from tests.support.training import demo_rows, read_metrics, write_jsonl
 from trainer.config import load_config
 from trainer.data import (

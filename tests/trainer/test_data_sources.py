@@ -5,9 +5,9 @@ import json
 import datasets
 import pandas as pd
 import pytest
+from finetune_data.prepare import S3_CACHE_DIR, download_s3
 from transformers import AutoTokenizer
 
-from finetune_contract.prepare import S3_CACHE_DIR, download_s3
 from tests.support.training import demo_rows, write_jsonl
 from trainer.config import dataset_source, load_config
 from trainer.data import build_splits

@@ -1,4 +1,4 @@
-"""The prepare_data stage's work (finetune_contract.prepare): encoded once, content-addressed,
+"""The prepare_data stage's work (finetune_data.prepare): encoded once, content-addressed,
 reused, safe against a concurrent prepare and a failure; and the trainer's start that only
 loads it."""
 
@@ -9,8 +9,8 @@ import multiprocessing
 from pathlib import Path
 
 import pytest
+from finetune_data import prepare as prep
 
-from finetune_contract import prepare as prep
 from tests.support.training import demo_rows, write_jsonl
 from trainer.config import load_config
 
