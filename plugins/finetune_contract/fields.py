@@ -195,7 +195,7 @@ _LABEL = Text(63, _DNS_LABEL, "a DNS label (lowercase letters, digits and '-', s
 # The rule of every text field without a fixed set of values (CHOICES, or the form's enum).
 TEXTS: dict[str, Text] = {
     "model": _PATH, "tokenizer": _PATH, "dataset": _PATH, "eval_dataset": _PATH,
-    "output_dir": _PATH,
+    "output_dir": _PATH, "prepared_data": _PATH,
     "dataset_split": Text(128, r"[\w.\[\]:%+-]+", "a split name (letters, digits, '_', '.'; "
                           "a slice such as train[:10%])"),
     "text_field": _COLUMN, "prompt_field": _COLUMN, "response_field": _COLUMN,
