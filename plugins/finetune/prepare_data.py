@@ -36,8 +36,13 @@ def prepare_run_data(cfg: RunConfig, s3_client: Callable[[], Any] | None = None,
     ConfigError naming the field when the prepared data cannot make the run the user asked."""
     from finetune_data import prepare
 
-    train = TrainConfig(**{**trainer_config(cfg, local_paths=True),
-                           "output_dir": _local_run_dir(cfg)})
+    from finetune.validate import run_tokenizer_dir
+
+    values = trainer_config(cfg, local_paths=True)
+    found = run_tokenizer_dir(cfg, in_pod=False)  # a built-in model's: the demo tokenizer
+    # as the trainer resolves it (trainer.config.resolve): a hub model's own tokenizer
+    tokenizer = str(found) if found else values["tokenizer"] or values["model"]
+    train = TrainConfig(**{**values, "tokenizer": tokenizer, "output_dir": _local_run_dir(cfg)})
     if cfg.output_dir.startswith("s3://"):
         stats = _prepare_on_s3(cfg, train, s3_client, num_proc)
     else:

@@ -318,7 +318,7 @@ def _checked_data(cfg: RunConfig, train: TrainConfig, in_pod: bool
     """The data set and tokenizer as the trainer will read them, where they are visible here;
     and the training split's size where it was counted."""
     errors: Problems = []
-    tokenizer_dir = _tokenizer_dir(cfg, in_pod)
+    tokenizer_dir = run_tokenizer_dir(cfg, in_pod)
     if tokenizer_dir is not None:
         errors += contract_data.tokenizer_problems(
             tokenizer_dir, "tokenizer" if cfg.tokenizer else "model", train)
@@ -356,7 +356,7 @@ def _checked_data(cfg: RunConfig, train: TrainConfig, in_pod: bool
     return errors + problems, size
 
 
-def _tokenizer_dir(cfg: RunConfig, in_pod: bool) -> Path | None:
+def run_tokenizer_dir(cfg: RunConfig, in_pod: bool) -> Path | None:
     if cfg.tokenizer:
         found = _local_dir(cfg.tokenizer, in_pod)
     elif cfg.model in BUILTIN_MODELS:

@@ -21,7 +21,7 @@ CONFIG = {
 SUMMARY_METRICS = (
     "initial_eval_loss", "final_eval_loss", "tokens_per_s", "tflops_per_device", "mfu",
     "median_step_time_s", "median_step_tokens_per_s", "peak_memory_bytes", "wall_time_s",
-    "steps", "world_size",
+    "steps", "world_size", "time_to_first_step_s", "data_load_s",
 )
 
 SUMMARY = {
@@ -35,6 +35,8 @@ SUMMARY = {
     "median_step_tokens_per_s": 13000.0,
     "peak_memory_bytes": 20 * 1024**3,
     "wall_time_s": 3725.0,
+    "time_to_first_step_s": 41.5,
+    "data_load_s": 0.25,
     "world_size": 8,
     "resumed_from_step": None,
     "skipped_rows": 0,

@@ -5,7 +5,8 @@ loads it."""
 from __future__ import annotations
 
 import json
-import multiprocessing
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -46,17 +47,21 @@ def test_a_second_identical_prepare_is_a_cache_hit_and_a_changed_source_is_not(t
     assert len(sets_in(root)) == 3 and not [n for n in sets_in(root) if n.startswith(".")]
 
 
-def _prepare_in_child(args: tuple[str, str, str]) -> str:
-    dataset, out, root = args
-    return prep.prepare(config_for(Path(dataset), Path(out)), root, num_proc=1)["path"]
-
-
-def test_two_processes_preparing_one_key_at_once_leave_one_whole_set(tmp_path):
+def test_two_runs_preparing_one_key_at_once_leave_one_whole_set(tmp_path):
+    # Two preparers started together (threads: the race is the file system's, os.rename's):
+    # both encode, the first rename wins, the other finds the set and reuses it.
     data = write_jsonl(tmp_path / "rows.jsonl", demo_rows(2000))
-    root = tmp_path / "prepared"
-    with multiprocessing.get_context("spawn").Pool(2) as pool:
-        paths = pool.map(_prepare_in_child, [(str(data), str(tmp_path / "out"), str(root))] * 2)
-    assert paths[0] == paths[1] and sets_in(root) == [Path(paths[0]).name]
+    root, config = tmp_path / "prepared", config_for(data, tmp_path / "out")
+    start = threading.Barrier(2)
+
+    def run(_: int) -> dict:
+        start.wait()
+        return prep.prepare(config, root, num_proc=1)
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(run, range(2)))
+    assert results[0]["path"] == results[1]["path"] and sets_in(root) == [results[0]["key"]]
+    paths = [results[0]["path"]]
     train, held_out, stats = prep.load_prepared(paths[0])
     assert len(train) + len(held_out) == 2000 == stats["rows_kept"]
 
