@@ -41,7 +41,8 @@ def test_a_raised_threshold_lets_the_run_go_on_with_its_prepared_set_and_counted
     prepared, record = prepare_run_data(cfg, num_proc=1)
     assert Path(prepared.prepared_data, "stats.json").is_file()
     assert prepared.counted_train_rows == record["train_rows"] == 70 - record["eval_rows"]
-    assert prepared.counted_batches_per_epoch == record["train_rows"] // cfg.micro_batch
+    per_rank = record["train_rows"] // cfg.world_size
+    assert prepared.counted_batches_per_epoch == per_rank // cfg.micro_batch
     saved = json.loads((Path(cfg.run_dir) / RUN_RECORD).read_text())
     assert saved["cache_hit"] is False and saved["skipped_rows"] == 30
     again, record = prepare_run_data(cfg, num_proc=1)
