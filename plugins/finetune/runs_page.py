@@ -8,7 +8,6 @@ Pure functions (list_runs, render_runs_page) plus the FastAPI app the Airflow pl
 
 from __future__ import annotations
 
-import html
 import json
 import os
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from finetune.pages import render
 from finetune.report import (
     REPORT_HTML,
     REPORT_JSON,
@@ -153,15 +153,14 @@ def _local_progress(run_dir: Path) -> dict[str, Any]:
     return run_progress(lines.splitlines(), (run_dir / SUMMARY_FILE).is_file())
 
 
-def _error_cell(error: dict | None) -> str:
+def _error_view(error: dict | None) -> dict | None:
     """A failed run's cause under its status: stage and type, the message cut short."""
     if not error:
-        return ""
+        return None
     message = str(error.get("message") or "")
     short = message if len(message) <= 160 else message[:160] + "..."
-    esc = html.escape
-    return (f'<div class="error" title="{esc(message)}">{esc(str(error.get("stage")))}: '
-            f'{esc(str(error.get("type")))}: {esc(short)}</div>')
+    return {"message": message, "short": short, "stage": str(error.get("stage")),
+            "type": str(error.get("type"))}
 
 
 def _s3_runs(uri: str, s3: Any) -> list[dict[str, Any]]:
@@ -279,172 +278,94 @@ def _gpu_util(gpu: dict | None) -> float | None:
     return sum(means) / len(means) if means else None
 
 
-_CSS = """
-body { font-family: system-ui, sans-serif; margin: 1rem; color: #222; font-size: 14px; }
-.table-wrap { overflow-x: auto; }
-table { border-collapse: collapse; width: 100%; }
-td, th { border: 1px solid #ddd; padding: 0.25rem 0.45rem; vertical-align: top; }
-th { background: #f5f5f5; text-align: left; }
-td.num { text-align: right; white-space: nowrap; }
-td.run { min-width: 11rem; max-width: 18rem; overflow-wrap: anywhere; }
-td.where { min-width: 7rem; }
-.status { padding: 0.1em 0.5em; border-radius: 0.3em; color: #fff; background: #757575;
-          white-space: nowrap; }
-.status-success { background: #2e7d32; } .status-failed { background: #c62828; }
-.status-running { background: #1565c0; } .xid { color: #c62828; font-weight: bold; }
-.error { color: #c62828; font-size: 0.85em; max-width: 24em; }
-.muted { color: #666; } .small { font-size: 0.85em; } .stale { color: #e65100; }
-td.progress { min-width: 11rem; }
-.bar { background: #e3e8ef; border-radius: 3px; height: 6px; width: 100%; margin: 3px 0; }
-.bar div { background: #1565c0; height: 6px; border-radius: 3px; }
-"""
-
 _HEADINGS = ("run", "status", "progress", "where", "data", "tokens/s",
              "TFLOPs/device", "MFU", "wall time", "eval loss", "GPU util", "XID errors",
              "cost")
 
 
-def _progress_cell(progress: dict | None, metrics: dict) -> str:
-    """A running run's stage, step of total with a bar, loss and ETA; a finished run's steps."""
-    if progress is None:
-        steps = metrics.get("steps")
-        return f'<span class="muted">{_fmt(steps, ",.0f")} steps</span>' if steps else ""
-    esc = html.escape
+def _progress_view(progress: dict) -> dict:
+    """A running run's stage, step of total with a bar, loss, ETA, and how long it is quiet."""
     step, total = progress["step"], progress["max_steps"]
-    lines = [f"<div><b>{esc(progress['stage'])}</b></div>"]
-    if total:
-        lines.append(f'<div class="bar" title="{step} of {total} steps"><div style="width: '
-                     f'{min(100.0, 100 * step / total):.1f}%"></div></div>')
-        eta = _fmt_duration(progress['eta_s']).replace(' ', '\u00a0')  # kept on one line
-        lines.append(f"<div>step {step:,}/{total:,} · ETA {eta}"
-                     "</div>")
-    if progress["loss"] is not None:
-        lines.append(f"<div>loss {_fmt(progress['loss'], '.4f')}</div>")
     quiet = progress["since_last_record_s"]
-    if quiet is not None and quiet > STALE_S and progress["stage"] == "training":
-        lines.append(f'<div class="stale">no new step for {_fmt_duration(quiet)}</div>')
-    return f'<div class="small">{"".join(lines)}</div>'
+    return {
+        "stage": progress["stage"], "step": step, "total": total,
+        "percent": f"{min(100.0, 100 * step / total):.1f}" if total else None,
+        "steps": f"{step:,}/{total:,}" if total else None,
+        "eta": _fmt_duration(progress["eta_s"]).replace(" ", "\u00a0"),  # kept on one line
+        "loss": _fmt(progress["loss"], ".4f") if progress["loss"] is not None else None,
+        "quiet": _fmt_duration(quiet) if quiet is not None and quiet > STALE_S
+        and progress["stage"] == "training" else None,
+    }
 
 
-def _xid_cell(gpu: dict | None) -> str:
-    """XID errors of the run's GPUs; n/a where no GPU metrics were collected (a CPU run)."""
-    if not gpu or not gpu.get("available"):
-        return '<td class="num muted">n/a</td>'
-    xids = len(gpu.get("xid_errors") or [])
-    return f'<td class="num{" xid" if xids else ""}">{xids}</td>'
-
-
-def _run_cell(row: dict[str, Any]) -> str:
-    """The run id, a link to its report when it has one; the report's time under it."""
-    esc = html.escape
-    name = esc(str(row["run_id"]))
-    if row["has_report"]:
-        name = f'<a href="runs/{esc(quote(row["name"]))}/{REPORT_HTML}">{name}</a>'
-        generated = str(row["generated_at"] or "n/a")
-        # ISO 8601 UTC as the report writes it -> "2026-01-02 03:04 UTC"
-        when = (f"report {generated[:10]} {generated[11:16]} UTC"
-                if generated.endswith("+00:00") else f"report {generated}")
-    else:
-        when = "report when it ends"
-    # its MLflow run (issue 18) and the promotion decision, where the run was tracked
-    tracking, promotion = row.get("tracking") or {}, row.get("promotion") or {}
-    extra = ""
-    if tracking.get("url"):
-        extra += f' · <a href="{esc(tracking["url"])}">MLflow</a>'
-    if promotion.get("decision"):
-        extra += f' · {esc(str(promotion["decision"]))}'
-    return (f'<td class="run">{name}<br><span class="muted small">{esc(when)}</span>'
-            f'<span class="small">{extra}</span></td>')
-
-
-def _data_cell(data: dict | None) -> str:
+def _data_view(data: dict | None) -> dict | None:
     """The prepare_data stage's figures: rows kept of read, skipped, its time and cache hit."""
     if not data:
-        return '<td class="muted">n/a</td>'
+        return None
     how = "cache hit" if data.get("cache_hit") else "prepared"
-    return (f'<td class="num">{_fmt(data.get("rows_kept"), ",.0f")} of '
-            f'{_fmt(data.get("rows_read"), ",.0f")} rows<div class="small muted">'
-            f'{_fmt(data.get("skipped_rows"), ",.0f")} skipped; {how} in '
-            f'{_fmt_duration(data.get("seconds"))}</div></td>')
+    return {"rows": f'{_fmt(data.get("rows_kept"), ",.0f")} of '
+                    f'{_fmt(data.get("rows_read"), ",.0f")} rows',
+            "how": f'{_fmt(data.get("skipped_rows"), ",.0f")} skipped; {how} in '
+                   f'{_fmt_duration(data.get("seconds"))}'}
 
 
-def _where_cell(cfg: dict) -> str:
-    """Target and model, and nodes x processes per node under them."""
-    esc = html.escape
-    size = (f"{cfg['nodes']} x {cfg['procs_per_node']} procs"
-            if "nodes" in cfg and "procs_per_node" in cfg else "")
-    what = " · ".join(str(cfg[k]) for k in ("target", "model") if cfg.get(k)) or "n/a"
-    return f'<td class="where">{esc(what)}<br><span class="muted small">{esc(size)}</span></td>'
+def _when(row: dict[str, Any]) -> str:
+    if not row["has_report"]:
+        return "report when it ends"
+    generated = str(row["generated_at"] or "n/a")
+    # ISO 8601 UTC as the report writes it -> "2026-01-02 03:04 UTC"
+    return (f"report {generated[:10]} {generated[11:16]} UTC" if generated.endswith("+00:00")
+            else f"report {generated}")
+
+
+def _row_view(row: dict[str, Any]) -> dict[str, Any]:
+    """One run's cells as text: run (a link to its report when it has one, its MLflow run and
+    promotion decision), status and cause, progress, where, and the figures."""
+    cfg, progress, gpu = row["config"], row.get("progress"), row["gpu"]
+    # a running run's figures so far, from its metrics.jsonl
+    m = row["metrics"] if progress is None else {
+        "tokens_per_s": progress["tokens_per_s"], "mfu": progress["mfu"],
+        "tflops_per_device": progress["tflops_per_device"],
+        "wall_time_s": progress["elapsed_s"],
+        "initial_eval_loss": progress["initial_eval_loss"],
+        "final_eval_loss": progress["eval_loss"]}
+    tracking, promotion = row.get("tracking") or {}, row.get("promotion") or {}
+    steps = row["metrics"].get("steps")
+    return {
+        "run_id": str(row["run_id"]),
+        "report_href": f"runs/{quote(row['name'])}/{REPORT_HTML}" if row["has_report"] else None,
+        "when": _when(row),
+        "mlflow_url": tracking.get("url"),
+        "decision": str(promotion["decision"]) if promotion.get("decision") else None,
+        "status": row["status"],
+        "error": _error_view(row.get("error")),
+        "progress": _progress_view(progress) if progress is not None else None,
+        "steps": _fmt(steps, ",.0f") if steps else None,
+        "what": " · ".join(str(cfg[k]) for k in ("target", "model") if cfg.get(k)) or "n/a",
+        "size": (f"{cfg['nodes']} x {cfg['procs_per_node']} procs"
+                 if "nodes" in cfg and "procs_per_node" in cfg else ""),
+        "data": _data_view(row.get("data")),
+        "figures": [
+            _fmt(m.get("tokens_per_s"), ",.0f"), _fmt(m.get("tflops_per_device"), ".4g"),
+            mfu_text(m), _fmt_duration(m.get("wall_time_s")),
+            f"{_fmt(m.get('initial_eval_loss'), '.3f')} → {_fmt(m.get('final_eval_loss'), '.3f')}",
+            _fmt(_gpu_util(gpu), ".1f", "%")],
+        # XID errors of the run's GPUs; None (n/a) where none were collected (a CPU run)
+        "xids": len(gpu.get("xid_errors") or []) if gpu and gpu.get("available") else None,
+        "cost": _fmt(m.get("cost_usd"), ",.2f", " USD"),
+    }
 
 
 def render_runs_table(rows: list[dict[str, Any]]) -> str:
-    """The runs table (the part of the page that refreshes)."""
-    esc = html.escape
-    if not rows:
-        return '<p class="muted">no runs yet</p>'
-    body = []
-    for row in rows:
-        cfg, progress = row["config"], row.get("progress")
-        # a running run's figures so far, from its metrics.jsonl
-        m = row["metrics"] if progress is None else {
-            "tokens_per_s": progress["tokens_per_s"], "mfu": progress["mfu"],
-            "tflops_per_device": progress["tflops_per_device"],
-            "wall_time_s": progress["elapsed_s"],
-            "initial_eval_loss": progress["initial_eval_loss"],
-            "final_eval_loss": progress["eval_loss"]}
-        loss = (f"{_fmt(m.get('initial_eval_loss'), '.3f')} → "
-                f"{_fmt(m.get('final_eval_loss'), '.3f')}")
-        cells = [
-            _run_cell(row),
-            f'<td><span class="status status-{esc(row["status"])}">{esc(row["status"])}'
-            f"</span>{_error_cell(row.get('error'))}</td>",
-            f"<td class=\"progress\">{_progress_cell(progress, row['metrics'])}</td>",
-            _where_cell(cfg),
-            _data_cell(row.get("data")),
-            f'<td class="num">{_fmt(m.get("tokens_per_s"), ",.0f")}</td>',
-            f'<td class="num">{_fmt(m.get("tflops_per_device"), ".4g")}</td>',
-            f'<td class="num">{esc(mfu_text(m))}</td>',
-            f'<td class="num">{_fmt_duration(m.get("wall_time_s"))}</td>',
-            f'<td class="num">{esc(loss)}</td>',
-            f'<td class="num">{_fmt(_gpu_util(row["gpu"]), ".1f", "%")}</td>',
-            _xid_cell(row["gpu"]),
-            f'<td class="num">{_fmt(m.get("cost_usd"), ",.2f", " USD")}</td>',
-        ]
-        body.append(f'<tr class="run">{"".join(cells)}</tr>')
-    head = "".join(f"<th>{esc(h)}</th>" for h in _HEADINGS)
-    return f'<div class="table-wrap"><table><tr>{head}</tr>{"".join(body)}</table></div>'
-
-
-# Fetches the table again every REFRESH_MS (relative URL: the page sits under a prefix); a
-# failed fetch leaves the last table and says so.
-_REFRESH_JS = """
-const refresh = async () => {
-  const note = document.getElementById("updated");
-  try {
-    const response = await fetch("table", {credentials: "same-origin"});
-    if (!response.ok) throw new Error(response.status);
-    document.getElementById("runs").innerHTML = await response.text();
-    note.textContent = "updated " + new Date().toLocaleTimeString();
-  } catch (error) {
-    note.textContent = "not updated (" + error.message + "); retrying";
-  }
-};
-setInterval(refresh, %d);
-"""
+    """The runs table (the part of the page that refreshes): templates/runs_table.html.j2."""
+    return render("runs_table.html.j2", rows=[_row_view(r) for r in rows], headings=_HEADINGS)
 
 
 def render_runs_page(rows: list[dict[str, Any]], dirs: list[RunsDir]) -> str:
-    """The runs table as one HTML page that refreshes its table in place; links are relative
-    (the page sits under a prefix)."""
-    esc = html.escape
-    where = ", ".join(esc(str(d)) for d in dirs)
-    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<title>Fine-tuning runs</title><style>{_CSS}</style></head><body>"
-            f"<h1>Fine-tuning runs</h1><p class=\"muted\">{len(rows)} run(s) in {where}; "
-            f'running runs move on their own (<span id="updated">every '
-            f"{REFRESH_MS // 1000} s</span>)</p>"
-            f'<div id="runs">{render_runs_table(rows)}</div>'
-            f"<script>{_REFRESH_JS % REFRESH_MS}</script></body></html>\n")
+    """The runs table as one HTML page that refreshes its table in place (templates/
+    runs.html.j2); links are relative (the page sits under a prefix)."""
+    return render("runs.html.j2", rows=[_row_view(r) for r in rows], headings=_HEADINGS,
+                  dirs=[str(d) for d in dirs], refresh_ms=REFRESH_MS)
 
 
 def create_app() -> Any:

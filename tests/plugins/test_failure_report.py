@@ -28,7 +28,7 @@ def test_a_failed_report_carries_the_root_cause_and_shows_it(tmp_path):
     assert "Why it failed" in page and escape("text_field='body'") in page
     rows = list_runs([tmp_path / "runs"])
     html = render_runs_page(rows, [tmp_path / "runs"])
-    assert "train: ValueError: text_field=&#x27;body&#x27; is not a column" in html
+    assert escape("train: ValueError: text_field='body' is not a column") in html
 
 
 def test_the_earliest_record_is_the_root_cause_and_torn_ones_are_skipped():
