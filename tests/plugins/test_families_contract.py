@@ -95,3 +95,19 @@ def test_every_family_row_is_its_own_architecture():
         assert family.model_type == model_type
         assert architecture_problem({"model_type": model_type}) is None
         assert set(family.lora_default) <= {linear.name for linear in family.linears}
+
+
+def test_validate_refuses_a_phi3_directory_with_llama_lora_targets_and_tp(tmp_path):
+    """validate_params reads the directory's config.json before any cost: what the trainer
+    would refuse at start is named at validate."""
+    from finetune.config import ConfigError
+    from finetune.validate import validate_params
+
+    (tmp_path / "config.json").write_text(json.dumps({**SHAPE, "model_type": "phi3"}))
+    with pytest.raises(ConfigError) as error:
+        validate_params({"model": str(tmp_path), "lora_rank": 8, "lora_target_modules":
+                         "q_proj,v_proj"}, run_id="r")
+    assert "lora_target_modules" in str(error.value) and "qkv_proj" in str(error.value)
+    (tmp_path / "config.json").write_text(json.dumps({**SHAPE, "model_type": "mixtral"}))
+    with pytest.raises(ConfigError, match="mixture-of-experts"):
+        validate_params({"model": str(tmp_path)}, run_id="r")
