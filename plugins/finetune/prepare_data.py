@@ -43,11 +43,14 @@ def prepare_run_data(cfg: RunConfig, s3_client: Callable[[], Any] | None = None,
     # as the trainer resolves it (trainer.config.resolve): a hub model's own tokenizer
     tokenizer = str(found) if found else values["tokenizer"] or values["model"]
     train = TrainConfig(**{**values, "tokenizer": tokenizer, "output_dir": _local_run_dir(cfg)})
-    if cfg.output_dir.startswith("s3://"):
-        stats = _prepare_on_s3(cfg, train, s3_client, num_proc)
-    else:
-        stats = prepare.prepare(train, resolve_path(cfg.output_dir) / prepare.PREPARED_DIR,
-                                num_proc, log=log.info)
+    try:
+        if cfg.output_dir.startswith("s3://"):
+            stats = _prepare_on_s3(cfg, train, s3_client, num_proc)
+        else:
+            stats = prepare.prepare(train, resolve_path(cfg.output_dir) / prepare.PREPARED_DIR,
+                                    num_proc, log=log.info)
+    except ValueError as exc:  # the data: a bad row (file and line), too few usable rows
+        raise ConfigError([("dataset", str(exc))]) from None
     record = {**stats, "run_id": cfg.run_id}
     _write_record(cfg, record, s3_client)
     problems = data_problems(cfg, stats)

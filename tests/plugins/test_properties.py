@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import math
 import re
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -111,7 +112,7 @@ def later_stages(cfg) -> None:
     # test: its data start is checked for local tokenizers.
     if local:
         if Path(train.tokenizer).is_dir():
-            trainer_data_start(train, cfg.world_size // cfg.tp_degree)
+            trainer_data_start(cfg, train, cfg.world_size // cfg.tp_degree)
     else:
         import kubernetes_validate
 
@@ -127,12 +128,26 @@ def _splits(train):
     return build_splits(train)
 
 
-def trainer_data_start(train, data_parallel: int) -> None:
-    """What the trainer does with the data before its first step: load, tokenize, split,
-    pack, and build the sampler of this data-parallel size."""
+# Where prepare_data writes for these configs (content-addressed: examples share the sets).
+_PREPARED = Path(tempfile.mkdtemp(prefix="properties-prepared-"))
+
+
+def trainer_data_start(cfg, train, data_parallel: int) -> None:
+    """What happens to the data before the first step: prepare_data (which may still refuse,
+    before scale-up, with a ConfigError naming the field), then the trainer's load and the
+    sampler of this data-parallel size."""
+    from finetune.prepare_data import prepare_run_data
     from trainer.data import DistributedSampler
 
-    key = dataclasses.replace(train, output_dir="-", lr=1.0, max_steps=0)
+    run = dataclasses.replace(cfg, output_dir=str(_PREPARED), run_dir=str(_PREPARED / "run"))
+    try:
+        prepared, _ = prepare_run_data(run, num_proc=1)
+    except ConfigError as exc:
+        assert exc.errors and all(field and message for field, message in exc.errors)
+        event("refused at prepare_data")
+        return
+    key = dataclasses.replace(train, output_dir=str(_PREPARED), lr=1.0, max_steps=0,
+                              prepared_data=prepared.prepared_data)
     splits = _splits(key)
     DistributedSampler(len(splits.train), train.micro_batch, 0, data_parallel, train.seed)
 
