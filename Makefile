@@ -29,13 +29,17 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt trainer/requirements.t
 	touch $@
 
 # System programs from Debian: etcd (torchrun's rendezvous; without it the local target uses
-# torch's c10d store), and for the tests Prometheus (metrics queries) and Chromium (UI pages).
-SYSTEM_PACKAGES := etcd-server:etcd prometheus:prometheus chromium:chromium
+# torch's c10d store), and for the tests Prometheus (metrics queries), Chromium (UI pages) and
+# the trainer image's build and run (buildah, debootstrap, docker-registry; image_builder
+# buildah needs buildah where Airflow runs).
+SYSTEM_PACKAGES := etcd-server:etcd prometheus:prometheus chromium:chromium buildah:buildah \
+  debootstrap:debootstrap docker-registry:docker-registry
 
 system-deps:
 	@missing=""; for entry in $(SYSTEM_PACKAGES); do \
 	  pkg=$${entry%%:*}; bin=$${entry##*:}; \
-	  command -v $$bin >/dev/null || [ -x /usr/bin/$$bin ] || missing="$$missing $$pkg"; done; \
+	  command -v $$bin >/dev/null || [ -x /usr/bin/$$bin ] || [ -x /usr/sbin/$$bin ] \
+	    || missing="$$missing $$pkg"; done; \
 	[ -z "$$missing" ] || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \

@@ -54,7 +54,7 @@ ETCD_RESETS = ("keys", "restart")
 # v2 (TrainJob on a ClusterTrainingRuntime, on JobSet).
 LAUNCHERS = ("pytorchjob", "trainjob")
 # How the eks target provides the trainer image (plugins/finetune/targets/eks/image_build.py).
-IMAGE_BUILDERS = ("buildkit", "codebuild", "prebuilt")
+IMAGE_BUILDERS = ("buildkit", "codebuild", "buildah", "prebuilt")
 # Fields whose value is never quoted in an error message: it may be (or hold) a credential.
 SECRET_FIELDS = frozenset({"hf_token_secret", "rdzv_endpoint", "prometheus_url"})
 
@@ -298,7 +298,8 @@ PARAM_SPECS: tuple[ParamSpec, ...] = (
        "image_builder."),
     _S("image_builder", "buildkit", "string", "EKS", "Image builder",
        "How the image is built when `image` is empty: buildkit (a rootless BuildKit Job in the "
-       "cluster) or codebuild (AWS CodeBuild); prebuilt requires `image`. The tag is the "
+       "cluster), codebuild (AWS CodeBuild) or buildah (built and pushed by the task where "
+       "Airflow runs; buildah installed there); prebuilt requires `image`. The tag is the "
        "content hash of trainer/ and containers/: a tag already in ECR is not built again.",
        enum=IMAGE_BUILDERS),
     _S("image_repository", "finetune-trainer", "string", "EKS", "ECR repository",

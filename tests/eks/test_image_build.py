@@ -339,7 +339,7 @@ def test_prebuilt_image_outside_ecr_is_accepted_as_given(session):
      "not an ECR repository"),
     ({"image": "", "build_bucket": BUCKET, "image_builder": "codebuild"}, "codebuild_role",
      "required with image_builder codebuild"),
-    ({"image_builder": "kaniko"}, "image_builder", "buildkit, codebuild, prebuilt"),
+    ({"image_builder": "kaniko"}, "image_builder", "buildkit, codebuild, buildah, prebuilt"),
 ])
 def test_bad_image_params_are_refused_at_validate_naming_the_field(conf, field, needle):
     with pytest.raises(ConfigError) as err:
@@ -351,6 +351,25 @@ def test_empty_image_with_a_bucket_validates_for_a_build():
     cfg = validate_params({**EKS_PARAMS, "image": "", "build_bucket": BUCKET}, run_id="r")
     assert cfg.image_builder == "buildkit" and cfg.image_repository == REPO_NAME
 
+
+
+def test_buildah_builder_is_refused_at_validate_where_buildah_is_not_installed(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # a PATH without buildah
+    with pytest.raises(ConfigError) as err:
+        validate_params({**EKS_PARAMS, "image": "", "image_builder": "buildah"}, run_id="r")
+    message = dict(err.value.errors)["image_builder"]
+    assert "buildah is not installed where Airflow runs" in message
+    assert "apt-get install buildah" in message and "buildkit or codebuild" in message
+
+
+def test_buildah_builder_validates_without_a_bucket_where_buildah_is_installed(
+        tmp_path, monkeypatch):
+    (tmp_path / "buildah").write_text("#!/bin/sh\n")
+    (tmp_path / "buildah").chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))  # what validate looks for: buildah on PATH
+    cfg = validate_params({**EKS_PARAMS, "image": "", "image_builder": "buildah"}, run_id="r")
+    assert cfg.image_builder == "buildah" and cfg.build_bucket == ""
 
 # -- the DAG's build_image task: the build waited on deferred --------------------------------
 

@@ -23,9 +23,11 @@ def missing_dependency(what: str, how: str) -> NoReturn:
 
 
 def system_binary_or_skip(name: str, package: str) -> str:
-    """A program from Debian the tests need (etcd, prometheus, promtool, chromium)."""
-    binary = shutil.which(name) or (f"/usr/bin/{name}" if os.access(f"/usr/bin/{name}", os.X_OK)
-                                    else None)
+    """A program from Debian the tests need (etcd, prometheus, promtool, chromium, buildah,
+    debootstrap, docker-registry); /usr/sbin too (debootstrap) where PATH lacks it."""
+    binary = shutil.which(name) or next(
+        (path for path in (f"/usr/bin/{name}", f"/usr/sbin/{name}") if os.access(path, os.X_OK)),
+        None)
     if binary is None:
         missing_dependency(f"{name} is not installed",
                            f"Install it: apt-get install {package} (or make system-deps as root)")

@@ -11,6 +11,7 @@
     credentials come from ECR `get_authorization_token` as a dockerconfigjson Secret that is
     deleted whatever the outcome;
   - `codebuild`: the same files as a zip in S3, built by an AWS CodeBuild project;
+  - `buildah`: built and pushed by the task itself, where Airflow runs (buildah.py: no daemon);
   - `prebuilt`: the user's image, verified in ECR when it is an ECR image.
 
 Service calls and pure builders only: `start_image` starts a build, `finish_image` cleans up
@@ -26,6 +27,7 @@ import io
 import json
 import logging
 import re
+import shutil
 import tarfile
 import zipfile
 from collections.abc import Callable
@@ -93,6 +95,12 @@ def image_param_errors(values: dict[str, Any]) -> list[tuple[str, str]]:
         if not values["image"]:
             return [("image", "is required with image_builder prebuilt: the image reference "
                      "(registry/repository:tag)")]
+        return []
+    if builder == "buildah":  # no context upload: the build runs here
+        if shutil.which("buildah") is None:
+            return [("image_builder", "buildah is not installed where Airflow runs (not on "
+                     "PATH): install it on the workers (apt-get install buildah, or make "
+                     "system-deps) or use image_builder buildkit or codebuild")]
         return []
     errors = []
     bucket = values["build_bucket"]
@@ -327,6 +335,16 @@ def start_image(cfg: RunConfig, session: Any, kube_api: Callable[[], Any], *,
         return {**result, "digest": digest, "pending": None}
     build_base = image_digest(ecr, cfg.image_repository, base) is None
     log.info("base image %s: %s", base_ref, "to build" if build_base else "in ECR, reused")
+    if builder == "buildah":
+        from finetune.targets.eks.buildah import build_and_push
+
+        build_and_push(ecr, ref, base_ref, build_base, root=root, connection=cfg.aws_conn_id,
+                       timeout=timeout)
+        digest = image_digest(ecr, cfg.image_repository, tag)
+        if not digest:
+            raise ImageBuildError(f"buildah pushed {ref}, but it is not in ECR")
+        log.info("built and pushed %s (%s)", ref, digest)
+        return {**result, "built": True, "digest": digest, "pending": None}
     fmt = "tar.gz" if builder == "buildkit" else "zip"  # CodeBuild's S3 source must be a zip
     key = context_key(tag, fmt)
     s3 = session.client("s3")
