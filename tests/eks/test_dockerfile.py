@@ -4,6 +4,7 @@ it. The trainer's is also built and run on a Debian base by tests/eks/test_image
 
 from __future__ import annotations
 
+import fnmatch
 import io
 import re
 import shlex
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 from dockerfile_parse import DockerfileParser
 
-from finetune.image import BASE_DOCKERFILE, IMAGE_CONTEXT, TRAINER_DOCKERFILE
+from finetune.image import BASE_DOCKERFILE, IMAGE_CONTEXT, TRAINER_DOCKERFILE, context_files
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / TRAINER_DOCKERFILE
@@ -150,6 +151,42 @@ def test_trainer_image_has_a_venv_and_a_non_root_user():
     sources = re.findall(r"^COPY\s+(?!--from)(?:--\S+\s+)*(\S+)\s", content, re.M)
     context = tuple(f"{part}/" for part in IMAGE_CONTEXT)
     assert sources and all(s.startswith(context) for s in sources)
+
+
+def dockerignored(path: str, patterns: list[str]) -> bool:
+    """Whether a .dockerignore's `patterns` leave `path` (or a folder above it) out: the last
+    matching pattern decides, `!` takes back in (Docker's rules, without character classes)."""
+    parts = path.split("/")
+    candidates = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    out = False
+    for pattern in patterns:
+        keep = pattern.startswith("!")
+        glob = pattern.removeprefix("!").strip("/")
+        globs = {glob, glob.replace("**/", "")} if glob.startswith("**/") else {glob}
+        if any(fnmatch.fnmatchcase(c, g) and c.count("/") == g.count("/")
+               for c in candidates for g in globs if "**" not in g):
+            out = not keep
+        elif any(fnmatch.fnmatchcase(c, g) for c in candidates for g in globs if "**" in g):
+            out = not keep
+    return out
+
+
+def ignore_patterns(dockerfile: Path) -> list[str]:
+    lines = (dockerfile.parent / f"{dockerfile.name}.dockerignore").read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+
+
+def test_every_file_the_dockerfile_copies_survives_its_dockerignore():
+    patterns = ignore_patterns(DOCKERFILE)
+    sources = re.findall(r"^COPY\s+(?!--from)(?:--\S+\s+)*(\S+)\s", DOCKERFILE.read_text(), re.M)
+    copied = [f.as_posix() for f in context_files(REPO)
+              if any(f.as_posix().startswith(s.rstrip("/")) for s in sources)]
+    assert copied and [f for f in copied if dockerignored(f, patterns)] == []
+    # The check sees an ignore that swallows a copied folder (the bug it was written for).
+    assert dockerignored("plugins/finetune_contract/fields.py", ["plugins"])
+    assert not dockerignored("plugins/finetune_contract/fields.py",
+                             ["plugins/*", "!plugins/finetune_contract"])
+    assert dockerignored("trainer/__pycache__/x.pyc", ["**/__pycache__"])
 
 
 def test_dockerignore_sits_beside_each_dockerfile():
