@@ -17,7 +17,9 @@ from tests.support.schemas import K8S_VERSION
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S_DIR = ROOT / "containers" / "k8s"
-CODE = {p: p.read_text() for p in sorted((ROOT / "plugins" / "finetune").rglob("*.py"))}
+# What runs on the Airflow worker: the pipeline (finetune) and the data preparation it calls.
+CODE = {p: p.read_text() for package in ("finetune", "finetune_data")
+        for p in sorted((ROOT / "plugins" / package).rglob("*.py"))}
 
 # The Kubernetes client's method verbs and resources -> RBAC verbs and (apiGroup, resource).
 VERBS = {"list": "list", "read": "get", "get": "get", "create": "create", "replace": "update",
@@ -48,8 +50,10 @@ SPECIAL_ACTIONS = {  # calls whose IAM action is not the method's name
     ('s3.generate_presigned_url("get_object"'): "s3:GetObject",
     ('s3.get_paginator("list_objects_v2"'): "s3:ListBucket",
 }
-# Calls whose IAM action has another name (HeadObject is allowed by GetObject).
-ACTION_OF_CALL = {"s3:ListObjectsV2": "s3:ListBucket", "s3:HeadObject": "s3:GetObject"}
+# Calls whose IAM action has another name (HeadObject is allowed by GetObject; the transfer
+# manager's upload_file and download_file are PutObject (multipart parts included) and GetObject).
+ACTION_OF_CALL = {"s3:ListObjectsV2": "s3:ListBucket", "s3:HeadObject": "s3:GetObject",
+                  "s3:UploadFile": "s3:PutObject", "s3:DownloadFile": "s3:GetObject"}
 # Needed without a boto3 call: the EKS token is a presigned GetCallerIdentity; CodeBuild's
 # project names a service role.
 IMPLIED_ACTIONS = {"sts:GetCallerIdentity", "iam:PassRole"}
