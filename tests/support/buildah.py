@@ -19,10 +19,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
-
 from tests.support import REPO_ROOT
-from tests.support.system import system_binary_or_skip
+from tests.support.system import missing_dependency, system_binary_or_skip
 
 CACHE = REPO_ROOT / ".cache" / "image-test"
 DEBIAN_SUITE = "bookworm"  # its python3 (3.11) is the host's: the same CPU torch wheel
@@ -36,7 +34,8 @@ def image_tools_or_skip() -> dict[str, str]:
     """buildah, debootstrap, docker-registry (Debian packages; `make system-deps`), as root
     (debootstrap and buildah's vfs store with chroot isolation need it)."""
     if os.geteuid() != 0:
-        pytest.skip("the image build tests run as root (debootstrap, buildah --isolation chroot)")
+        missing_dependency("the image build tests run as root (debootstrap, buildah "
+                           "--isolation chroot)", "Run them as root, as CI does")
     return {name: system_binary_or_skip(name, package) for name, package in
             (("buildah", "buildah"), ("debootstrap", "debootstrap"),
              ("docker-registry", "docker-registry"))}

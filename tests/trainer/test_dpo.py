@@ -11,6 +11,8 @@ from collections import defaultdict
 
 import pytest
 import torch
+import trl.trainer.dpo_trainer as trl_dpo
+import trl.trainer.utils as trl_utils
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from finetune_contract.data import IGNORE_INDEX
@@ -22,9 +24,6 @@ from trainer.loss import add_loss_method
 from trainer.model import build_model, materialize_weights
 from trainer.optim import build_optimizer, optimizer_step
 from trainer.parallel import apply_parallelism
-
-trl_dpo = pytest.importorskip("trl.trainer.dpo_trainer")
-trl_utils = pytest.importorskip("trl.trainer.utils")
 
 PAD = 0
 
