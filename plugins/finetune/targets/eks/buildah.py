@@ -18,7 +18,7 @@ from typing import Any
 
 from finetune import REPO_ROOT
 from finetune.image import BASE_DOCKERFILE, TRAINER_DOCKERFILE
-from finetune.targets.eks.image_build import (
+from finetune.targets.eks.registry import (
     LOG_TAIL_LINES,
     ImageBuildError,
     dockerconfigjson,

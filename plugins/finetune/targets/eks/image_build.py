@@ -22,23 +22,25 @@ with `build_job_state` or `codebuild_state`.
 from __future__ import annotations
 
 import base64
-import gzip
-import io
-import json
 import logging
 import re
 import shutil
-import tarfile
-import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from finetune import REPO_ROOT
 from finetune.config import RunConfig
-from finetune.image import BASE_DOCKERFILE, TRAINER_DOCKERFILE, base_tag, context_files, image_tag
+from finetune.image import BASE_DOCKERFILE, TRAINER_DOCKERFILE, base_tag, image_tag
 from finetune.targets.eks.clients import adopt_or_create, create_or_replace, delete_object
 from finetune.targets.eks.manifests import APP, LABEL_APP
+from finetune.targets.eks.registry import (
+    LOG_TAIL_LINES,
+    ImageBuildError,
+    dockerconfigjson,
+    pack_context,
+    registry_credentials,
+)
 from finetune_contract.fields import quoted
 from finetune_contract.rules import bucket_problem
 
@@ -64,17 +66,12 @@ BUILDKIT_HOME = "/home/user"
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 LABEL_IMAGE_TAG = "finetune.airflow.apache.org/image-tag"
 JOB_TTL_AFTER_FINISHED_S = 3600
-LOG_TAIL_LINES = 40
 BUILD_RESOURCES = {"requests": {"cpu": "4", "memory": "16Gi", "ephemeral-storage": "60Gi"},
                    "limits": {"memory": "32Gi", "ephemeral-storage": "100Gi"}}
 
 _ECR_URI = re.compile(r"^(?P<account>\d{12})\.dkr\.ecr\.(?P<region>[a-z0-9-]+)\.amazonaws\.com"
                       r"(?:\.cn)?/(?P<repo>[a-z0-9._/-]+?)(?::(?P<tag>[\w][\w.-]{0,127}))?"
                       r"(?:@(?P<digest>sha256:[0-9a-f]{64}))?$")
-
-
-class ImageBuildError(RuntimeError):
-    """The image could not be provided; the message says why (with the build log's tail)."""
 
 
 # -- validate --------------------------------------------------------------------------------
@@ -119,35 +116,6 @@ def image_param_errors(values: dict[str, Any]) -> list[tuple[str, str]]:
 # -- pure builders ---------------------------------------------------------------------------
 
 
-def pack_context(root: Path = REPO_ROOT, fmt: str = "tar.gz") -> bytes:
-    """The build context (exactly `image.context_files`) as tar.gz or zip, byte-for-byte
-    reproducible: the same tree gives the same archive."""
-    buf = io.BytesIO()
-    files = context_files(root)
-    if fmt == "zip":
-        with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
-            for rel in files:
-                info = zipfile.ZipInfo(rel.as_posix(), date_time=(1980, 1, 1, 0, 0, 0))
-                info.external_attr = (0o100000 | _mode(root / rel)) << 16
-                info.compress_type = zipfile.ZIP_DEFLATED
-                zf.writestr(info, (root / rel).read_bytes())
-        return buf.getvalue()
-    if fmt != "tar.gz":
-        raise ValueError(f"unknown context format {fmt!r}; allowed: tar.gz, zip")
-    with gzip.GzipFile(fileobj=buf, mode="wb", mtime=0) as gz, \
-            tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for rel in files:
-            data = (root / rel).read_bytes()
-            info = tarfile.TarInfo(rel.as_posix())
-            info.size, info.mode, info.mtime = len(data), _mode(root / rel), 0
-            tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
-
-
-def _mode(path: Path) -> int:
-    return 0o755 if path.stat().st_mode & 0o111 else 0o644
-
-
 def context_key(tag: str, fmt: str) -> str:
     return f"{CONTEXT_PREFIX}/{tag}.{fmt}"
 
@@ -155,11 +123,6 @@ def context_key(tag: str, fmt: str) -> str:
 def build_job_name(tag: str) -> str:
     """One Job per tag: a second run of the same tree adopts the running build."""
     return f"finetune-image-{tag}"[:63]
-
-
-def dockerconfigjson(registry: str, username: str, password: str) -> str:
-    auth = base64.b64encode(f"{username}:{password}".encode()).decode()
-    return json.dumps({"auths": {registry: {"auth": auth}}}, sort_keys=True)
 
 
 def registry_secret_manifest(name: str, namespace: str, config_json: str,
@@ -299,13 +262,6 @@ def image_digest(ecr: Any, repository: str, tag: str, registry_id: str | None = 
     except (ecr.exceptions.ImageNotFoundException, ecr.exceptions.RepositoryNotFoundException):
         return None
     return details[0]["imageDigest"] if details else None
-
-
-def registry_credentials(ecr: Any) -> tuple[str, str, str]:
-    """(registry host, user, password) from ECR's authorization token (valid 12 hours)."""
-    data = ecr.get_authorization_token()["authorizationData"][0]
-    user, _, password = base64.b64decode(data["authorizationToken"]).decode().partition(":")
-    return data["proxyEndpoint"].removeprefix("https://"), user, password
 
 
 def upload_context(s3: Any, bucket: str, key: str, data: bytes) -> None:
