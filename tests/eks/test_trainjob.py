@@ -217,7 +217,10 @@ def test_a_failed_trainjob_names_the_oomkilled_pod_and_its_last_lines(cluster):
         run_deferred(train(cfg))
     controller.join(5)
     message = str(err.value)
-    assert message.startswith(f"TrainJob ml/{job_name(cfg)} failed: TrainJob")
+    # the first failure by time leads (the OOM-killed pod), then the job's own verdict
+    assert message.startswith("first failure: a process killed by SIGKILL"), message
+    assert f"pod {pod_name(job_name(cfg), 1)}" in message.splitlines()[0]
+    assert f"TrainJob ml/{job_name(cfg)} failed: TrainJob" in message
     assert f"{pod_name(job_name(cfg), 1)}: container node OOMKilled (exit code 137)" in message
     assert "allocating activations" in message
     assert f"{pod_name(job_name(cfg), 0)}:" not in message
