@@ -253,10 +253,15 @@ def test_conf_outside_the_form_schema_is_refused_before_the_run_starts(tmp_path)
 def test_teardown_stops_etcd_and_trainers_when_train_fails_and_the_report_says_why(
         tmp_path, capfd):
     etcd_or_skip()  # teardown must be seen stopping it
+    from transformers import AutoTokenizer
+
+    from trainer.model import builtin_config
+
+    # A model directory validate accepts (a Llama config.json of the architecture table) whose
+    # weights only loading them finds missing: the training fails at start, by itself.
     broken = tmp_path / "broken-model"
-    broken.mkdir()
-    # Valid JSON validate can read, an architecture only loading it finds unknown.
-    (broken / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    builtin_config("tiny-llama", AutoTokenizer.from_pretrained("trainer/demo/tokenizer")) \
+        .save_pretrained(broken)
     out = tmp_path / "runs"
     dag_run = run_dag({**FAST, "model": str(broken), "tokenizer": "trainer/demo/tokenizer",
                        "output_dir": str(out), "procs_per_node": 2})
@@ -270,14 +275,15 @@ def test_teardown_stops_etcd_and_trainers_when_train_fails_and_the_report_says_w
 
     run_dir = run_dir_of(dag_run, out)
     assert_etcd_stopped(run_dir)
-    assert "no-such-architecture" in (run_dir / "train.log").read_text()
+    assert "has no safetensors weights" in (run_dir / "train.log").read_text()
     assert _trainer_processes(str(run_dir / "trainer_config.json")) == []
     report = json.loads((run_dir / "report.json").read_text())
     assert report["status"] == "failed"
     # The report says why, in the trainer's own words, not torchrun's ChildFailedError.
     error = report["error"]
     assert error["stage"] == "train" and error["rank"] in (0, 1)
-    assert "no-such-architecture" in error["message"] and error["type"] != "ChildFailedError"
+    assert "has no safetensors weights" in error["message"]
+    assert error["type"] != "ChildFailedError"
     assert "Why it failed" in (run_dir / "report.html").read_text()
     # and so does the train task's error
     captured = capfd.readouterr()

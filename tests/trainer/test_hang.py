@@ -19,8 +19,7 @@ from tests.support.training import logged_steps, read_metrics, torchrun
 from trainer.errors import read_root_cause
 from trainer.watchdog import HANG_EXIT_CODE
 
-# two torchrun runs, one hung for hang_timeout_s and restarted; a straggler found by its delay
-pytestmark = [pytest.mark.slow, pytest.mark.solo]
+pytestmark = pytest.mark.slow  # two torchrun runs, one hung for hang_timeout_s and restarted
 
 STEPS, INTERVAL, STOP_AFTER, HANG_TIMEOUT_S = 10, 2, 5, 8
 
