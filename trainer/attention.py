@@ -51,9 +51,9 @@ def _kernels() -> Any:
     return interface
 
 
-def _reference_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                   causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of softmax(q k^T * scale) v in fp32; layouts (batch, seq, heads, dim)."""
+def _reference_scores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      causal: bool) -> tuple[torch.Tensor, ...]:
+    """(q, k, v with KV heads repeated per group, masked scores) in fp32, (batch, heads, seq, .)."""
     groups = q.shape[2] // k.shape[2]
     qf = q.float().transpose(1, 2)
     kf = k.float().transpose(1, 2).repeat_interleave(groups, dim=1)
@@ -62,6 +62,13 @@ def _reference_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     if causal:
         keep = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~keep, float("-inf"))
+    return qf, kf, vf, scores
+
+
+def _reference_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                   causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of softmax(q k^T * scale) v in fp32; layouts (batch, seq, heads, dim)."""
+    qf, _, vf, scores = _reference_scores(q, k, v, scale, causal)
     lse = torch.logsumexp(scores, dim=-1)  # (batch, heads, seq)
     out = (torch.exp(scores - lse.unsqueeze(-1)) @ vf).transpose(1, 2)
     return out.to(q.dtype).contiguous(), lse.contiguous()
@@ -73,13 +80,8 @@ def _reference_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     """FlashAttention's backward from the saved out and lse, in fp32 (GQA: summed per KV head)."""
     heads, kv_heads = q.shape[2], k.shape[2]
     groups = heads // kv_heads
-    qf, of, dof = (t.float().transpose(1, 2) for t in (q, out, dout))
-    kf = k.float().transpose(1, 2).repeat_interleave(groups, dim=1)
-    vf = v.float().transpose(1, 2).repeat_interleave(groups, dim=1)
-    scores = qf @ kf.transpose(-1, -2) * scale
-    if causal:
-        keep = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~keep, float("-inf"))
+    of, dof = (t.float().transpose(1, 2) for t in (out, dout))
+    qf, kf, vf, scores = _reference_scores(q, k, v, scale, causal)
     probs = torch.exp(scores - lse.unsqueeze(-1))
     dv = probs.transpose(-1, -2) @ dof
     dprobs = dof @ vf.transpose(-1, -2)
