@@ -167,6 +167,15 @@ def _capabilities() -> str:
     return " or ".join(f"{major}.{minor}" for major, minor in FA4_CAPABILITIES)
 
 
+def _conflicts(cfg: TrainConfig, field: str, what: str, undo: str,
+               conflicts: tuple[tuple[str, bool, str, str], ...]) -> list[tuple[str, str]]:
+    """`field`'s problems with the other fields it cannot be combined with: each row is (other
+    field, conflicting now, a value that works, why), the fix naming both ways out."""
+    return [(field, f"{what}cannot be combined with {name} = {getattr(cfg, name)}: {reason}; "
+                    f"set {undo} or {name} to {working}")
+            for name, conflicting, working, reason in conflicts if conflicting]
+
+
 def _attention(cfg: TrainConfig, shape: ModelShape | None) -> Problems:
     """fa4 against the options its kernels do not take; each message says what to change."""
     if cfg.attention != "fa4":
@@ -182,11 +191,7 @@ def _attention(cfg: TrainConfig, shape: ModelShape | None) -> Problems:
          "sequence parallelism gathers attention's inputs through DTensor, which the fa4 "
          "kernels do not take"),
     )  # fmt: skip
-    for name, conflicting, working, reason in conflicts:
-        if conflicting:
-            problems.append(("attention", f"fa4 cannot be combined with {name} = "
-                             f"{getattr(cfg, name)}: {reason}; set attention to sdpa or {name} "
-                             f"to {working}"))
+    problems += _conflicts(cfg, "attention", "fa4 ", "attention to sdpa", conflicts)
     head_dim = shape.head_dim if shape is not None else None
     if head_dim and head_dim not in FA4_HEAD_DIMS:
         problems.append(("attention", f"fa4 takes head dims {', '.join(map(str, FA4_HEAD_DIMS))}; "
@@ -228,11 +233,7 @@ def _float8_and_lora(cfg: TrainConfig) -> Problems:
             ("lora_rank", cfg.lora_rank > 0, "0",
              "LoRA wraps the Linear layers that float8 would swap"),
         )  # fmt: skip
-        for name, conflicting, working, reason in conflicts:
-            if conflicting:
-                problems.append(("float8", f"cannot be combined with {name} = "
-                                 f"{getattr(cfg, name)}: {reason}; set float8 to false or "
-                                 f"{name} to {working}"))
+        problems += _conflicts(cfg, "float8", "", "float8 to false", conflicts)
     if cfg.quantize_base != "none":
         if not cfg.lora_rank:
             problems.append(("quantize_base", f"{cfg.quantize_base} quantizes the frozen base "
