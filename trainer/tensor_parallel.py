@@ -6,18 +6,26 @@ o_proj/down_proj row-wise), and between the matmuls (norms, residual adds) the a
 split along the sequence instead, so no rank holds a whole (batch, seq_len, hidden) activation.
 FSDP then shards the resulting DTensors over the data-parallel dims of the same mesh. Each
 family's block plan is a row of finetune_contract.families (its norms, per-head or
-whole-projection q/k norms); the styles are here.
+whole-projection q/k norms, fused projections); the styles are here.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -54,7 +62,7 @@ def mesh_plan(
 
 def apply_tensor_parallel(model: PreTrainedModel, tp_mesh: DeviceMesh) -> None:
     """Split every decoder block, the embedding and the LM head over `tp_mesh` (1-D)."""
-    plan = block_plan(families.family_of(model.config))
+    plan = block_plan(families.family_of(model.config), model.config)
     for block in decoder_blocks(model):
         parallelize_module(block, tp_mesh, plan)
     parallelize_module(model.model.norm, tp_mesh, SequenceParallel())
@@ -108,8 +116,99 @@ class _ProjectionNorm(ParallelStyle):
         return distribute_module(module, device_mesh, partition, output_fn=_to_local)
 
 
+class FusedColwiseLinear(torch.nn.Linear):
+    """A fused projection (Phi-3's qkv_proj: q, k, v side by side; gate_up_proj: gate, up) split
+    column-wise piece by piece: this rank computes its part of every piece, [q_r | k_r | v_r],
+    which is what the attention (told the rank's head counts) and the MLP's chunk expect.
+
+    The weight (and bias) stay a plain row split of the checkpoint's layout (Shard(0)), so
+    random init, loading, DCP checkpoints (resumable at any tp_degree), the export and FSDP see
+    what they see of any Linear. Each forward gathers the weight over the tp ranks (its gradient
+    is reduce-scattered back) and takes this rank's rows of every piece: one all-gather of the
+    weight per projection, where a plain column split has none; the activations stay split.
+    """
+
+    tp_mesh: DeviceMesh
+    rows: tuple[tuple[int, int], ...]  # (start, length) in the gathered weight, piece by piece
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mesh = self.tp_mesh
+        if isinstance(x, DTensor):
+            x = x.redistribute(mesh, [Replicate()]).to_local()
+        # Every rank's output part contributes to the input's gradient: all-reduce it.
+        x = DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(
+            grad_placements=[Partial()])
+        weight = _rows(_gathered(self.weight, mesh), self.rows)
+        bias = None if self.bias is None else _rows(_gathered(self.bias, mesh), self.rows)
+        return torch.nn.functional.linear(x, weight, bias)
+
+
+def _gathered(param: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """The whole of a row-split parameter; its gradient (this rank's rows of it nonzero) is
+    summed over the ranks and each keeps its shard (reduce-scatter)."""
+    if not isinstance(param, DTensor):
+        return param
+    return param.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+
+
+def _rows(tensor: torch.Tensor, rows: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    return torch.cat([tensor.narrow(0, start, length) for start, length in rows])
+
+
+class _FusedColwise(ParallelStyle):
+    """families.COLWISE_FUSED: a Linear whose output is `pieces` side by side."""
+
+    def __init__(self, pieces: tuple[int, ...]):
+        self.pieces = pieces
+
+    def _apply(self, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
+        if type(module) is not torch.nn.Linear:
+            raise ValueError(f"colwise_fused takes an nn.Linear, not {type(module).__name__}")
+        size, rank = device_mesh.size(), device_mesh.get_local_rank()
+        rows, start = [], 0
+        for piece in self.pieces:
+            if piece % size:
+                raise ValueError(f"tp_degree {size} does not divide a fused piece of {piece}")
+            rows.append((start + rank * (piece // size), piece // size))
+            start += piece
+
+        def partition(name: str, part: torch.nn.Module, mesh: DeviceMesh) -> None:
+            for key, param in list(part.named_parameters(recurse=False)):
+                part.register_parameter(key, torch.nn.Parameter(
+                    distribute_tensor(param, mesh, [Shard(0)]), param.requires_grad))
+
+        distribute_module(module, device_mesh, partition)
+        module.__class__ = FusedColwiseLinear
+        module.tp_mesh, module.rows = device_mesh, tuple(rows)
+        return module
+
+
+class _RankHeads(ParallelStyle):
+    """families.ATTENTION_INPUT_RANK_HEADS: ATTENTION_INPUT, and the attention module's head
+    counts made this rank's (a fused qkv is sliced at heads x head_dim, not split by -1)."""
+
+    def __init__(self, attention_input: ParallelStyle):
+        self.attention_input = attention_input
+
+    def _apply(self, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
+        size = device_mesh.size()
+        # A copy of the model's config for this module only: the model (masks, rotary) keeps
+        # the whole model's counts.
+        config = copy.copy(module.config)
+        config.num_attention_heads //= size
+        config.num_key_value_heads //= size
+        module.config = config
+        module.num_key_value_heads = config.num_key_value_heads
+        return self.attention_input._apply(module, device_mesh)
+
+
 def _styles() -> dict[str, ParallelStyle]:
     """The architecture table's tensor-parallel styles (finetune_contract.families)."""
+    attention_input = PrepareModuleInput(
+        input_kwarg_layouts={"hidden_states": Shard(1)},
+        desired_input_kwarg_layouts={"hidden_states": Replicate()},
+        use_local_output=True,
+    )
     return {
         families.COLWISE: ColwiseParallel(),
         families.COLWISE_DTENSOR: ColwiseParallel(use_local_output=False),
@@ -120,11 +219,8 @@ def _styles() -> dict[str, ParallelStyle]:
         families.HEAD_NORM: SequenceParallel(use_local_output=True),
         families.PROJECTION_NORM: _ProjectionNorm(),
         # HF passes hidden_states to attention by keyword.
-        families.ATTENTION_INPUT: PrepareModuleInput(
-            input_kwarg_layouts={"hidden_states": Shard(1)},
-            desired_input_kwarg_layouts={"hidden_states": Replicate()},
-            use_local_output=True,
-        ),
+        families.ATTENTION_INPUT: attention_input,
+        families.ATTENTION_INPUT_RANK_HEADS: _RankHeads(attention_input),
         families.MLP_INPUT: PrepareModuleInput(
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
             use_local_output=True,
@@ -132,13 +228,16 @@ def _styles() -> dict[str, ParallelStyle]:
     }
 
 
-def block_plan(family: families.Family) -> dict[str, ParallelStyle]:
-    """The family's block plan as parallelize_module takes it; ValueError where it has none."""
+def block_plan(family: families.Family, config: Any) -> dict[str, ParallelStyle]:
+    """The family's block plan as parallelize_module takes it, for `config`'s shapes (a fused
+    projection's pieces); ValueError where it has none."""
     if family.tp_refused or not family.tp_plan:
         raise ValueError(f"tp_degree > 1 with {family.label} ({family.model_type}): "
                          f"{family.tp_refused or 'no tensor-parallel plan'}")
-    styles = _styles()
-    return {path: styles[style] for path, style in family.tp_plan}
+    styles, linears = _styles(), {linear.path: linear for linear in family.linears}
+    return {path: _FusedColwise(families.pieces(config, linears[path].fan_out))
+            if style == families.COLWISE_FUSED else styles[style]
+            for path, style in family.tp_plan}
 
 
 def pad_to_multiple(batch: Batch, multiple: int, pad_id: int) -> Batch:

@@ -13,6 +13,7 @@ head_dim), mlp (intermediate_size), and their sums ("q+2kv": a fused q/k/v proje
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -28,9 +29,11 @@ SEQUENCE_NORM = "sequence_norm"  # a norm between matmuls: runs on the rank's pa
 HEAD_NORM = "head_norm"  # a per-head norm (over head_dim): runs on the rank's heads
 PROJECTION_NORM = "projection_norm"  # a norm over a whole split projection: reduces across ranks
 ATTENTION_INPUT = "attention_input"  # gathers the sequence before the attention's projections
+# ATTENTION_INPUT, and the attention told the rank's head counts (it slices a fused qkv by them)
+ATTENTION_INPUT_RANK_HEADS = "attention_input_rank_heads"
 MLP_INPUT = "mlp_input"  # gathers the sequence before the MLP's projections
 TP_STYLES = (COLWISE, COLWISE_FUSED, COLWISE_DTENSOR, ROWWISE, SEQUENCE_NORM, HEAD_NORM,
-             PROJECTION_NORM, ATTENTION_INPUT, MLP_INPUT)
+             PROJECTION_NORM, ATTENTION_INPUT, ATTENTION_INPUT_RANK_HEADS, MLP_INPUT)
 # A Linear's bias: never, always, or as a boolean config key says.
 NO_BIAS, ALWAYS_BIAS = "", "always"
 
@@ -105,6 +108,17 @@ def _tp_plan(norms: tuple[str, ...], qk_norm: str = "") -> tuple[tuple[str, str]
     return tuple(plan)
 
 
+def _fused_tp_plan(norms: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """Megatron's layout for fused projections (Phi-3's qkv_proj, gate_up_proj): each rank
+    computes its part of every piece (its heads' q, k and v; its units' gate and up), so the
+    attention slices q/k/v by the rank's head counts and the MLP chunks gate/up as it does."""
+    plan = [(norm, SEQUENCE_NORM) for norm in norms]
+    plan += [("self_attn", ATTENTION_INPUT_RANK_HEADS), ("self_attn.qkv_proj", COLWISE_FUSED),
+             ("self_attn.o_proj", ROWWISE), ("mlp", MLP_INPUT),
+             ("mlp.gate_up_proj", COLWISE_FUSED), ("mlp.down_proj", ROWWISE)]
+    return tuple(plan)
+
+
 _GEMMA_BUFFERS = (("embed_scale", "scalar_embed_scale"),)  # the embedding's x sqrt(hidden)
 
 FAMILIES: dict[str, Family] = {family.model_type: family for family in (
@@ -135,9 +149,7 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
             Linear("mlp.gate_up_proj", "hidden", "2mlp"),
             Linear("mlp.down_proj", "mlp", "hidden")),
            ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), _PRE_NORMS,
-           tp_refused="its fused qkv_proj and gate_up_proj are split by position inside the "
-                      "attention and MLP, which a column split does not keep",
-           versions="Phi-3, Phi-3.5-mini, Phi-4"),
+           tp_plan=_fused_tp_plan(_PRE_NORMS), versions="Phi-3, Phi-3.5-mini, Phi-4"),
     Family("olmo2", "OLMo 2", "Olmo2ForCausalLM",
            _attention("attention_bias", "attention_bias") + _mlp(), _SEPARATE, _OLMO2_NORMS,
            qk_norm=PROJECTION_NORM, tp_plan=_tp_plan(_OLMO2_NORMS, PROJECTION_NORM),
@@ -205,13 +217,35 @@ def dimensions(config: Any) -> dict[str, int]:
     q = heads * head_dim(config)
     kv = (_get(config, "num_key_value_heads") or heads) * head_dim(config)
     hidden, mlp = _get(config, "hidden_size"), _get(config, "intermediate_size")
-    return {"hidden": hidden, "q": q, "kv": kv, "mlp": mlp, "q+2kv": q + 2 * kv, "2mlp": 2 * mlp}
+    return {"hidden": hidden, "q": q, "kv": kv, "mlp": mlp}
+
+
+_TERM = re.compile(r"(\d*)([a-z]+)")
+
+
+def pieces(config: Any, shape: str) -> tuple[int, ...]:
+    """The parts of a shape of the table, in order: "q+2kv" (a fused q/k/v) is (q, kv, kv),
+    "2mlp" (a fused gate/up) (mlp, mlp), "hidden" (hidden,). A fused projection's output is its
+    pieces side by side; tensor parallelism splits each piece (trainer/tensor_parallel.py)."""
+    dims = dimensions(config)
+    parts: list[int] = []
+    for term in shape.split("+"):
+        match = _TERM.fullmatch(term)
+        if match is None or match[2] not in dims:
+            raise ValueError(f"shape {shape!r}: {term!r} is not a count and one of {list(dims)}")
+        parts += [dims[match[2]]] * int(match[1] or 1)
+    return tuple(parts)
+
+
+def size(config: Any, shape: str) -> int:
+    """A shape of the table in features: the sum of its pieces."""
+    return sum(pieces(config, shape))
 
 
 def linear_shapes(config: Any) -> dict[str, tuple[int, int, bool]]:
     """{Linear name: (in features, out features, has a bias)} of one block of this config."""
-    family, dims = family_of(config), dimensions(config)
-    return {linear.name: (dims[linear.fan_in], dims[linear.fan_out],
+    family = family_of(config)
+    return {linear.name: (size(config, linear.fan_in), size(config, linear.fan_out),
                           linear.bias == ALWAYS_BIAS or bool(linear.bias and _get(config,
                                                                                   linear.bias)))
             for linear in family.linears}

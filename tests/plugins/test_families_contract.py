@@ -6,12 +6,19 @@ import json
 import pytest
 
 from finetune_contract.families import (
+    ATTENTION_INPUT_RANK_HEADS,
+    COLWISE,
+    COLWISE_DTENSOR,
+    COLWISE_FUSED,
     FAMILIES,
+    ROWWISE,
     TP_STYLES,
     adapter_params,
     architecture_problem,
     flops_per_token,
     lora_targets,
+    pieces,
+    size,
 )
 from finetune_contract.fields import TrainConfig
 from finetune_contract.models import model_shape
@@ -49,9 +56,30 @@ def test_phi3_lora_defaults_to_its_fused_projections_and_refuses_llama_names(tmp
     assert "q_proj, v_proj" in message and "qkv_proj" in message and "Phi-3" in message
 
 
-def test_phi3_with_tp_is_refused_at_validate_naming_its_fused_projections(tmp_path):
-    [(field, message)] = problems(saved_config(tmp_path, model_type="phi3"), tp_degree=2)
-    assert field == "tp_degree" and "fused" in message
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_every_linear_of_a_planned_family_is_split_and_a_fused_one_piece_by_piece(model_type):
+    """A Linear left out of the plan would stay whole beside split ones (a mesh mismatch at
+    the first step); a fused projection (q+2kv, 2mlp) split as one piece computes another
+    rank's heads; a fused q/k/v is sliced by the rank's head counts."""
+    family = FAMILIES[model_type]
+    plan = dict(family.tp_plan)
+    if not plan:
+        assert family.tp_refused
+        return
+    for linear in family.linears:
+        fused = len(pieces(SHAPE, linear.fan_out)) > 1
+        assert plan[linear.path] in (COLWISE_FUSED if fused else COLWISE, COLWISE_DTENSOR,
+                                     ROWWISE), linear.path
+        if fused and linear.path.startswith("self_attn."):
+            assert plan["self_attn"] == ATTENTION_INPUT_RANK_HEADS
+
+
+def test_a_shape_of_the_table_is_its_pieces_side_by_side():
+    dims = {**SHAPE, "head_dim": 8}  # q = 4 x 8, kv = 2 x 8
+    assert pieces(dims, "q+2kv") == (32, 16, 16) and size(dims, "q+2kv") == 64
+    assert pieces(dims, "2mlp") == (128, 128) and pieces(dims, "hidden") == (64,)
+    with pytest.raises(ValueError, match="'3x'"):
+        pieces(dims, "q+3x")
 
 
 @pytest.mark.parametrize(("config", "words"), [
@@ -97,7 +125,7 @@ def test_every_family_row_is_its_own_architecture():
         assert set(family.lora_default) <= {linear.name for linear in family.linears}
 
 
-def test_validate_refuses_a_phi3_directory_with_llama_lora_targets_and_tp(tmp_path):
+def test_validate_refuses_a_phi3_directory_with_llama_lora_targets_and_a_moe_directory(tmp_path):
     """validate_params reads the directory's config.json before any cost: what the trainer
     would refuse at start is named at validate."""
     from finetune.config import ConfigError

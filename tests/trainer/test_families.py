@@ -99,22 +99,33 @@ def matrix(tmp_path_factory):
     return out
 
 
+def train_records(output_dir) -> dict[int, dict[str, float]]:
+    return {r["step"]: r for r in read_metrics(output_dir) if r["type"] == "train"}
+
+
 def train_losses(output_dir) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(output_dir) if r["type"] == "train"}
+    return {step: r["loss"] for step, r in train_records(output_dir).items()}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", sorted(MATRIX))
 def test_every_family_trains_resumes_and_exports_on_every_path(matrix, model_type):
     """full, resumed from its checkpoint, LoRA with packing, DPO with LoRA and TP 2 (where the
-    table has a plan): each exports a model that loads as the family's class and whose
-    teacher-forced eval loss is the run's reported final eval loss."""
+    table has a plan; the same losses and gradient norms as full without TP): each exports a
+    model that loads as the family's class and whose teacher-forced eval loss is the run's
+    reported final eval loss."""
     runs = matrix / model_type
     full, resumed = train_losses(runs / "full"), train_losses(runs / "resumed")
     assert sorted(full) == list(range(1, STEPS + 1))
     assert sorted(resumed) == [STEPS]  # it started after step CHECKPOINT_AT = STEPS - 1
     assert resumed[STEPS] == pytest.approx(full[STEPS], rel=1e-5)
     assert all(math.isfinite(loss) for loss in full.values())
+    if "tp2" in setups_of(model_type):
+        tp, without = train_records(runs / "tp2"), train_records(runs / "full")
+        assert sorted(tp) == sorted(without)
+        for step, record in tp.items():
+            assert record["loss"] == pytest.approx(without[step]["loss"], rel=1e-5), step
+            assert record["grad_norm"] == pytest.approx(without[step]["grad_norm"], rel=1e-4)
     for setup in setups_of(model_type):
         summary = json.loads((runs / setup / "summary.json").read_text())
         exported = AutoModelForCausalLM.from_pretrained(runs / setup / "model")
