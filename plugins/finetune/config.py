@@ -55,6 +55,10 @@ ETCD_RESETS = ("keys", "restart")
 LAUNCHERS = ("pytorchjob", "trainjob")
 # How the eks target provides the trainer image (plugins/finetune/targets/eks/image_build.py).
 IMAGE_BUILDERS = ("buildkit", "codebuild", "buildah", "prebuilt")
+# Where the prepare_data stage encodes the data set on eks: the Airflow worker, or a CPU pod of
+# its own in the cluster (plugins/finetune/targets/eks/target.py); the local target's is this
+# machine.
+PREPARE_ON = ("worker", "pod")
 # Fields whose value is never quoted in an error message: it may be (or hold) a credential.
 SECRET_FIELDS = frozenset({"hf_token_secret", "rdzv_endpoint", "prometheus_url"})
 
@@ -340,6 +344,22 @@ PARAM_SPECS: tuple[ParamSpec, ...] = (
        "PersistentVolumeClaims mounted in every training pod, as claim:/mount/path pairs "
        "separated by commas (FSx for Lustre, EFS): absolute model, tokenizer, data set and "
        "output paths must lie under one of them."),
+    _S("prepare_on", "worker", "string", "EKS", "Prepare data on",
+       "Where prepare_data encodes the data set on eks: worker (the Airflow worker, which needs "
+       "datasets and transformers and the cores to encode) or pod (a CPU pod of its own: the "
+       "trainer image, built first when missing, on a node of prepare_node_selector with "
+       "prepare_cpu cores and prepare_memory_gib of memory; it writes the set to the run's S3 "
+       "output_dir, which pod requires). Either way before any GPU node is up.",
+       enum=PREPARE_ON, values_display={"worker": "the Airflow worker",
+                                         "pod": "a CPU pod in the cluster"}),
+    _S("prepare_node_selector", "", "string", "EKS", "Prepare pod node selector",
+       "prepare_on pod: the node labels the pod must run on, as label=value pairs separated by "
+       "commas (e.g. eks.amazonaws.com/nodegroup=cpu). Empty: any node without a taint (the "
+       "GPU nodes' taint keeps it off them)."),
+    _S("prepare_cpu", 4, "integer", "EKS", "Prepare pod CPUs",
+       "prepare_on pod: the cores the pod requests, and the encoding's processes."),
+    _S("prepare_memory_gib", 16, "integer", "EKS", "Prepare pod memory (GiB)",
+       "prepare_on pod: the memory the pod requests and is limited to, in GiB."),
     _S("queue_name", "", "string", "EKS", "Kueue queue",
        "A Kueue LocalQueue: the job is created suspended with the kueue.x-k8s.io/queue-name "
        "label, and starts when Kueue admits it. Empty: no Kueue."),
@@ -468,6 +488,10 @@ class RunConfig:
     service_account: str = ""
     volumes: str = ""
     queue_name: str = ""
+    prepare_on: str = "worker"
+    prepare_node_selector: str = ""
+    prepare_cpu: int = 4
+    prepare_memory_gib: int = 16
     metrics_port: int = 0
     prometheus_url: str = ""
     prometheus_conn_id: str = ""

@@ -122,26 +122,6 @@ def finetune_pipeline(*, base_conf: Mapping[str, Any] | None = None,
         return cfg.to_dict()
 
     @task
-    def prepare_data(run_config: dict) -> dict:
-        """The data set encoded once (packed, split) before any GPU node is up, or reused when
-        an identical one was; its statistics decide whether the run can go on. Returns the run
-        config with the prepared set and the counted split sizes (the plan's steps)."""
-        from finetune.config import RunConfig
-        from finetune.planning import plan_run, plan_text
-        from finetune.prepare_data import prepare_run_data
-
-        cfg = RunConfig.from_dict(run_config)
-        cfg, record = prepare_run_data(cfg, s3_client=lambda: _s3_client(cfg))
-        log.info("prepare_data: %s %s in %.1f s: %d rows read, %d kept, %d skipped %s; %d train "
-                 "and %d eval rows, %d tokens per epoch", record["path"],
-                 "reused (cache hit)" if record["cache_hit"] else "prepared", record["seconds"],
-                 record["rows_read"], record["rows_kept"], record["skipped_rows"],
-                 record["skipped_rows_by_reason"], record["train_rows"], record["eval_rows"],
-                 record["tokens_per_epoch"])
-        log.info("%s", plan_text(cfg, plan_run(cfg)))
-        return cfg.to_dict()
-
-    @task
     def snapshot(run_config: dict) -> dict:
         """Setup: record what teardown restores (the node group's scaling config on eks)."""
         target, cfg = _target(run_config)
@@ -193,7 +173,12 @@ def finetune_pipeline(*, base_conf: Mapping[str, Any] | None = None,
         target, cfg = _target(run_config)
         return target.teardown(cfg, snapshot_result)
 
-    cfg = prepare_data(validate())
+    # The data set encoded once (packed, split) before any GPU node is up, or reused when an
+    # identical one was; its statistics decide whether the run can go on. Its result is the run
+    # config with the prepared set and the counted split sizes (the plan's steps). On eks it may
+    # run as a pod of its own (prepare_on), which the task waits for deferred.
+    cfg = StageOperator(task_id="prepare_data", stage="prepare_data",
+                        run_config=validate()).output
     snap = snapshot(cfg)
     # The long stages: a target that waits (eks) defers them, no worker slot held.
     up = StageOperator(task_id="scale_up", stage="scale_up", run_config=cfg, **RESUMABLE)

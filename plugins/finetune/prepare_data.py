@@ -21,22 +21,20 @@ from pathlib import Path
 from typing import Any
 
 from finetune.config import ConfigError, RunConfig, resolve_path
-from finetune.report import PREPARE_DATA_FILE as RUN_RECORD
-from finetune.trainer_config import trainer_config
+from finetune.trainer_config import run_tokenizer_dir, trainer_config
 from finetune_contract.data import batches_per_epoch
+from finetune_contract.fields import PREPARE_DATA_FILE as RUN_RECORD
 from finetune_contract.fields import TrainConfig
 
 log = logging.getLogger(__name__)
 
 
-
 def prepare_run_data(cfg: RunConfig, s3_client: Callable[[], Any] | None = None,
                      num_proc: int | None = None) -> tuple[RunConfig, dict[str, Any]]:
-    """(the run config with prepared_data and the counted split sizes set, the statistics);
-    ConfigError naming the field when the prepared data cannot make the run the user asked."""
+    """Prepared here, on the Airflow worker: (the run config with prepared_data and the counted
+    split sizes set, the statistics); ConfigError naming the field when the prepared data
+    cannot make the run the user asked."""
     from finetune_data import prepare
-
-    from finetune.validate import run_tokenizer_dir
 
     values = trainer_config(cfg, local_paths=True)
     found = run_tokenizer_dir(cfg, in_pod=False)  # a built-in model's: the demo tokenizer
@@ -45,24 +43,54 @@ def prepare_run_data(cfg: RunConfig, s3_client: Callable[[], Any] | None = None,
     train = TrainConfig(**{**values, "tokenizer": tokenizer, "output_dir": _local_run_dir(cfg)})
     try:
         if cfg.output_dir.startswith("s3://"):
-            stats = _prepare_on_s3(cfg, train, s3_client, num_proc)
+            s3 = s3_client() if s3_client else _boto3_s3()
+            stats = prepare.prepare_to_s3(train, prepared_root(cfg), s3, num_proc, log=log.info)
         else:
-            stats = prepare.prepare(train, resolve_path(cfg.output_dir) / prepare.PREPARED_DIR,
-                                    num_proc, log=log.info)
+            stats = prepare.prepare(train, prepared_root(cfg), num_proc, log=log.info)
     except ValueError as exc:  # the data: a bad row (file and line), too few usable rows
         raise ConfigError([("dataset", str(exc))]) from None
     record = {**stats, "run_id": cfg.run_id}
     _write_record(cfg, record, s3_client)
-    problems = data_problems(cfg, stats)
+    return accept_prepared(cfg, record), record
+
+
+def prepared_root(cfg: RunConfig) -> str:
+    """The run's prepared root (finetune_data.prepare.prepared_root), a local one resolved as
+    the run's paths are."""
+    from finetune_data.prepare import prepared_root as root_of
+
+    out = cfg.output_dir
+    return root_of(out if out.startswith("s3://") else str(resolve_path(out)))
+
+
+def accept_prepared(cfg: RunConfig, record: dict[str, Any]) -> RunConfig:
+    """The run config the later stages get from a prepared set's record (wherever it was
+    prepared): prepared_data and the counted split sizes set; ConfigError when its statistics
+    forbid the run (data_problems)."""
+    problems = data_problems(cfg, record)
     if problems:
         raise ConfigError(problems)
     data_parallel = cfg.world_size // cfg.tp_degree
-    cfg = dataclasses.replace(
-        cfg, prepared_data=stats["uri"] if "uri" in stats else stats["path"],
-        counted_train_rows=stats["train_rows"],
-        counted_batches_per_epoch=batches_per_epoch(stats["train_rows"], cfg.micro_batch,
+    return dataclasses.replace(
+        cfg, prepared_data=record["uri"] if "uri" in record else record["path"],
+        counted_train_rows=record["train_rows"],
+        counted_batches_per_epoch=batches_per_epoch(record["train_rows"], cfg.micro_batch,
                                                     data_parallel))
-    return cfg, record
+
+
+def stage_result(cfg: RunConfig, record: dict[str, Any]) -> dict[str, Any]:
+    """What the prepare_data stage returns (the later stages' run config), logged with the
+    record and the plan its counted steps give."""
+    from finetune.planning import plan_run, plan_text
+
+    log.info("prepare_data: %s %s in %.1f s: %d rows read, %d kept, %d skipped %s; %d train "
+             "and %d eval rows, %d tokens per epoch", record["path"],
+             "reused (cache hit)" if record["cache_hit"] else "prepared", record["seconds"],
+             record["rows_read"], record["rows_kept"], record["skipped_rows"],
+             record["skipped_rows_by_reason"], record["train_rows"], record["eval_rows"],
+             record["tokens_per_epoch"])
+    log.info("%s", plan_text(cfg, plan_run(cfg)))
+    return cfg.to_dict()
 
 
 def data_problems(cfg: RunConfig, stats: dict[str, Any]) -> list[tuple[str, str]]:
@@ -92,36 +120,6 @@ def _local_run_dir(cfg: RunConfig) -> str:
     if cfg.output_dir.startswith("s3://"):
         return str(Path(tempfile.gettempdir()) / "finetune" / cfg.run_name)
     return cfg.run_dir
-
-
-def _prepare_on_s3(cfg: RunConfig, train: TrainConfig, s3_client: Callable[[], Any] | None,
-                   num_proc: int | None) -> dict[str, Any]:
-    """Prepared here, uploaded to <output_dir>/prepared_data/<key>/ (stats.json last)."""
-    from botocore.exceptions import ClientError
-    from finetune_data import prepare
-
-    s3 = s3_client() if s3_client else _boto3_s3()
-    bucket, _, prefix = cfg.output_dir.removeprefix("s3://").partition("/")
-    base = f"{prefix.strip('/')}/{prepare.PREPARED_DIR}".lstrip("/")
-    key = prepare.prepare_key(train, prepare.local_dataset(train))
-    stats_key = f"{base}/{key}/{prepare.STATS_FILE}"
-    uri = f"s3://{bucket}/{base}/{key}"
-    try:
-        stats = json.loads(s3.get_object(Bucket=bucket, Key=stats_key)["Body"].read())
-        log.info("prepare_data: cache hit: %s holds this data set, tokenizer and encoding; "
-                 "reused, nothing encoded", uri)
-        return {**stats, "uri": uri, "path": uri, "cache_hit": True, "seconds": 0.0}
-    except ClientError as error:
-        if error.response["Error"]["Code"] not in ("NoSuchKey", "404", "NotFound"):
-            raise
-    with tempfile.TemporaryDirectory(prefix="prepare-") as staging:
-        stats = prepare.prepare(train, staging, num_proc, log=log.info)
-        local = Path(stats["path"])
-        files = sorted(p for p in local.rglob("*") if p.is_file() and p.name != prepare.STATS_FILE)
-        for path in [*files, local / prepare.STATS_FILE]:  # stats.json last: the set is whole
-            s3.upload_file(str(path), bucket, f"{base}/{key}/{path.relative_to(local)}")
-    log.info("prepare_data: uploaded %s", uri)
-    return {**stats, "uri": uri, "path": uri}
 
 
 def _boto3_s3() -> Any:

@@ -16,7 +16,12 @@ from typing import Any
 
 from finetune.pages import Markup, render
 from finetune_contract.errors import ERRORS_DIR
-from finetune_contract.fields import DPO_METRICS, EVALUATION_FILE, STRAGGLER_THRESHOLD
+from finetune_contract.fields import (
+    DPO_METRICS,
+    EVALUATION_FILE,
+    PREPARE_DATA_FILE,
+    STRAGGLER_THRESHOLD,
+)
 from finetune_contract.preflight import PREFLIGHT_FILE
 from finetune_contract.stragglers import RANK_STEP_TIMES, rank_medians, stragglers
 from finetune_contract.throughput import run_throughput
@@ -26,7 +31,6 @@ STATUSES = ("success", "failed")
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
-PREPARE_DATA_FILE = "prepare_data.json"  # the prepare_data stage's record (finetune.prepare_data)
 MODEL_DIR = "model"
 REPORT_JSON = "report.json"
 REPORT_HTML = "report.html"

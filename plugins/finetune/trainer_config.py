@@ -101,3 +101,28 @@ def _is_dir(path: Path) -> bool:
         return path.is_dir()
     except OSError:  # a name no file system holds: validate names it
         return False
+
+
+def local_dir(path: str, in_pod: bool) -> Path | None:
+    """A path to read here (None for one only the pod sees, or one no file system can hold)."""
+    if not path or (in_pod and path.startswith("/")) or path.startswith("s3://"):
+        return None
+    try:
+        resolved = resolve_path(path)
+        return resolved if resolved.exists() else None
+    except OSError:
+        return None
+
+
+def run_tokenizer_dir(cfg: RunConfig, in_pod: bool) -> Path | None:
+    """The run's tokenizer directory as this machine reads it (a built-in model's: the demo
+    tokenizer; else the tokenizer's, or the model's); None when it is not here."""
+    if cfg.tokenizer:
+        found = local_dir(cfg.tokenizer, in_pod)
+    elif cfg.model in BUILTIN_MODELS:
+        from finetune import REPO_ROOT
+
+        found = REPO_ROOT / "trainer" / "demo" / "tokenizer"
+    else:
+        found = local_dir(cfg.model, in_pod)
+    return found if found is not None and found.is_dir() else None

@@ -30,14 +30,13 @@ from finetune.config import (
     check_type,
     check_value,
     default_params,
-    resolve_path,
     run_output_dir,
 )
 from finetune.names import DNS_SUBDOMAIN, LABEL_VALUE, dns_label, run_dir_name
 from finetune.planning import model_config_of, run_hardware
 from finetune.presets import NO_PRESET, PRESET_NAMES, PRESETS, Preset, apply_preset
 from finetune.targets import get_target
-from finetune.trainer_config import trainer_config
+from finetune.trainer_config import local_dir, run_tokenizer_dir, trainer_config
 from finetune_contract import data as contract_data
 from finetune_contract.fields import (
     LOWER_IS_BETTER,
@@ -143,7 +142,7 @@ def _run_checks(cfg: RunConfig, paths_are_local: bool, memory: bool
     except ContractError as exc:
         return errors + exc.errors, None
     errors += _model_problems(cfg, in_pod)
-    shape = model_shape(cfg.model, _local_dir(cfg.model, in_pod))
+    shape = model_shape(cfg.model, local_dir(cfg.model, in_pod))
     named = {field for field, _ in errors}
     # The run dir is output_dir/<run>: a bad output_dir is named once, as the user gave it.
     errors += [(field, message) for field, message in config_problems(
@@ -195,21 +194,10 @@ def _dedupe(errors: Problems) -> Problems:
     return list(dict.fromkeys(errors))
 
 
-def _local_dir(path: str, in_pod: bool) -> Path | None:
-    """A path to read here (None for one only the pod sees, or one no file system can hold)."""
-    if not path or (in_pod and path.startswith("/")) or path.startswith("s3://"):
-        return None
-    try:
-        resolved = resolve_path(path)
-        return resolved if resolved.exists() else None
-    except OSError:
-        return None
-
-
 def _model_problems(cfg: RunConfig, in_pod: bool) -> Problems:
     if cfg.model in BUILTIN_MODELS or (in_pod and cfg.model.startswith("/")):
         return []
-    model_dir = _local_dir(cfg.model, in_pod)
+    model_dir = local_dir(cfg.model, in_pod)
     if model_dir is not None and model_dir.is_dir():
         if not (model_dir / "config.json").is_file():
             return [("model", f"directory {quoted(cfg.model)} has no config.json")]
@@ -354,18 +342,6 @@ def _checked_data(cfg: RunConfig, train: TrainConfig, in_pod: bool
         return errors, None
     problems, size = _row_problems(cfg, train, rows, tokenizer_dir, files)
     return errors + problems, size
-
-
-def run_tokenizer_dir(cfg: RunConfig, in_pod: bool) -> Path | None:
-    if cfg.tokenizer:
-        found = _local_dir(cfg.tokenizer, in_pod)
-    elif cfg.model in BUILTIN_MODELS:
-        from finetune import REPO_ROOT
-
-        found = REPO_ROOT / "trainer" / "demo" / "tokenizer"
-    else:
-        found = _local_dir(cfg.model, in_pod)
-    return found if found is not None and found.is_dir() else None
 
 
 def _row_problems(cfg: RunConfig, train: TrainConfig, rows: contract_data.FileRows,

@@ -80,6 +80,9 @@ STRAGGLER_THRESHOLD = 0.2
 MAX_QUOTED = 80
 # What trainer/evaluate.py writes in the run's output directory, beside model/.
 EVALUATION_FILE = "evaluation.json"
+# The prepare_data stage's record in the run directory (its statistics, time, cache hit): the
+# Airflow worker or the stage's own pod (trainer/prepare_data.py) writes it, the report reads it.
+PREPARE_DATA_FILE = "prepare_data.json"
 # The lm-evaluation-harness tasks shipped in trainer/eval_tasks (run offline, by name).
 EVAL_TASKS = ("demo_instructions",)
 # What promotion compares: eval loss or perplexity on the eval split (lower is better), or a
@@ -109,6 +112,8 @@ BOUNDS: dict[str, Bounds] = {
     "max_nodes": _B(1, 1024),
     "active_deadline_s": _B(0, 30 * 86400),
     "schedule_timeout_s": _B(0, 86400),
+    "prepare_cpu": _B(1, 192),
+    "prepare_memory_gib": _B(1, 2048),
     "node_hourly_price": _B(0, 10_000),
     "nodes": _B(1, 128),
     "procs_per_node": _B(1, 64),
@@ -227,6 +232,8 @@ TEXTS: dict[str, Text] = {
                            "an IAM role ARN (arn:aws:iam::<account>:role/<name>)"),
     "aws_conn_id": _CONN, "kubernetes_conn_id": _CONN, "prometheus_conn_id": _CONN,
     "volumes": Text(PATH_MAX, PRINTABLE, "claim:/mount/path pairs without control characters"),
+    # each key and value's own rule: the eks target's (Kubernetes label syntax)
+    "prepare_node_selector": Text(4096, PRINTABLE, "label=value pairs separated by commas"),
     "hf_token_secret": Text(253 + 1 + 253, r"\S+", "a Secret's name or name:key"),
     "prometheus_url": Text(2048, r"https?://\S+", "an http(s):// URL"),
 }

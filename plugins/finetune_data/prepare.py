@@ -469,6 +469,46 @@ def prepare(config: TrainConfig, root: str | Path, num_proc: int | None = None,
     return _stats_of(final, cache_hit=False, seconds=time.perf_counter() - started)
 
 
+def prepared_root(output_dir: str) -> str:
+    """Where a run's prepared sets live: <output_dir>/prepared_data (a path or an s3:// prefix),
+    beside the runs, so a later run of the same key finds them."""
+    if output_dir.startswith("s3://"):
+        return f"{output_dir.rstrip('/')}/{PREPARED_DIR}"
+    return str(Path(output_dir) / PREPARED_DIR)
+
+
+def prepare_to_s3(config: TrainConfig, root_uri: str, s3: Any, num_proc: int | None = None,
+                  log: Callable[[str], None] = print) -> dict[str, Any]:
+    """`prepare` for an s3:// root: the set prepared in a temporary directory here and uploaded
+    to <root_uri>/<key>/, stats.json last (a prefix without it is not a set); a key whose
+    stats.json is there is reused. The Airflow worker and the stage's own pod both call it."""
+    from botocore.exceptions import ClientError
+
+    started = time.perf_counter()
+    bucket, _, base = root_uri.removeprefix("s3://").partition("/")
+    base = base.strip("/")
+    key = prepare_key(config, local_dataset(config))
+    uri = f"s3://{bucket}/{base}/{key}"
+    try:
+        stats = json.loads(s3.get_object(Bucket=bucket, Key=f"{base}/{key}/{STATS_FILE}")
+                           ["Body"].read())
+        log(f"prepare_data: cache hit: {uri} holds this data set, tokenizer and encoding "
+            f"(key {key}); reused, nothing encoded")
+        return {**stats, "uri": uri, "path": uri, "cache_hit": True,
+                "seconds": round(time.perf_counter() - started, 3)}
+    except ClientError as error:
+        if error.response["Error"]["Code"] not in ("NoSuchKey", "404", "NotFound"):
+            raise
+    with tempfile.TemporaryDirectory(prefix="prepare-") as staging:
+        stats = prepare(config, staging, num_proc, log=log)
+        local = Path(stats["path"])
+        files = sorted(p for p in local.rglob("*") if p.is_file() and p.name != STATS_FILE)
+        for path in [*files, local / STATS_FILE]:  # stats.json last: the set is whole
+            s3.upload_file(str(path), bucket, f"{base}/{key}/{path.relative_to(local).as_posix()}")
+    log(f"prepare_data: uploaded {uri}")
+    return {**stats, "uri": uri, "path": uri, "seconds": round(time.perf_counter() - started, 3)}
+
+
 def _stats_of(path: Path, cache_hit: bool, seconds: float) -> dict[str, Any]:
     stats = json.loads((path / STATS_FILE).read_text())
     return {**stats, "path": str(path), "cache_hit": cache_hit, "seconds": round(seconds, 3)}

@@ -58,6 +58,21 @@ class Target(ABC):
     def check(self, values: dict[str, Any]) -> list[tuple[str, str]]:
         """Validate-time checks of this target's constraints: (field, message) per problem."""
 
+    def prepare_data(self, cfg: RunConfig) -> Outcome:
+        """Encode the run's data set once before any node is up (or reuse an identical one):
+        here, on the Airflow worker (finetune.prepare_data). Returns the later stages' run
+        config (prepared_data and the counted split sizes set)."""
+        from finetune.prepare_data import prepare_run_data, stage_result
+
+        cfg, record = prepare_run_data(cfg, s3_client=lambda: self.s3_client(cfg))
+        return stage_result(cfg, record)
+
+    def s3_client(self, cfg: RunConfig) -> Any:
+        """S3 through the run's AWS connection (an s3:// output_dir's prepared set and record)."""
+        from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+
+        return S3Hook(aws_conn_id=cfg.aws_conn_id).get_conn()
+
     @abstractmethod
     def snapshot(self, cfg: RunConfig) -> dict:
         """Setup: record what teardown must restore. Must not fail in practice."""

@@ -385,9 +385,9 @@ def start_buildkit(api: Any, ecr: Any, namespace: str, ref: str, tag: str, conte
     create_or_replace(core.create_namespaced_secret, core.replace_namespaced_secret,
                       secret_manifest)
     try:
-        _create_or_adopt_job(batch, buildkit_job_manifest(
+        create_or_adopt_batch_job(batch, buildkit_job_manifest(
             name, namespace, ref, context_url, secret, labels, base_ref=base_ref,
-            build_base=build_base, deadline_s=int(timeout)))
+            build_base=build_base, deadline_s=int(timeout)), "build Job")
     except BaseException:
         delete_registry_secret(core, namespace, secret)
         raise
@@ -406,7 +406,7 @@ def finish_buildkit(api: Any, pending: dict[str, Any], state: str, message: str)
         if state == "Failed":
             raise ImageBuildError(job_failure_report(core, namespace, name, message))
         if state != "Complete":
-            _delete_job(batch, namespace, name)
+            delete_batch_job(batch, namespace, name)
             raise ImageBuildError(job_failure_report(
                 core, namespace, name,
                 f"no result after {pending['timeout']:.0f}s: the Job was deleted"))
@@ -478,8 +478,10 @@ def _failed_container(pod: dict[str, Any]) -> tuple[str, str]:
     return BUILD_CONTAINER, f"phase {status.get('phase', 'Unknown')}"
 
 
-def _create_or_adopt_job(batch: Any, manifest: dict[str, Any]) -> None:
-    """Create the build Job; adopt a running one of the same tag; replace a failed one."""
+def create_or_adopt_batch_job(batch: Any, manifest: dict[str, Any], what: str) -> None:
+    """Create a batch/v1 Job (the build's, the prepare_data pod's); adopt a running one of the
+    same name (an earlier try's, or a concurrent run's build of the same tag); replace a failed
+    one."""
     import kubernetes
 
     namespace, name = manifest["metadata"]["namespace"], manifest["metadata"]["name"]
@@ -490,15 +492,16 @@ def _create_or_adopt_job(batch: Any, manifest: dict[str, Any]) -> None:
         if exc.status != 404:
             raise
         job = None
-    adopt_or_create(f"build Job {namespace}/{name}", job,
+    adopt_or_create(f"{what} {namespace}/{name}", job,
                     job is not None and build_job_state(job)[0] == "Failed",
                     create=lambda: batch.create_namespaced_job(namespace, manifest),
-                    delete=lambda old: _delete_job(batch, namespace, old, wait=True))
+                    delete=lambda old: delete_batch_job(batch, namespace, old, wait=True))
 
 
-def _delete_job(batch: Any, namespace: str, name: str, wait: bool = False) -> None:
-    """Delete the build Job (Background: its pods go with it); with `wait`, until it is gone."""
-    delete_object(
+def delete_batch_job(batch: Any, namespace: str, name: str, wait: bool = False) -> bool:
+    """Delete a batch/v1 Job (Background: its pods go with it); with `wait`, until it is gone;
+    False when it was not there."""
+    return delete_object(
         lambda: batch.delete_namespaced_job(name, namespace, propagation_policy="Background"),
         lambda: batch.read_namespaced_job(name, namespace), wait=wait, timeout=60.0)
 

@@ -33,7 +33,9 @@ from finetune.targets.eks.manifests import (
     LABEL_PROGRAM,
     LABEL_RESTART_ATTEMPT,
     PREFLIGHT,
+    PREPARE,
     TRAIN,
+    prepare_job_manifest,
     run_selector,
     trainer_configmap_manifest,
 )
@@ -367,8 +369,8 @@ def train_result(cfg: RunConfig, job: dict, image: dict, rendezvous: dict) -> di
 
 
 def delete_run_objects(api: Any, cfg: RunConfig) -> list[str]:
-    """Delete the run's job(s) (PyTorchJob or TrainJob) and ConfigMap(s), found by the run's
-    label."""
+    """Delete the run's job(s) (PyTorchJob or TrainJob), its prepare_data Job and pod, and its
+    ConfigMap(s), found by the run's label."""
     import kubernetes
 
     launcher = launcher_for(cfg)
@@ -377,6 +379,7 @@ def delete_run_objects(api: Any, cfg: RunConfig) -> list[str]:
     for job in _list_jobs(custom, launcher, cfg, program=None):
         if delete_job(api, cfg.namespace, job["metadata"]["name"], launcher=launcher):
             deleted.append(f"{launcher.name}/{job['metadata']['name']}")
+    deleted += delete_prepare_job(api, cfg)
     for cm in core.list_namespaced_config_map(cfg.namespace,
                                               label_selector=run_selector(cfg)).items:
         try:
@@ -385,4 +388,104 @@ def delete_run_objects(api: Any, cfg: RunConfig) -> list[str]:
         except kubernetes.client.ApiException as exc:
             if exc.status != 404:
                 raise
+    return deleted
+
+
+# -- the prepare_data pod (prepare_on pod): a batch/v1 Job --------------------------------------
+
+
+def start_prepare_job(api: Any, cfg: RunConfig, image: str) -> str:
+    """The trainer's ConfigMap (the pod reads the run's trainer config from it) and the
+    prepare_data Job, created, or adopted from an earlier try while it runs (a failed one is
+    replaced); its name."""
+    import kubernetes
+
+    from finetune.targets.eks.image_build import create_or_adopt_batch_job
+
+    core = kubernetes.client.CoreV1Api(api)
+    create_or_replace(core.create_namespaced_config_map, core.replace_namespaced_config_map,
+                      trainer_configmap_manifest(cfg))
+    manifest = prepare_job_manifest(cfg, image)
+    create_or_adopt_batch_job(kubernetes.client.BatchV1Api(api), manifest, "prepare_data Job")
+    name = manifest["metadata"]["name"]
+    log.info("prepare_data Job %s/%s: %s CPU(s), %d GiB, image %s", cfg.namespace, name,
+             cfg.prepare_cpu, cfg.prepare_memory_gib, image)
+    return name
+
+
+def prepare_pods(api: Any, cfg: RunConfig, name: str) -> list[dict[str, Any]]:
+    from finetune.targets.eks.image_build import JOB_NAME_LABEL
+
+    return _pods(api, cfg.namespace, f"{JOB_NAME_LABEL}={name}")
+
+
+def prepare_failure(api: Any, cfg: RunConfig, name: str, message: str) -> str:
+    """Why the prepare_data Job failed, the first cause first: its container's own message
+    (trainer.prepare_data writes the error there), else how the pod died (OOMKilled, evicted,
+    an exit code, an image that cannot be pulled); then each pod's reason and log tail."""
+    import kubernetes
+
+    _, core = _apis(api)
+    pods = sorted(prepare_pods(api, cfg, name),
+                  key=lambda p: p["metadata"].get("creationTimestamp") or "")
+    first = ""
+    for pod in pods:
+        for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+            term = (cs.get("state") or {}).get("terminated") or {}
+            if term.get("exitCode") and term.get("message") and term.get("reason") != "OOMKilled":
+                first = term["message"].strip().splitlines()[-1]
+                break
+        if not first:
+            death = pod_death(pod)
+            first = death["message"] if death else ""
+        if not first:
+            first = pod_failure(pod) or ""
+        if first:
+            break
+    parts = [f"prepare_data pod failed: {first or message or 'no pod of the Job was found'}",
+             f"batch Job {cfg.namespace}/{name}: {message or 'failed'}"]
+    for pod in pods:
+        pod_name = pod["metadata"]["name"]
+        phase = (pod.get("status") or {}).get("phase")
+        parts.append(f"pod {pod_name}: {pod_failure(pod) or phase}")
+        try:
+            tail = pod_log(core, pod_name, cfg.namespace, tail_lines=LOG_TAIL_LINES)
+        except kubernetes.client.ApiException:
+            tail = ""
+        if tail.strip():
+            parts.append(f"  last lines of {pod_name}:\n" + "\n".join(
+                "    " + line for line in tail.splitlines()[-LOG_TAIL_LINES:]))
+    return "\n".join(parts)
+
+
+def delete_prepare_job(api: Any, cfg: RunConfig) -> list[str]:
+    """Delete the run's prepare_data Job and its pod (found by the run's and the program's
+    labels); what was deleted."""
+    import kubernetes
+
+    from finetune.targets.eks.image_build import delete_batch_job
+
+    batch = kubernetes.client.BatchV1Api(api)
+    try:
+        jobs = batch.list_namespaced_job(
+            cfg.namespace, label_selector=f"{run_selector(cfg)},{LABEL_PROGRAM}={PREPARE}").items
+    except kubernetes.client.ApiException as exc:
+        if exc.status == 404:  # no batch API served: no Job was made
+            return []
+        raise
+    deleted = []
+    for found in jobs:
+        if delete_batch_job(batch, cfg.namespace, found.metadata.name):
+            deleted.append(f"job/{found.metadata.name}")
+    # Background propagation leaves the pod to the garbage collector: delete it too, so nothing
+    # of the run runs on after its teardown.
+    core = kubernetes.client.CoreV1Api(api)
+    for found in jobs:
+        for pod in prepare_pods(api, cfg, found.metadata.name):
+            try:
+                core.delete_namespaced_pod(pod["metadata"]["name"], cfg.namespace)
+                deleted.append(f"pod/{pod['metadata']['name']}")
+            except kubernetes.client.ApiException as exc:
+                if exc.status != 404:
+                    raise
     return deleted

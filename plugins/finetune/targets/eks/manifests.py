@@ -7,7 +7,9 @@ ports and resource names they share with the parts that find those objects: pure
 - `etcd_manifests`: the etcd (v2 API) Deployment and Service torchrun's etcd rendezvous uses;
 - `trainjob_manifest`: the Kubeflow Trainer v2 TrainJob (trainer.kubeflow.org/v1alpha1) that
   references the project's ClusterTrainingRuntime and sets what the run decides;
-- `training_runtime_manifest`: that ClusterTrainingRuntime (containers/k8s/trainjob-runtime.yaml).
+- `training_runtime_manifest`: that ClusterTrainingRuntime (containers/k8s/trainjob-runtime.yaml);
+- `prepare_job_manifest`: the batch/v1 Job that runs the prepare_data stage on a CPU node
+  (prepare_on pod).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 
 from finetune.config import RunConfig
 from finetune.instance_types import GPU_RESOURCE, INSTANCE_TYPES, InstanceProfile
-from finetune.names import DNS_SUBDOMAIN, dns_label
+from finetune.names import DNS_SUBDOMAIN, LABEL_VALUE, dns_label
 from finetune.targets.base import TORCHRUN_ENV
 from finetune.trainer_config import trainer_config
 
@@ -94,10 +96,13 @@ def job_name(cfg: RunConfig) -> str:
 # What a job of the run runs: the training, or the preflight check of its nodes before it.
 LABEL_PROGRAM = "finetune.airflow.apache.org/program"
 TRAIN, PREFLIGHT, EVALUATE = "train", "preflight", "evaluate"
+PREPARE = "prepare-data"
 PREFLIGHT_DEADLINE_S = 900  # NVML, a matmul and a few all-reduces: minutes, not more
 
 
 def program_job_name(cfg: RunConfig, program: str) -> str:
+    if program == PREPARE:
+        return f"{job_name(cfg)}-prep"
     return job_name(cfg) if program == TRAIN else f"{job_name(cfg)}-pf"
 
 
@@ -144,10 +149,11 @@ def trainer_configmap_manifest(cfg: RunConfig) -> dict[str, Any]:
 COMMON_ENV = {"PYTHONUNBUFFERED": "1", **TORCHRUN_ENV, **NCCL_ENV}
 
 
-def _env(cfg: RunConfig, profile: InstanceProfile,
+def _env(cfg: RunConfig, profile: InstanceProfile | None,
          common: bool = True) -> list[dict[str, Any]]:
+    """The pods' environment; profile None: a CPU pod (no torchrun, no NCCL)."""
     plain = {**(COMMON_ENV if common else {}), "FINETUNE_RUN_ID": cfg.run_id,
-             **profile.nccl_env}
+             **(profile.nccl_env if profile else {})}
     env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in plain.items()]
     # The node the pod runs on: the preflight names a bad node by it.
     env.append({"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}})
@@ -182,6 +188,103 @@ def parse_volumes(text: str) -> list[tuple[str, str]]:
     if len(set(paths)) != len(paths):
         raise ValueError("two volumes share a mount path")
     return volumes
+
+
+def parse_node_selector(text: str) -> dict[str, str]:
+    """`label=value,label2=value2` -> {label: value}; ValueError naming what is wrong."""
+    selector = {}
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        key, sep, value = part.partition("=")
+        prefix, slash, name = key.rpartition("/")
+        if not sep or not name or len(name) > 63 or not LABEL_VALUE.match(name) \
+                or (slash and not DNS_SUBDOMAIN.match(prefix)) or not LABEL_VALUE.match(value):
+            raise ValueError(f"{part[:80]!r} is not label=value (a Kubernetes label key, "
+                             "[prefix/]name, and a value of at most 63 letters, digits, '-', "
+                             "'_' and '.')")
+        if key in selector:
+            raise ValueError(f"label {key[:80]!r} is given twice")
+        selector[key] = value
+    return selector
+
+
+# The prepare_data pod's scratch space: the data set downloaded from S3 and the set written
+# before its upload (the container's /tmp).
+PREPARE_SCRATCH_GIB = 100
+PREPARE_DEADLINE_S = 6 * 3600
+
+
+def prepare_job_manifest(cfg: RunConfig, image: str) -> dict[str, Any]:
+    """The Job that prepares the run's data set on a CPU node (prepare_on pod): the trainer
+    image runs trainer.prepare_data with the run's trainer config (the ConfigMap the training
+    mounts), writes the set to <output_dir>/prepared_data/<key>/ (stats.json last) and the
+    stage's record to the run directory. No GPU is requested and no GPU taint tolerated, so
+    it never holds a GPU node; one try (the task decides), a deadline, kept an hour to read."""
+    from finetune_data.prepare import prepared_root
+
+    from finetune_contract.fields import PREPARE_DATA_FILE
+
+    volumes = parse_volumes(cfg.volumes)
+    name = program_job_name(cfg, PREPARE)
+    labels = {**run_labels(cfg), LABEL_PROGRAM: PREPARE}
+    memory = f"{cfg.prepare_memory_gib}Gi"
+    container = {
+        "name": CONTAINER_NAME,
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["python", "-m", "trainer.prepare_data"],
+        "args": ["--config", f"{TRAINER_CONFIG_DIR}/{TRAINER_CONFIG_FILE}",
+                 "--prepared-root", prepared_root(cfg.output_dir),
+                 "--record", f"{cfg.run_dir.rstrip('/')}/{PREPARE_DATA_FILE}",
+                 # the pod's cores, not the node's (sched_getaffinity sees the node's)
+                 "--num-proc", str(cfg.prepare_cpu)],
+        "env": [*_env(cfg, None), {"name": "TMPDIR", "value": "/scratch"},
+                {"name": "HF_HOME", "value": "/scratch/hf"}],
+        "resources": {
+            "requests": {"cpu": str(cfg.prepare_cpu), "memory": memory,
+                         "ephemeral-storage": f"{PREPARE_SCRATCH_GIB}Gi"},
+            "limits": {"memory": memory},
+        },
+        # The first cause (trainer.prepare_data writes it there) in the pod's status.
+        "terminationMessagePath": "/dev/termination-log",
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "volumeMounts": [
+            {"name": "trainer-config", "mountPath": TRAINER_CONFIG_DIR, "readOnly": True},
+            {"name": "scratch", "mountPath": "/scratch"},
+            *({"name": f"data-{i}", "mountPath": path} for i, (_, path) in enumerate(volumes)),
+        ],
+        "securityContext": {"allowPrivilegeEscalation": False},
+    }
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "containers": [container],
+        "securityContext": {"runAsNonRoot": True, "runAsUser": TRAINER_UID,
+                            "runAsGroup": TRAINER_UID, "fsGroup": TRAINER_UID},
+        "volumes": [
+            {"name": "trainer-config", "configMap": {"name": configmap_name(cfg)}},
+            {"name": "scratch", "emptyDir": {"sizeLimit": f"{PREPARE_SCRATCH_GIB}Gi"}},
+            *({"name": f"data-{i}", "persistentVolumeClaim": {"claimName": claim}}
+              for i, (claim, _) in enumerate(volumes)),
+        ],
+    }
+    selector = parse_node_selector(cfg.prepare_node_selector)
+    if selector:
+        pod_spec["nodeSelector"] = selector
+    if cfg.service_account:
+        pod_spec["serviceAccountName"] = cfg.service_account
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name, "namespace": cfg.namespace, "labels": labels,
+                     "annotations": {"finetune.airflow.apache.org/run-id": cfg.run_id}},
+        "spec": {
+            "backoffLimit": 0,
+            "activeDeadlineSeconds": PREPARE_DEADLINE_S,
+            "ttlSecondsAfterFinished": TTL_AFTER_FINISHED_S,
+            "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+        },
+    }
 
 
 def pytorchjob_manifest(cfg: RunConfig, image: str, *,

@@ -3,6 +3,9 @@ Trainer v2 (TrainJob), as the run's `launcher` says (`launchers`). A thin class:
 calls the part that owns the work (node group, reservations, image build, rendezvous, job) and
 returns its result or a `Wait` on one of the triggers.
 
+- prepare_data encodes the data set on the Airflow worker (prepare_on worker), or in a CPU pod
+  of its own (prepare_on pod: a batch Job of the trainer image, built first when it is not in
+  ECR; `prepare_job_done` reads the record it wrote and deletes it, failed or not);
 - snapshot records the node group's scaling config (and the shared baseline); teardown deletes
   the run's PyTorchJob and ConfigMap and removes the run's node reservation, giving back only
   what no other live run reserved, whatever happened to the run;
@@ -75,6 +78,8 @@ from finetune.targets.eks.launchers import LAUNCHERS, launcher_for, launcher_pro
 from finetune.targets.eks.manifests import (
     C10D_PORT,
     PREFLIGHT_DEADLINE_S,
+    PREPARE_DEADLINE_S,
+    parse_node_selector,
     parse_volumes,
 )
 from finetune.targets.eks.rendezvous import delete_run_keys, reset_rendezvous
@@ -88,6 +93,7 @@ from finetune.targets.eks.reservations import (
     reserve,
 )
 from finetune.targets.eks.triggers import (
+    BatchJobTrigger,
     ImageBuildTrigger,
     JobTrigger,
     NodegroupActiveTrigger,
@@ -152,6 +158,20 @@ def _worker_only_paths(values: dict[str, Any]) -> list[tuple[str, str]]:
     return errors
 
 
+def _prepare_problems(values: dict[str, Any]) -> list[tuple[str, str]]:
+    """prepare_on pod: the set and the record go to S3 (the worker reads the record there), and
+    the node selector must be one."""
+    try:
+        parse_node_selector(values["prepare_node_selector"])
+    except ValueError as exc:
+        return [("prepare_node_selector", str(exc))]
+    if values["prepare_on"] == "pod" and not values["output_dir"].startswith("s3://"):
+        return [("output_dir", f"{quoted(values['output_dir'])}: prepare_on pod writes the "
+                 "prepared set and its record to S3, where this worker reads them; give "
+                 "s3://bucket/prefix, or set prepare_on to worker")]
+    return []
+
+
 class EksTarget(Target):
     """poll_interval: the triggers' pace; nodes_timeout: scale_up's limit per wait (ACTIVE,
     then Ready); devices_grace_s: how long a Ready node may lack its GPUs or EFA before
@@ -202,7 +222,8 @@ class EksTarget(Target):
         if values["rdzv_backend"] == "c10d" and values["metrics_port"] == C10D_PORT:
             errors.append(("metrics_port", f"{C10D_PORT} is the c10d rendezvous port on worker "
                            "0, where rank 0 serves its metrics; choose another port"))
-        return errors + _pod_problems(values) + launcher_problems(values)
+        return errors + _pod_problems(values) + launcher_problems(values) + \
+            _prepare_problems(values)
 
     # -- clients ----------------------------------------------------------------------------
 
@@ -224,6 +245,67 @@ class EksTarget(Target):
     def _reconcile(self, eks: Any, cfg: RunConfig, store: ReservationStore) -> dict[str, int]:
         return nodegroup.reconcile_scaling(eks, cfg, store, self.update_retries,
                                            self.poll_interval)
+
+    def s3_client(self, cfg: RunConfig) -> Any:
+        return self._s3(cfg)
+
+    # -- prepare_data -----------------------------------------------------------------------
+
+    def prepare_data(self, cfg: RunConfig) -> dict | Wait:
+        """prepare_on worker: here (Target.prepare_data). pod: a CPU pod of its own, so a small
+        Airflow worker never encodes a large data set: the trainer image (it holds the one
+        encode function), built first when it is not in ECR (build_image then finds the tag and
+        skips), then the Job, waited for deferred. Before scale_up: no GPU node is up."""
+        if cfg.prepare_on != "pod":
+            return super().prepare_data(cfg)
+        session = aws_session(cfg.aws_conn_id)
+        started = start_image(cfg, session, lambda: self._kube(cfg), timeout=self.build_timeout)
+        if started["pending"] is None:
+            image = finish_image(cfg, session, lambda: self._kube(cfg), started, "Complete", "")
+            return self._start_prepare(cfg, image["image"])
+        log.info("prepare_data: building the trainer image %s for its pod first",
+                 started["image"])
+        deadline = time.time() + self.build_timeout
+        return Wait(ImageBuildTrigger(
+            pending=started["pending"], deadline=deadline,
+            credentials=kube_credentials(cfg) if started["pending"]["builder"] == "buildkit"
+            else None, aws_conn_id=cfg.aws_conn_id, poll_interval=self.poll_interval,
+            refresh_interval=self.refresh_interval),
+            resume="prepare_image_built", deadline=deadline, state={"started": started})
+
+    def prepare_image_built(self, cfg: RunConfig, event: dict, state: dict) -> Wait:
+        return self._start_prepare(cfg, self.build_done(cfg, event, state)["image"])
+
+    def _start_prepare(self, cfg: RunConfig, image: str) -> Wait:
+        name = job.start_prepare_job(self._kube(cfg), cfg, image)
+        deadline = time.time() + PREPARE_DEADLINE_S + self.poll_interval
+        return Wait(BatchJobTrigger(
+            credentials=kube_credentials(cfg), namespace=cfg.namespace, name=name,
+            deadline=deadline, poll_interval=self.poll_interval,
+            refresh_interval=self.refresh_interval),
+            resume="prepare_job_done", deadline=deadline, state={"job": name, "image": image})
+
+    def prepare_job_done(self, cfg: RunConfig, event: dict, state: dict) -> dict:
+        """The pod's record (the statistics) decides the run, as the worker's would; the Job
+        and its pod are deleted whatever happened (nothing of the stage runs on)."""
+        from finetune.outputs import read_output
+        from finetune.prepare_data import accept_prepared, stage_result
+        from finetune_contract.fields import PREPARE_DATA_FILE
+
+        api, name = self._kube(cfg), state["job"]
+        try:
+            if event["state"] != "Complete":
+                message = event["message"] if event["state"] == "Failed" else (
+                    f"no result after PREPARE_DEADLINE_S = {PREPARE_DEADLINE_S} s: deleted it")
+                raise RuntimeError(job.prepare_failure(api, cfg, name, message))
+            text = read_output(cfg.run_dir, PREPARE_DATA_FILE, lambda: self._s3(cfg))
+            record = json.loads(text) if text else None
+            if not record or record.get("run_id") != cfg.run_id:
+                raise RuntimeError(f"prepare_data Job {cfg.namespace}/{name} succeeded but "
+                                   f"{cfg.run_dir} has no {PREPARE_DATA_FILE} of this run")
+        finally:
+            job.delete_prepare_job(api, cfg)
+        return stage_result(accept_prepared(cfg, record), record)
 
     # -- snapshot ---------------------------------------------------------------------------
 

@@ -7,7 +7,9 @@ serialise to plain kwargs.
   its launcher) reached Succeeded or Failed, or its deadline passed (where the task enforces
   it), or its wake-up time came (the task then streams the leader's new log lines and defers
   again);
-- `ImageBuildTrigger`: the trainer image's build (BuildKit Job or CodeBuild) ended.
+- `ImageBuildTrigger`: the trainer image's build (BuildKit Job or CodeBuild) ended;
+- `BatchJobTrigger`: a batch/v1 Job of the run (the prepare_data pod's) completed or failed,
+  or its deadline passed.
 
 Every deadline (and the job's wake-up time) is wall-clock epoch seconds in the kwargs, computed
 once when the task defers: a triggerer restart rebuilds the trigger from them and does not
@@ -210,6 +212,16 @@ class JobTrigger(BaseTrigger):
 PyTorchJobTrigger = JobTrigger
 
 
+@retry_transient
+async def read_batch_job(kube: KubeClient, namespace: str, name: str) -> tuple[str, str]:
+    """(Complete | Failed | Running, message) of a batch/v1 Job (image_build.build_job_state)."""
+    from kubernetes_asyncio import client
+
+    api = await kube.get()
+    job = await client.BatchV1Api(api).read_namespaced_job(name, namespace)
+    return build_job_state(api.sanitize_for_serialization(job))
+
+
 class ImageBuildTrigger(BaseTrigger):
     """The image build started by `image_build.start_image` ended, or its deadline passed.
 
@@ -236,14 +248,8 @@ class ImageBuildTrigger(BaseTrigger):
         kube = KubeClient(self.credentials or {}, self.refresh_interval)
         codebuild = None
 
-        @retry_transient
         async def read_build_job() -> tuple[str, str]:
-            from kubernetes_asyncio import client
-
-            api = await kube.get()
-            job = await client.BatchV1Api(api).read_namespaced_job(
-                self.pending["job"], self.pending["namespace"])
-            return build_job_state(api.sanitize_for_serialization(job))
+            return await read_batch_job(kube, self.pending["namespace"], self.pending["job"])
 
         read_codebuild = retry_transient(codebuild_state)
         try:
@@ -262,3 +268,48 @@ class ImageBuildTrigger(BaseTrigger):
                 await asyncio.sleep(self.poll_interval)
         finally:
             await kube.close()
+
+
+class BatchJobTrigger(BaseTrigger):
+    """A batch/v1 Job (the prepare_data pod's) Complete or Failed, or `deadline` (epoch seconds)
+    passed: the event's state is Complete, Failed, or Running at the deadline. A mark-failed
+    while deferred deletes the Job (and its pod)."""
+
+    def __init__(self, *, credentials: dict[str, str], namespace: str, name: str,
+                 deadline: float, poll_interval: float = 15.0,
+                 refresh_interval: float = TOKEN_REFRESH_S):
+        super().__init__()
+        self.credentials, self.namespace, self.name = credentials, namespace, name
+        self.deadline, self.poll_interval = deadline, poll_interval
+        self.refresh_interval = refresh_interval
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return f"{__name__}.BatchJobTrigger", {
+            "credentials": self.credentials, "namespace": self.namespace, "name": self.name,
+            "deadline": self.deadline, "poll_interval": self.poll_interval,
+            "refresh_interval": self.refresh_interval}
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        kube = KubeClient(self.credentials, self.refresh_interval)
+        try:
+            while True:
+                state, message = await read_batch_job(kube, self.namespace, self.name)
+                if state != "Running" or _passed(self.deadline):
+                    yield TriggerEvent({"state": state, "message": message})
+                    return
+                await asyncio.sleep(self.poll_interval)
+        finally:
+            await kube.close()
+
+    async def on_kill(self) -> None:
+        """The task was marked failed (or cleared) while deferred: stop the pod."""
+        from kubernetes_asyncio import client
+        from kubernetes_asyncio.client.exceptions import ApiException
+
+        async with async_kube_api_client(**self.credentials) as api:
+            try:
+                await client.BatchV1Api(api).delete_namespaced_job(
+                    self.name, self.namespace, propagation_policy="Background")
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
