@@ -24,6 +24,7 @@ from finetune_data.prepare import (
     REJECTED_IDS,
     REJECTED_LABELS,
     download_s3,
+    load_eval_dataset,
     load_prepared,
     prepare,
     s3_cache_dir,
@@ -44,6 +45,7 @@ class Splits:
     eval: datasets.Dataset
     skipped: dict[str, int]  # rows skipped, by reason (ROW_PROBLEMS)
     stats: dict[str, Any] = field(default_factory=dict)  # the prepared set's (prepare_data)
+    eval_dataset: datasets.Dataset | None = None  # the eval_dataset's split, when one is set
 
     @property
     def skipped_rows(self) -> int:
@@ -87,7 +89,8 @@ def build_splits(config: TrainConfig, unpacked_eval: bool = False) -> Splits:
             path = str(download_s3(path.rstrip("/") + "/", s3_cache_dir(config.output_dir)))
     train, held_out, stats = load_prepared(path, unpacked_eval)
     return Splits(train=train, eval=held_out, skipped=stats["skipped_rows_by_reason"],
-                  stats=stats)
+                  stats=stats, eval_dataset=load_eval_dataset(path) if config.eval_dataset
+                  else None)
 
 
 def _prepare_here(config: TrainConfig) -> str:

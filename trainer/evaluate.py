@@ -12,7 +12,6 @@ evaluation.json beside model/ in the run's output (a directory or s3://).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import tempfile
@@ -24,7 +23,6 @@ from typing import Any
 import datasets
 import torch
 import torch.nn.functional as F
-from finetune_data.prepare import load_rows, local_dataset, tokenize
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from finetune_contract.fields import EVALUATION_FILE, eval_task_names
@@ -36,17 +34,14 @@ from trainer.storage import RunOutput, S3Prefix, is_s3
 MODEL_DIR = "model"
 
 
-def eval_rows(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> datasets.Dataset:
-    """The tokenized eval set, unpacked (one example a row, whatever the training packed)."""
-    if not config.eval_dataset:
-        return build_splits(config, unpacked_eval=True).eval
-    config = dataclasses.replace(config, packing=False)
-    config = dataclasses.replace(config, dataset=config.eval_dataset)
-    rows, _, _ = tokenize(load_rows(config, local_dataset(config)), tokenizer, config)
-    rows = rows.remove_columns("_tokens")
-    if not len(rows):
-        raise ValueError(f"eval_dataset {config.eval_dataset} has no usable rows")
-    return rows
+def eval_rows(config: TrainConfig) -> datasets.Dataset:
+    """The eval set as prepare_data encoded it, unpacked (one example a row, whatever the
+    training packed): the eval_dataset's split when set, else the held-out split. Loaded, never
+    tokenized here."""
+    splits = build_splits(config, unpacked_eval=True)
+    if config.eval_dataset and splits.eval_dataset is not None:  # loaded whenever it is set
+        return splits.eval_dataset
+    return splits.eval
 
 
 @torch.no_grad()
@@ -155,7 +150,7 @@ def evaluate(config: TrainConfig, champion: str | None = None) -> dict[str, Any]
         work = Path(tmp)
         model_location = f"{config.output_dir.rstrip('/')}/{MODEL_DIR}"
         model, tokenizer = load_model(model_location, work, dtype, device)
-        rows = eval_rows(config, tokenizer)
+        rows = eval_rows(config)
         result = measure(model, tokenizer, rows, config, device)
         result["samples"] = samples(model, tokenizer, rows, config.sample_prompts,
                                     config.max_new_tokens, device)
@@ -167,12 +162,16 @@ def evaluate(config: TrainConfig, champion: str | None = None) -> dict[str, Any]
             print(f"champion model {champion} cannot be loaded ({exc}); promote compares "
                   "with its logged metric", flush=True)
             loaded = None
+        if loaded is not None and loaded[1].get_vocab() != tokenizer.get_vocab():
+            # The prepared eval set holds the run tokenizer's ids: meaningless to this model.
+            print(f"champion model {champion} has another tokenizer than the run's; the eval "
+                  "set is prepared in the run's tokens, so promote compares with its logged "
+                  "metric", flush=True)
+            loaded = None
         if loaded is not None:
             champion_model, champion_tokenizer = loaded
-            champion_rows = rows if champion_tokenizer.get_vocab() == tokenizer.get_vocab() \
-                else eval_rows(config, champion_tokenizer)
             result["champion"] = {"model": champion, **measure(
-                champion_model, champion_tokenizer, champion_rows, config, device)}
+                champion_model, champion_tokenizer, rows, config, device)}
     result.update({
         "eval_set": config.eval_dataset or "held-out split of the training data",
         "eval_rows": len(rows), "device": device.type,

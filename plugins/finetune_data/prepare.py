@@ -24,7 +24,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,12 +49,15 @@ if TYPE_CHECKING:
     import datasets
 
 # Bump when the prepared layout or the encoding changes: old sets are then not reused.
-PREPARE_VERSION = 1
+PREPARE_VERSION = 2  # 2: the eval_dataset encoded too, in the key
 PREPARED_DIR = "prepared_data"  # under output_dir: one directory per key
 STATS_FILE = "stats.json"  # written last: a directory with it is complete
 TRAIN_SPLIT, EVAL_SPLIT = "train", "eval"
 # With packing: the eval split's examples unpacked, for the evaluate stage's samples and loss.
 EVAL_EXAMPLES_SPLIT = "eval_examples"
+# A separate eval data set (eval_dataset), encoded as the training data is, one example a row:
+# what the evaluate stage measures on, so nothing after prepare_data tokenizes.
+EVAL_DATASET_SPLIT = "eval_dataset"
 S3_CACHE_DIR = "dataset_cache"  # under output_dir: where s3:// data sets are downloaded
 # What an example's encoding and the split depend on, besides the rows and the tokenizer.
 ENCODING_FIELDS = ("dataset_format", "dataset_split", "text_field", "prompt_field",
@@ -407,11 +410,29 @@ def _hub_revision(name: str) -> str:
         return "unknown"
 
 
-def prepare_key(config: TrainConfig, local_path: Path | None) -> str:
-    """The prepared set's content address (24 hex digits)."""
+def eval_dataset_config(config: TrainConfig) -> TrainConfig | None:
+    """The config that reads and encodes the run's eval_dataset (one example a row, never
+    packed); None without one."""
+    if not config.eval_dataset:
+        return None
+    return replace(config, dataset=config.eval_dataset, packing=False)
+
+
+def local_eval_dataset(config: TrainConfig) -> Path | None:
+    """local_dataset of the eval_dataset (None: none, or a hub name)."""
+    evaluated = eval_dataset_config(config)
+    return local_dataset(evaluated) if evaluated else None
+
+
+def prepare_key(config: TrainConfig, local_path: Path | None,
+                eval_path: Path | None = None) -> str:
+    """The prepared set's content address (24 hex digits): the training data's version and the
+    eval_dataset's (read from `eval_path`), the tokenizer's and the encoding fields."""
+    evaluated = eval_dataset_config(config)
     material = {
         "version": PREPARE_VERSION,
         "source": source_version(config, local_path),
+        "eval_dataset": source_version(evaluated, eval_path) if evaluated else None,
         "tokenizer": tokenizer_version(str(config.tokenizer)),
         "encoding": {name: getattr(config, name) for name in ENCODING_FIELDS},
     }
@@ -437,8 +458,8 @@ def prepare(config: TrainConfig, root: str | Path, num_proc: int | None = None,
         from transformers import AutoTokenizer
 
         check_template(config, AutoTokenizer.from_pretrained(config.tokenizer))
-    local_path = local_dataset(config)
-    key = prepare_key(config, local_path)
+    local_path, eval_path = local_dataset(config), local_eval_dataset(config)
+    key = prepare_key(config, local_path, eval_path)
     final = root / key
     if (final / STATS_FILE).is_file():
         log(f"prepare_data: cache hit: {final} holds this data set, tokenizer and encoding "
@@ -449,9 +470,11 @@ def prepare(config: TrainConfig, root: str | Path, num_proc: int | None = None,
     try:
         num_proc = num_proc or cpu_count()
         log(f"prepare_data: encoding {config.dataset} with {num_proc} processes (key {key})")
-        stats = _prepare_into(partial, config, local_path, num_proc)
-        if prepare_key(config, local_path) != key:
-            raise ValueError(f"dataset {config.dataset} changed while it was prepared (its files' "
+        stats = _prepare_into(partial, config, local_path, num_proc, eval_path)
+        if prepare_key(config, local_path, eval_path) != key:
+            changed = config.dataset + (f" or eval_dataset {config.eval_dataset}"
+                                        if config.eval_dataset else "")
+            raise ValueError(f"dataset {changed} changed while it was prepared (its files' "
                              "sizes, mtimes or ETags moved): nothing was kept; run again once "
                              "it is written")
         stats.update(key=key, num_proc=num_proc, prepare_seconds=time.perf_counter() - started)
@@ -487,7 +510,7 @@ def prepare_to_s3(config: TrainConfig, root_uri: str, s3: Any, num_proc: int | N
     started = time.perf_counter()
     bucket, _, base = root_uri.removeprefix("s3://").partition("/")
     base = base.strip("/")
-    key = prepare_key(config, local_dataset(config))
+    key = prepare_key(config, local_dataset(config), local_eval_dataset(config))
     uri = f"s3://{bucket}/{base}/{key}"
     try:
         stats = json.loads(s3.get_object(Bucket=bucket, Key=f"{base}/{key}/{STATS_FILE}")
@@ -514,8 +537,8 @@ def _stats_of(path: Path, cache_hit: bool, seconds: float) -> dict[str, Any]:
     return {**stats, "path": str(path), "cache_hit": cache_hit, "seconds": round(seconds, 3)}
 
 
-def _prepare_into(out: Path, config: TrainConfig, local_path: Path | None, num_proc: int
-                  ) -> dict[str, Any]:
+def _prepare_into(out: Path, config: TrainConfig, local_path: Path | None, num_proc: int,
+                  eval_path: Path | None = None) -> dict[str, Any]:
     import datasets
     from transformers import AutoTokenizer
 
@@ -546,7 +569,13 @@ def _prepare_into(out: Path, config: TrainConfig, local_path: Path | None, num_p
         train, held_out = pack(train, config.seq_len), pack(held_out, config.seq_len)
     train.save_to_disk(str(out / TRAIN_SPLIT))
     held_out.save_to_disk(str(out / EVAL_SPLIT))
+    evaluated = eval_dataset_config(config)
+    eval_stats = None
+    if evaluated is not None:
+        eval_stats = _encode_eval_dataset(out / EVAL_DATASET_SPLIT, evaluated, eval_path,
+                                          tokenizer, num_proc)
     return {
+        "eval_dataset": eval_stats,
         "dataset": config.dataset,
         "rows_read": len(raw.rows),
         "rows_kept": usable,
@@ -564,6 +593,24 @@ def _prepare_into(out: Path, config: TrainConfig, local_path: Path | None, num_p
         "tokens_per_epoch": _tokens(train),
         "length_histogram": length_histogram(lengths, config.seq_len),
     }
+
+
+def _encode_eval_dataset(out: Path, config: TrainConfig, local_path: Path | None,
+                         tokenizer: Any, num_proc: int) -> dict[str, Any]:
+    """The eval_dataset encoded with the same function, one example a row, written to `out`;
+    its statistics. Rows it cannot use are skipped (or fail) as the training data's are."""
+    raw = load_rows(config, local_path)
+    rows, skipped, _ = tokenize(raw, tokenizer, config, num_proc)
+    if not len(rows):
+        raise ValueError(f"eval_dataset {config.dataset} has no usable rows"
+                         + (f" ({_first_problem(raw, config)})" if skipped else ""))
+    tokens = rows[_TOKENS]
+    rows = rows.remove_columns(_TOKENS)
+    if REJECTED_IDS in rows.column_names:  # DPO: its eval loss is the chosen responses', too
+        rows = rows.remove_columns([REJECTED_IDS, REJECTED_LABELS])
+    rows.save_to_disk(str(out))
+    return {"dataset": config.dataset, "rows_read": len(raw.rows), "rows_kept": len(rows),
+            "skipped_rows_by_reason": skipped, "tokens": int(sum(tokens))}
 
 
 def check_template(config: TrainConfig, tokenizer: Any) -> None:
@@ -619,3 +666,15 @@ def load_prepared(path: str | Path, unpacked_eval: bool = False
     eval_split = EVAL_EXAMPLES_SPLIT if unpacked_eval and stats["packing"] else EVAL_SPLIT
     return (datasets.load_from_disk(str(path / TRAIN_SPLIT)),
             datasets.load_from_disk(str(path / eval_split)), stats)
+
+
+def load_eval_dataset(path: str | Path) -> datasets.Dataset:
+    """The prepared set's eval_dataset split (one example a row), memory-mapped; ValueError when
+    the set was prepared without an eval_dataset."""
+    import datasets
+
+    split = Path(path) / EVAL_DATASET_SPLIT
+    if not split.is_dir():
+        raise ValueError(f"prepared_data {str(path)!r} holds no {EVAL_DATASET_SPLIT} split: it "
+                         "was prepared without eval_dataset (prepare_data encodes it when set)")
+    return datasets.load_from_disk(str(split))

@@ -134,7 +134,7 @@ def test_every_family_trains_resumes_and_exports_on_every_path(matrix, model_typ
             continue  # its eval measures preference, not the loss of the rows
         config = load_config(None, summary["config"])
         tokenizer = AutoTokenizer.from_pretrained(runs / setup / "model")
-        loss = loss_on(exported, eval_rows(config, tokenizer), 4, tokenizer.pad_token_id,
+        loss = loss_on(exported, eval_rows(config), 4, tokenizer.pad_token_id,
                        torch.device("cpu"))
         assert loss == pytest.approx(summary["final_eval_loss"], rel=1e-5), setup
     assert (runs / "full" / "checkpoints" / f"step_{CHECKPOINT_AT:08d}").is_dir()

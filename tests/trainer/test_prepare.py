@@ -4,6 +4,7 @@ loads it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -136,3 +137,138 @@ def test_the_trainer_loads_the_prepared_set_and_never_encodes(tmp_path, monkeypa
     unpacked = build_splits(config, unpacked_eval=True).eval
     assert len(unpacked) == stats["eval_examples"]
     assert json.loads((Path(stats["path"]) / prep.STATS_FILE).read_text())["key"] == stats["key"]
+
+
+def test_the_eval_dataset_is_prepared_with_the_set_unpacked_and_is_in_its_key(tmp_path):
+    rows = demo_rows(240)
+    data = write_jsonl(tmp_path / "rows.jsonl", rows[:200])
+    held = write_jsonl(tmp_path / "eval.jsonl", rows[200:230])
+    config = config_for(data, tmp_path / "out", packing=True, eval_dataset=str(held))
+    root = tmp_path / "prep"
+    stats = prep.prepare(config, root, num_proc=1)
+    assert stats["eval_dataset"]["rows_kept"] == 30 == stats["eval_dataset"]["rows_read"]
+    evaluated = prep.load_eval_dataset(stats["path"])
+    assert len(evaluated) == 30 and "position_ids" not in evaluated.column_names  # unpacked
+    assert prep.prepare(config, root)["cache_hit"]
+    # The eval data set changed, or is not asked for: another key, prepared anew.
+    write_jsonl(held, rows[200:231])
+    changed = prep.prepare(config, root, num_proc=1)
+    assert not changed["cache_hit"] and changed["eval_dataset"]["rows_kept"] == 31
+    without = prep.prepare(config_for(data, tmp_path / "out", packing=True), root, num_proc=1)
+    assert not without["cache_hit"] and without["eval_dataset"] is None
+    with pytest.raises(ValueError, match="holds no eval_dataset split"):
+        prep.load_eval_dataset(without["path"])
+
+
+def test_an_eval_dataset_without_usable_rows_fails_the_prepare_and_leaves_no_set(tmp_path):
+    data = write_jsonl(tmp_path / "rows.jsonl", demo_rows(100))
+    held = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": "no response"}] * 3)
+    root = tmp_path / "prep"
+    with pytest.raises(ValueError, match="eval_dataset .*eval.jsonl has no usable rows"):
+        prep.prepare(config_for(data, tmp_path / "out", eval_dataset=str(held)), root)
+    assert sets_in(root) == []
+
+
+def test_evaluate_measures_on_the_prepared_eval_sets_and_never_encodes(tmp_path, monkeypatch):
+    import finetune_contract.data
+    import trainer.data
+    from trainer.evaluate import eval_rows
+
+    rows = demo_rows(240)
+    data = write_jsonl(tmp_path / "rows.jsonl", rows[:200])
+    held = write_jsonl(tmp_path / "eval.jsonl", rows[200:230])
+    config = config_for(data, tmp_path / "out", packing=True, eval_dataset=str(held))
+    stats = prep.prepare(config, tmp_path / "prep", num_proc=1)
+
+    def no_encoding(*args, **kwargs):
+        raise AssertionError("evaluate encoded a row")
+
+    for name in ("encode_row", "encode_pair", "encode_example"):
+        monkeypatch.setattr(finetune_contract.data, name, no_encoding)
+    for name in ("encode_row", "encode_pair", "tokenize", "load_rows", "prepare"):
+        monkeypatch.setattr(prep, name, no_encoding)
+    monkeypatch.setattr(trainer.data, "prepare", no_encoding)
+    prepared = config_for(data, tmp_path / "out", packing=True, eval_dataset=str(held),
+                          prepared_data=stats["path"])
+    measured = eval_rows(prepared)
+    assert measured["input_ids"] == prep.load_eval_dataset(stats["path"])["input_ids"]
+    assert len(measured) == 30
+    # without eval_dataset: the held-out split's examples, unpacked
+    plain = prep.load_prepared(stats["path"], unpacked_eval=True)[1]
+    held_out = eval_rows(dataclasses.replace(prepared, eval_dataset=None))
+    assert len(held_out) == stats["eval_examples"] == len(plain)
+
+
+# The data set's encoding (finetune_data.prepare and the contract's encode functions), and a
+# tokenizer's own encoding calls: only these modules may reach them. The stage itself (on the
+# worker and in its pod), validate's sample of rows, the benchmark, and the trainer started by
+# hand without a prepared set (trainer.data, with the stage's own function). Nothing that runs
+# after prepare_data (the trainer's start, evaluate, the report) is here.
+ENCODING_NAMES = {"encode_row", "encode_pair", "encode_example", "tokenize", "load_rows",
+                  "prepare", "prepare_to_s3"}
+TOKENIZER_CALLS = {"encode", "encode_plus", "batch_encode_plus", "apply_chat_template"}
+MAY_ENCODE = {"finetune.prepare_data", "finetune.validate", "finetune.bench_data",
+              "trainer.prepare_data", "trainer.data"}
+ENCODING_MODULES = {"finetune_data.prepare", "finetune_data", "finetune_contract.data",
+                    "finetune_contract"}
+
+
+def modules_that_encode(sources: dict[str, str]) -> set[str]:
+    """The modules (name -> source) that import or call an encoding name, or call a
+    tokenizer's encoding (`tokenizer(...)`, `tokenizer.encode(...)`)."""
+    import ast
+
+    found = set()
+    for name, source in sources.items():
+        tree = ast.parse(source)
+        aliases = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module in ENCODING_MODULES:
+                names = {a.name for a in node.names}
+                if names & ENCODING_NAMES:
+                    found.add(name)
+                aliases |= {a.asname or a.name for a in node.names
+                            if f"{node.module}.{a.name}" in ENCODING_MODULES}
+            elif isinstance(node, ast.Import):
+                aliases |= {a.asname for a in node.names
+                            if a.name in ENCODING_MODULES and a.asname}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
+                    node.value.id in aliases and node.attr in ENCODING_NAMES:
+                found.add(name)
+            if isinstance(node, ast.Call):
+                func = node.func
+                # a tokenizer object called (not a class, not a function that makes one)
+                if isinstance(func, ast.Name) and (func.id == "tokenizer" or (
+                        func.id.endswith("_tokenizer")
+                        and not func.id.startswith(("save_", "train_", "load_", "make_")))):
+                    found.add(name)
+                if isinstance(func, ast.Attribute) and func.attr in TOKENIZER_CALLS and \
+                        "tokenizer" in ast.unparse(func.value).lower():
+                    found.add(name)
+    return found
+
+
+def test_no_stage_after_prepare_data_and_no_trainer_module_encodes_the_data():
+    from tests.support import REPO_ROOT
+
+    sources = {}
+    for root, tree in ((REPO_ROOT / "plugins", REPO_ROOT / "plugins" / "finetune"),
+                       (REPO_ROOT, REPO_ROOT / "trainer")):
+        for path in tree.rglob("*.py"):
+            module = ".".join(path.relative_to(root).with_suffix("").parts)
+            sources[module.removesuffix(".__init__")] = path.read_text()
+    assert modules_that_encode(sources) == MAY_ENCODE
+
+
+def test_the_encoding_scan_finds_a_module_that_encodes():
+    assert modules_that_encode({
+        "a": "from finetune_data.prepare import tokenize\n",
+        "b": "from finetune_contract import data as d\nd.encode_row(t, c, r)\n",
+        "c": "def f(tokenizer):\n    return tokenizer('text')['input_ids']\n",
+        "c2": "def f(champion_tokenizer):\n    return champion_tokenizer('text')\n",
+        "d": "def f(self):\n    return self.tokenizer.apply_chat_template([])\n",
+        "e": "import finetune_data.prepare as p\np.prepare(c, r)\n",
+        "clean": "from finetune_data.prepare import load_prepared\n",
+        "clean2": "t = Tokenizer(m)\nsave_tokenizer(t, out)\n",
+    }) == {"a", "b", "c", "c2", "d", "e"}
