@@ -18,6 +18,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -27,7 +28,8 @@ def _timed(fn):
     return time.perf_counter() - started, result
 
 
-def bench(rows: int, work: Path) -> dict[str, float]:
+def bench(rows: int, work: Path) -> Iterator[tuple[str, float]]:
+    """(figure, seconds), each as soon as it is measured (a run stopped midway keeps them)."""
     from finetune_data.prepare import cpu_count, prepare
 
     from finetune.validate import validate_params
@@ -39,24 +41,26 @@ def bench(rows: int, work: Path) -> dict[str, float]:
     with open(data, "w") as f:
         for row in make_rows(rows, 0):
             f.write(json.dumps(row) + "\n")
-    out: dict[str, float] = {}
     # Imported first (torch through AutoTokenizer): the figures leave import time out.
     from transformers import AutoTokenizer  # noqa: F401
 
-    out["validate_s"], _ = _timed(lambda: validate_params(
+    seconds, _ = _timed(lambda: validate_params(
         {"dataset": str(data), "output_dir": str(work / "runs")}, run_id=f"bench{rows}"))
+    yield "validate_s", seconds
     config = load_config(None, {"dataset": str(data), "output_dir": str(work / "out")})
     cores = cpu_count()
-    out["prepare_1_core_s"], _ = _timed(lambda: prepare(config, work / "p1", 1, log=_quiet))
+    seconds, _ = _timed(lambda: prepare(config, work / "p1", 1, log=_quiet))
+    yield "prepare_1_core_s", seconds
     # A new mtime: a new key, and no reuse of the rows `datasets` cached for the first prepare.
     os.utime(data, (time.time() + 10, time.time() + 10))
-    out[f"prepare_{cores}_cores_s"], stats = _timed(
-        lambda: prepare(config, work / "pn", cores, log=_quiet))
-    out["prepare_cache_hit_s"], _ = _timed(lambda: prepare(config, work / "pn", log=_quiet))
+    seconds, stats = _timed(lambda: prepare(config, work / "pn", cores, log=_quiet))
+    yield f"prepare_{cores}_cores_s", seconds
+    seconds, _ = _timed(lambda: prepare(config, work / "pn", log=_quiet))
+    yield "prepare_cache_hit_s", seconds
     prepared = dataclasses.replace(config, prepared_data=stats["path"])
-    out["trainer_data_start_s"], splits = _timed(lambda: build_splits(prepared))
+    seconds, splits = _timed(lambda: build_splits(prepared))
     assert len(splits.train) == stats["train_rows"]
-    return out
+    yield "trainer_data_start_s", seconds
 
 
 def _quiet(_: str) -> None:
@@ -72,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     datasets.disable_progress_bars()
     for rows in args.rows:
         with tempfile.TemporaryDirectory(prefix="bench-data-") as work:
-            for name, seconds in bench(rows, Path(work)).items():
+            for name, seconds in bench(rows, Path(work)):
                 print(f"rows {rows}: {name} {seconds:.2f}", flush=True)
 
 
