@@ -311,7 +311,7 @@ def data_section(record: dict | None) -> dict | None:
     keys = ("path", "cache_hit", "seconds", "num_proc", "rows_read", "rows_kept",
             "skipped_rows", "skipped_rows_by_reason", "longest_skipped_rows", "train_rows",
             "eval_rows", "train_examples", "eval_examples", "packing", "seq_len", "tokens",
-            "tokens_per_epoch", "length_histogram")
+            "tokens_per_epoch", "length_histogram", "eval_dataset")
     return {key: record.get(key) for key in keys}
 
 
@@ -325,6 +325,11 @@ def _data_view(data: dict | None) -> dict | None:
             *[(key, str(data.get(key))) for key in (
                 "rows_read", "rows_kept", "skipped_rows", "skipped_rows_by_reason", "train_rows",
                 "eval_rows", "tokens_per_epoch")]]
+    evaluated = data.get("eval_dataset")
+    if evaluated:  # the separate eval data set evaluate measures on, prepared with the set
+        rows.append(("eval_dataset", f"{evaluated['dataset']}: {evaluated['rows_kept']} of "
+                     f"{evaluated['rows_read']} rows kept, skipped "
+                     f"{evaluated['skipped_rows_by_reason'] or 'none'}"))
     histogram = data.get("length_histogram") or {}
     rows += [(f"examples of {bin_} tokens", str(n)) for bin_, n in histogram.items()]
     rows += [(f"skipped: {r['where']}", f"{r['tokens']} tokens, {r['reason']}")

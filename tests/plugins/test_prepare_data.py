@@ -58,13 +58,16 @@ def test_the_report_and_the_runs_page_show_the_data_statistics_and_the_cache_hit
               "longest_skipped_rows": [{"where": "d.jsonl line 7", "tokens": 900,
                                         "reason": "too_long"}],
               "train_rows": 80, "eval_rows": 10, "tokens_per_epoch": 4000,
-              "length_histogram": {"<=16": 50, "<=32": 40}}
+              "length_histogram": {"<=16": 50, "<=32": 40},
+              "eval_dataset": {"dataset": "/d/held.jsonl", "rows_read": 31, "rows_kept": 30,
+                               "skipped_rows_by_reason": {"empty": 1}, "tokens": 900}}
     (tmp_path / RUN_RECORD).write_text(json.dumps(record))
     report = write_report(tmp_path, run_id="r", status="success", config={})
     assert report["data"]["cache_hit"] is True and report["data"]["rows_kept"] == 90
     html = (tmp_path / "report.html").read_text()
     assert "<h2>Data</h2>" in html and "reused (cache hit)" in html
     assert "d.jsonl line 7" in html and "examples of &lt;=32 tokens" in html
+    assert "/d/held.jsonl: 30 of 31 rows kept" in html
     table = render_runs_table([_row("r", str(tmp_path), report, True, 0.0, "success")])
     assert "90 of 100 rows" in table and "10 skipped; cache hit" in table
 
