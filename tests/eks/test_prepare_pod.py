@@ -226,6 +226,32 @@ def test_an_oom_killed_pod_fails_the_stage_with_that_first_and_leaves_nothing(se
     assert objects_left(kube) == []
 
 
+def test_a_prepare_task_marked_failed_while_deferred_deletes_its_job(session, kube):
+    import asyncio
+
+    from airflow.sdk.exceptions import TaskDeferred
+
+    from tests.support.deferral import reloaded
+
+    with pytest.raises(TaskDeferred) as deferred:
+        stage_operator("prepare_data", pod_config()).execute({})
+    assert deferred.value.method_name == "resume"
+    assert deferred.value.kwargs["resume"] == "prepare_job_done"
+    assert [o.split("/")[0] for o in objects_left(kube)] == ["job"]
+    asyncio.run(reloaded(deferred.value.trigger).on_kill())
+    assert objects_left(kube) == []
+
+
+def test_a_retry_of_prepare_adopts_the_running_job_of_the_first_try(session, kube):
+    from airflow.sdk.exceptions import TaskDeferred
+
+    cfg = pod_config()
+    for _ in range(2):
+        with pytest.raises(TaskDeferred):
+            stage_operator("prepare_data", cfg).execute({})
+    assert [o.split("/")[0] for o in objects_left(kube)] == ["job"]
+
+
 def test_teardown_deletes_a_prepare_pod_left_running(session, kube, nodegroup, tmp_path):
     from finetune.targets.eks import job
     from tests.support.eks import target
