@@ -30,32 +30,28 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import transformers
 from torch.distributed.fsdp import FSDPModule
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from finetune_contract.fields import ATTENTION, LORA_TARGET_MODULES, QUANTIZE_BASE
 from finetune_contract.models import BUILTIN_MODELS
 from finetune_contract.rules import lora_module_names
 from finetune_contract.throughput import flops_per_token, mfu
 from trainer.attention import attn_implementation
+from trainer.bench_titan import titan_problem, titan_step_runner
 from trainer.config import TrainConfig
 from trainer.float8 import check_float8_device, precompute_float8_scales
 from trainer.lora import apply_lora
 from trainer.loss import LOSS_METHOD, add_loss_method
 from trainer.master_weights import compute_weights
 from trainer.metrics import peak_flops
-from trainer.model import (
-    build_model,
-    builtin_config,
-    init_buffers,
-    init_random_weights,
-    materialize_weights,
-)
+from trainer.model import build_model, builtin_config, materialize_weights
 from trainer.optim import build_optimizer, optimizer_step
 from trainer.parallel import DistEnv, apply_parallelism, init_distributed, quantize_dtype
 from trainer.qlora import nf4_bytes
@@ -75,8 +71,9 @@ FAMILY_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
         num_attention_heads=8, num_key_value_heads=4, head_dim=256,
         max_position_embeddings=8192, tie_word_embeddings=True)),
 }
-# The peers beside ours: Hugging Face Trainer, and Trainer with Liger's kernels.
-PEERS = ("hf", "liger")
+# The peers beside ours: Hugging Face Trainer, Trainer with Liger's kernels, and torchtitan
+# (trainer/bench_titan.py); each with the "run" name of its JSON line.
+PEERS = {"hf": "hf_trainer", "liger": "hf_liger", "titan": "titan"}
 SHORT_NAMES = {"1b": "llama-1b", "3b": "llama-3b", "8b": "llama-8b", "70b": "llama-70b",
                "tiny": "tiny-llama"}
 GIB = 1024**3
@@ -84,7 +81,9 @@ GIB = 1024**3
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="trainer.bench", description=__doc__.split("\n")[0])
-    parser.add_argument("--models", default="1b,3b,8b", help="comma-separated: 1b, 3b, 8b, tiny")
+    parser.add_argument("--models", default="1b,3b,8b",
+                        help="comma-separated: 1b, 3b, 8b, tiny, a family shape, or a directory "
+                        "with a config.json (random weights of that config)")
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--grad-accum", type=int, default=1,
                         help="micro batches per optimizer step (both trainers)")
@@ -113,16 +112,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "models' head shapes")
     parser.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--peers", default="hf",
-                        help="comma-separated: hf (Trainer), liger (Trainer + Liger kernels)")
-    parser.add_argument("--peer-worker", default="", help=argparse.SUPPRESS)
+                        help="comma-separated: hf (Trainer), liger (Trainer + Liger kernels), "
+                        "titan (torchtitan)")
+    parser.add_argument("--peer-worker", default="", choices=["", *PEERS],
+                        help=argparse.SUPPRESS)
     parser.add_argument("--profile", action="store_true", help="print a profile of our steps")
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args(argv)
     args.models = [SHORT_NAMES.get(m, m) for m in args.models.split(",") if m]
-    unknown = [m for m in args.models if m not in BUILTIN_MODELS and m not in FAMILY_SHAPES]
+    unknown = [m for m in args.models
+               if m not in BUILTIN_MODELS and m not in FAMILY_SHAPES and not is_config_dir(m)]
     if unknown:
         parser.error(f"unknown model(s) {', '.join(unknown)}; choose from "
-                     f"{', '.join([*SHORT_NAMES, *FAMILY_SHAPES])}")
+                     f"{', '.join([*SHORT_NAMES, *FAMILY_SHAPES])}, or a directory holding a "
+                     "config.json")
     args.attention = [a for a in args.attention.split(",") if a]
     bad = [a for a in args.attention if a not in ATTENTION]
     if bad:
@@ -132,6 +135,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if bad:
         parser.error(f"unknown --peers {', '.join(bad)}; choose from {', '.join(PEERS)}")
     return args
+
+
+def is_config_dir(name: str) -> bool:
+    return (Path(name) / "config.json").is_file()
 
 
 def random_batches(vocab: int, args: argparse.Namespace, device: torch.device) -> torch.Tensor:
@@ -205,9 +212,12 @@ def _rounded(value: float | None) -> float | None:
 
 
 def bench_config(name: str) -> PretrainedConfig:
-    """A built-in model's LlamaConfig, or a family shape's config (FAMILY_SHAPES)."""
-    if name not in FAMILY_SHAPES:
+    """A built-in model's LlamaConfig, a family shape's config (FAMILY_SHAPES), or a directory's
+    config.json."""
+    if name in BUILTIN_MODELS:
         return builtin_config(name)
+    if name not in FAMILY_SHAPES:
+        return AutoConfig.from_pretrained(name)
     class_name, kwargs = FAMILY_SHAPES[name]
     config = getattr(transformers, class_name)(**kwargs)
     config.architectures = [class_name.replace("Config", "ForCausalLM")]
@@ -226,15 +236,10 @@ def build_bench_model(name: str, attention: str) -> torch.nn.Module:
 
 def materialize_bench_model(model: torch.nn.Module, name: str, config: TrainConfig,
                             device: torch.device) -> None:
-    """Seeded random weights: a family shape has no checkpoint, so trainer.model's random init
-    (the built-in models' path) fills it too."""
-    if name in BUILTIN_MODELS:
-        materialize_weights(model, name, config.seed, device, quantize_dtype(config))
-        return
-    model.to_empty(device=device)
-    model.tie_weights()
-    init_random_weights(model, config.seed)
-    init_buffers(model)
+    """Seeded random weights: a family shape or config directory has no checkpoint, so
+    trainer.model's random init (the built-in models' path, QLoRA's NF4 included) fills it too."""
+    materialize_weights(model, name, config.seed, device, quantize_dtype(config),
+                        random_init=True)
 
 
 def run_trainer(
@@ -400,6 +405,35 @@ def run_hf_trainer(
     )
 
 
+def run_titan(
+    name: str, args: argparse.Namespace, device: torch.device, peak: float | None
+) -> dict[str, Any]:
+    """torchtitan's Llama 3 on the same shape, tokens and hyper-parameters
+    (trainer/bench_titan.py says what of torchtitan runs)."""
+    problem = titan_problem(name, args)
+    if problem:
+        raise ValueError(problem)
+    if device.type != "cuda":
+        raise ValueError("the torchtitan peer runs on a GPU (flex attention's kernels)")
+    model_config = bench_config(name)
+    with torch.device("meta"):
+        ours_params = sum(p.numel() for p in build_model(name).parameters())
+    torch.manual_seed(args.seed)
+    step, options = titan_step_runner(name, args, device)
+    if options["params"] != ours_params:  # the same shape, or the comparison means nothing
+        raise ValueError(f"torchtitan's {options['flavor']} has {options['params']} parameters, "
+                         f"{name} {ours_params}")
+    batches = random_batches(model_config.vocab_size, args, device)
+    step_times, losses = [], []
+    for micro_batches in batches:
+        synchronize(device)
+        start = time.perf_counter()
+        losses.append(step(micro_batches))
+        synchronize(device)
+        step_times.append(time.perf_counter() - start)
+    return result("titan", name, options, args, model_config, step_times, losses, device, peak)
+
+
 def _liger_version() -> str:
     from importlib.metadata import version
 
@@ -554,15 +588,33 @@ def _median_ms(run: Callable[[], Any], warmup: int = 3, repeats: int = 10) -> fl
 def peer_in_child(peer: str, name: str, argv: Sequence[str]) -> dict[str, Any]:
     """A peer run in its own process: Liger patches transformers' modules for good, which must
     not reach the next model's runs; its JSON line, or an error row with the child's last words."""
-    drop = {"--attention-check"}
-    child = [a for a in argv if a not in drop] + ["--models", name, "--peer-worker", peer]
+    child = peer_child_argv(argv, name, peer)
     done = subprocess.run([sys.executable, "-m", "trainer.bench", *child], capture_output=True,
                           text=True, check=False)
     for line in reversed(done.stdout.splitlines()):
         if line.startswith("{"):
             return json.loads(line)
-    return {"run": f"hf_{peer}", "model": name,
-            "error": f"exit {done.returncode}: {done.stderr[-400:]}"}
+    return {"run": PEERS[peer], "model": name,
+            "error": f"exit {done.returncode}: {done.stderr[-1500:]}"}
+
+
+def peer_child_argv(argv: Sequence[str], name: str, peer: str) -> list[str]:
+    """The child's arguments: the parent's, for one model and one peer, without the kernel check
+    (the parent ran it)."""
+    return [a for a in argv if a != "--attention-check"] + ["--models", name,
+                                                            "--peer-worker", peer]
+
+
+def run_peer_worker(args: argparse.Namespace) -> None:
+    """In the child of peer_in_child: the one peer --peer-worker names, each model."""
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    peak, _ = peak_flops(device, torch.bfloat16)
+    for name in args.models:
+        if args.peer_worker == "titan":
+            run = functools.partial(run_titan, name, args, device, peak)
+        else:
+            run = functools.partial(run_hf_trainer, name, args, device, peak, liger=True)
+        print(json.dumps(guarded(run, PEERS[args.peer_worker], name)), flush=True)
 
 
 def print_ratios(ours_rows: list[dict[str, Any]], theirs: dict[str, Any],
@@ -581,11 +633,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if args.peer_worker:  # a child of peer_in_child: that peer alone
-        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-        peak, _ = peak_flops(device, torch.bfloat16)
-        for name in args.models:
-            run = functools.partial(run_hf_trainer, name, args, device, peak, liger=True)
-            print(json.dumps(guarded(run, "hf_liger", name)), flush=True)
+        run_peer_worker(args)
         return
     if args.attention_check and torch.cuda.is_available():
         for row in attention_check(args, torch.device("cuda", 0)):
@@ -609,6 +657,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 hf_run = functools.partial(run_hf_trainer, name, args, env.device, peak)
                 theirs = guarded(hf_run, "hf_trainer", name)
                 release_memory(env.device)
+            elif peer == "titan" and titan_problem(name, args):  # refused before any cost
+                theirs = {"run": PEERS[peer], "model": name, "error": titan_problem(name, args)}
             else:
                 theirs = peer_in_child(peer, name, argv)
             print(json.dumps(theirs), flush=True)

@@ -97,11 +97,13 @@ def materialize_weights(
     seed: int,
     device: torch.device,
     quantize_dtype: torch.dtype | None = None,
+    random_init: bool = False,
 ) -> None:
     """Allocate the (sharded) parameters of a `build_model` model on `device` and fill them.
 
-    `source` is the `build_model` name: a built-in config gets seeded random weights, anything
-    else its pretrained weights. Run after sharding (fully_shard), before the first forward.
+    `source` is the `build_model` name: a built-in config (or any, with `random_init`: the
+    benchmark's shapes, which have no checkpoint) gets seeded random weights, anything else its
+    pretrained weights. Run after sharding (fully_shard), before the first forward.
     quantize_dtype: QLoRA (trainer/qlora.py): the blocks' frozen Linear weights are made in this
     dtype and stored in NF4 one at a time, the same numbers as an unquantized run's draw.
     """
@@ -109,7 +111,7 @@ def materialize_weights(
         defer_quantized(model)
     model.to_empty(device=device)
     model.tie_weights()  # to_empty gives an unsharded (non-DTensor) head its own new tensor
-    if source in BUILTIN_MODELS:
+    if random_init or source in BUILTIN_MODELS:
         init_random_weights(model, seed, quantize_dtype)
     else:
         load_pretrained_weights(model, pretrained_dir(source), quantize_dtype)

@@ -3,7 +3,11 @@
 
 import json
 import math
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +21,7 @@ from tests.trainer.families_worker import CHECKPOINT_AT, STEPS, setups_of
 from trainer.config import load_config
 from trainer.evaluate import eval_rows, loss_on
 from trainer.model import build_model, init_buffers, materialize_weights
+from trainer.parallel import QUANTIZE_ON_CPU_ENV
 
 TOKENIZER = "trainer/demo/tokenizer"
 # Every family of the table, with what its tiny config sets beyond SHAPE: a head_dim that is not
@@ -138,3 +143,33 @@ def test_every_family_trains_resumes_and_exports_on_every_path(matrix, model_typ
                        torch.device("cpu"))
         assert loss == pytest.approx(summary["final_eval_loss"], rel=1e-5), setup
     assert (runs / "full" / "checkpoints" / f"step_{CHECKPOINT_AT:08d}").is_dir()
+
+
+@pytest.mark.slow
+def test_qlora_trains_every_family_through_the_benchmark(tmp_path):
+    """QLoRA (NF4 base, LoRA rank 8 on the family's default targets) on each family's tiny
+    config, through trainer.bench's config-directory rows: on a GPU for real (bf16, torchao's
+    NF4 kernels), elsewhere with NF4 emulated on the CPU. Every family runs, with its blocks'
+    Linears stored in NF4 and finite losses."""
+    dirs = []
+    for model_type in sorted(MATRIX):
+        family_config(model_type).save_pretrained(tmp_path / model_type)
+        dirs.append(str(tmp_path / model_type))
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    if not torch.cuda.is_available():
+        env[QUANTIZE_ON_CPU_ENV] = "1"
+    done = subprocess.run(
+        [sys.executable, "-m", "trainer.bench", "--models", ",".join(dirs), "--no-hf",
+         "--lora-rank", "8", "--quantize-base", "nf4", "--seq-len", "64", "--micro-batch", "2",
+         "--steps", "2", "--warmup", "1"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {Path(r["model"]).name: r for r in map(json.loads, done.stdout.splitlines())}
+    print("\n" + "\n".join(f"{name}: {row.get('error') or 'ran'} ({row.get('device')})"
+                           for name, row in rows.items()))
+    failed = {name: row["error"] for name, row in rows.items() if "error" in row}
+    assert not failed
+    assert sorted(rows) == sorted(MATRIX)
+    for row in rows.values():
+        assert row["options"]["quantize_base"] == "nf4" and row["options"]["nf4_gib"] > 0
+        assert math.isfinite(row["loss_first"]) and math.isfinite(row["loss_last"])

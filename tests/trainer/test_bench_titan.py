@@ -1,0 +1,61 @@
+"""The torchtitan peer's pure parts (trainer/bench_titan.py), without torchtitan installed."""
+
+import pytest
+import torch
+
+from finetune_contract.models import BUILTIN_MODELS
+from trainer.bench import PEERS, parse_args, peer_child_argv
+from trainer.bench_titan import (
+    IGNORE_INDEX,
+    TITAN_FLAVORS,
+    titan_activation_checkpointing,
+    titan_labels,
+    titan_problem,
+)
+
+
+def test_every_titan_flavor_is_a_builtin_model_of_the_bench():
+    assert set(TITAN_FLAVORS) <= set(BUILTIN_MODELS)
+
+
+@pytest.mark.parametrize("flag", [["--lora-rank", "16"], ["--lora-rank", "16", "--quantize-base",
+                                  "nf4"], ["--float8"], ["--tp-degree", "2"]])
+def test_titan_refuses_what_it_would_not_run_the_same_way_naming_the_flag(flag):
+    args = parse_args(["--models", "8b", "--peers", "titan", *flag])
+    assert flag[0] in titan_problem("llama-8b", args)
+
+
+def test_titan_refuses_a_shape_it_has_no_flavor_of_naming_the_ones_it_has():
+    args = parse_args(["--models", "mistral-7b", "--peers", "titan"])
+    problem = titan_problem("mistral-7b", args)
+    assert "mistral-7b" in problem and "llama-3b" in problem
+    assert titan_problem("llama-3b", parse_args(["--models", "3b"])) is None
+
+
+def test_the_same_recomputation_on_both_sides():
+    assert [titan_activation_checkpointing(ac) for ac in ("none", "full", "selective")] == [
+        None, "FullAC", "SelectiveAC"]
+
+
+def test_titan_labels_are_the_next_tokens_with_the_last_ignored():
+    ids = torch.randint(0, 100, (2, 7))
+    labels = titan_labels(ids)
+    assert torch.equal(labels[:, :-1], ids[:, 1:])
+    assert (labels[:, -1] == IGNORE_INDEX).all()
+    # seq_len - 1 labelled tokens a row: what the bench's other runs count as tokens
+    assert int((labels != IGNORE_INDEX).sum()) == 2 * 6
+
+
+def test_the_peer_child_runs_one_model_and_one_peer_without_the_kernel_check():
+    argv = ["--models", "1b,3b", "--attention-check", "--peers", "hf,titan", "--compile"]
+    child = peer_child_argv(argv, "llama-3b", "titan")
+    args = parse_args(child)
+    assert args.models == ["llama-3b"] and args.peer_worker == "titan"
+    assert not args.attention_check and args.compile
+    assert PEERS["titan"] == "titan"
+
+
+def test_an_unknown_peer_is_refused_naming_the_known_ones(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--peers", "megatron"])
+    assert "titan" in capsys.readouterr().err
