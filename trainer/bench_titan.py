@@ -93,6 +93,11 @@ def titan_step_runner(
     compile_config = CompileConfig(enable=args.compile, components=["model", "loss"])
     ac_class = titan_activation_checkpointing(args.ac)
     ac_config = getattr(titan_ac, ac_class).Config() if ac_class else None
+    # Its mesh needs a process group (its Trainer's torchrun makes one): one rank, in memory.
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", store=torch.distributed.HashStore(),
+            rank=0, world_size=1, device_id=device if device.type == "cuda" else None)
     parallel_dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1,
                                  world_size=1, spmd_backend=parallelism.spmd_backend)
     with torch.device("meta"):
