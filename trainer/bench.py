@@ -414,14 +414,14 @@ def run_titan(
     if problem:
         raise ValueError(problem)
     if device.type != "cuda":
-        raise ValueError("the torchtitan peer runs on a GPU (flex attention's kernels)")
+        raise ValueError("the torchtitan peer is a GPU comparison (its fused AdamW, compile)")
     model_config = bench_config(name)
     with torch.device("meta"):
         ours_params = sum(p.numel() for p in build_model(name).parameters())
     torch.manual_seed(args.seed)
     step, options = titan_step_runner(name, args, device)
     if options["params"] != ours_params:  # the same shape, or the comparison means nothing
-        raise ValueError(f"torchtitan's {options['flavor']} has {options['params']} parameters, "
+        raise ValueError(f"torchtitan's {options['model']} has {options['params']} parameters, "
                          f"{name} {ours_params}")
     batches = random_batches(model_config.vocab_size, args, device)
     step_times, losses = [], []

@@ -1,42 +1,50 @@
-"""torchtitan as a peer of trainer.bench: its Llama 3, flex attention, FSDP2, compile and loss.
+"""torchtitan as a peer of trainer.bench: its Llama 3 model, sdpa, compile, AC and loss.
 
 `python -m trainer.bench --peers titan` runs it in a child process (as the Liger peer runs), on
-the bench's shapes, tokens and hyper-parameters. What runs is torchtitan's own: `model_registry`'s
-Llama 3 flavor with `attn_backend="flex"` (its language models take no sdpa), `parallelize_llama`
-(its activation checkpointing, per-block torch.compile, and `fully_shard` with its
-MixedPrecisionPolicy: bf16 parameters, fp32 reduction, fp32 masters) on a one-rank FSDP mesh, its
-`init_weights`, its ChunkedLossWrapper over CrossEntropyLoss (sum over tokens / the step's valid
-tokens), its AdamW container (fused) and its `clip_grad_norm_`. The step is its Trainer's
-`train_step` without the data loader, metrics or checkpointing around it: per micro-batch the
-positions (one document a row, as its data loaders emit them), the block mask from
-`get_attention_masks`, forward without the head, the chunked loss and backward; then clip and step.
-Its Trainer also wraps that forward-backward in a CUDA graph by default; this adapter does not.
+the bench's shapes, tokens and hyper-parameters. torchtitan 0.2.2: the newest release that runs
+on torch 2.11 (0.3.0 imports `DataParallelMeshDims` from `torch.distributed.fsdp`, which torch
+2.11 lacks: seen on the H200, 2026-12-03). What runs is torchtitan's own: its llama3
+`Transformer` (sdpa, causal) at the bench's shape, `parallelize_llama` (its activation
+checkpointing and per-block torch.compile; on one GPU it applies no FSDP, and its trainer's
+`maybe_enable_amp` gives bf16 autocast over fp32 weights, the bench's numerics), its
+`init_weights`, its cross-entropy (sum over tokens / the step's valid tokens, compiled with the
+model), `build_optimizers` (AdamW, fused) and `clip_grad_norm_`. The step is its Trainer's
+`train_step` on one device without the data loader, metrics or checkpointing around it.
+torchtitan's llama3 never ties the output head to the embedding; the 1B and 3B shapes (Llama
+3.2) tie it, so the adapter ties the embedding to the head after torchtitan's init, and the
+parameter count is checked equal to ours.
 
-Only the pure parts (which flavor, which checkpointing, what it refuses) run without torchtitan
+Only the pure parts (which shape, which checkpointing, what it refuses) run without torchtitan
 installed; `titan_step_runner` imports it.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import tempfile
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-# The bench's built-in Llama shapes and torchtitan's llama3 flavors of the same shapes (vocab
-# 128256, the same FFN widths; 1B and 3B tie the embedding, 8B and 70B do not).
-TITAN_FLAVORS = {"llama-1b": "1B", "llama-3b": "3B", "llama-8b": "8B", "llama-70b": "70B"}
+# The bench's built-in Llama shapes as torchtitan's TransformerModelArgs (its FFN width rule:
+# multiple_of rounding of 2/3 * 4 * dim * ffn_dim_multiplier gives Llama's 8192, 8192 and 14336),
+# and whether Llama ties the head to the embedding (1B, 3B).
+TITAN_SHAPES = {
+    "llama-1b": (dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5,
+                      multiple_of=256, rope_theta=500000), True),
+    "llama-3b": (dict(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0,
+                      multiple_of=256, rope_theta=500000), True),
+    "llama-8b": (dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3,
+                      multiple_of=1024, rope_theta=500000), False),
+}
 IGNORE_INDEX = -100  # torchtitan's, and Hugging Face's
 
 
 def titan_problem(name: str, args: argparse.Namespace) -> str | None:
     """Why torchtitan cannot run this bench row as a peer of the same settings, else None."""
-    if name not in TITAN_FLAVORS:
-        return (f"torchtitan's llama3 has no flavor of {name}; it runs "
-                + ", ".join(TITAN_FLAVORS))
+    if name not in TITAN_SHAPES:
+        return f"the torchtitan peer runs the Llama shapes {', '.join(TITAN_SHAPES)}, not {name}"
     unsupported = [flag for flag, on in (
         ("--lora-rank", args.lora_rank), ("--quantize-base", args.quantize_base != "none"),
         ("--float8", args.float8), ("--tp-degree", args.tp_degree > 1)) if on]
@@ -44,11 +52,6 @@ def titan_problem(name: str, args: argparse.Namespace) -> str | None:
         return (f"the torchtitan peer compares full bf16 fine-tuning only; "
                 f"{', '.join(unsupported)} not supported")
     return None
-
-
-def titan_activation_checkpointing(ac: str) -> str | None:
-    """torchtitan's checkpointing class for the bench's --ac: the same recomputation both sides."""
-    return {"none": None, "full": "FullAC", "selective": "SelectiveAC"}[ac]
 
 
 def titan_labels(input_ids: torch.Tensor) -> torch.Tensor:
@@ -67,58 +70,53 @@ def titan_step_runner(
     run's options (versions, settings) for its JSON line."""
     from importlib.metadata import version
 
-    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
-    from torchtitan.components.optimizer import default_adamw
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.components.loss import build_cross_entropy_loss
+    from torchtitan.components.optimizer import build_optimizers
+    from torchtitan.config import JobConfig
     from torchtitan.distributed import ParallelDims
-    from torchtitan.distributed import activation_checkpoint as titan_ac
     from torchtitan.distributed import utils as dist_utils
-    from torchtitan.models.llama3 import model_registry
-    from torchtitan.models.llama3.parallelize import parallelize_llama
+    from torchtitan.models.llama3.infra.parallelize import parallelize_llama
+    from torchtitan.models.llama3.model.args import TransformerModelArgs
+    from torchtitan.models.llama3.model.model import Transformer
 
-    flavor = TITAN_FLAVORS[name]
-    spec = model_registry(flavor, attn_backend="flex")
-    model_config = spec.model
-    # What its Trainer's update_from_config does for one GPU: RoPE cached for the run's length.
-    for layer in model_config.layers:
-        layer.attention.rope = dataclasses.replace(layer.attention.rope,
-                                                   max_seq_len=args.seq_len)
-    # partial_dtensor: the FSDP2 path of DTensor parameters; with no TP or CP the spmd_types
-    # default applies the same fully_shard.
-    parallelism = ParallelismConfig(spmd_backend="partial_dtensor")
-    dist_utils.set_spmd_backend(parallelism.spmd_backend)
-    training = TrainingConfig(local_batch_size=args.micro_batch, seq_len=args.seq_len,
-                              mixed_precision_param="bfloat16",
-                              mixed_precision_reduce="float32", max_norm=1.0)
-    compile_config = CompileConfig(enable=args.compile, components=["model", "loss"])
-    ac_class = titan_activation_checkpointing(args.ac)
-    ac_config = getattr(titan_ac, ac_class).Config() if ac_class else None
-    # Its mesh needs a process group (its Trainer's torchrun makes one): one rank, in memory.
-    if not torch.distributed.is_initialized():
+    shape, tied = TITAN_SHAPES[name]
+    job = JobConfig()
+    job.training.seq_len = args.seq_len
+    job.training.local_batch_size = args.micro_batch
+    job.training.mixed_precision_param = "bfloat16"
+    job.training.max_norm = 1.0
+    job.compile.enable = args.compile  # its default components: model and loss
+    job.activation_checkpoint.mode = args.ac  # the same recomputation both sides
+    if args.ac == "selective":
+        job.activation_checkpoint.selective_ac_option = str(args.selective_ac)
+    # The bench's hyper-parameters (lr 1e-5, no weight decay), torchtitan's betas and eps.
+    job.optimizer.lr = 1e-5
+    job.optimizer.weight_decay = 0.0
+    job.optimizer.implementation = "fused"
+    model_args = TransformerModelArgs(**shape, vocab_size=128256, max_seq_len=args.seq_len)
+    model_args.update_from_config(job)
+    if not torch.distributed.is_initialized():  # one rank, in memory, as its launcher's torchrun
         torch.distributed.init_process_group(
             "nccl" if device.type == "cuda" else "gloo", store=torch.distributed.HashStore(),
             rank=0, world_size=1, device_id=device if device.type == "cuda" else None)
-    parallel_dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1,
-                                 world_size=1, spmd_backend=parallelism.spmd_backend)
+    parallel_dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1,
+                                 world_size=1)
     with torch.device("meta"):
-        model = model_config.build()  # fp32 parameters: the masters
+        model = Transformer(model_args)  # fp32 parameters: the masters
     with tempfile.TemporaryDirectory() as dump_folder:
-        model = parallelize_llama(model, parallel_dims=parallel_dims, training=training,
-                                  parallelism=parallelism, compile_config=compile_config,
-                                  ac_config=ac_config, dump_folder=dump_folder)
+        job.job.dump_folder = dump_folder
+        model = parallelize_llama(model, parallel_dims, job)
     model.to_empty(device=device)
     with torch.no_grad():
         model.init_weights(buffer_device=None)
+    if tied:  # the head's init (std dim**-0.5) for both: its embedding's std 1 would blow up
+        model.tok_embeddings.weight = model.output.weight  # the logits of a tied head
     model.train()
-    loss_fn = ChunkedLossWrapper.Config(
-        loss_fn=CrossEntropyLoss.Config(global_vocab_size=model_config.vocab_size)
-    ).build(compile_config=compile_config)
-    loss_fn.set_lm_head(model.lm_head)
-    model._skip_lm_head = True
-    # The bench's hyper-parameters (lr 1e-5, no weight decay), torchtitan's betas and fused AdamW.
-    optimizers = default_adamw(lr=1e-5, weight_decay=0.0).build(model_parts=[model])
-    train_context = dist_utils.get_spmd_context(parallel_dims=parallel_dims)
-    params = [p for p in model.parameters()]
+    loss_fn = build_cross_entropy_loss(job)
+    optimizers = build_optimizers([model], job.optimizer, parallel_dims)
+    amp = dist_utils.maybe_enable_amp(parallel_dims, job.training.mixed_precision_param,
+                                      device.type)
+    params = list(model.parameters())
 
     def step(micro_batches: torch.Tensor) -> float:
         optimizers.zero_grad()
@@ -126,30 +124,26 @@ def titan_step_runner(
         valid = sum((lab != IGNORE_INDEX).sum() for lab in labels)
         total = torch.zeros((), device=device)
         for input_ids, lab in zip(micro_batches, labels, strict=True):
-            positions = torch.arange(input_ids.shape[1], device=device).expand_as(input_ids)
-            with train_context():
-                masks = model.get_attention_masks(positions=positions)
-                pred = model(input_ids, positions=positions, attention_masks=masks)
-                loss, _ = loss_fn(pred, lab, valid, positions=positions)
-                del pred
-                loss.backward()
+            with amp:
+                pred = model(input_ids)
+                loss = loss_fn(pred, lab) / valid
+            del pred
+            loss.backward()
             total += loss.detach()
-        dist_utils.clip_grad_norm_(params, training.max_norm, foreach=True)
+        dist_utils.clip_grad_norm_(params, job.training.max_norm, foreach=True)
         optimizers.step()
         return total.item()
 
     options = {
         "torchtitan": version("torchtitan"),
-        "flavor": f"llama3 {flavor}",
-        "attention": "flex",
-        "fsdp": "fully_shard, one-rank mesh, reshard_after_forward policy default",
-        "mixed_precision": "MixedPrecisionPolicy bf16 params, fp32 reduce (fp32 master)",
-        "ac": ac_class or "none",
+        "model": f"llama3 Transformer {name}" + (", head tied" if tied else ""),
+        "attention": "sdpa (causal)",
+        "fsdp": "none (one GPU: parallelize_llama applies none)",
+        "mixed_precision": "bf16 autocast (maybe_enable_amp), fp32 weights",
+        "ac": job.activation_checkpoint.mode,
         "compile": "per TransformerBlock + loss" if args.compile else False,
-        "loss": "ChunkedLossWrapper(CrossEntropyLoss), 8 chunks",
+        "loss": "cross_entropy_loss (sum / valid tokens)",
         "optimizer": "AdamW fused",
-        "cuda_graph": False,
         "params": sum(p.numel() for p in params),
     }
     return step, options
-

@@ -1,21 +1,29 @@
 """The torchtitan peer's pure parts (trainer/bench_titan.py), without torchtitan installed."""
 
+import math
+
 import pytest
 import torch
 
 from finetune_contract.models import BUILTIN_MODELS
-from trainer.bench import PEERS, parse_args, peer_child_argv
-from trainer.bench_titan import (
-    IGNORE_INDEX,
-    TITAN_FLAVORS,
-    titan_activation_checkpointing,
-    titan_labels,
-    titan_problem,
-)
+from trainer.bench import PEERS, bench_config, parse_args, peer_child_argv
+from trainer.bench_titan import IGNORE_INDEX, TITAN_SHAPES, titan_labels, titan_problem
 
 
-def test_every_titan_flavor_is_a_builtin_model_of_the_bench():
-    assert set(TITAN_FLAVORS) <= set(BUILTIN_MODELS)
+@pytest.mark.parametrize("name", sorted(TITAN_SHAPES))
+def test_titans_shape_is_the_benchs_model_of_that_name(name):
+    """The same layers, heads, widths and tying; the FFN width by torchtitan's FeedForward rule
+    (the runner also checks the parameter counts equal, on the GPU)."""
+    assert name in BUILTIN_MODELS
+    shape, tied = TITAN_SHAPES[name]
+    config = bench_config(name)
+    hidden = int(shape["ffn_dim_multiplier"] * int(2 * 4 * shape["dim"] / 3))
+    hidden = shape["multiple_of"] * math.ceil(hidden / shape["multiple_of"])
+    assert (shape["dim"], shape["n_layers"], shape["n_heads"], shape["n_kv_heads"], hidden,
+            shape["rope_theta"], tied) == (
+        config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
+        config.num_key_value_heads, config.intermediate_size, config.rope_parameters["rope_theta"],
+        config.tie_word_embeddings)
 
 
 @pytest.mark.parametrize("flag", [["--lora-rank", "16"], ["--lora-rank", "16", "--quantize-base",
@@ -25,16 +33,11 @@ def test_titan_refuses_what_it_would_not_run_the_same_way_naming_the_flag(flag):
     assert flag[0] in titan_problem("llama-8b", args)
 
 
-def test_titan_refuses_a_shape_it_has_no_flavor_of_naming_the_ones_it_has():
+def test_titan_refuses_a_shape_it_has_not_naming_the_ones_it_has():
     args = parse_args(["--models", "mistral-7b", "--peers", "titan"])
     problem = titan_problem("mistral-7b", args)
     assert "mistral-7b" in problem and "llama-3b" in problem
     assert titan_problem("llama-3b", parse_args(["--models", "3b"])) is None
-
-
-def test_the_same_recomputation_on_both_sides():
-    assert [titan_activation_checkpointing(ac) for ac in ("none", "full", "selective")] == [
-        None, "FullAC", "SelectiveAC"]
 
 
 def test_titan_labels_are_the_next_tokens_with_the_last_ignored():
