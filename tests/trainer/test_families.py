@@ -155,7 +155,9 @@ def test_qlora_trains_every_family_through_the_benchmark(tmp_path):
     for model_type in sorted(MATRIX):
         family_config(model_type).save_pretrained(tmp_path / model_type)
         dirs.append(str(tmp_path / model_type))
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1",  # the caller's path too: its packages
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT),
+                                                        os.environ.get("PYTHONPATH")]))}
     if not torch.cuda.is_available():
         env[QUANTIZE_ON_CPU_ENV] = "1"
     done = subprocess.run(
