@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import time
 import urllib.parse
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.slow  # a real Airflow, killed and started again; torch
 DAG_ID = "llm_finetune"
 RUN = {"preset": "tiny-local", "procs_per_node": 1, "eval_interval": 0,
        "checkpoint_interval": 0, "warmup_steps": 2}
-SHORT_STEPS = 20  # ends during the outage
+SHORT_STEPS = 100  # ends during the outage; still training at the kill (the two start together)
 LONG_STEPS = 2500  # still training when the retry comes (about 25 steps/s on 2 CPU cores)
 API_SERVER_LATE_S = 30
 # Short enough for a test: a dead scheduler's tasks are reset 10 s after its last heartbeat, a
@@ -55,6 +56,12 @@ def airflow(tmp_path_factory):
         server.stop()
 
 
+@pytest.fixture(scope="module")
+def runs_dir(tmp_path_factory) -> Path:
+    """The tests' output_dir: a run's prepared data set is there for the next run."""
+    return tmp_path_factory.mktemp("runs")
+
+
 def train_state(run_dir: Path) -> dict:
     path = run_dir / "state" / "train.json"
     return json.loads(path.read_text()) if path.is_file() else {}
@@ -72,69 +79,99 @@ def task_log(airflow: Airflow, run_id: str, task_id: str, try_number: int) -> st
     return path.read_text(errors="replace")
 
 
-@pytest.mark.parametrize("ends", ["during the outage", "after it"])
-@pytest.mark.parametrize("killed", ["scheduler", "everything"])
-def test_a_run_survives_airflow_killed_during_train(airflow, tmp_path, killed, ends):
-    max_steps = SHORT_STEPS if ends == "during the outage" else LONG_STEPS
+@dataclass
+class Run:
+    """A triggered run of the DAG: its id, its run directory, its steps, and whether its
+    training ends during the outage or after it; `agents` and `first_try` once it trains."""
+
+    run_id: str
+    run_dir: Path
+    max_steps: int
+    first_try: dict = field(default_factory=dict)
+
+    @property
+    def ends_during_the_outage(self) -> bool:
+        return self.max_steps == SHORT_STEPS
+
+
+def trigger(airflow: Airflow, output_dir: Path, max_steps: int) -> Run:
     status, run = airflow.api.call("POST", f"/api/v2/dags/{DAG_ID}/dagRuns", {
         "logical_date": None,
-        "conf": {**RUN, "max_steps": max_steps, "output_dir": str(tmp_path)}})
+        "conf": {**RUN, "max_steps": max_steps, "output_dir": str(output_dir)}})
     assert status == 200, run
-    run_id = run["dag_run_id"]
-    run_dir = tmp_path / run_dir_name(run_id)
-    wait_for("the training's step 2", lambda: len(logged_steps(run_dir)) >= 2, 300, airflow.home)
-    first_try = train_state(run_dir)
+    return Run(run["dag_run_id"], output_dir / run_dir_name(run["dag_run_id"]), max_steps)
 
-    if killed == "scheduler":  # its process group: the task process lives on, unsupervised
+
+def run_state(airflow: Airflow, run_id: str) -> str:
+    return airflow.api.get(f"/api/v2/dags/{DAG_ID}/dagRuns/"
+                           f"{urllib.parse.quote(run_id, safe='')}")["state"]
+
+
+@pytest.mark.parametrize("killed", ["scheduler", "everything"])
+def test_runs_survive_airflow_killed_during_train_ending_during_the_outage_or_after_it(
+        airflow, runs_dir, killed):
+    """Two runs at once: one whose training ends during the outage, one still training when
+    Airflow is back; each succeeds with its training run once."""
+    runs = [trigger(airflow, runs_dir, SHORT_STEPS), trigger(airflow, runs_dir, LONG_STEPS)]
+    short, long = runs
+    for run in runs:
+        wait_for("the training's step 2", lambda r=run: len(logged_steps(r.run_dir)) >= 2, 300,
+                 airflow.home)
+        run.first_try = train_state(run.run_dir)
+
+    if killed == "scheduler":  # its process group: the task processes live on, unsupervised
         down = ("scheduler",)
         airflow.kill("scheduler")
     else:  # every process Airflow started, task processes too
         down = COMPONENTS
         airflow.kill(whole_session=True)
-    agents = first_try["agents"]
-    assert all(_alive(pid) for pid in agents)  # the training runs on without Airflow
-    if ends == "during the outage":
-        wait_for("the training to finish", lambda: training_finished(
-            run_dir, first_try["started"]) and not any(_alive(p) for p in agents), 300,
-            airflow.home)
+    for run in runs:  # the trainings run on without Airflow
+        assert all(_alive(pid) for pid in run.first_try["agents"]), run
+    wait_for("the short training to finish", lambda: training_finished(
+        short.run_dir, short.first_try["started"]) and not any(
+        _alive(p) for p in short.first_try["agents"]), 300, airflow.home)
     if killed == "scheduler":
         airflow.start(*down)
-    else:  # the api-server last, as it comes up last: the scheduler queues the lost try's
-        # retry while tasks cannot reach the execution API
+    else:  # the api-server last, as it comes up last: the scheduler queues the lost tries'
+        # retries while tasks cannot reach the execution API
         airflow.start("scheduler", "dag-processor", "triggerer")
         time.sleep(API_SERVER_LATE_S)
         airflow.start("api-server")
-    if ends == "after it":
-        assert len(logged_steps(run_dir)) < max_steps  # still training when Airflow is back
+    assert len(logged_steps(long.run_dir)) < LONG_STEPS  # still training when Airflow is back
 
-    def finished() -> str | None:
-        state = airflow.api.get(f"/api/v2/dags/{DAG_ID}/dagRuns/"
-                                f"{urllib.parse.quote(run_id, safe='')}")["state"]
-        return state if state in ("success", "failed") else None
+    def ended() -> dict[str, str] | None:
+        states = {run.run_id: run_state(airflow, run.run_id) for run in runs}
+        return states if all(s in ("success", "failed") for s in states.values()) else None
 
     # Bounded, not short: on 2 CPU cores shared with other work a long training can take 15
     # minutes.
-    assert wait_for("the run to end", finished, 1500, airflow.home, interval=2) == "success", (
-        task_instances(airflow, run_id))
-    tis = task_instances(airflow, run_id)
+    states = wait_for("the runs to end", ended, 1500, airflow.home, interval=2)
+    for run in runs:
+        assert states[run.run_id] == "success", task_instances(airflow, run.run_id)
+        assert_ran_once_and_left_nothing(airflow, run)
+
+
+def assert_ran_once_and_left_nothing(airflow: Airflow, run: Run) -> None:
+    tis = task_instances(airflow, run.run_id)
     assert tis["train"]["try_number"] >= 2  # the lost try was retried
-    retry_log = task_log(airflow, run_id, "train", tis["train"]["try_number"])
-    assert ("reattaching to the training" if ends == "after it" else
-            "has finished (summary.json written, its agents gone)") in retry_log
+    retry_log = task_log(airflow, run.run_id, "train", tis["train"]["try_number"])
+    assert ("has finished (summary.json written, its agents gone)"
+            if run.ends_during_the_outage else "reattaching to the training") in retry_log
     assert "starting torchrun agent" not in retry_log
-    # promote is skipped when an earlier run of this Airflow's DAG is the better champion
+    # promote is skipped when another run of this Airflow's DAG is the better champion
     assert all(ti["state"] == "success" or (task == "promote" and ti["state"] == "skipped")
                for task, ti in tis.items()), tis
     # The training ran once: the same agents, every step once, one `done:` line, no resume.
-    assert train_state(run_dir)["agents"] == agents
-    assert logged_steps(run_dir) == list(range(1, max_steps + 1))
+    run_dir = run.run_dir
+    assert train_state(run_dir)["agents"] == run.first_try["agents"]
+    assert logged_steps(run_dir) == list(range(1, run.max_steps + 1))
     assert json.loads((run_dir / "summary.json").read_text())["resumed_from_step"] is None
     for log in (run_dir / "train.log", run_dir / "logs" / "torchrun-node-0.log"):
         assert log.read_text().count("done: ") == 1, log
     assert Path(run_dir, "model", "config.json").is_file()
     # Nothing of the run left: no trainer, no earlier try's task process, no etcd.
     assert _trainer_processes(str(run_dir / "trainer_config.json")) == []
-    assert not _alive(first_try["task"]["pid"])
+    assert not _alive(run.first_try["task"]["pid"])
     etcd = run_dir / "state" / "etcd.json"
     if etcd.is_file():
         assert not _alive(json.loads(etcd.read_text())["pid"])
