@@ -12,6 +12,7 @@ import re
 import tarfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import boto3
@@ -42,12 +43,27 @@ def tools() -> dict[str, str]:
     return image_tools_or_skip()
 
 
+@pytest.fixture(scope="module")
+def module_store(tmp_path_factory) -> Iterator[tuple[Path, Path]]:
+    """A buildah store (vfs) holding the Debian base, one for the module (committing the base
+    takes a while; each test adds images under names of its own): (graphroot, runroot), also
+    buildah's default store for the module (CONTAINERS_STORAGE_CONF), as the stage uses that."""
+    image_tools_or_skip()
+    root = tmp_path_factory.mktemp("buildah")
+    graph, run_root = root / "graph", root / "graph-run"
+    conf = root / "storage.conf"
+    conf.write_text(f'[storage]\ndriver = "vfs"\ngraphroot = "{graph}"\n'
+                    f'runroot = "{run_root}"\n')
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("CONTAINERS_STORAGE_CONF", str(conf))
+        commit_base(buildah.storage_args(graph, run_root), debian_rootfs_tarball(), BASE_REF)
+        yield graph, run_root
+
+
 @pytest.fixture
-def store(tools, tmp_path) -> list[str]:
-    """A fresh buildah store (vfs) holding the Debian base."""
-    storage = buildah.storage_args(tmp_path / "store", tmp_path / "store-run")
-    commit_base(storage, debian_rootfs_tarball(), BASE_REF)
-    return storage
+def store(tools, module_store) -> list[str]:
+    """The module's buildah store, named by its root, holding the Debian base."""
+    return buildah.storage_args(*module_store)
 
 
 @pytest.fixture
@@ -171,16 +187,10 @@ ECR_MANIFEST = json.dumps({"schemaVersion": 2,
 
 
 @pytest.fixture
-def stage_store(tools, tmp_path, monkeypatch) -> list[str]:
-    """buildah's default store (what the stage uses) moved under tmp_path, holding the Debian
-    base under the name of the pipeline's base in ECR (so the build does not pull it)."""
-    conf = tmp_path / "storage.conf"
-    conf.write_text(f'[storage]\ndriver = "vfs"\ngraphroot = "{tmp_path / "graph"}"\n'
-                    f'runroot = "{tmp_path / "graph-run"}"\n')
-    monkeypatch.setenv("CONTAINERS_STORAGE_CONF", str(conf))
-    storage = buildah.storage_args()
-    commit_base(storage, debian_rootfs_tarball(), BASE_REF)
-    return storage
+def stage_store(tools, module_store) -> list[str]:
+    """buildah's default store (what the stage uses), the module's, holding the Debian base
+    (stage_build tags it as the pipeline's base in ECR, so the build does not pull it)."""
+    return buildah.storage_args()
 
 
 def stage_build(repo_copy: Path, storage: list[str]):
