@@ -15,6 +15,10 @@ for path in (REPO_ROOT / "plugins", REPO_ROOT):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
+# No test reaches the Hugging Face hub (transformers, datasets, and validate's read of a hub id's
+# config.json, finetune.hub); tests/plugins/test_hub_config.py serves a hub of its own.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
 # Before anything imports airflow: this project's DAGs and plugins, no examples.
 os.environ.setdefault("AIRFLOW_HOME", str(REPO_ROOT / ".airflow"))
 if os.environ.get("PYTEST_XDIST_WORKER"):

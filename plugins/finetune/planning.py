@@ -6,17 +6,16 @@ report compares it with the measurement, `python -m finetune.plan` prints it.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from finetune.config import RunConfig
+from finetune.hub import hub_config
 from finetune.instance_types import INSTANCE_TYPES, InstanceProfile
-from finetune.trainer_config import trainer_config
+from finetune.trainer_config import local_dir, trainer_config
 from finetune_contract.data import optimizer_steps
-from finetune_contract.fields import TrainConfig
-from finetune_contract.models import BUILTIN_MODELS, HUB_MODEL_CONFIGS
+from finetune_contract.fields import TrainConfig, hub_id_problem
+from finetune_contract.models import model_config
 from finetune_contract.plan import (
     MEMORY_ERROR,
     THROUGHPUT_ERROR,
@@ -48,17 +47,15 @@ def run_hardware(cfg: RunConfig) -> Hardware:
     return Hardware(gpu_memory_gib=None, peak_flops=None, name=f"{cfg.target} target's device")
 
 
-def model_config_of(model: str) -> dict[str, Any] | None:
-    """A built-in or known hub model's config, or a local model directory's config.json; None
-    otherwise."""
-    if model in BUILTIN_MODELS or model in HUB_MODEL_CONFIGS:
-        return BUILTIN_MODELS.get(model) or HUB_MODEL_CONFIGS[model]
-    path = Path(model).expanduser() / "config.json"
-    try:
-        config = json.loads(path.read_text()) if path.is_file() else None
-    except (OSError, ValueError):
-        return None
-    return config if isinstance(config, dict) else None
+def model_config_of(model: str, in_pod: bool = False) -> dict[str, Any] | None:
+    """The run's model config as far as this machine can know it: a built-in or stored hub
+    model's, a local model directory's config.json, else a hub id's config.json from the hub
+    when it answers (`finetune.hub`); None otherwise (the trainer reads it at start)."""
+    model_dir = local_dir(model, in_pod)
+    config = model_config(model, model_dir)
+    if config is None and model_dir is None and hub_id_problem(model, namespaced=True) is None:
+        config = hub_config(model).config
+    return config
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,8 @@ naming every bad field at once.
 Accepted means it runs: besides each field's type and bounds, this runs the contract's rules
 (finetune_contract: the ones the trainer runs at start), reads the data set and the tokenizer as
 the trainer will (fields, formats, chat template, rows too long for seq_len, enough rows for a
-step), and the target's own checks. Nothing here calls a cloud API.
+step), and the target's own checks. Nothing here calls a cloud API; a hub id's config.json is
+read from the hub, without a token, when it answers (finetune.hub).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from finetune.config import (
     default_params,
     run_output_dir,
 )
+from finetune.hub import GATED, NO_CONFIG, NOT_FOUND, hub_config
 from finetune.names import DNS_SUBDOMAIN, LABEL_VALUE, dns_label, run_dir_name
 from finetune.planning import model_config_of, run_hardware
 from finetune.presets import NO_PRESET, PRESET_NAMES, PRESETS, Preset, apply_preset
@@ -46,7 +48,7 @@ from finetune_contract.fields import (
     hub_id_problem,
     quoted,
 )
-from finetune_contract.models import BUILTIN_MODELS, model_shape
+from finetune_contract.models import BUILTIN_MODELS, HUB_MODEL_CONFIGS, ModelShape
 from finetune_contract.plan import memory_problems
 from finetune_contract.rules import config_problems, location_problems
 
@@ -142,7 +144,8 @@ def _run_checks(cfg: RunConfig, paths_are_local: bool, memory: bool
     except ContractError as exc:
         return errors + exc.errors, None
     errors += _model_problems(cfg, in_pod)
-    shape = model_shape(cfg.model, local_dir(cfg.model, in_pod))
+    config = model_config_of(cfg.model, in_pod)
+    shape = ModelShape.from_config(cfg.model, config) if config is not None else None
     named = {field for field, _ in errors}
     # The run dir is output_dir/<run>: a bad output_dir is named once, as the user gave it.
     errors += [(field, message) for field, message in config_problems(
@@ -152,7 +155,7 @@ def _run_checks(cfg: RunConfig, paths_are_local: bool, memory: bool
     if memory and not errors:  # the planner needs a run the rules accept
         errors += memory_problems(train, world_size=cfg.world_size,
                                   local_world_size=cfg.procs_per_node,
-                                  hardware=run_hardware(cfg), config=model_config_of(cfg.model))
+                                  hardware=run_hardware(cfg), config=config)
     size = None
     if not errors:
         problems, size = _checked_data(cfg, train, in_pod)
@@ -210,10 +213,28 @@ def _model_problems(cfg: RunConfig, in_pod: bool) -> Problems:
         return []
     hub_problem = hub_id_problem(cfg.model, namespaced=True)
     if hub_problem is None:
-        return []
+        return _hub_model_problems(cfg)
     return [("model", f"{quoted(cfg.model)} is not a built-in config ("
              + ", ".join(BUILTIN_MODELS) + "), an existing model directory or a hub id "
              f"(org/name): as a hub id it {hub_problem}")]
+
+
+def _hub_model_problems(cfg: RunConfig) -> Problems:
+    """What the hub says of a hub id whose shape is not stored here (finetune.hub): refused
+    when the trainer would fail on it too; else validate goes on and the trainer checks."""
+    if cfg.model in HUB_MODEL_CONFIGS:
+        return []
+    found = hub_config(cfg.model)
+    if found.config is not None:
+        return []
+    no_token = cfg.target == "eks" and not cfg.hf_token_secret
+    if found.kind == NO_CONFIG or (found.kind in (NOT_FOUND, GATED) and no_token):
+        advice = "" if found.kind == NO_CONFIG else \
+            ": give hf_token_secret, a Secret holding a token that can read it"
+        return [("model", f"hub id {quoted(cfg.model)}: {found.reason}{advice}")]
+    log.info("model %s: config.json not read at validate (%s); the trainer checks its "
+             "architecture at start", cfg.model, found.reason)
+    return []
 
 
 def _field_problems(cfg: RunConfig) -> Problems:

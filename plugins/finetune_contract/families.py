@@ -34,6 +34,13 @@ ATTENTION_INPUT_RANK_HEADS = "attention_input_rank_heads"
 MLP_INPUT = "mlp_input"  # gathers the sequence before the MLP's projections
 TP_STYLES = (COLWISE, COLWISE_FUSED, COLWISE_DTENSOR, ROWWISE, SEQUENCE_NORM, HEAD_NORM,
              PROJECTION_NORM, ATTENTION_INPUT, ATTENTION_INPUT_RANK_HEADS, MLP_INPUT)
+# Which layers attend through config.json's sliding_window (transformers' rule per family):
+WINDOW_NONE = ""  # none: full causal attention everywhere
+WINDOW_ALL = "all"  # every layer, when sliding_window is set (layer_types is not read)
+# layer_types when config.json has it; else these rules, as transformers' configs derive it:
+WINDOW_PAST_MAX_LAYERS = "past_max_window_layers"  # use_sliding_window: layers >= the key's
+WINDOW_PATTERN = "pattern"  # every layer but each n-th (n: window_pattern, or its config key)
+SLIDING, FULL = "sliding_attention", "full_attention"  # layer_types' values
 # A Linear's bias: never, always, or as a boolean config key says.
 NO_BIAS, ALWAYS_BIAS = "", "always"
 
@@ -72,6 +79,10 @@ class Family:
     final_softcap_key: str = ""  # config key of tanh soft capping of the logits
     attention_softcap_key: str = ""  # of the attention scores (needs eager attention)
     versions: str = ""  # the releases of this row users know
+    window_layers: str = WINDOW_NONE  # WINDOW_*: the layers sliding_window applies to
+    window_default: int | None = None  # transformers' sliding_window when config.json has none
+    window_pattern: int = 0  # WINDOW_PATTERN: each n-th layer attends fully
+    window_pattern_key: str = ""  # ...or the config key that sets n (window_pattern: default)
 
 
 def _attention(bias: str = NO_BIAS, o_bias: str = NO_BIAS) -> tuple[Linear, ...]:
@@ -119,6 +130,7 @@ def _fused_tp_plan(norms: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
     return tuple(plan)
 
 
+_QWEN_WINDOWS: dict[str, Any] = {"window_layers": WINDOW_PAST_MAX_LAYERS, "window_default": 4096}
 _GEMMA_BUFFERS = (("embed_scale", "scalar_embed_scale"),)  # the embedding's x sqrt(hidden)
 
 FAMILIES: dict[str, Family] = {family.model_type: family for family in (
@@ -126,30 +138,35 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
            _attention("attention_bias", "attention_bias") + _mlp("mlp_bias"), _SEPARATE,
            _PRE_NORMS, tp_plan=_tp_plan(_PRE_NORMS), versions="Llama 2, 3, 3.1, 3.2, 3.3"),
     Family("qwen2", "Qwen2", "Qwen2ForCausalLM", _attention(ALWAYS_BIAS) + _mlp(), _SEPARATE,
-           _PRE_NORMS, tp_plan=_tp_plan(_PRE_NORMS), versions="Qwen2, Qwen2.5"),
+           _PRE_NORMS, tp_plan=_tp_plan(_PRE_NORMS), versions="Qwen2, Qwen2.5", **_QWEN_WINDOWS),
     Family("qwen3", "Qwen3", "Qwen3ForCausalLM",
            _attention("attention_bias", "attention_bias") + _mlp(), _SEPARATE, _PRE_NORMS,
            qk_norm=HEAD_NORM, tp_plan=_tp_plan(_PRE_NORMS, HEAD_NORM),
-           versions="Qwen3 (dense)"),
+           versions="Qwen3 (dense)", **_QWEN_WINDOWS),
     Family("mistral", "Mistral", "MistralForCausalLM", _attention() + _mlp(), _SEPARATE,
-           _PRE_NORMS, tp_plan=_tp_plan(_PRE_NORMS), versions="Mistral 7B v0.1-v0.3, Nemo"),
+           _PRE_NORMS, tp_plan=_tp_plan(_PRE_NORMS), versions="Mistral 7B v0.1-v0.3, Nemo",
+           window_layers=WINDOW_ALL, window_default=4096),
     Family("gemma2", "Gemma 2", "Gemma2ForCausalLM",
            _attention("attention_bias", "attention_bias") + _mlp(), _SEPARATE, _GEMMA_NORMS,
            tp_plan=_tp_plan(_GEMMA_NORMS), norm_init=0.0, buffer_values=_GEMMA_BUFFERS,
            final_softcap_key="final_logit_softcapping",
-           attention_softcap_key="attn_logit_softcapping", versions="Gemma 2"),
+           attention_softcap_key="attn_logit_softcapping", versions="Gemma 2",
+           window_layers=WINDOW_PATTERN, window_default=4096, window_pattern=2),
     Family("gemma3_text", "Gemma 3 (text)", "Gemma3ForCausalLM",
            _attention("attention_bias", "attention_bias") + _mlp(), _SEPARATE, _GEMMA_NORMS,
            qk_norm=HEAD_NORM, tp_plan=_tp_plan(_GEMMA_NORMS, HEAD_NORM), norm_init=0.0,
            buffer_values=_GEMMA_BUFFERS, final_softcap_key="final_logit_softcapping",
-           attention_softcap_key="attn_logit_softcapping", versions="Gemma 3 1B, text-only"),
+           attention_softcap_key="attn_logit_softcapping", versions="Gemma 3 1B, text-only",
+           window_layers=WINDOW_PATTERN, window_default=4096, window_pattern=6,
+           window_pattern_key="sliding_window_pattern"),
     Family("phi3", "Phi-3", "Phi3ForCausalLM",
            (Linear("self_attn.qkv_proj", "hidden", "q+2kv"),
             Linear("self_attn.o_proj", "q", "hidden"),
             Linear("mlp.gate_up_proj", "hidden", "2mlp"),
             Linear("mlp.down_proj", "mlp", "hidden")),
            ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), _PRE_NORMS,
-           tp_plan=_fused_tp_plan(_PRE_NORMS), versions="Phi-3, Phi-3.5-mini, Phi-4"),
+           tp_plan=_fused_tp_plan(_PRE_NORMS), versions="Phi-3, Phi-3.5-mini, Phi-4",
+           window_layers=WINDOW_ALL),
     Family("olmo2", "OLMo 2", "Olmo2ForCausalLM",
            _attention("attention_bias", "attention_bias") + _mlp(), _SEPARATE, _OLMO2_NORMS,
            qk_norm=PROJECTION_NORM, tp_plan=_tp_plan(_OLMO2_NORMS, PROJECTION_NORM),
@@ -275,6 +292,43 @@ def softcap(config: Any, key: str) -> float | None:
     return float(value) if value else None
 
 
+def attention_windows(config: Any) -> list[int | None]:
+    """Each layer's sliding window (None: full causal attention), as the family's transformers
+    model applies config.json's `sliding_window`, `layer_types` and the keys behind them."""
+    family, layers = family_of(config), _get(config, "num_hidden_layers")
+    window = _get(config, "sliding_window") if _has(config, "sliding_window") \
+        else family.window_default
+    if family.window_layers == WINDOW_NONE or not window:
+        return [None] * layers
+    if family.window_layers == WINDOW_ALL:
+        return [window] * layers
+    types = _get(config, "layer_types")
+    if family.window_layers == WINDOW_PAST_MAX_LAYERS and not types:
+        if not _get(config, "use_sliding_window"):
+            return [None] * layers
+        first = _get(config, "max_window_layers")
+        first = 28 if first is None else first  # transformers' default
+        types = [SLIDING if i >= first else FULL for i in range(layers)]
+    elif not types:
+        every = (_get(config, family.window_pattern_key) if family.window_pattern_key else None) \
+            or family.window_pattern
+        types = [SLIDING if (i + 1) % every else FULL for i in range(layers)]
+    return [window if kind == SLIDING else None for kind in types]
+
+
+def _has(config: Any, key: str) -> bool:
+    return key in config if isinstance(config, Mapping) else hasattr(config, key)
+
+
+def attended_length(seq_len: int, window: int | None) -> float:
+    """The keys a layer's FLOPs count per query: seq_len for full causal attention (the usual
+    convention counts the whole score matrix, twice the causal half computed); with a sliding
+    window W < seq_len, twice the causal band's mean keys per query (W - W^2 / (2 seq_len))."""
+    if window is None or window >= seq_len:
+        return float(seq_len)
+    return 2 * window - window * window / seq_len
+
+
 def parameter_count(config: Any) -> dict[str, int]:
     """Parameters read off a config of the table: embedding, blocks (and final norm), head."""
     family, dims = family_of(config), dimensions(config)
@@ -293,7 +347,8 @@ def parameter_count(config: Any) -> dict[str, int]:
 
 
 def flops_per_token(config: Any, seq_len: int, adapter_params: int | None = None) -> float:
-    """Training FLOPs per token: 6 x (params - input embedding) + 12 x layers x q x seq_len.
+    """Training FLOPs per token: 6 x (params - input embedding) + 12 x layers x q x seq_len
+    (per layer, seq_len is the keys it attends: fewer under a sliding window, `attended_length`).
 
     The input embedding is a lookup, not a matmul; a tied embedding still does the head's matmul,
     so it is counted once, as the head. Attention's scores and weighted sum use q = heads x
@@ -305,7 +360,8 @@ def flops_per_token(config: Any, seq_len: int, adapter_params: int | None = None
     """
     counts = parameter_count(config)
     matmul_params = counts["blocks"] + _get(config, "vocab_size") * _get(config, "hidden_size")
-    attention = 12 * _get(config, "num_hidden_layers") * dimensions(config)["q"] * seq_len
+    keys = sum(attended_length(seq_len, window) for window in attention_windows(config))
+    attention = 12 * dimensions(config)["q"] * keys
     if adapter_params is not None:
         return 4 * matmul_params + 6 * adapter_params + attention
     return 6 * matmul_params + attention

@@ -105,7 +105,8 @@ HUB_MODEL_CONFIGS: dict[str, dict[str, Any]] = {
     "Qwen/Qwen2.5-1.5B": _hub("qwen2", 1536, 28, 12, 2, 8960, 151936, 131072, True),
     "Qwen/Qwen2.5-7B": _hub("qwen2", 3584, 28, 28, 4, 18944, 152064, 131072, False),
     "Qwen/Qwen3-8B": _hub("qwen3", 4096, 36, 32, 8, 12288, 151936, 40960, False, head_dim=128),
-    "mistralai/Mistral-7B-v0.3": _hub("mistral", 4096, 32, 32, 8, 14336, 32768, 32768, False),
+    "mistralai/Mistral-7B-v0.3": _hub("mistral", 4096, 32, 32, 8, 14336, 32768, 32768, False,
+                                      sliding_window=None),
     "microsoft/Phi-3.5-mini-instruct": _hub("phi3", 3072, 32, 32, 32, 8192, 32064, 131072,
                                             False),
 }
@@ -142,18 +143,24 @@ class ModelShape:
                    model_type_of(config), architecture_problem(config), head_dim)
 
 
-def model_shape(model: str, model_dir: Path | None = None) -> ModelShape | None:
-    """A built-in or known hub model's shape, or a model directory's (its config.json); None
-    when unknown here (another hub id, or a path read in the trainer's pod): the trainer checks
-    it at start."""
+def model_config(model: str, model_dir: Path | None = None) -> dict[str, Any] | None:
+    """A built-in or stored hub model's config, or a model directory's config.json; None when
+    not known here (another hub id: `finetune.hub` may read it; a path read in the trainer's
+    pod: the trainer checks it at start)."""
     if model in BUILTIN_MODELS:
-        return ModelShape.from_config(model, BUILTIN_MODELS[model])
+        return BUILTIN_MODELS[model]
     if model_dir is None and model in HUB_MODEL_CONFIGS:
-        return ModelShape.from_config(model, HUB_MODEL_CONFIGS[model])
+        return HUB_MODEL_CONFIGS[model]
     if model_dir is None or not (model_dir / "config.json").is_file():
         return None
     try:
         config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
         return None  # loading it names what is wrong with the file
-    return ModelShape.from_config(model, config) if isinstance(config, dict) else None
+    return config if isinstance(config, dict) else None
+
+
+def model_shape(model: str, model_dir: Path | None = None) -> ModelShape | None:
+    """The shape of `model_config`'s config, or None."""
+    config = model_config(model, model_dir)
+    return ModelShape.from_config(model, config) if config is not None else None

@@ -15,6 +15,8 @@ from finetune_contract.families import (
     TP_STYLES,
     adapter_params,
     architecture_problem,
+    attended_length,
+    attention_windows,
     flops_per_token,
     lora_targets,
     pieces,
@@ -110,6 +112,24 @@ def test_attention_flops_use_heads_times_head_dim_not_hidden():
     # per layer: 6 x the q/k/v/o weights that grew + 12 x seq_len x the q width that grew
     grown = 4 * 64 + 2 * (2 * 2 * 64)  # q and o: 4 heads x 16 more x 64; k and v: 2 heads
     assert wider == 2 * (6 * 16 * grown + 12 * 1000 * 4 * 16)
+
+
+def test_attention_flops_count_the_keys_a_sliding_window_leaves():
+    """Gemma 3 1B's layout: 26 layers, every 6th global, the rest a 512-token window. At seq
+    4096 a windowed layer counts 2 x 512 - 512^2 / 4096 = 960 keys per query, a global 4096."""
+    gemma3 = {"model_type": "gemma3_text", **SHAPE, "num_hidden_layers": 26, "head_dim": 16,
+              "sliding_window": 512, "tie_word_embeddings": True}
+    full = {**gemma3, "sliding_window": None}
+    windows = attention_windows(gemma3)
+    assert [i for i, w in enumerate(windows) if w is None] == [5, 11, 17, 23]
+    q = 4 * 16
+    assert flops_per_token(full, 4096) - flops_per_token(gemma3, 4096) == \
+        12 * q * 22 * (4096 - 960)
+    # a window no shorter than the sequence changes nothing; nor does Llama's ignored key
+    assert flops_per_token(gemma3, 512) == flops_per_token(full, 512)
+    llama = {**SHAPE, "sliding_window": 16}
+    assert attention_windows(llama) == [None, None]
+    assert attended_length(4096, 4096) == attended_length(4096, None) == 4096
 
 
 def test_lora_adapter_params_follow_the_familys_linear_shapes():

@@ -1,6 +1,7 @@
 """The architecture table's families through every path: small random models of each family
 (transformers config classes, saved by the test; the demo tokenizer; no hub) on 2 CPU ranks."""
 
+import inspect
 import json
 import math
 import os
@@ -13,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from finetune_contract.families import FAMILIES, parameter_count
+from finetune_contract.families import FAMILIES, attention_windows, parameter_count
 from finetune_contract.fields import DEMO_PREFERENCES
 from tests.support import REPO_ROOT
 from tests.support.training import demo_rows, read_metrics, torchrun, write_jsonl
@@ -64,6 +65,32 @@ def test_the_tables_parameter_count_is_the_built_models(model_type):
         assert sum(parameter_count(config).values()) == sum(p.numel() for p in model.parameters())
         assert sum(parameter_count(config.to_dict()).values()) == sum(parameter_count(
             config).values())
+
+
+# Window settings a config.json may hold (transformers' defaults fill the rest).
+WINDOW_VARIANTS = ({}, {"sliding_window": 16}, {"sliding_window": None},
+                   {"sliding_window": 16, "use_sliding_window": True, "max_window_layers": 2},
+                   {"sliding_window": 16, "sliding_window_pattern": 3})
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_the_tables_sliding_windows_are_the_ones_each_layer_applies(model_type):
+    """The FLOPs (attention_windows) count per layer the window the family's transformers
+    model applies: read off the built layers, for config.json as transformers writes it
+    (layer_types included) and as an older one without layer_types holds it."""
+    for variant in WINDOW_VARIANTS:
+        raw = {**SHAPE, "num_hidden_layers": 6, "pad_token_id": 0, **variant}
+        config = AutoConfig.for_model(model_type, **raw)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        attention = type(model.model.layers[0].self_attn)
+        # a layer's own window; else the config's, where the attention passes it (Mistral's)
+        passed = config.sliding_window if "sliding_window" in inspect.getsource(
+            attention.forward) else None
+        applied = [getattr(layer.self_attn, "sliding_window", passed)
+                   for layer in model.model.layers]
+        assert attention_windows(config.to_dict()) == applied, (variant, applied)
+        assert attention_windows({"model_type": model_type, **raw}) == applied, (variant, applied)
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
