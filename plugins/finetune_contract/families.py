@@ -360,11 +360,18 @@ def flops_per_token(config: Any, seq_len: int, adapter_params: int | None = None
     """
     counts = parameter_count(config)
     matmul_params = counts["blocks"] + _get(config, "vocab_size") * _get(config, "hidden_size")
-    keys = sum(attended_length(seq_len, window) for window in attention_windows(config))
-    attention = 12 * dimensions(config)["q"] * keys
+    attention = attention_flops(config, seq_len)
     if adapter_params is not None:
         return 4 * matmul_params + 6 * adapter_params + attention
     return 6 * matmul_params + attention
+
+
+def attention_flops(config: Any, seq_len: int, windows: bool = True) -> float:
+    """Attention's training FLOPs per token (scores and weighted sum, forward and backward):
+    12 x q x the keys each layer attends (`attended_length`). windows=False: as if every layer
+    attended the whole sequence, what the kernels compute when a window is only a mask."""
+    layers = attention_windows(config) if windows else [None] * _get(config, "num_hidden_layers")
+    return 12 * dimensions(config)["q"] * sum(attended_length(seq_len, w) for w in layers)
 
 
 def adapter_params(config: Any, lora_rank: int, lora_target_modules: str) -> int:

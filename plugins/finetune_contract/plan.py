@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from finetune_contract.families import adapter_params, architecture_problem, dimensions
+from finetune_contract.families import adapter_params, architecture_problem
+from finetune_contract.families import attention_flops as attention_work
 from finetune_contract.families import head_dim as family_head_dim
 from finetune_contract.fields import TrainConfig
 from finetune_contract.models import BUILTIN_MODELS
@@ -285,7 +286,8 @@ def _step_time(cfg: TrainConfig, config: Any, hardware: Hardware, world_size: in
     per_param = 4 if lora else 6
     block_flops = per_param * counts["blocks"] * tokens
     head_flops = per_param * config.vocab_size * hidden * tokens
-    attention_flops = 12 * layers * dimensions(config)["q"] * cfg.seq_len * tokens
+    # the kernels' work: a sliding window is a mask to sdpa, not fewer keys computed
+    attention_flops = attention_work(config, cfg.seq_len, windows=False) * tokens
     recomputed = {"full": 1.0, "none": 0.0}.get(cfg.activation_checkpointing)
     if recomputed is None:  # selective: per op recomputes only elementwise work; every k-th
         every = selective_every(cfg.selective_ac)
