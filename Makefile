@@ -61,7 +61,7 @@ demo: venv system-deps airflow-db
 # Both tiers run even when the first fails.
 test: venv system-deps airflow-db
 	$(BIN)/python -m pytest tests -m "not slow" -n 2; fast=$$?; \
-	  $(BIN)/python -m pytest tests -m slow; slow=$$?; \
+	  $(BIN)/python -m pytest tests -m slow --durations=25; slow=$$?; \
 	  [ $$fast -eq 0 ] && [ $$slow -eq 0 ]
 
 # The edit-test loop: everything but the tests marked slow (whole Airflow and torchrun runs,
