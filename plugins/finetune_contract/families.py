@@ -83,6 +83,10 @@ class Family:
     window_default: int | None = None  # transformers' sliding_window when config.json has none
     window_pattern: int = 0  # WINDOW_PATTERN: each n-th layer attends fully
     window_pattern_key: str = ""  # ...or the config key that sets n (window_pattern: default)
+    # Saved activations a block keeps beyond Llama's (the planner's ACT_HIDDEN x hidden +
+    # ACT_MLP x mlp), bf16 elements per token, in the shape symbols; fitted to the slope of peak
+    # memory over micro-batch on one H200 (docs/trainer.md "Model families").
+    activation_extra: str = ""
 
 
 def _attention(bias: str = NO_BIAS, o_bias: str = NO_BIAS) -> tuple[Linear, ...]:
@@ -142,7 +146,7 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
     Family("qwen3", "Qwen3", "Qwen3ForCausalLM",
            _attention("attention_bias", "attention_bias") + _mlp(), _SEPARATE, _PRE_NORMS,
            qk_norm=HEAD_NORM, tp_plan=_tp_plan(_PRE_NORMS, HEAD_NORM),
-           versions="Qwen3 (dense)", **_QWEN_WINDOWS),
+           versions="Qwen3 (dense)", activation_extra="2q+2kv", **_QWEN_WINDOWS),
     Family("mistral", "Mistral", "MistralForCausalLM", _attention() + _mlp(), _SEPARATE,
            _PRE_NORMS, tp_plan=_tp_plan(_PRE_NORMS), versions="Mistral 7B v0.1-v0.3, Nemo",
            window_layers=WINDOW_ALL, window_default=4096),
@@ -151,14 +155,15 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
            tp_plan=_tp_plan(_GEMMA_NORMS), norm_init=0.0, buffer_values=_GEMMA_BUFFERS,
            final_softcap_key="final_logit_softcapping",
            attention_softcap_key="attn_logit_softcapping", versions="Gemma 2",
-           window_layers=WINDOW_PATTERN, window_default=4096, window_pattern=2),
+           window_layers=WINDOW_PATTERN, window_default=4096, window_pattern=2,
+           activation_extra="3hidden"),
     Family("gemma3_text", "Gemma 3 (text)", "Gemma3ForCausalLM",
            _attention("attention_bias", "attention_bias") + _mlp(), _SEPARATE, _GEMMA_NORMS,
            qk_norm=HEAD_NORM, tp_plan=_tp_plan(_GEMMA_NORMS, HEAD_NORM), norm_init=0.0,
            buffer_values=_GEMMA_BUFFERS, final_softcap_key="final_logit_softcapping",
            attention_softcap_key="attn_logit_softcapping", versions="Gemma 3 1B, text-only",
            window_layers=WINDOW_PATTERN, window_default=4096, window_pattern=6,
-           window_pattern_key="sliding_window_pattern"),
+           window_pattern_key="sliding_window_pattern", activation_extra="3hidden+2q+2kv"),
     Family("phi3", "Phi-3", "Phi3ForCausalLM",
            (Linear("self_attn.qkv_proj", "hidden", "q+2kv"),
             Linear("self_attn.o_proj", "q", "hidden"),
@@ -166,11 +171,11 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
             Linear("mlp.down_proj", "mlp", "hidden")),
            ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), _PRE_NORMS,
            tp_plan=_fused_tp_plan(_PRE_NORMS), versions="Phi-3, Phi-3.5-mini, Phi-4",
-           window_layers=WINDOW_ALL),
+           window_layers=WINDOW_ALL, activation_extra="q+3kv"),
     Family("olmo2", "OLMo 2", "Olmo2ForCausalLM",
            _attention("attention_bias", "attention_bias") + _mlp(), _SEPARATE, _OLMO2_NORMS,
            qk_norm=PROJECTION_NORM, tp_plan=_tp_plan(_OLMO2_NORMS, PROJECTION_NORM),
-           versions="OLMo 2"),
+           versions="OLMo 2", activation_extra="2q+4kv"),
 )}
 # model_types that transformers knows and the trainer refuses, and why.
 REFUSED: dict[str, str] = {
@@ -364,6 +369,12 @@ def flops_per_token(config: Any, seq_len: int, adapter_params: int | None = None
     if adapter_params is not None:
         return 4 * matmul_params + 6 * adapter_params + attention
     return 6 * matmul_params + attention
+
+
+def activation_extra(config: Any) -> int:
+    """The family's saved activations beyond Llama's block, elements per token per block."""
+    extra = family_of(config).activation_extra
+    return size(config, extra) if extra else 0
 
 
 def attention_flops(config: Any, seq_len: int, windows: bool = True) -> float:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from finetune_contract.families import adapter_params, architecture_problem
+from finetune_contract.families import activation_extra, adapter_params, architecture_problem
 from finetune_contract.families import attention_flops as attention_work
 from finetune_contract.families import head_dim as family_head_dim
 from finetune_contract.fields import TrainConfig
@@ -178,7 +178,7 @@ def activation_bytes_per_token(cfg: TrainConfig, config: Any) -> tuple[float, fl
     """(saved bytes per token of all blocks, of one block recomputed in backward)."""
     hidden, mlp, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     elem = 4 if cfg.mixed_precision == "fp32" else 2
-    block = elem * (ACT_HIDDEN * hidden + ACT_MLP * mlp)
+    block = elem * (ACT_HIDDEN * hidden + ACT_MLP * mlp + activation_extra(config))
     if cfg.float8:
         block *= FLOAT8_ACTIVATION_FACTOR
     boundary = elem * hidden  # a checkpointed block keeps only its input

@@ -128,3 +128,34 @@ ROWS: tuple[Row, ...] = (
         TORCHRUN.format(gpus=4) + " --models 8b --micro-batch 2 --ac full --strategy FULL_SHARD",
         UNDATED, gpus=4, note="the version before"),
 )
+
+# Each family's saved activations (families.Family.activation_extra), one device call on one
+# H200, 2026-12-03: 8-layer models at the family's published widths (random weights, seq 4096,
+# compile, no checkpointing, one GPU without FSDP), peak GiB at micro-batch 2 and 4
+# (docs/notes/2026-12-03-h200-family-activations-mb*.log). The slope over micro-batch is what
+# the activations cost; a family in the table without a row here fails tests/plugins/test_plan.py.
+FAMILY_COMMAND = f"{BENCH} --steps 2 --warmup 1 --micro-batch {{mb}} --models <config dir>"
+
+
+def _family(model_type: str, hidden: int, heads: int, kv_heads: int, mlp: int, vocab: int,
+            tied: bool, **more: Any) -> dict[str, Any]:
+    return {"model_type": model_type, "hidden_size": hidden, "num_hidden_layers": 8,
+            "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+            "intermediate_size": mlp, "vocab_size": vocab, "tie_word_embeddings": tied,
+            "max_position_embeddings": 8192, **more}
+
+
+# (config, peak GiB at micro-batch 2, at micro-batch 4)
+FAMILY_ROWS: dict[str, tuple[dict[str, Any], float, float]] = {
+    "llama": (_family("llama", 3072, 24, 8, 8192, 128256, True), 25.09, 30.93),
+    "qwen2": (_family("qwen2", 3584, 28, 4, 18944, 152064, False), 52.66, 62.61),
+    "qwen3": (_family("qwen3", 4096, 32, 8, 12288, 151936, False, head_dim=128), 49.29, 57.99),
+    "mistral": (_family("mistral", 4096, 32, 8, 14336, 32768, False, sliding_window=None),
+                36.39, 46.21),
+    "gemma2": (_family("gemma2", 2304, 8, 4, 9216, 256000, True, head_dim=256,
+                       final_logit_softcapping=30.0, attn_logit_softcapping=50.0), 26.12, 32.25),
+    "gemma3_text": (_family("gemma3_text", 1152, 4, 1, 6912, 262144, True, head_dim=256,
+                            sliding_window=512), 14.65, 18.88),
+    "phi3": (_family("phi3", 3072, 32, 32, 8192, 32064, False), 22.6, 30.57),
+    "olmo2": (_family("olmo2", 4096, 32, 32, 11008, 100352, False), 44.14, 54.49),
+}
