@@ -132,9 +132,10 @@ ROWS: tuple[Row, ...] = (
 # Each family's saved activations (families.Family.activation_extra), one device call on one
 # H200, 2026-12-03: 8-layer models at the family's published widths (random weights, seq 4096,
 # compile, no checkpointing, one GPU without FSDP), peak GiB at micro-batch 2 and 4
-# (docs/notes/2026-12-03-h200-family-activations-mb*.log). The slope over micro-batch is what
-# the activations cost; a family in the table without a row here fails tests/plugins/test_plan.py.
-FAMILY_COMMAND = f"{BENCH} --steps 2 --warmup 1 --micro-batch {{mb}} --models <config dir>"
+# (`python -m trainer.bench --no-hf --compile --steps 2 --warmup 1 --micro-batch 2` (and 4)
+# `--models` the eight config directories; docs/notes/2026-12-03-h200-family-activations-mb*.log).
+# The slope over micro-batch is what the activations cost; a family in the table without a row
+# here fails tests/plugins/test_plan.py.
 
 
 def _family(model_type: str, hidden: int, heads: int, kv_heads: int, mlp: int, vocab: int,
