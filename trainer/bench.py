@@ -45,6 +45,7 @@ from finetune_contract.rules import lora_module_names
 from finetune_contract.throughput import flops_per_token, mfu
 from trainer.attention import attn_implementation
 from trainer.bench_titan import titan_problem, titan_step_runner
+from trainer.bench_unsloth import unsloth_problem
 from trainer.config import TrainConfig
 from trainer.float8 import check_float8_device, precompute_float8_scales
 from trainer.lora import apply_lora
@@ -70,10 +71,21 @@ FAMILY_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
         vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
         num_attention_heads=8, num_key_value_heads=4, head_dim=256,
         max_position_embeddings=8192, tie_word_embeddings=True)),
+    "gemma3-1b": ("Gemma3TextConfig", dict(
+        vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
+        query_pre_attn_scalar=256, max_position_embeddings=32768, tie_word_embeddings=True)),
+    "gemma3-4b": ("Gemma3TextConfig", dict(
+        vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=256, sliding_window=1024,
+        query_pre_attn_scalar=256, max_position_embeddings=131072, tie_word_embeddings=True)),
 }
-# The peers beside ours: Hugging Face Trainer, Trainer with Liger's kernels, and torchtitan
-# (trainer/bench_titan.py); each with the "run" name of its JSON line.
-PEERS = {"hf": "hf_trainer", "liger": "hf_liger", "titan": "titan"}
+# The peers beside ours: Hugging Face Trainer, Trainer with Liger's kernels, torchtitan
+# (trainer/bench_titan.py) and Unsloth (trainer/bench_unsloth.py); each with the "run" name of
+# its JSON line.
+PEERS = {"hf": "hf_trainer", "liger": "hf_liger", "titan": "titan", "unsloth": "unsloth"}
+# The module a peer's child process runs: Unsloth must be imported before transformers.
+PEER_MODULES = {"unsloth": "trainer.bench_unsloth"}
 SHORT_NAMES = {"1b": "llama-1b", "3b": "llama-3b", "8b": "llama-8b", "70b": "llama-70b",
                "tiny": "tiny-llama"}
 GIB = 1024**3
@@ -113,7 +125,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--peers", default="hf",
                         help="comma-separated: hf (Trainer), liger (Trainer + Liger kernels), "
-                        "titan (torchtitan)")
+                        "titan (torchtitan), unsloth (LoRA and QLoRA: FastLanguageModel)")
     parser.add_argument("--peer-worker", default="", choices=["", *PEERS],
                         help=argparse.SUPPRESS)
     parser.add_argument("--profile", action="store_true", help="print a profile of our steps")
@@ -330,15 +342,24 @@ def run_trainer(
 
 def run_hf_trainer(
     name: str, args: argparse.Namespace, device: torch.device, peak: float | None,
-    liger: bool = False,
+    peer: str = "hf",
 ) -> dict[str, Any]:
-    """Hugging Face Trainer on the same model, batches and hyper-parameters; with `liger`, its
-    use_liger_kernel (Liger's RMSNorm, SwiGLU, RoPE and fused linear cross-entropy)."""
+    """Hugging Face Trainer on the same model, batches and hyper-parameters; `peer` "liger":
+    its use_liger_kernel (Liger's RMSNorm, SwiGLU, RoPE and fused linear cross-entropy);
+    "unsloth": the model Unsloth's FastLanguageModel loads and patches
+    (trainer/bench_unsloth.py)."""
     from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
+    liger = peer == "liger"
     model_config = bench_config(name)
     torch.manual_seed(args.seed)
-    model, adapter_params, base_dir = hf_model(model_config, args, device)
+    recipe: dict[str, Any] = {}  # what the peer's own recipe sets beyond these options
+    if peer == "unsloth":
+        from trainer.bench_unsloth import unsloth_model
+
+        model, adapter_params, base_dir, recipe = unsloth_model(model_config, args, device)
+    else:
+        model, adapter_params, base_dir = hf_model(model_config, args, device)
     batches = random_batches(model_config.vocab_size, args, torch.device("cpu"))
     rows = [{"input_ids": ids, "labels": ids} for ids in batches.flatten(0, 2)]
     step_times: list[float] = []
@@ -398,10 +419,11 @@ def run_hf_trainer(
         "lora_rank": args.lora_rank,
         "quantize_base": "bitsandbytes nf4 (double quant, bf16 compute)"
         if args.quantize_base == "nf4" else "none",
+        **recipe,
     }
     return result(
-        "hf_liger" if liger else "hf_trainer", name, options, args, model_config, step_times,
-        losses, device, peak, adapter_params,
+        PEERS[peer], name, options, args, model_config, step_times, losses, device, peak,
+        adapter_params,
     )
 
 
@@ -585,11 +607,21 @@ def _median_ms(run: Callable[[], Any], warmup: int = 3, repeats: int = 10) -> fl
     return statistics.median(times)
 
 
+def peer_problem(peer: str, name: str, args: argparse.Namespace) -> str | None:
+    """Why a peer would not run `name` with these settings as ours does, or None."""
+    if peer == "titan":
+        return titan_problem(name, args)
+    if peer == "unsloth":
+        return unsloth_problem(args)
+    return None
+
+
 def peer_in_child(peer: str, name: str, argv: Sequence[str]) -> dict[str, Any]:
     """A peer run in its own process: Liger patches transformers' modules for good, which must
     not reach the next model's runs; its JSON line, or an error row with the child's last words."""
     child = peer_child_argv(argv, name, peer)
-    done = subprocess.run([sys.executable, "-m", "trainer.bench", *child], capture_output=True,
+    module = PEER_MODULES.get(peer, "trainer.bench")
+    done = subprocess.run([sys.executable, "-m", module, *child], capture_output=True,
                           text=True, check=False)
     for line in reversed(done.stdout.splitlines()):
         if line.startswith("{"):
@@ -613,7 +645,8 @@ def run_peer_worker(args: argparse.Namespace) -> None:
         if args.peer_worker == "titan":
             run = functools.partial(run_titan, name, args, device, peak)
         else:
-            run = functools.partial(run_hf_trainer, name, args, device, peak, liger=True)
+            run = functools.partial(run_hf_trainer, name, args, device, peak,
+                                    peer=args.peer_worker)
         print(json.dumps(guarded(run, PEERS[args.peer_worker], name)), flush=True)
 
 
@@ -657,8 +690,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 hf_run = functools.partial(run_hf_trainer, name, args, env.device, peak)
                 theirs = guarded(hf_run, "hf_trainer", name)
                 release_memory(env.device)
-            elif peer == "titan" and titan_problem(name, args):  # refused before any cost
-                theirs = {"run": PEERS[peer], "model": name, "error": titan_problem(name, args)}
+            elif problem := peer_problem(peer, name, args):  # refused before any cost
+                theirs = {"run": PEERS[peer], "model": name, "error": problem}
             else:
                 theirs = peer_in_child(peer, name, argv)
             print(json.dumps(theirs), flush=True)
