@@ -43,7 +43,6 @@ from finetune_contract.fields import ATTENTION, LORA_TARGET_MODULES, QUANTIZE_BA
 from finetune_contract.models import BUILTIN_MODELS
 from finetune_contract.rules import lora_module_names
 from finetune_contract.throughput import flops_per_token, mfu
-from trainer.attention import attn_implementation
 from trainer.bench_titan import titan_problem, titan_step_runner
 from trainer.bench_unsloth import unsloth_problem
 from trainer.config import TrainConfig
@@ -52,7 +51,7 @@ from trainer.lora import apply_lora
 from trainer.loss import LOSS_METHOD, add_loss_method
 from trainer.master_weights import compute_weights
 from trainer.metrics import peak_flops
-from trainer.model import build_model, builtin_config, materialize_weights
+from trainer.model import build_model, builtin_config, materialize_weights, model_on_meta
 from trainer.optim import build_optimizer, optimizer_step
 from trainer.parallel import DistEnv, apply_parallelism, init_distributed, quantize_dtype
 from trainer.qlora import nf4_bytes
@@ -237,13 +236,11 @@ def bench_config(name: str) -> PretrainedConfig:
 
 
 def build_bench_model(name: str, attention: str) -> torch.nn.Module:
-    """The model on the meta device, as trainer.model.build_model builds it."""
+    """The model on the meta device, as trainer.model.build_model builds it (its attention:
+    eager where the family soft-caps the scores)."""
     if name in BUILTIN_MODELS:
         return build_model(name, attention=attention)
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(
-            bench_config(name), dtype=torch.float32,
-            attn_implementation=attn_implementation(attention))
+    return model_on_meta(bench_config(name), attention)
 
 
 def materialize_bench_model(model: torch.nn.Module, name: str, config: TrainConfig,
@@ -333,6 +330,7 @@ def run_trainer(
         "loss": "chunked",
         "optimizer": "AdamW fused" if env.device.type == "cuda" else "AdamW",
         "attention": attention,
+        "attn_implementation": model_config._attn_implementation,  # eager: soft-capped scores
     }
     return result(
         "trainer", name, options, args, model_config, step_times, losses, env.device, peak,
@@ -357,7 +355,8 @@ def run_hf_trainer(
     if peer == "unsloth":
         from trainer.bench_unsloth import unsloth_model
 
-        model, adapter_params, base_dir, recipe = unsloth_model(model_config, args, device)
+        model, adapter_params, base_dir, recipe = unsloth_model(model_config, args, device,
+                                                                release_memory)
     else:
         model, adapter_params, base_dir = hf_model(model_config, args, device)
     batches = random_batches(model_config.vocab_size, args, torch.device("cpu"))

@@ -25,7 +25,9 @@ if __name__ == "__main__":  # the child process: Unsloth first, then transformer
     import unsloth  # noqa: F401
 
 import argparse
+import runpy
 import tempfile
+from collections.abc import Callable
 from importlib.metadata import version
 from typing import Any
 
@@ -47,15 +49,15 @@ def unsloth_problem(args: argparse.Namespace) -> str | None:
 
 
 def unsloth_model(
-    model_config: PretrainedConfig, args: argparse.Namespace, device: torch.device
+    model_config: PretrainedConfig, args: argparse.Namespace, device: torch.device,
+    release_memory: Callable[[torch.device], None],
 ) -> tuple[torch.nn.Module, int, tempfile.TemporaryDirectory, dict[str, Any]]:
-    """(model, adapter parameters, the checkpoint's directory, the recipe's options)."""
+    """(model, adapter parameters, the checkpoint's directory, the recipe's options);
+    `release_memory` frees the model the checkpoint was saved from (the bench's)."""
     problem = unsloth_problem(args)
     if problem:
         raise ValueError(problem)
     from unsloth import FastLanguageModel
-
-    from trainer.bench import release_memory
 
     base_dir = tempfile.TemporaryDirectory()  # Unsloth loads (and quantizes) a checkpoint
     with torch.device(device):
@@ -83,7 +85,5 @@ def unsloth_model(
     return model, adapters, base_dir, recipe
 
 
-if __name__ == "__main__":
-    from trainer import bench
-
-    bench.main()
+if __name__ == "__main__":  # Unsloth is imported: the bench's main, as `python -m` runs it
+    runpy.run_module("trainer.bench", run_name="__main__", alter_sys=True)
