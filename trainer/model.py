@@ -59,8 +59,13 @@ def build_model(model: str, tokenizer: PreTrainedTokenizerBase | None = None,
         config = builtin_config(model, tokenizer)
     else:
         config = AutoConfig.from_pretrained(pretrained_dir(model))
+    return model_on_meta(config, attention)
+
+
+def model_on_meta(config: Any, attention: str = "sdpa") -> PreTrainedModel:
+    """The model of `config` on the meta device, fp32, with the attention the trainer runs:
+    soft-capped scores (eager) win over the contract's kernel; else sdpa or fa4."""
     family = family_of(config)  # the architecture table's row; ValueError outside it
-    # Soft-capped scores (eager) win over the contract's kernel; else sdpa or fa4.
     implementation = attention_implementation(config, family)
     if implementation == "sdpa":
         implementation = attn_implementation(attention)
