@@ -102,7 +102,10 @@ def merge_adapters(
             if fqn.endswith(f"{_BASE}.weight"):
                 a, b = state[prefix + _A].float(), state[prefix + _B].float()
                 weight = weight + scaling * (b @ a)
-            merged[fqn.replace(_BASE, "")] = weight.to(tensor.dtype)
+            # fp32 at least: a base kept in bf16 (trainer/master_weights.py) merges without
+            # rounding the adapters' update away; the export casts to its dtype after
+            merged[fqn.replace(_BASE, "")] = weight.to(
+                torch.promote_types(tensor.dtype, torch.float32))
         else:
             merged[fqn] = tensor
     return merged, adapter

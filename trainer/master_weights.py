@@ -6,7 +6,9 @@ the gradients into a reduce buffer, again into the output, then casts them to fp
 660 ms 3B step on an H200, profiled). Without FSDP the same numerics cost one cast each way:
 
 - the model's parameters hold the fp32 masters, which the optimizer, clipping, checkpoints and
-  export see, as they see FSDP's sharded fp32 parameters;
+  export see, as they see FSDP's sharded fp32 parameters; a frozen parameter (LoRA's base) keeps
+  its low-precision copy alone once made, for good: it never steps, the compute reads only the
+  copy, and its fp32 master would cost 4 bytes a parameter for nothing (8B LoRA: 30 GiB);
 - inside `compute_weights(model)` the parameters hold bf16 (or fp16) copies, made again only for
   masters that changed since: after an optimizer step (a step hook: on the H200 the fused AdamW
   step left the version counters where they were), or a write that moved a version counter (a
@@ -92,6 +94,9 @@ class MasterWeights:
         if stale:
             with torch.no_grad():
                 torch._foreach_copy_([self.copies[i] for i in stale], [masters[i] for i in stale])
+        for i in stale:  # a frozen weight never steps: its copy is all it keeps, fp32 freed
+            if not self.params[i].requires_grad:
+                masters[i] = self.copies[i]
         for i, param in enumerate(self.params):
             self.grads[i] = param.grad  # fp32 from an earlier micro batch: accumulated onto
             param.grad = None

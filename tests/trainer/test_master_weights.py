@@ -9,6 +9,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from trainer.batch import Batch
 from trainer.config import TrainConfig
+from trainer.lora import apply_lora
 from trainer.loss import add_loss_method
 from trainer.master_weights import compute_weights
 from trainer.model import build_model, materialize_weights
@@ -33,6 +34,8 @@ def batches(vocab: int, count: int) -> list[Batch]:
 def build(env, **options):
     config = TrainConfig(model=MODEL, seq_len=SEQ, lr=1e-2, warmup_steps=0, **options)
     model = build_model(MODEL)
+    if config.lora_rank:
+        apply_lora(model, config)
     apply_parallelism(model, config, env)
     materialize_weights(model, MODEL, config.seed, env.device)
     add_loss_method(model)
@@ -154,3 +157,17 @@ def test_an_optimizer_built_after_a_forward_without_backward_steps_every_weight(
     unchanged = [name for name, p in model.named_parameters()
                  if torch.equal(p.full_tensor(), before[name])]
     assert unchanged == []
+
+
+def test_a_frozen_base_keeps_only_its_compute_copy_and_trains_to_the_losses_of_fsdp(world_of_one):
+    """LoRA at one rank: the frozen weights hold their bf16 copies alone between steps (no fp32
+    master: 4 bytes a parameter saved), the adapters their fp32 masters; the same losses, grad
+    norms and eval loss as FSDP's LoRA, which keeps fp32 shards of everything."""
+    lora = {"lora_rank": 4, "lora_alpha": 8, "mixed_precision": "bf16"}
+    plain = train(world_of_one, strategy="SHARD_GRAD_OP", **lora)
+    fsdp = train(world_of_one, strategy="FULL_SHARD", **lora)
+    assert plain[0] == pytest.approx(fsdp[0], rel=1e-6)
+    assert plain[1] == pytest.approx(fsdp[1], rel=1e-5)
+    assert plain[2] == pytest.approx(fsdp[2], rel=1e-6)
+    dtypes = {(p.requires_grad, p.dtype) for p in plain[3].parameters()}
+    assert dtypes == {(True, torch.float32), (False, torch.bfloat16)}
