@@ -49,7 +49,7 @@ from trainer.config import TrainConfig
 from trainer.float8 import check_float8_device, precompute_float8_scales
 from trainer.lora import apply_lora
 from trainer.loss import LOSS_METHOD, add_loss_method
-from trainer.master_weights import compute_weights
+from trainer.master_weights import GradIntoLinear, compute_weights
 from trainer.metrics import peak_flops
 from trainer.model import build_model, builtin_config, materialize_weights, model_on_meta
 from trainer.optim import build_optimizer, optimizer_step
@@ -260,6 +260,7 @@ def run_trainer(
         model=name,
         seq_len=args.seq_len,
         micro_batch=args.micro_batch,
+        grad_accum=args.grad_accum,
         lr=1e-5,
         seed=args.seed,
         strategy=args.strategy,
@@ -328,6 +329,8 @@ def run_trainer(
         "quantize_base": args.quantize_base,
         "nf4_gib": _rounded(nf4_bytes(model) / GIB) if args.quantize_base != "none" else None,
         "loss": "chunked",
+        # grad_accum > 1 at one rank: the block Linears' weight-gradient GEMMs accumulate in fp32
+        "grad_into_gemm": any(isinstance(m, GradIntoLinear) for m in model.modules()),
         "optimizer": "AdamW fused" if env.device.type == "cuda" else "AdamW",
         "attention": attention,
         "attn_implementation": model_config._attn_implementation,  # eager: soft-capped scores

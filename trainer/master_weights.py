@@ -14,7 +14,12 @@ the gradients into a reduce buffer, again into the output, then casts them to fp
   step left the version counters where they were), or a write that moved a version counter (a
   checkpoint load);
 - each gradient is cast to fp32 as soon as backward has it, freeing the low-precision one, and
-  added to the master's gradient: gradient accumulation is in fp32, as FSDP's.
+  added to the master's gradient: gradient accumulation is in fp32, as FSDP's;
+- when micro batches accumulate (`grad_accum` > 1), a block Linear's weight gradient skips that
+  cast and add: its GEMM adds dy^T @ x into the fp32 gradient itself (cuBLAS with beta 1 and an
+  fp32 output, Megatron's gradient-accumulation fusion; `GradIntoLinear`). The gradients are
+  then the fp32 sums of fp32 products, where the cast-and-add rounds each micro batch's
+  gradient to bf16 first (Hugging Face Trainer's autocast does too): closer to fp32, not equal.
 
 The Parameter objects stay the same (their `.data` is swapped), so optimizer state, hooks and
 compiled blocks keep referring to them.
@@ -24,18 +29,73 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import weakref
 from collections.abc import Iterator
 
 import torch
 
+from trainer.blocks import decoder_blocks
 from trainer.qlora import is_quantized
 
 ATTRIBUTE = "_trainer_master_weights"
+# "0" keeps the cast-and-add for every weight: the benchmark's A/B of the fusion.
+GRAD_INTO_GEMM_ENV = "TRAINER_GRAD_INTO_GEMM"
+
+
+@torch.library.custom_op("trainer::weight_grad_into", mutates_args=("grad",))
+def weight_grad_into(grad: torch.Tensor, grad_output: torch.Tensor, x: torch.Tensor) -> None:
+    """grad (fp32) += grad_output^T @ x, summed over every leading dimension, in one GEMM.
+
+    An op of its own: a compiled block's backward calls it as it is, on the gradient in place.
+    On CUDA the GEMM reads and writes the fp32 gradient (beta 1, fp32 output); elsewhere the
+    same arithmetic in fp32 (the CPU has no mixed-dtype GEMM).
+    """
+    dy = grad_output.reshape(-1, grad_output.shape[-1]).t()
+    inputs = x.reshape(-1, x.shape[-1])
+    if grad.is_cuda:
+        torch.addmm(grad, dy, inputs, out_dtype=torch.float32, out=grad)
+    else:
+        grad.addmm_(dy.float(), inputs.float())
+
+
+@weight_grad_into.register_fake
+def _(grad: torch.Tensor, grad_output: torch.Tensor, x: torch.Tensor) -> None:
+    return None
+
+
+class _LinearGradInto(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                grad: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight, grad)
+        ctx.has_bias = bias is not None
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight, grad = ctx.saved_tensors
+        weight_grad_into(grad, grad_output, x)
+        grad_bias = (grad_output.reshape(-1, grad_output.shape[-1]).sum(0)
+                     if ctx.has_bias and ctx.needs_input_grad[2] else None)
+        return grad_output @ weight, None, grad_bias, None
+
+
+class GradIntoLinear(torch.nn.Linear):
+    """A trained block Linear of a one-rank run that accumulates micro batches: inside
+    compute_weights its weight's gradient goes into the fp32 master gradient by the GEMM that
+    makes it (`grad_into`, set by MasterWeights); elsewhere a plain Linear."""
+
+    grad_into: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.grad_into is None:
+            return super().forward(x)
+        return _LinearGradInto.apply(x, self.weight, self.bias, self.grad_into)
 
 
 class MasterWeights:
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, grad_into_gemm: bool = False):
         self.model = model
         self.dtype = dtype
         self.params: list[torch.nn.Parameter] = []
@@ -43,6 +103,14 @@ class MasterWeights:
         self.versions: list[int | None] = []
         self.grads: list[torch.Tensor | None] = []
         self.active = False
+        # The block Linears whose weight gradient its GEMM accumulates (GradIntoLinear).
+        self.linears: list[GradIntoLinear] = []
+        if grad_into_gemm:
+            for module in decoder_blocks(model).modules():
+                if type(module) is torch.nn.Linear and module.weight.requires_grad:
+                    module.__class__ = GradIntoLinear
+                    self.linears.append(module)
+        self.fused: list[tuple[int, GradIntoLinear]] = []
 
     def _bind(self) -> None:
         """The parameters as they are once materialized (tying may replace Parameter objects)."""
@@ -60,6 +128,8 @@ class MasterWeights:
         for i, param in enumerate(params):
             if param.requires_grad:
                 param.register_post_accumulate_grad_hook(functools.partial(_to_master, this, i))
+        index = {id(p): i for i, p in enumerate(params)}
+        self.fused = [(index[id(m.weight)], m) for m in self.linears]
 
     def stepped(self, optimizer: torch.optim.Optimizer, *_: object) -> None:
         """An optimizer step hook: its parameters changed (LoRA's frozen base did not)."""
@@ -74,6 +144,8 @@ class MasterWeights:
                 "backward ran outside compute_weights(model): run forward and backward inside it"
             )
         grad = param.grad
+        if grad is None:  # a GradIntoLinear's weight: its GEMM accumulated the gradient
+            return
         param.grad = None
         if self.grads[i] is None:
             self.grads[i] = grad.to(torch.float32)
@@ -101,11 +173,18 @@ class MasterWeights:
             self.grads[i] = param.grad  # fp32 from an earlier micro batch: accumulated onto
             param.grad = None
             param.data = self.copies[i]
+        if torch.is_grad_enabled():  # a backward may follow: the fused GEMMs' fp32 gradients
+            for i, module in self.fused:
+                if self.grads[i] is None:
+                    self.grads[i] = torch.zeros_like(masters[i], dtype=torch.float32)
+                module.grad_into = self.grads[i]
         self.active = True
         try:
             yield
         finally:
             self.active = False
+            for _, module in self.fused:
+                module.grad_into = None
             for i, param in enumerate(self.params):
                 param.grad = None  # a low-precision gradient no hook took (backward unfinished)
                 param.data = masters[i]
@@ -120,9 +199,11 @@ def _to_master(master_weights: weakref.ref[MasterWeights], i: int, param: torch.
         owner.to_master(i, param)
 
 
-def use_master_weights(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Make `model` compute in `dtype` inside `compute_weights(model)`; its masters stay fp32."""
-    setattr(model, ATTRIBUTE, MasterWeights(model, dtype))
+def use_master_weights(model: torch.nn.Module, dtype: torch.dtype, grad_accum: int = 1) -> None:
+    """Make `model` compute in `dtype` inside `compute_weights(model)`; its masters stay fp32.
+    With micro batches to accumulate, the block Linears' GEMMs accumulate their gradients."""
+    grad_into_gemm = grad_accum > 1 and os.environ.get(GRAD_INTO_GEMM_ENV, "1") != "0"
+    setattr(model, ATTRIBUTE, MasterWeights(model, dtype, grad_into_gemm))
 
 
 def follow_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -218,7 +218,7 @@ def apply_parallelism(model: torch.nn.Module, config: TrainConfig, env: DistEnv)
     if _unsharded_single_device(config, mesh):
         # Nothing to shard, gather or reduce: FSDP would only copy (trainer/master_weights.py).
         if config.mixed_precision != "fp32":
-            use_master_weights(model, COMPUTE_DTYPES[config.mixed_precision])
+            use_master_weights(model, COMPUTE_DTYPES[config.mixed_precision], config.grad_accum)
         return mesh
     policies = {
         # QLoRA: the 4-bit base stays whole on every rank (trainer/qlora.py).

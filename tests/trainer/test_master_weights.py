@@ -11,7 +11,12 @@ from trainer.batch import Batch
 from trainer.config import TrainConfig
 from trainer.lora import apply_lora
 from trainer.loss import add_loss_method
-from trainer.master_weights import compute_weights
+from trainer.master_weights import (
+    GRAD_INTO_GEMM_ENV,
+    GradIntoLinear,
+    compute_weights,
+    weight_grad_into,
+)
 from trainer.model import build_model, materialize_weights
 from trainer.optim import build_optimizer, optimizer_step
 from trainer.parallel import apply_parallelism
@@ -89,8 +94,12 @@ def test_the_compute_copies_follow_every_optimizer_step(world_of_one):
         torch.testing.assert_close(head.detach(), copy * 2, rtol=0, atol=0)
 
 
-def test_gradients_of_several_micro_batches_accumulate_in_fp32(world_of_one):
-    model, _, _ = build(world_of_one, strategy="SHARD_GRAD_OP", mixed_precision="bf16")
+@pytest.mark.parametrize("grad_accum", [1, 2], ids=["cast-and-add", "in-the-gemm"])
+def test_gradients_of_several_micro_batches_accumulate_in_fp32(world_of_one, grad_accum):
+    model, _, _ = build(world_of_one, strategy="SHARD_GRAD_OP", mixed_precision="bf16",
+                        grad_accum=grad_accum)
+    linears = [m for m in model.modules() if isinstance(m, GradIntoLinear)]
+    assert len(linears) == (7 * model.config.num_hidden_layers if grad_accum > 1 else 0)
     data = batches(model.config.vocab_size, 2)
     params = [p for p in model.parameters() if p.requires_grad]
     parts = []
@@ -171,3 +180,45 @@ def test_a_frozen_base_keeps_only_its_compute_copy_and_trains_to_the_losses_of_f
     assert plain[2] == pytest.approx(fsdp[2], rel=1e-6)
     dtypes = {(p.requires_grad, p.dtype) for p in plain[3].parameters()}
     assert dtypes == {(True, torch.float32), (False, torch.bfloat16)}
+
+
+@pytest.mark.parametrize(("compile", "lora"), [(False, {}), (True, {}),
+                                                (True, {"lora_rank": 4, "lora_alpha": 8})],
+                         ids=["eager", "compiled", "compiled-lora"])
+def test_micro_batches_accumulated_in_the_gemm_train_to_the_losses_of_the_cast_and_add(
+    world_of_one, monkeypatch, compile, lora
+):
+    """grad_accum > 1 at one rank: each block Linear's weight-gradient GEMM adds into the fp32
+    gradient (compiled: the op called in place from the block's backward). Its sums are of
+    fp32 products where the cast-and-add rounds each product to bf16 first: the same training
+    within that rounding, and nothing left in bf16."""
+    monkeypatch.setenv("TRAINER_COMPILE_BACKEND", "aot_eager")
+    options = {"strategy": "SHARD_GRAD_OP", "mixed_precision": "bf16", "grad_accum": 2,
+               "compile": compile, **lora}
+    fused = train(world_of_one, **options)
+    torch._dynamo.reset()  # the blocks' compiled variants are per model: not two models' worth
+    monkeypatch.setenv(GRAD_INTO_GEMM_ENV, "0")
+    cast = train(world_of_one, **options)
+    assert any(isinstance(m, GradIntoLinear) for m in fused[3].modules())
+    assert not any(isinstance(m, GradIntoLinear) for m in cast[3].modules())
+    assert fused[0] == pytest.approx(cast[0], rel=2e-3)
+    assert fused[1] == pytest.approx(cast[1], rel=2e-2)
+    assert fused[2] == pytest.approx(cast[2], rel=2e-3)
+    assert {p.dtype for p in fused[3].parameters() if p.requires_grad} == {torch.float32}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fp32-output GEMM runs on CUDA")
+def test_the_weight_gradient_gemm_adds_into_the_fp32_gradient_in_place_on_cuda():
+    """cuBLAS with beta 1 and an fp32 output: the gradient's own memory, the fp32 sum of the
+    bf16 inputs' exact products (no bf16 rounding of the product, as the cast-and-add has)."""
+    generator = torch.Generator("cuda").manual_seed(0)
+    dy, x = (torch.randn(2, 2048, n, device="cuda", generator=generator).to(torch.bfloat16)
+             for n in (1024, 512))
+    grad = torch.randn(1024, 512, device="cuda", generator=generator)
+    start, pointer = grad.clone(), grad.data_ptr()
+    weight_grad_into(grad, dy, x)
+    exact = start.double() + dy.flatten(0, 1).double().t() @ x.flatten(0, 1).double()
+    cast = start + (dy.flatten(0, 1).t() @ x.flatten(0, 1)).float()
+    assert grad.data_ptr() == pointer
+    error = ((grad.double() - exact).norm() / exact.norm()).item()
+    assert error < 1e-5 < ((cast.double() - exact).norm() / exact.norm()).item()
