@@ -203,6 +203,19 @@ def activation_bytes_per_token(cfg: TrainConfig, config: Any) -> tuple[float, fl
     return saved, recompute
 
 
+def dequantized_blocks_kept(cfg: TrainConfig, layers: int) -> int:
+    """QLoRA: the blocks whose dequantized weights (bf16, 4x the NF4 ones) a forward keeps for
+    backward. Compiled, every block not checkpointed (the partitioner saves the dequantization's
+    output; a checkpointed block, whole or per op, dequantizes again in backward); eager, none
+    (torchao's linear_nf4 saves the 4-bit weight). tests/trainer/test_qlora.py counts them."""
+    if not cfg.compile or cfg.activation_checkpointing == "full":
+        return 0
+    if cfg.activation_checkpointing == "none":
+        return layers
+    every = selective_every(cfg.selective_ac)
+    return 0 if every is None else layers - layers // every
+
+
 def estimate(cfg: TrainConfig, *, world_size: int, local_world_size: int, hardware: Hardware,
              config: Any = None) -> Estimate:
     """Peak memory per GPU and step time of `cfg` on `world_size` GPUs of `hardware`.
@@ -256,11 +269,8 @@ def estimate(cfg: TrainConfig, *, world_size: int, local_world_size: int, hardwa
         copies = compute_bytes * (blocks_held * block_params + embedding) / tp
     saved, recompute = activation_bytes_per_token(cfg, config)
     activations = (saved * tokens + recompute * tokens) / tp
-    if quantized:  # a block run without checkpointing keeps its dequantized weights for backward
-        kept = {"none": layers, "full": 1}.get(cfg.activation_checkpointing)
-        if kept is None:
-            every = selective_every(cfg.selective_ac)
-            kept = 1 if every is None else layers - layers // every
+    if quantized and cfg.compile:  # and one block's while backward recomputes it
+        kept = max(1, dequantized_blocks_kept(cfg, layers))
         activations += compute_bytes * quantized / layers * kept
     chunk = min(tokens // tp or 1, max(1, LOGITS_PER_CHUNK // config.vocab_size))
     loss = 4 * chunk * config.vocab_size  # the chunk's logits and their gradient, bf16

@@ -4,21 +4,25 @@ A real run needs a GPU (refused elsewhere, naming the field); torchao's NF4 is p
 so these tests run it on the CPU with TRAINER_NF4_ON_CPU=1, the switch the trainer keeps for that.
 """
 
+import functools
 import json
 
 import pytest
 import torch
+from torch.autograd.graph import saved_tensors_hooks
 from torchao.quantization import NF4Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from finetune_contract.data import PROMPT_TEMPLATE
 from finetune_contract.fields import ContractError
+from finetune_contract.plan import dequantized_blocks_kept
 from tests.support.training import demo_rows, lm_step, torchrun, write_jsonl
 from trainer.checkpoint import Checkpointer
 from trainer.config import load_config
 from trainer.demo import DEMO_TOKENIZER
 from trainer.export import export_hf
 from trainer.lora import apply_lora
+from trainer.master_weights import compute_weights
 from trainer.model import build_model, materialize_weights
 from trainer.optim import build_optimizer
 from trainer.parallel import QUANTIZE_ON_CPU_ENV, apply_parallelism, check_start, quantize_dtype
@@ -27,9 +31,9 @@ from trainer.qlora import dequantized, quantized_weight_fqns
 PROMPT = PROMPT_TEMPLATE.format(prompt="Which month comes after May?")
 
 
-def qlora_model(env, tokenizer, seed, quantize_base="nf4"):
+def qlora_model(env, tokenizer, seed, quantize_base="nf4", **options):
     config = load_config(None, {"lora_rank": 4, "seed": seed, "mixed_precision": "bf16",
-                                "quantize_base": quantize_base})
+                                "quantize_base": quantize_base, **options})
     model = build_model(config.model, tokenizer)
     apply_lora(model, config)
     apply_parallelism(model, config, env)
@@ -62,6 +66,45 @@ def test_the_frozen_block_linears_are_nf4_of_the_unquantized_models_weights(
     # Nothing else is quantized: embeddings, norms, head and adapters keep their dtype.
     others = [p for n, p in quantized.named_parameters() if n not in fqns]
     assert others and not any(isinstance(p.data, NF4Tensor) for p in others)
+
+
+def keep(saved: list[torch.Tensor], tensor: torch.Tensor) -> torch.Tensor:
+    saved.append(tensor)
+    return tensor
+
+
+@pytest.mark.parametrize(("compile", "checkpointing", "selective_ac"), [
+    (False, "none", "op"), (True, "none", "op"),
+    pytest.param(True, "selective", "op", marks=pytest.mark.slow),
+    pytest.param(True, "selective", "2", marks=pytest.mark.slow),
+    pytest.param(True, "full", "op", marks=pytest.mark.slow)])
+def test_a_qlora_forward_keeps_the_dequantized_weights_the_planner_counts(
+    world_of_one, nf4_on_cpu, monkeypatch, compile, checkpointing, selective_ac
+):
+    """Compiled, the partitioner saves each dequantized weight (bf16, 4x the 4-bit one) for
+    backward where the block is not checkpointed: 13 GiB at 8B, which the planner adds. Eager,
+    torchao's linear_nf4 keeps the 4-bit weight alone. The count is the planner's rule's."""
+    monkeypatch.setenv("TRAINER_COMPILE_BACKEND", "aot_eager")
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_TOKENIZER)
+    input_ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    model, _ = qlora_model(world_of_one, tokenizer, seed=2, strategy="SHARD_GRAD_OP",
+                           compile=compile, activation_checkpointing=checkpointing,
+                           selective_ac=selective_ac)
+    weights = [tuple(model.get_parameter(fqn).shape) for fqn in quantized_weight_fqns(model)]
+    saved: list[torch.Tensor] = []
+    with compute_weights(model), saved_tensors_hooks(functools.partial(keep, saved),
+                                                     lambda t: t):
+        model(input_ids=input_ids, labels=input_ids, use_cache=False).loss.backward()
+    dequantized = [t for t in saved if tuple(t.shape) in weights
+                   and t.dtype == torch.bfloat16 and not isinstance(t, NF4Tensor)]
+    config = load_config(None, {"lora_rank": 4, "quantize_base": "nf4", "compile": compile,
+                                "activation_checkpointing": checkpointing,
+                                "selective_ac": selective_ac})
+    layers = model.config.num_hidden_layers
+    per_block, kept = len(weights) // layers, dequantized_blocks_kept(config, layers)
+    # The first block's q/k/v need no input gradient (LoRA freezes the embedding and norms).
+    assert per_block * kept - 3 * (kept > 0) == len(dequantized)
+    assert any(p.grad is not None for p in model.parameters())
 
 
 @pytest.mark.slow
