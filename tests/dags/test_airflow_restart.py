@@ -1,5 +1,6 @@
 """A run survives Airflow itself: the scheduler, then every component, killed during `train`
-on the local target, with the training finishing during the outage or still running after it.
+on the local target, with the training finishing during the outage or still running after it
+(one Airflow, two outages: one run's training outlasts both, one ends during each).
 
 A real Airflow (api-server, scheduler, dag-processor, triggerer as separate processes, each in
 a session of its own), a real torchrun training of the tiny model. Killing the scheduler's
@@ -21,7 +22,7 @@ import pytest
 
 from finetune.names import run_dir_name
 from finetune.targets.local import _alive, _trainer_processes, training_finished
-from tests.support.airflow import COMPONENTS, Airflow, wait_for
+from tests.support.airflow import Airflow, wait_for
 from tests.support.training import logged_steps
 
 pytestmark = pytest.mark.slow  # a real Airflow, killed and started again; torchrun trainings
@@ -29,8 +30,10 @@ pytestmark = pytest.mark.slow  # a real Airflow, killed and started again; torch
 DAG_ID = "llm_finetune"
 RUN = {"preset": "tiny-local", "procs_per_node": 1, "eval_interval": 0,
        "checkpoint_interval": 0, "warmup_steps": 2}
-SHORT_STEPS = 100  # ends during the outage; still training at the kill (the two start together)
-LONG_STEPS = 2500  # still training when the retry comes (about 25 steps/s on 2 CPU cores)
+SHORT_STEPS = 100  # ends during the outage; still training at the kill
+# Still training when the second outage's retry comes, some 150 s after its start (about 20
+# steps/s alone on 2 CPU cores, fewer beside another training).
+LONG_STEPS = 4500
 API_SERVER_LATE_S = 30
 # Short enough for a test: a dead scheduler's tasks are reset 10 s after its last heartbeat, a
 # task whose supervisor died is failed 45 s after its last heartbeat (sent every 5 s; Airflow's
@@ -107,37 +110,59 @@ def run_state(airflow: Airflow, run_id: str) -> str:
                            f"{urllib.parse.quote(run_id, safe='')}")["state"]
 
 
-@pytest.mark.parametrize("killed", ["scheduler", "everything"])
-def test_runs_survive_airflow_killed_during_train_ending_during_the_outage_or_after_it(
-        airflow, runs_dir, killed):
-    """Two runs at once: one whose training ends during the outage, one still training when
-    Airflow is back; each succeeds with its training run once."""
-    runs = [trigger(airflow, runs_dir, SHORT_STEPS), trigger(airflow, runs_dir, LONG_STEPS)]
-    short, long = runs
-    for run in runs:
-        wait_for("the training's step 2", lambda r=run: len(logged_steps(r.run_dir)) >= 2, 300,
-                 airflow.home)
-        run.first_try = train_state(run.run_dir)
+def wait_training(airflow: Airflow, run: Run) -> None:
+    wait_for("the training's step 2", lambda: len(logged_steps(run.run_dir)) >= 2, 300,
+             airflow.home)
+    run.first_try = train_state(run.run_dir)
 
-    if killed == "scheduler":  # its process group: the task processes live on, unsupervised
-        down = ("scheduler",)
+
+def outage(airflow: Airflow, killed: str, short: Run, long: Run) -> None:
+    """Kill the scheduler's process group (the task processes live on, unsupervised) or every
+    process Airflow started, task processes too; start it again once the short training ended.
+    """
+    if killed == "scheduler":
         airflow.kill("scheduler")
-    else:  # every process Airflow started, task processes too
-        down = COMPONENTS
+    else:
         airflow.kill(whole_session=True)
-    for run in runs:  # the trainings run on without Airflow
+    for run in (short, long):  # the trainings run on without Airflow
         assert all(_alive(pid) for pid in run.first_try["agents"]), run
     wait_for("the short training to finish", lambda: training_finished(
         short.run_dir, short.first_try["started"]) and not any(
         _alive(p) for p in short.first_try["agents"]), 300, airflow.home)
     if killed == "scheduler":
-        airflow.start(*down)
+        airflow.start("scheduler")
     else:  # the api-server last, as it comes up last: the scheduler queues the lost tries'
         # retries while tasks cannot reach the execution API
         airflow.start("scheduler", "dag-processor", "triggerer")
         time.sleep(API_SERVER_LATE_S)
         airflow.start("api-server")
     assert len(logged_steps(long.run_dir)) < LONG_STEPS  # still training when Airflow is back
+
+
+def test_runs_survive_the_scheduler_then_every_component_killed_during_train(airflow, runs_dir):
+    """Three runs: the long one trains through both outages, a short one ends during each;
+    each succeeds with its training run once."""
+    first = trigger(airflow, runs_dir, SHORT_STEPS)
+    long = trigger(airflow, runs_dir, LONG_STEPS)
+    for run in (first, long):
+        wait_training(airflow, run)
+    outage(airflow, "scheduler", first, long)
+
+    def reattached() -> bool:  # the long run's retry follows the training again
+        train = task_instances(airflow, long.run_id)["train"]
+        if train["try_number"] < 2 or train["state"] != "running":
+            return False
+        try:
+            log = task_log(airflow, long.run_id, "train", train["try_number"])
+        except FileNotFoundError:  # the try has not written its log yet
+            return False
+        return "reattaching to the training" in log
+
+    wait_for("the long run's retry to reattach", reattached, 300, airflow.home, interval=2)
+    second = trigger(airflow, runs_dir, SHORT_STEPS)
+    wait_training(airflow, second)
+    outage(airflow, "everything", second, long)
+    runs = (first, long, second)
 
     def ended() -> dict[str, str] | None:
         states = {run.run_id: run_state(airflow, run.run_id) for run in runs}
@@ -149,6 +174,7 @@ def test_runs_survive_airflow_killed_during_train_ending_during_the_outage_or_af
     for run in runs:
         assert states[run.run_id] == "success", task_instances(airflow, run.run_id)
         assert_ran_once_and_left_nothing(airflow, run)
+    assert task_instances(airflow, long.run_id)["train"]["try_number"] >= 3  # one per outage
 
 
 def assert_ran_once_and_left_nothing(airflow: Airflow, run: Run) -> None:
