@@ -170,6 +170,7 @@ def test_prepare_job_is_a_valid_cpu_job_on_the_users_nodes_that_never_takes_a_gp
     assert spec["restartPolicy"] == "Never"
 
 
+@pytest.mark.slow  # the worker's function on a real data set: 10-12 s
 def test_pod_prepares_the_set_in_s3_with_the_workers_function_and_the_run_goes_on_with_it(
         session, kube, tmp_path, task_log):
     kubelet = Kubelet(kube, tmp_path)
@@ -197,6 +198,7 @@ def test_pod_prepares_the_set_in_s3_with_the_workers_function_and_the_run_goes_o
     assert any("cache hit" in line for line in task_log)
 
 
+@pytest.mark.slow  # the worker's function on a real data set: 10-12 s
 def test_a_bad_row_in_the_pod_fails_the_stage_naming_file_and_line_and_leaves_nothing(
         session, kube, tmp_path):
     kubelet = Kubelet(kube, tmp_path)

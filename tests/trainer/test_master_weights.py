@@ -182,9 +182,10 @@ def test_a_frozen_base_keeps_only_its_compute_copy_and_trains_to_the_losses_of_f
     assert dtypes == {(True, torch.float32), (False, torch.bfloat16)}
 
 
-@pytest.mark.parametrize(("compile", "lora"), [(False, {}), (True, {}),
-                                                (True, {"lora_rank": 4, "lora_alpha": 8})],
-                         ids=["eager", "compiled", "compiled-lora"])
+@pytest.mark.parametrize(("compile", "lora"), [
+    (False, {}), pytest.param(True, {}, marks=pytest.mark.slow),
+    pytest.param(True, {"lora_rank": 4, "lora_alpha": 8}, marks=pytest.mark.slow)],
+    ids=["eager", "compiled", "compiled-lora"])
 def test_micro_batches_accumulated_in_the_gemm_train_to_the_losses_of_the_cast_and_add(
     world_of_one, monkeypatch, compile, lora
 ):

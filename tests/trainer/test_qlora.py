@@ -74,7 +74,7 @@ def keep(saved: list[torch.Tensor], tensor: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(("compile", "checkpointing", "selective_ac"), [
-    (False, "none", "op"), (True, "none", "op"),
+    (False, "none", "op"), pytest.param(True, "none", "op", marks=pytest.mark.slow),
     pytest.param(True, "selective", "op", marks=pytest.mark.slow),
     pytest.param(True, "selective", "2", marks=pytest.mark.slow),
     pytest.param(True, "full", "op", marks=pytest.mark.slow)])
