@@ -40,7 +40,7 @@ from torch.distributed.fsdp import FSDPModule
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from finetune_contract.fields import ATTENTION, LORA_TARGET_MODULES, QUANTIZE_BASE
-from finetune_contract.models import BUILTIN_MODELS
+from finetune_contract.models import BUILTIN_MODELS, FAMILY_SHAPES
 from finetune_contract.rules import lora_module_names
 from finetune_contract.throughput import flops_per_token, mfu
 from trainer.bench_titan import titan_problem, titan_step_runner
@@ -56,29 +56,6 @@ from trainer.optim import build_optimizer, optimizer_step
 from trainer.parallel import DistEnv, apply_parallelism, init_distributed, quantize_dtype
 from trainer.qlora import nf4_bytes
 
-# Family shapes for the benchmark (issue 31): published configs of each family, random weights.
-FAMILY_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
-    "qwen2.5-7b": ("Qwen2Config", dict(
-        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-        num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
-        rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)),
-    "mistral-7b": ("MistralConfig", dict(
-        vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768,
-        rope_theta=1e6, sliding_window=None, tie_word_embeddings=False)),
-    "gemma2-2b": ("Gemma2Config", dict(
-        vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
-        num_attention_heads=8, num_key_value_heads=4, head_dim=256,
-        max_position_embeddings=8192, tie_word_embeddings=True)),
-    "gemma3-1b": ("Gemma3TextConfig", dict(
-        vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
-        num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
-        query_pre_attn_scalar=256, max_position_embeddings=32768, tie_word_embeddings=True)),
-    "gemma3-4b": ("Gemma3TextConfig", dict(
-        vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
-        num_attention_heads=8, num_key_value_heads=4, head_dim=256, sliding_window=1024,
-        query_pre_attn_scalar=256, max_position_embeddings=131072, tie_word_embeddings=True)),
-}
 # The peers beside ours: Hugging Face Trainer, Trainer with Liger's kernels, torchtitan
 # (trainer/bench_titan.py) and Unsloth (trainer/bench_unsloth.py); each with the "run" name of
 # its JSON line.

@@ -21,7 +21,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from finetune_contract.families import Family, family_of, softcap
+from finetune_contract.families import attention_kernel, family_of
 from finetune_contract.models import BUILTIN_MODELS
 from trainer.attention import attn_implementation
 from trainer.lora import init_adapter_weights, is_adapter_param
@@ -65,20 +65,13 @@ def build_model(model: str, tokenizer: PreTrainedTokenizerBase | None = None,
 def model_on_meta(config: Any, attention: str = "sdpa") -> PreTrainedModel:
     """The model of `config` on the meta device, fp32, with the attention the trainer runs:
     soft-capped scores (eager) win over the contract's kernel; else sdpa or fa4."""
-    family = family_of(config)  # the architecture table's row; ValueError outside it
-    implementation = attention_implementation(config, family)
+    implementation = attention_kernel(config)  # ValueError outside the architecture table
     if implementation == "sdpa":
         implementation = attn_implementation(attention)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(
             config, dtype=torch.float32, attn_implementation=implementation
         )
-
-
-def attention_implementation(config: Any, family: Family) -> str:
-    """sdpa, or eager where the attention scores are soft-capped (Gemma 2): sdpa has no cap, and
-    the exported model (eager by default then) would compute another loss."""
-    return "eager" if softcap(config, family.attention_softcap_key) else "sdpa"
 
 
 def pretrained_dir(model: str) -> Path:

@@ -297,6 +297,14 @@ def softcap(config: Any, key: str) -> float | None:
     return float(value) if value else None
 
 
+def attention_kernel(config: Any) -> str:
+    """The attention the trainer runs: sdpa, or eager where the scores are soft-capped (Gemma
+    2): sdpa has no cap, and the exported model (eager by default then) would compute another
+    loss. The planner's attention time reads it too."""
+    family = family_of(config)
+    return "eager" if softcap(config, family.attention_softcap_key) else "sdpa"
+
+
 def attention_windows(config: Any) -> list[int | None]:
     """Each layer's sliding window (None: full causal attention), as the family's transformers
     model applies config.json's `sliding_window`, `layer_types` and the keys behind them."""

@@ -20,7 +20,13 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from finetune_contract.families import activation_extra, adapter_params, architecture_problem
+from finetune_contract.families import (
+    activation_extra,
+    adapter_params,
+    architecture_problem,
+    attention_kernel,
+    attention_windows,
+)
 from finetune_contract.families import attention_flops as attention_work
 from finetune_contract.families import head_dim as family_head_dim
 from finetune_contract.fields import TrainConfig
@@ -68,7 +74,18 @@ GATHERED_BLOCKS = 2
 # GEMMs 707 TFLOP/s; cuDNN attention 365 at head dim 128, 286 at 64, real causal FLOPs, which
 # are half the 12 x layers x hidden x seq_len counted).
 GEMM_EFFICIENCY = 707 / 989
-ATTENTION_EFFICIENCY = {128: 2 * 365 / 989, 64: 2 * 286 / 989}
+# Head dim 256 (Gemma 2 and 3): 134 TFLOP/s, Gemma 2 2B's causal layers at seq 4096 (its
+# profile, one H200, 2026-12-03: docs/notes/2026-12-03-h200-profile-gemma2-2b.log).
+ATTENTION_EFFICIENCY = {128: 2 * 365 / 989, 64: 2 * 286 / 989, 256: 2 * 134 / 989}
+# Soft-capped attention scores (Gemma 2) run eager attention (families.attention_kernel): no
+# measurement of its time or memory in this project yet; the estimate counts cuDNN's rate and
+# one bf16 score row per token and layer.
+EAGER_CAVEAT = ("attention runs eager here (soft-capped scores): its time and the scores it "
+                "keeps for backward are estimated, not measured")
+# A layer whose sliding window is shorter than the sequence hands sdpa its window as a mask:
+# cuDNN's masked kernel runs at this share of the causal rate (Gemma 3 1B, 22 of 26 layers
+# windowed at seq 4096: 54 ms of attention a step, its profile of the same call).
+MASKED_ATTENTION_RATE = 0.71
 # cuDNN attention is faster on longer sequences: the 3B 32k-sequence rows need this exponent of
 # seq_len / 4096 on its rate (capped), the 4096 rows none.
 ATTENTION_SEQ_EXPONENT, ATTENTION_SEQ_CAP = 0.15, 1.4
@@ -143,6 +160,7 @@ class Estimate:
     exposed_comm_s: float | None  # what of it is not hidden behind compute
     gpu_memory_gib: float | None
     note: str = ""  # why a figure is n/a
+    caveat: str = ""  # what the figures are not calibrated for
 
     @property
     def fits(self) -> bool | None:
@@ -186,12 +204,18 @@ def activation_bytes_per_token(cfg: TrainConfig, config: Any) -> tuple[float, fl
     block = elem * (ACT_HIDDEN * hidden + ACT_MLP * mlp + activation_extra(config))
     if cfg.float8:
         block *= FLOAT8_ACTIVATION_FACTOR
+    # Eager attention (soft-capped scores) keeps a row of heads x seq_len scores per token and
+    # layer for backward, at least: a lower bound, not measured (EAGER_CAVEAT).
+    scores = elem * config.num_attention_heads * cfg.seq_len \
+        if attention_kernel(config) == "eager" else 0
+    block += scores
     boundary = elem * hidden  # a checkpointed block keeps only its input
     mode = cfg.activation_checkpointing
     if mode == "full":
         saved, recompute = layers * boundary, block
     elif mode == "selective" and selective_every(cfg.selective_ac) is None:
-        saved, recompute = layers * elem * (SELECTIVE_HIDDEN * hidden + SELECTIVE_MLP * mlp), block
+        saved = layers * (elem * (SELECTIVE_HIDDEN * hidden + SELECTIVE_MLP * mlp) + scores)
+        recompute = block
     elif mode == "selective":
         every = selective_every(cfg.selective_ac) or 1
         checkpointed = layers // every
@@ -291,7 +315,8 @@ def estimate(cfg: TrainConfig, *, world_size: int, local_world_size: int, hardwa
            if tokens_per_s and hardware.peak_flops and not cfg.float8 else None)
     return Estimate(round(peak, 2), {k: round(v, 2) for k, v in parts.items()}, step,
                     tokens_per_s, mfu, comm, exposed, hardware.gpu_memory_gib,
-                    note="" if step else "no peak FLOPs for this device: no time estimate")
+                    note="" if step else "no peak FLOPs for this device: no time estimate",
+                    caveat=EAGER_CAVEAT if attention_kernel(config) == "eager" else "")
 
 
 def _step_time(cfg: TrainConfig, config: Any, hardware: Hardware, world_size: int,
@@ -309,8 +334,12 @@ def _step_time(cfg: TrainConfig, config: Any, hardware: Hardware, world_size: in
     per_param = 4 if lora else 6
     block_flops = per_param * counts["blocks"] * tokens
     head_flops = per_param * config.vocab_size * hidden * tokens
-    # the kernels' work: a sliding window is a mask to sdpa, not fewer keys computed
-    attention_flops = attention_work(config, cfg.seq_len, windows=False) * tokens
+    # the kernels' work: a sliding window is a mask to sdpa, not fewer keys computed, and a
+    # slower kernel where it is shorter than the sequence
+    windows = attention_windows(config)
+    masked = sum(1 for w in windows if w is not None and w < cfg.seq_len) / len(windows)
+    attention_flops = (attention_work(config, cfg.seq_len, windows=False) * tokens
+                       * (1 - masked + masked / MASKED_ATTENTION_RATE))
     recomputed = {"full": 1.0, "none": 0.0}.get(cfg.activation_checkpointing)
     if recomputed is None:  # selective: per op recomputes only elementwise work; every k-th
         every = selective_every(cfg.selective_ac)

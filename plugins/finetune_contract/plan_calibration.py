@@ -166,3 +166,37 @@ FAMILY_ROWS: dict[str, tuple[dict[str, Any], float, float]] = {
     "phi3": (_family("phi3", 3072, 32, 32, 8192, 32064, False), 22.6, 30.57),
     "olmo2": (_family("olmo2", 4096, 32, 32, 11008, 100352, False), 44.14, 54.49),
 }
+# The same call's tokens/s per GPU (micro-batch 2, 4), the planner's time per family at 8 layers,
+# where the head and embedding weigh about three times their share at released depths.
+FAMILY_TOKENS_PER_S: dict[str, tuple[float, float]] = {
+    "llama": (63_350, 68_900), "qwen2": (32_390, 35_310), "qwen3": (35_270, 38_340),
+    "mistral": (42_060, 44_510), "gemma2": (53_410, 59_130), "gemma3_text": (103_800, 113_000),
+    "phi3": (71_050, 77_650), "olmo2": (38_080, 40_410),
+}
+# What those runs' attention was: sdpa for every family, Gemma 2 too (the benchmark then built
+# it without its soft cap), where the trainer runs Gemma 2 eager (families.attention_kernel): its
+# rows measure the head-dim-256 kernel, not a Gemma 2 plan.
+FAMILY_ROWS_ATTENTION = "sdpa"
+
+
+@dataclass(frozen=True)
+class ReleasedRow:
+    """A family shape at its released depth (finetune_contract.models.FAMILY_SHAPES)."""
+
+    shape: str
+    micro_batch: int
+    tokens_per_s: float
+    peak_gib: float
+    attention: str  # the attention the run had
+
+
+# One device call on one H200, 2026-12-03 (`python -m trainer.bench --no-hf --compile --steps 5
+# --warmup 2 --micro-batch 2 --models gemma2-2b,gemma3-1b,gemma3-4b`;
+# docs/notes/2026-12-03-h200-gemma-released-depths.log); the first two's profiles of that day
+# (`--profile`, docs/notes/2026-12-03-h200-profile-gemma*.log) fit ATTENTION_EFFICIENCY[256] and
+# MASKED_ATTENTION_RATE.
+RELEASED_ROWS: tuple[ReleasedRow, ...] = (
+    ReleasedRow("gemma2-2b", 2, 23_600, 57.84, "sdpa"),
+    ReleasedRow("gemma3-1b", 2, 46_170, 30.33, "sdpa"),
+    ReleasedRow("gemma3-4b", 2, 15_790, 85.25, "sdpa"),
+)
