@@ -39,23 +39,8 @@ os.environ.setdefault("AIRFLOW__FINETUNE__MLFLOW_TRACKING_URI", "sqlite:///" + s
     Path(tempfile.mkdtemp(prefix="finetune-tests-mlflow-")) / "mlflow.db"))
 
 # OpenMP threads spin a while before they sleep: libgomp's default spin made two trainings
-# sharing 2 cores each many times slower (the slow tier runs two processes: below).
+# sharing 2 cores each many times slower (make test's fast tier runs two processes).
 os.environ.setdefault("GOMP_SPINCOUNT", "20000")
-
-# The slow tier runs in two processes (make test: pytest-xdist, --dist loadgroup): the modules
-# whose time is mostly waiting (a real Airflow's scheduler loops and heartbeat timeouts, an
-# image build and push) in one, every other slow test in the other, one at a time, as their
-# timings (a hang, a straggler, a killed rank) assume.
-WAITING_MODULES = frozenset({"test_airflow_restart.py", "test_airflow_api.py",
-                             "test_image_buildah.py"})
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.get_closest_marker("slow"):
-            waiting = item.path.name in WAITING_MODULES
-            item.add_marker(pytest.mark.xdist_group("waiting" if waiting else "one-at-a-time"))
-
 
 # Light to import (no Airflow, no kmock): the folders needing heavier fixtures import them.
 pytest_plugins = ["tests.support.aws", "tests.support.etcd", "tests.support.mlflow"]
