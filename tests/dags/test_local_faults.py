@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -149,7 +150,11 @@ def test_a_killed_rank_is_restarted_by_torchrun_and_resumes_to_the_uninterrupted
     result = train_during(target, cfg, rdzv, kill_rank_1)
     assert result["node_restarts"] == 0  # torchrun restarted the workers, not the node
     train_log = (run_dir / "train.log").read_text()
-    assert "failed (exitcode: -9) local_rank: 1" in train_log
+    # torchrun reports the first worker failure it sees: the killed rank (-9), or its peer when
+    # gloo's closed connection ended that one first and the agent stopped it (-15; seen twice in
+    # 2026-12-04's CI runs). Naming the killed rank first is the next test's subject.
+    first_failure = r"failed \(exitcode: (-9\) local_rank: 1|-15\) local_rank: 0)"
+    assert re.search(first_failure, train_log), train_log
     assert train_log.count("failed (exitcode") == 1, train_log  # its first restart trained on
     assert_resumed_to_the_uninterrupted_losses(run_dir, uninterrupted)
 
