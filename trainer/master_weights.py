@@ -78,7 +78,8 @@ class _LinearGradInto(torch.autograd.Function):
         weight_grad_into(grad, grad_output, x)
         grad_bias = (grad_output.reshape(-1, grad_output.shape[-1]).sum(0)
                      if ctx.has_bias and ctx.needs_input_grad[2] else None)
-        return grad_output @ weight, None, grad_bias, None
+        grad_x = grad_output @ weight if ctx.needs_input_grad[0] else None
+        return grad_x, None, grad_bias, None
 
 
 class GradIntoLinear(torch.nn.Linear):

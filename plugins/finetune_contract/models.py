@@ -145,6 +145,7 @@ FAMILY_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
         query_pre_attn_scalar=256, max_position_embeddings=131072, tie_word_embeddings=True)),
 }
 
+
 @dataclass(frozen=True)
 class ModelShape:
     """What the rules need of a model: heads, MLP width, positions (None: not stated) and its

@@ -84,7 +84,7 @@ EAGER_CAVEAT = ("attention runs eager here (soft-capped scores): its time and th
                 "keeps for backward are estimated, not measured")
 # A layer whose sliding window is shorter than the sequence hands sdpa its window as a mask:
 # cuDNN's masked kernel runs at this share of the causal rate (Gemma 3 1B, 22 of 26 layers
-# windowed at seq 4096: 54 ms of attention a step, its profile of the same call).
+# windowed at seq 4096: 54 ms of attention a step; its profile, one H200, 2026-12-03).
 MASKED_ATTENTION_RATE = 0.71
 # cuDNN attention is faster on longer sequences: the 3B 32k-sequence rows need this exponent of
 # seq_len / 4096 on its rate (capped), the 4096 rows none.
