@@ -117,8 +117,6 @@ def plan_text(cfg: RunConfig, plan: RunPlan) -> str:
                  f"{fits}" + (f" ({est.note})" if est.note and est.peak_gib is None else ""))
     if est.parts_gib:
         lines.append("    " + ", ".join(f"{k} {v:.1f}" for k, v in est.parts_gib.items()))
-    if est.caveat:
-        lines.append(f"  note: {est.caveat}")
     if est.step_time_s:
         mfu = f", MFU {est.mfu:.1%}" if est.mfu else ""
         lines.append(f"  step time {est.step_time_s:.3f} s ({est.tokens_per_s_per_gpu:,.0f} "

@@ -77,11 +77,12 @@ GEMM_EFFICIENCY = 707 / 989
 # Head dim 256 (Gemma 2 and 3): 134 TFLOP/s, Gemma 2 2B's causal layers at seq 4096 (its
 # profile, one H200, 2026-12-03: docs/notes/2026-12-03-h200-profile-gemma2-2b.log).
 ATTENTION_EFFICIENCY = {128: 2 * 365 / 989, 64: 2 * 286 / 989, 256: 2 * 134 / 989}
-# Soft-capped attention scores (Gemma 2) run eager attention (families.attention_kernel): no
-# measurement of its time or memory in this project yet; the estimate counts cuDNN's rate and
-# one bf16 score row per token and layer.
-EAGER_CAVEAT = ("attention runs eager here (soft-capped scores): its time and the scores it "
-                "keeps for backward are estimated, not measured")
+# Soft-capped attention scores (Gemma 2) run eager attention (families.attention_kernel): its
+# compiled softmax keeps two heads x seq_len score rows per token and layer for backward (the
+# capped scores and the probabilities, bf16), and runs at about cuDNN's head-dim-256 rate:
+# Gemma 2 at 8 layers (2B widths) 7.06 GiB per 4096-token sequence against 3.07 with sdpa, and
+# the same tokens/s within 1% (one H200, 2026-12-04: docs/notes/2026-12-04-h200-gemma2-eager.log).
+EAGER_SCORE_ROWS = 2
 # A layer whose sliding window is shorter than the sequence hands sdpa its window as a mask:
 # cuDNN's masked kernel runs at this share of the causal rate (Gemma 3 1B, 22 of 26 layers
 # windowed at seq 4096: 54 ms of attention a step; its profile, one H200, 2026-12-03).
@@ -160,7 +161,6 @@ class Estimate:
     exposed_comm_s: float | None  # what of it is not hidden behind compute
     gpu_memory_gib: float | None
     note: str = ""  # why a figure is n/a
-    caveat: str = ""  # what the figures are not calibrated for
 
     @property
     def fits(self) -> bool | None:
@@ -204,9 +204,8 @@ def activation_bytes_per_token(cfg: TrainConfig, config: Any) -> tuple[float, fl
     block = elem * (ACT_HIDDEN * hidden + ACT_MLP * mlp + activation_extra(config))
     if cfg.float8:
         block *= FLOAT8_ACTIVATION_FACTOR
-    # Eager attention (soft-capped scores) keeps a row of heads x seq_len scores per token and
-    # layer for backward, at least: a lower bound, not measured (EAGER_CAVEAT).
-    scores = elem * config.num_attention_heads * cfg.seq_len \
+    # Eager attention (soft-capped scores) keeps its score rows for backward (EAGER_SCORE_ROWS).
+    scores = EAGER_SCORE_ROWS * elem * config.num_attention_heads * cfg.seq_len \
         if attention_kernel(config) == "eager" else 0
     block += scores
     boundary = elem * hidden  # a checkpointed block keeps only its input
@@ -315,8 +314,7 @@ def estimate(cfg: TrainConfig, *, world_size: int, local_world_size: int, hardwa
            if tokens_per_s and hardware.peak_flops and not cfg.float8 else None)
     return Estimate(round(peak, 2), {k: round(v, 2) for k, v in parts.items()}, step,
                     tokens_per_s, mfu, comm, exposed, hardware.gpu_memory_gib,
-                    note="" if step else "no peak FLOPs for this device: no time estimate",
-                    caveat=EAGER_CAVEAT if attention_kernel(config) == "eager" else "")
+                    note="" if step else "no peak FLOPs for this device: no time estimate")
 
 
 def _step_time(cfg: TrainConfig, config: Any, hardware: Hardware, world_size: int,
