@@ -5,7 +5,9 @@ side validates with. The image copies it beside trainer/; in a checkout it is in
 on the path here so that torchrun workers, tests and benchmarks need no PYTHONPATH of their own.
 
 Harmless import-time log records of torchao and torch are filtered here, before any trainer
-module imports transformers (which imports torchao): trainer/log_filters.py.
+module imports transformers (which imports torchao): trainer/log_filters.py. So is
+transformers' import of scikit-learn, 2.4 s of each rank's start
+(finetune_contract/transformers_import.py).
 """
 
 import importlib.util
@@ -20,3 +22,7 @@ if importlib.util.find_spec("finetune_contract") is None:
 from trainer import log_filters
 
 log_filters.install()
+
+from finetune_contract.transformers_import import skip_sklearn  # noqa: E402
+
+skip_sklearn()

@@ -60,8 +60,10 @@ from trainer.qlora import nf4_bytes
 # (trainer/bench_titan.py) and Unsloth (trainer/bench_unsloth.py); each with the "run" name of
 # its JSON line.
 PEERS = {"hf": "hf_trainer", "liger": "hf_liger", "titan": "titan", "unsloth": "unsloth"}
-# The module a peer's child process runs: Unsloth must be imported before transformers.
-PEER_MODULES = {"unsloth": "trainer.bench_unsloth"}
+# What a peer's child process runs before anything of the project: Unsloth patches transformers
+# when imported, so it must come before the trainer package (which imports transformers.utils).
+PEER_PRELUDES = {"unsloth": "import os; os.environ.setdefault('HF_HUB_OFFLINE', '1'); "
+                            "import unsloth"}
 SHORT_NAMES = {"1b": "llama-1b", "3b": "llama-3b", "8b": "llama-8b", "70b": "llama-70b",
                "tiny": "tiny-llama"}
 GIB = 1024**3
@@ -598,15 +600,21 @@ def peer_problem(peer: str, name: str, args: argparse.Namespace) -> str | None:
 def peer_in_child(peer: str, name: str, argv: Sequence[str]) -> dict[str, Any]:
     """A peer run in its own process: Liger patches transformers' modules for good, which must
     not reach the next model's runs; its JSON line, or an error row with the child's last words."""
-    child = peer_child_argv(argv, name, peer)
-    module = PEER_MODULES.get(peer, "trainer.bench")
-    done = subprocess.run([sys.executable, "-m", module, *child], capture_output=True,
-                          text=True, check=False)
+    done = subprocess.run(peer_command(peer, peer_child_argv(argv, name, peer)),
+                          capture_output=True, text=True, check=False)
     for line in reversed(done.stdout.splitlines()):
         if line.startswith("{"):
             return json.loads(line)
     return {"run": PEERS[peer], "model": name,
             "error": f"exit {done.returncode}: {done.stderr[-1500:]}"}
+
+
+def peer_command(peer: str, child_argv: Sequence[str]) -> list[str]:
+    """The child's command line: this module's main, after the peer's prelude (PEER_PRELUDES)."""
+    if peer not in PEER_PRELUDES:
+        return [sys.executable, "-m", "trainer.bench", *child_argv]
+    main = "import runpy; runpy.run_module('trainer.bench', run_name='__main__', alter_sys=True)"
+    return [sys.executable, "-c", f"{PEER_PRELUDES[peer]}\n{main}", *child_argv]
 
 
 def peer_child_argv(argv: Sequence[str], name: str, peer: str) -> list[str]:

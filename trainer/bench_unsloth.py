@@ -1,12 +1,12 @@
 """Unsloth as a peer of trainer.bench: its FastLanguageModel for LoRA and QLoRA, in a process
 of its own.
 
-`python -m trainer.bench --lora-rank 16 [--quantize-base nf4] --peers unsloth` runs this module
-as its child (`PEER_MODULES`): Unsloth patches transformers, peft and trl when it is imported,
-so it is imported here before them, and its patches reach no other run. What runs is Unsloth's
-recipe for LoRA and QLoRA fine-tuning: `FastLanguageModel.from_pretrained` of a checkpoint
-(random weights at the bench's shape, saved in bf16 with the demo tokenizer beside them; loaded
-in bf16, or in bitsandbytes' 4-bit NF4 with `--quantize-base nf4`), then
+`python -m trainer.bench --lora-rank 16 [--quantize-base nf4] --peers unsloth` runs the bench in
+a child process that imports Unsloth before anything else (`bench.PEER_PRELUDES`): Unsloth
+patches transformers, peft and trl when it is imported, and its patches reach no other run. What
+runs is Unsloth's recipe for LoRA and QLoRA fine-tuning: `FastLanguageModel.from_pretrained` of
+a checkpoint (random weights at the bench's shape, saved in bf16 with the demo tokenizer beside
+them; loaded in bf16, or in bitsandbytes' 4-bit NF4 with `--quantize-base nf4`), then
 `FastLanguageModel.get_peft_model` on the same block Linears, rank and alpha as ours, with
 Unsloth's own gradient checkpointing (`"unsloth"`) when the bench checkpoints; then the same
 Hugging Face Trainer, batches and hyper-parameters as the other peers (bf16, fused AdamW).
@@ -18,14 +18,7 @@ it, and only `unsloth_model` needs it.
 
 from __future__ import annotations
 
-import os
-
-if __name__ == "__main__":  # the child process: Unsloth first, then transformers
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local checkpoint: no lookups on the hub
-    import unsloth  # noqa: F401
-
 import argparse
-import runpy
 import tempfile
 from collections.abc import Callable
 from importlib.metadata import version
@@ -84,6 +77,3 @@ def unsloth_model(
     }
     return model, adapters, base_dir, recipe
 
-
-if __name__ == "__main__":  # Unsloth is imported: the bench's main, as `python -m` runs it
-    runpy.run_module("trainer.bench", run_name="__main__", alter_sys=True)

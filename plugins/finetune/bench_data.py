@@ -42,7 +42,7 @@ def bench(rows: int, work: Path) -> Iterator[tuple[str, float]]:
         for row in make_rows(rows, 0):
             f.write(json.dumps(row) + "\n")
     # Imported first (torch through AutoTokenizer): the figures leave import time out.
-    from transformers import AutoTokenizer  # noqa: F401
+    from finetune_contract.transformers_import import AutoTokenizer  # noqa: F401
 
     seconds, _ = _timed(lambda: validate_params(
         {"dataset": str(data), "output_dir": str(work / "runs")}, run_id=f"bench{rows}"))

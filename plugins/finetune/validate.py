@@ -455,7 +455,7 @@ def _encoded_cached(rows: _Rows, tokenizer_stamp: tuple, tokenizer_dir: str, fie
                     ) -> tuple[list[int], int, tuple[str, str] | None]:
     """(lengths of the usable rows, bad rows, the first bad row's (place, what)): every row
     encoded as prepare_data will. Cached: validate runs often on one data set (tests, retries)."""
-    from transformers import AutoTokenizer
+    from finetune_contract.transformers_import import AutoTokenizer
 
     names = ("text_field", "prompt_field", "response_field", "prompt_template", "seq_len",
              "method", "chosen_field", "rejected_field")

@@ -455,7 +455,7 @@ def prepare(config: TrainConfig, root: str | Path, num_proc: int | None = None,
     started = time.perf_counter()
     root = Path(root)
     if config.prompt_template == "chat":  # before any download
-        from transformers import AutoTokenizer
+        from finetune_contract.transformers_import import AutoTokenizer
 
         check_template(config, AutoTokenizer.from_pretrained(config.tokenizer))
     local_path, eval_path = local_dataset(config), local_eval_dataset(config)
@@ -540,7 +540,8 @@ def _stats_of(path: Path, cache_hit: bool, seconds: float) -> dict[str, Any]:
 def _prepare_into(out: Path, config: TrainConfig, local_path: Path | None, num_proc: int,
                   eval_path: Path | None = None) -> dict[str, Any]:
     import datasets
-    from transformers import AutoTokenizer
+
+    from finetune_contract.transformers_import import AutoTokenizer
 
     datasets.disable_progress_bars()
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)

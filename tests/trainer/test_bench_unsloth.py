@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from trainer.bench import PEER_MODULES, PEERS, parse_args, peer_child_argv, peer_problem
+from trainer.bench import PEERS, parse_args, peer_child_argv, peer_command, peer_problem
 
 
 @pytest.mark.parametrize("flags", [[], ["--lora-rank", "16", "--float8"],
@@ -31,7 +31,7 @@ def test_the_unsloth_child_imports_unsloth_before_transformers(tmp_path):
         "else 'unsloth first')\n")
     child = peer_child_argv(["--models", "8b", "--lora-rank", "16"], "llama-8b", "unsloth")
     env_path = f"{tmp_path}:{':'.join(sys.path)}"
-    done = subprocess.run([sys.executable, "-m", PEER_MODULES["unsloth"], *child],
+    done = subprocess.run(peer_command("unsloth", child),
                           capture_output=True, text=True, env={"PYTHONPATH": env_path},
                           timeout=120, check=False)
     assert done.stderr.strip().splitlines()[-1] == "unsloth first", done.stderr
