@@ -2,8 +2,9 @@
 
 transformers imports scikit-learn whenever it is installed (lm_eval, which the evaluate stage
 runs, needs it) for one function of assisted generation (`roc_curve`, the candidate generator's
-threshold), which nothing here runs: 2.4 s of every process that imports a model or a tokenizer
-class (each trainer rank, validate, prepare_data), out of 8.6, on 2 cores. Told that
+threshold), which nothing here runs. Measured on 2 cores (2026-12-04): `from transformers import
+AutoTokenizer` (validate, prepare_data) 6.4 s instead of 8.6, `import trainer.train` (each
+trainer rank) 9.9 s instead of 11.0. Told that
 scikit-learn is not there, transformers skips it; lm_eval still imports it where it needs it.
 The Airflow side imports transformers' classes from here (`from
 finetune_contract.transformers_import import AutoTokenizer`), the trainer calls `skip_sklearn`
