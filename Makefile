@@ -57,22 +57,30 @@ demo: venv system-deps airflow-db
 	$(BIN)/python -m finetune.demo --conf '$(CONF)'
 
 # The fast tests in two processes (pytest-xdist); then the slow ones, most in two processes too,
-# a test file to a process at a time (their module fixtures run once); then, one at a time,
-# SLOW_ALONE: the Airflow restart test, whose training must outlast two outages on a quiet
-# machine (beside the other slow tests, 2026-12-04, it took 872 s instead of 340), and the eks
-# target's emulator tests, whose `nodegroup` fixture met botocore's NoRegionError when they ran
-# after other files in a worker (they pass alone and in the serial order; cause not found).
-# On a fresh clone on 2 cores (2026-12-04): the slow tests one at a time 1,878 s; this way
-# 1,245 s in two processes and 518 s alone. All three run even when one fails.
-SLOW_ALONE := tests/dags/test_airflow_restart.py \
+# a test file to a process at a time (their module fixtures run once); then BESIDE_RESTART: the
+# Airflow restart test in one process, whose training must outlast two outages and which beside
+# the training-heavy tests took 872 s instead of 340 (2026-12-04), and the eks target's emulator
+# tests in the other (little CPU: a Kubernetes API emulator and moto answering). All three run
+# even when one fails.
+BESIDE_RESTART := tests/dags/test_airflow_restart.py \
   $(filter-out %/test_image_buildah.py,$(wildcard tests/eks/test_*.py))
+
+# The longest slow files first (one at a time, 2026-12-04), so that neither process is left
+# with a long one at the end; the other files follow in their usual order.
+SLOW_FIRST := $(addprefix tests/,eks/test_image_buildah.py dags/test_promotion_runs.py \
+  dags/test_local_faults.py dags/test_airflow_api.py trainer/test_hang.py \
+  dags/test_llm_finetune.py trainer/test_training.py trainer/test_bench.py trainer/test_dpo.py \
+  trainer/test_tensor_parallel.py trainer/test_families.py trainer/test_qlora.py)
+SLOW_FILES := $(SLOW_FIRST) $(filter-out $(SLOW_FIRST) $(BESIDE_RESTART), \
+  $(sort $(wildcard tests/test_*.py tests/*/test_*.py)))
 
 test: venv system-deps airflow-db
 	$(BIN)/python -m pytest tests -m "not slow" -n 2; fast=$$?; \
-	  $(BIN)/python -m pytest tests -m slow -n 2 --dist loadfile \
-	    $(addprefix --ignore=,$(SLOW_ALONE)) --durations=25; slow=$$?; \
-	  $(BIN)/python -m pytest $(SLOW_ALONE) -m slow --durations=10; alone=$$?; \
-	  [ $$fast -eq 0 ] && [ $$slow -eq 0 ] && [ $$alone -eq 0 ]
+	  $(BIN)/python -m pytest $(SLOW_FILES) -m slow -n 2 --dist loadfile \
+	    --no-loadscope-reorder --durations=25; slow=$$?; \
+	  $(BIN)/python -m pytest $(BESIDE_RESTART) -m slow -n 2 --dist loadfile \
+	    --no-loadscope-reorder --durations=10; restart=$$?; \
+	  [ $$fast -eq 0 ] && [ $$slow -eq 0 ] && [ $$restart -eq 0 ]
 
 # The edit-test loop: everything but the tests marked slow (whole Airflow and torchrun runs,
 # Chromium, a real api-server); under 2 minutes on 2 cores.

@@ -5,8 +5,8 @@ side validates with. The image copies it beside trainer/; in a checkout it is in
 on the path here so that torchrun workers, tests and benchmarks need no PYTHONPATH of their own.
 
 Harmless import-time log records of torchao and torch are filtered here, before any trainer
-module imports transformers (which imports torchao): trainer/log_filters.py. So is
-transformers' import of scikit-learn, 1.1 s of each rank's start on 2 cores
+module imports transformers: trainer/log_filters.py. So are transformers' imports of
+scikit-learn, SciPy and torchao, used by nothing here, 2.5 s of each rank's start on 2 cores
 (finetune_contract/transformers_import.py; it costs the package `transformers.utils`, 0.65 s,
 also in processes that need no model, such as the preflight's).
 """
@@ -24,6 +24,6 @@ from trainer import log_filters
 
 log_filters.install()
 
-from finetune_contract.transformers_import import skip_sklearn  # noqa: E402
+from finetune_contract.transformers_import import skip_unused  # noqa: E402
 
-skip_sklearn()
+skip_unused()

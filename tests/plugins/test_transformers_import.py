@@ -1,6 +1,7 @@
-"""transformers is imported without scikit-learn (finetune_contract/transformers_import.py): every
-module of plugins/ and dags/ takes transformers' classes through that module, the trainer's
-package skips it at import, and a transformers release that stops honouring it fails here."""
+"""transformers is imported without the packages it would import for nothing here (scikit-learn,
+SciPy, torchao: finetune_contract/transformers_import.py): every module of plugins/ and dags/
+takes transformers' classes through that module, the trainer's package skips them at import, and
+a transformers release that stops honouring it fails here."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def _imports_transformers(path) -> list[int]:
     return lines
 
 
-def test_the_airflow_side_imports_transformers_only_through_the_module_that_skips_sklearn():
+def test_the_airflow_side_imports_transformers_only_through_the_module_that_skips_them():
     found = {f"{p.relative_to(REPO_ROOT)}:{line}"
              for folder in ("plugins", "dags") for p in (REPO_ROOT / folder).rglob("*.py")
              if p != THE_MODULE for line in _imports_transformers(p)}
@@ -47,17 +48,20 @@ def test_the_scan_finds_a_direct_import(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_tokenizer_validate_loads_and_every_trainer_module_leave_sklearn_unimported():
-    assert importlib.util.find_spec("sklearn"), "lm_eval installs scikit-learn: nothing to skip"
+def test_a_tokenizer_validate_loads_and_every_trainer_module_leave_the_unused_unimported():
+    from finetune_contract.transformers_import import UNUSED
+
+    for package in UNUSED:
+        assert importlib.util.find_spec(package), f"{package} is not installed: nothing to skip"
     code = (
         "import json, sys\n"
-        "from finetune_contract.transformers_import import AutoTokenizer\n"
+        "from finetune_contract.transformers_import import AutoTokenizer, UNUSED\n"
         "from trainer.demo import DEMO_TOKENIZER\n"
         "AutoTokenizer.from_pretrained(DEMO_TOKENIZER)\n"
-        "plugin_side = 'sklearn' in sys.modules\n"
+        "plugin_side = [p for p in UNUSED if p in sys.modules]\n"
         "import trainer.train, trainer.bench, trainer.evaluate\n"
-        "print(json.dumps([plugin_side, 'sklearn' in sys.modules]))\n")
+        "print(json.dumps([plugin_side, [p for p in UNUSED if p in sys.modules]]))\n")
     env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT / 'plugins'}{os.pathsep}{REPO_ROOT}"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=REPO_ROOT, env=env, check=True).stdout
-    assert json.loads(out.splitlines()[-1]) == [False, False]
+    assert json.loads(out.splitlines()[-1]) == [[], []]

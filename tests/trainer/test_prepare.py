@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,30 +22,43 @@ def config_for(dataset: Path, out: Path, **changes):
     return load_config(None, {"dataset": str(dataset), "output_dir": str(out), **changes})
 
 
+def split_bytes(path: str, split: str) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in (Path(path) / split).glob("*.arrow")}
+
+
 def sets_in(root: Path) -> list[str]:
     """Every entry of the prepared root: complete sets and anything half-written."""
     return sorted(p.name for p in root.iterdir()) if root.exists() else []
 
 
 def test_a_second_identical_prepare_is_a_cache_hit_and_a_changed_source_is_not(tmp_path):
-    data = write_jsonl(tmp_path / "rows.jsonl", demo_rows(300))
+    rows = 2 * prep.ROWS_PER_PROCESS  # enough for two encoding processes
+    data = write_jsonl(tmp_path / "rows.jsonl", demo_rows(rows))
     config, root = config_for(data, tmp_path / "out"), tmp_path / "prepared"
+    environ = os.environ
     first = prep.prepare(config, root, num_proc=2)
-    assert not first["cache_hit"] and first["rows_read"] == 300 == first["rows_kept"]
-    assert first["train_rows"] + first["eval_rows"] == 300
+    # datasets' map with processes replaces os.environ; boto3's default session keeps the old
+    # object and would lose the region a later test or stage sets (NoRegionError)
+    assert os.environ is environ
+    assert not first["cache_hit"] and first["rows_read"] == rows == first["rows_kept"]
+    assert first["train_rows"] + first["eval_rows"] == rows
     assert first["tokens_per_epoch"] == first["tokens"]["train"] > 0
-    assert sum(first["length_histogram"].values()) == 300
+    assert sum(first["length_histogram"].values()) == rows
     written = {p: p.stat().st_mtime_ns for p in Path(first["path"]).rglob("*")}
     said: list[str] = []
     second = prep.prepare(config, root, log=said.append)
     assert second["cache_hit"] and second["path"] == first["path"]
     assert "cache hit" in said[0] and "nothing encoded" in said[0]
     assert {p: p.stat().st_mtime_ns for p in Path(first["path"]).rglob("*")} == written
+    # one process encodes as two did: the same set, byte for byte
+    alone = prep.prepare(config, tmp_path / "one", num_proc=1)
+    for split in (prep.TRAIN_SPLIT, prep.EVAL_SPLIT):
+        assert split_bytes(alone["path"], split) == split_bytes(first["path"], split)
     # another seq_len, or a changed file: another key, prepared anew
     assert not prep.prepare(config_for(data, tmp_path / "out", seq_len=64), root)["cache_hit"]
-    write_jsonl(data, demo_rows(301))
-    changed = prep.prepare(config, root)
-    assert not changed["cache_hit"] and changed["rows_read"] == 301
+    write_jsonl(data, demo_rows(rows + 1))
+    changed = prep.prepare(config, root, num_proc=1)
+    assert not changed["cache_hit"] and changed["rows_read"] == rows + 1
     assert len(sets_in(root)) == 3 and not [n for n in sets_in(root) if n.startswith(".")]
 
 
