@@ -57,19 +57,18 @@ demo: venv system-deps airflow-db
 	$(BIN)/python -m finetune.demo --conf '$(CONF)'
 
 # The fast tests in two processes (pytest-xdist); then the slow ones, most in two processes too,
-# a test file to a process at a time (their module fixtures run once); then BESIDE_RESTART: the
-# Airflow restart test in one process, whose training must outlast two outages and which beside
-# the training-heavy tests took 872 s instead of 340 (2026-12-04), and the eks target's emulator
-# tests in the other (little CPU: a Kubernetes API emulator and moto answering). All three run
-# even when one fails.
-BESIDE_RESTART := tests/dags/test_airflow_restart.py \
-  $(filter-out %/test_image_buildah.py,$(wildcard tests/eks/test_*.py))
-
-# The longest slow files first (one at a time, 2026-12-04), so that neither process is left
-# with a long one at the end; the other files follow in their usual order.
-SLOW_FIRST := $(addprefix tests/,eks/test_image_buildah.py dags/test_promotion_runs.py \
-  dags/test_local_faults.py dags/test_airflow_api.py trainer/test_hang.py \
-  dags/test_llm_finetune.py trainer/test_training.py trainer/test_bench.py trainer/test_dpo.py \
+# a test file to a process at a time (their module fixtures run once), the longest files first
+# (SLOW_FIRST: by their durations one at a time, 2026-12-04), so that neither process is left with a long one at
+# the end; then BESIDE_RESTART: the Airflow restart test in one process, whose training must
+# outlast two outages and which beside the training-heavy tests took 872 s instead of 340
+# (2026-12-04), and in the other the trainer image's build (much of it waits on downloads and
+# disk) and the eks target's emulator tests (little CPU: a Kubernetes API emulator and moto
+# answering). All three run even when one fails.
+BESIDE_RESTART := tests/dags/test_airflow_restart.py tests/eks/test_image_buildah.py \
+  $(filter-out %/test_image_buildah.py,$(sort $(wildcard tests/eks/test_*.py)))
+SLOW_FIRST := $(addprefix tests/,dags/test_promotion_runs.py dags/test_local_faults.py \
+  dags/test_airflow_api.py trainer/test_hang.py dags/test_llm_finetune.py \
+  trainer/test_training.py trainer/test_bench.py trainer/test_dpo.py \
   trainer/test_tensor_parallel.py trainer/test_families.py trainer/test_qlora.py)
 SLOW_FILES := $(SLOW_FIRST) $(filter-out $(SLOW_FIRST) $(BESIDE_RESTART), \
   $(sort $(wildcard tests/test_*.py tests/*/test_*.py)))
@@ -113,9 +112,9 @@ docs: venv
 	$(BIN)/python -m finetune.docs
 
 # The MLflow UI on the local target's embedded store (runs, metrics, the registry's champion) on
-# http://127.0.0.1:5000.
+# http://127.0.0.1:5000; without MLflow's job runner (seven more processes, for GenAI jobs).
 mlflow: venv
-	$(BIN)/mlflow server --backend-store-uri sqlite:///$(CURDIR)/mlflow.db \
+	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(BIN)/mlflow server --backend-store-uri sqlite:///$(CURDIR)/mlflow.db \
 	  --artifacts-destination $(CURDIR)/mlartifacts --host 127.0.0.1 --port 5000
 
 clean:
