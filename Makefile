@@ -61,9 +61,10 @@ demo: venv system-deps airflow-db
 # (SLOW_FIRST: by their durations one at a time, 2026-12-04), so that neither process is left with a long one at
 # the end; then BESIDE_RESTART: the Airflow restart test in one process, whose training must
 # outlast two outages and which beside the training-heavy tests took 872 s instead of 340
-# (2026-12-04), and in the other the trainer image's build (much of it waits on downloads and
-# disk) and the eks target's emulator tests (little CPU: a Kubernetes API emulator and moto
-# answering). All three run even when one fails.
+# (2026-12-04), its trainings one thread each (OMP_NUM_THREADS=1 in its Airflow: 375 s beside
+# the image build, 614 s with two threads), and in the other the trainer image's build and the
+# eks target's emulator tests (little CPU: a Kubernetes API emulator and moto answering). All
+# three run even when one fails.
 BESIDE_RESTART := tests/dags/test_airflow_restart.py tests/eks/test_image_buildah.py \
   $(filter-out %/test_image_buildah.py,$(sort $(wildcard tests/eks/test_*.py)))
 SLOW_FIRST := $(addprefix tests/,dags/test_promotion_runs.py dags/test_local_faults.py \

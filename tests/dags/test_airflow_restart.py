@@ -41,6 +41,9 @@ API_SERVER_LATE_S = 15  # the retries queued meanwhile wait 3, 6, 12 s
 # default waits 300 s), a retry waits 3 s, doubling (the DAG's own 30 s).
 ENV = {
     "FINETUNE_RETRY_DELAY_S": "3",
+    # One thread a trainer and evaluation (the local target honours it): the long training
+    # leaves the other core to what runs beside this test (make test: the image build).
+    "OMP_NUM_THREADS": "1",
     "AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_THRESHOLD": "10",
     "AIRFLOW__SCHEDULER__ORPHANED_TASKS_CHECK_INTERVAL": "5",
     "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_SEC": "5",

@@ -15,7 +15,7 @@ from finetune.config import (
 )
 from finetune.names import dns_label, run_dir_name
 from finetune.params import dag_params
-from finetune.targets.local import local_cpu_count, trainer_config
+from finetune.targets.local import local_cpu_count, local_resources, trainer_config
 from finetune.validate import validate_params
 
 
@@ -223,3 +223,18 @@ def test_seq_len_beyond_a_model_directorys_positions_is_refused(tmp_path):
     assert dict(err.value.errors)["seq_len"].startswith(
         f"128 exceeds model {tmp_path}'s max_position_embeddings (64)")
     validate_params({**conf, "seq_len": 64}, run_id="manual__ok")
+
+
+def test_omp_num_threads_where_the_stage_runs_caps_each_processs_threads(monkeypatch):
+    monkeypatch.setattr("finetune.targets.local.local_cpu_count", lambda: 8)
+    monkeypatch.setattr("finetune.targets.local.gpu_count", lambda: 0)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert {k: local_resources(1, 2)[k] for k in ("threads_per_process", "threads")} == \
+        {"threads_per_process": 4, "threads": 8}
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert {k: local_resources(1, 2)[k] for k in ("threads_per_process", "threads")} == \
+        {"threads_per_process": 3, "threads": 3}
+    assert local_resources(1, 8)["threads_per_process"] == 1  # the cores shared out still
+    for ignored in ("0", "", "many"):
+        monkeypatch.setenv("OMP_NUM_THREADS", ignored)
+        assert local_resources(1, 1)["threads"] == 8

@@ -148,16 +148,27 @@ def output_dir_problems(output_dir: str) -> list[tuple[str, str]]:
     return []
 
 
+def thread_limit() -> int | None:
+    """OMP_NUM_THREADS where the stage runs, when set: no trainer or evaluation process it starts
+    gets more threads than that (a machine shared with other work)."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
 def local_resources(nodes: int, procs_per_node: int) -> dict[str, Any]:
-    """What a run of nodes x procs_per_node would use here, or why it cannot run."""
+    """What a run of nodes x procs_per_node would use here, or why it cannot run: threads per
+    process the cores shared out, no more than `thread_limit`; `threads`, one process's alone
+    (the evaluation's)."""
     cpus, gpus = local_cpu_count(), gpu_count()
     world = nodes * procs_per_node
     device = "cuda" if gpus else "cpu"
     capacity = gpus if gpus else cpus
+    limit = thread_limit() or cpus
     return {
         "device": device, "cpus": cpus, "gpus": gpus, "processes": world,
         "capacity": capacity, "fits": world <= capacity,
-        "threads_per_process": max(1, cpus // world),
+        "threads_per_process": min(max(1, cpus // world), limit),
+        "threads": min(cpus, limit),
     }
 
 
@@ -527,7 +538,8 @@ class LocalTarget(Target):
         env["PYTHONPATH"] = os.pathsep.join(
             [str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         env["PYTHONUNBUFFERED"] = "1"
-        env["OMP_NUM_THREADS"] = str(trained.get("resources", {}).get("cpus") or 1)
+        resources = trained.get("resources", {})
+        env["OMP_NUM_THREADS"] = str(resources.get("threads") or resources.get("cpus") or 1)
         log_path = run_dir / "logs" / "evaluate.log"
         log.info("evaluating the trained model: %s", " ".join(cmd))
         started = time.time()
