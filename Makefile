@@ -58,13 +58,13 @@ demo: venv system-deps airflow-db
 
 # The fast tests in two processes (pytest-xdist); then the slow ones, most in two processes too,
 # a test file to a process at a time (their module fixtures run once), the longest files first
-# (SLOW_FIRST: by their durations one at a time, 2026-12-04), so that neither process is left with a long one at
-# the end; then BESIDE_RESTART: the Airflow restart test in one process, whose training must
-# outlast two outages and which beside the training-heavy tests took 872 s instead of 340
-# (2026-12-04), its trainings one thread each (OMP_NUM_THREADS=1 in its Airflow: 375 s beside
-# the image build, 614 s with two threads), and in the other the trainer image's build and the
-# eks target's emulator tests (little CPU: a Kubernetes API emulator and moto answering). All
-# three run even when one fails.
+# (SLOW_FIRST: by their durations one at a time, 2026-12-04), so that neither process is left
+# with a long one at the end; then BESIDE_RESTART: the Airflow restart test in one process,
+# whose training must outlast two outages and which beside the training-heavy tests took 872 s
+# instead of 340 (2026-12-04), its trainings one thread each (OMP_NUM_THREADS=1 in its Airflow;
+# in a fresh clone beside the image build: 415 s, against 614 s with two threads), and in the
+# other the trainer image's build and the eks target's emulator tests (little CPU: a Kubernetes
+# API emulator and moto answering). All three run even when one fails.
 BESIDE_RESTART := tests/dags/test_airflow_restart.py tests/eks/test_image_buildah.py \
   $(filter-out %/test_image_buildah.py,$(sort $(wildcard tests/eks/test_*.py)))
 SLOW_FIRST := $(addprefix tests/,dags/test_promotion_runs.py dags/test_local_faults.py \
@@ -115,7 +115,8 @@ docs: venv
 # The MLflow UI on the local target's embedded store (runs, metrics, the registry's champion) on
 # http://127.0.0.1:5000; without MLflow's job runner (seven more processes, for GenAI jobs).
 mlflow: venv
-	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(BIN)/mlflow server --backend-store-uri sqlite:///$(CURDIR)/mlflow.db \
+	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(BIN)/mlflow server \
+	  --backend-store-uri sqlite:///$(CURDIR)/mlflow.db \
 	  --artifacts-destination $(CURDIR)/mlartifacts --host 127.0.0.1 --port 5000
 
 clean:

@@ -6,7 +6,7 @@ on the path here so that torchrun workers, tests and benchmarks need no PYTHONPA
 
 Harmless import-time log records of torchao and torch are filtered here, before any trainer
 module imports transformers: trainer/log_filters.py. So are transformers' imports of
-scikit-learn, SciPy and torchao, used by nothing here, 2.5 s of each rank's start on 2 cores
+scikit-learn, SciPy and torchao, used by nothing here, 2.1 s of each rank's start on 2 cores
 (finetune_contract/transformers_import.py; it costs the package `transformers.utils`, 0.65 s,
 also in processes that need no model, such as the preflight's).
 """
