@@ -6,7 +6,7 @@ import dataclasses
 
 from finetune import docs
 from finetune.params import dag_params
-from finetune_contract.fields import TrainConfig
+from finetune_contract.train_config import TrainConfig
 
 
 def test_the_committed_parameter_reference_is_what_make_docs_generates():

@@ -10,10 +10,10 @@ from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from finetune_contract.fields import TrainConfig
 from finetune_contract.models import BUILTIN_MODELS
 from finetune_contract.plan import AUTO, GIB, Hardware, resolve_checkpointing
 from finetune_contract.rules import selective_every
+from finetune_contract.train_config import TrainConfig
 
 _aten = torch.ops.aten
 # Per-op checkpointing keeps these outputs: matmuls and attention are what costs to recompute

@@ -17,9 +17,9 @@ from typing import Any
 from finetune_contract.data import dataset_source
 from finetune_contract.fields import DEMO_DATASET as DEFAULT_DATASET
 from finetune_contract.fields import DEMO_PREFERENCES as DEFAULT_PREFERENCES
-from finetune_contract.fields import TrainConfig, field_names
 from finetune_contract.models import BUILTIN_MODELS
 from finetune_contract.rules import split_s3
+from finetune_contract.train_config import TrainConfig, field_names
 from trainer.demo import DEMO_DATASET, DEMO_PREFERENCES, DEMO_TOKENIZER
 from trainer.storage import is_s3
 

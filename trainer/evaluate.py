@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from finetune_contract.fields import EVALUATION_FILE, eval_task_names
+from finetune_contract.fields import EVALUATION_FILE
+from finetune_contract.parameters import eval_task_names
 from trainer.config import TrainConfig, load_config
 from trainer.data import IGNORE_INDEX, EvalBatches, build_splits
 from trainer.demo import EVAL_TASKS_DIR

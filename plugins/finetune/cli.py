@@ -24,8 +24,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from finetune.config import SPECS_BY_NAME
-from finetune.presets import PRESETS
+from finetune_contract.parameters import BY_NAME, FORM_PARAMETERS
+from finetune_contract.presets import PRESETS
 
 DEFAULT_URL = "http://localhost:8080"
 GET_ATTEMPTS = 3
@@ -37,29 +37,21 @@ class CliError(Exception):
 
 
 def parse_set(items: Sequence[str]) -> dict[str, Any]:
-    """`key=value` pairs -> conf, each value typed by its parameter's spec."""
+    """`key=value` pairs -> conf, each value typed as its parameter is declared."""
     conf: dict[str, Any] = {}
     for item in items:
         key, sep, raw = item.partition("=")
         key = key.strip()
         if not sep or not key:
             raise CliError(f"--set {item!r}: expected key=value")
-        spec = SPECS_BY_NAME.get(key)
-        if spec is None:
-            raise CliError(f"--set {key}: unknown parameter; known: {', '.join(SPECS_BY_NAME)}")
+        parameter = BY_NAME.get(key)
+        if parameter is None or not parameter.form:
+            known = ", ".join(p.name for p in FORM_PARAMETERS)
+            raise CliError(f"--set {key}: unknown parameter; known: {known}")
         try:
-            if spec.type == "integer":
-                conf[key] = int(raw)
-            elif spec.type == "number":
-                conf[key] = float(raw)
-            elif spec.type == "boolean":
-                if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                    raise ValueError(raw)
-                conf[key] = raw.lower() in ("true", "1", "yes")
-            else:
-                conf[key] = raw
-        except ValueError:
-            raise CliError(f"--set {key}: {raw!r} is not a {spec.type}") from None
+            conf[key] = parameter.coerce(raw) if parameter.type is not str else raw
+        except ValueError as exc:
+            raise CliError(f"--set {key}: {exc}") from None
     return conf
 
 

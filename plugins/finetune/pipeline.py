@@ -61,13 +61,13 @@ def run_conf(context: Mapping[str, Any], base_conf: Mapping[str, Any] | None,
     given = dict(context["dag_run"].conf or {})
     if base_conf is None and conf_variable is None:
         return dict(context["params"]), given
-    from finetune.config import default_params
-    from finetune.presets import explicit_fields
+    from finetune_contract.parameters import defaults
+    from finetune_contract.presets import explicit_fields
 
     conf = dict(base_conf or {})
     if conf_variable:
         conf.update(variable_conf(conf_variable))
-    conf.update(explicit_fields(given, default_params()))
+    conf.update(explicit_fields(given, defaults()))
     return conf, conf
 
 

@@ -18,11 +18,11 @@ from typing import Any
 
 from finetune.cli import parse_set
 from finetune.config import ConfigError
-from finetune.instance_types import INSTANCE_TYPES
 from finetune.planning import model_config_of, plan_run, plan_text, scaling_rows, search_text
 from finetune.trainer_config import trainer_config
 from finetune.validate import validate_params
-from finetune_contract.fields import TrainConfig
+from finetune_contract.instance_types import INSTANCE_TYPES
+from finetune_contract.train_config import TrainConfig
 
 
 def main(argv: Sequence[str] | None = None) -> int:

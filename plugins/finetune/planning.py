@@ -1,6 +1,6 @@
 """A run's plan: the contract's planner (finetune_contract.plan) on the run's instance type (its
-GPU memory, peak FLOPs and bus bandwidths from finetune.instance_types). validate logs it, the
-report compares it with the measurement, `python -m finetune.plan` prints it.
+GPU memory, peak FLOPs and bus bandwidths from finetune_contract.instance_types). validate logs
+it, the report compares it with the measurement, `python -m finetune.plan` prints it.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from typing import Any
 
 from finetune.config import RunConfig
 from finetune.hub import hub_config
-from finetune.instance_types import INSTANCE_TYPES, InstanceProfile
 from finetune.trainer_config import local_dir, trainer_config
 from finetune_contract.data import optimizer_steps
-from finetune_contract.fields import TrainConfig, hub_id_problem
+from finetune_contract.fields import hub_id_problem
+from finetune_contract.instance_types import INSTANCE_TYPES, InstanceProfile
 from finetune_contract.models import model_config
 from finetune_contract.plan import (
     MEMORY_ERROR,
@@ -25,6 +25,7 @@ from finetune_contract.plan import (
     resolve_checkpointing,
     search,
 )
+from finetune_contract.train_config import TrainConfig
 
 # The near-linear scaling the SageMaker model parallel library reports (AWS, "Amazon SageMaker
 # model parallel library v2" launch post, Llama 2 on p4d.24xlarge): efficiency by node count.

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from finetune.instance_types import BUSBW_FLOOR, InstanceProfile
 from finetune.targets.base import TrainingFailed
+from finetune_contract.instance_types import BUSBW_FLOOR, InstanceProfile
 from finetune_contract.preflight import PREFLIGHT_FILE, result_line  # noqa: F401 (re-exported)
 
 # A GPU this much slower at a matmul than the run's median is flagged.

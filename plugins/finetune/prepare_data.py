@@ -24,7 +24,7 @@ from finetune.config import ConfigError, RunConfig, resolve_path
 from finetune.trainer_config import run_tokenizer_dir, trainer_config
 from finetune_contract.data import batches_per_epoch
 from finetune_contract.fields import PREPARE_DATA_FILE as RUN_RECORD
-from finetune_contract.fields import TrainConfig
+from finetune_contract.train_config import TrainConfig
 
 log = logging.getLogger(__name__)
 

@@ -58,10 +58,11 @@ def _setting(env: str, key: str) -> str:
 
 def runs_dirs() -> list[RunsDir]:
     """Where to look for runs: [finetune] runs_dirs in Airflow's config, else `runs/`."""
-    from finetune.config import SPECS_BY_NAME, resolve_path
+    from finetune.config import resolve_path
+    from finetune_contract.parameters import BY_NAME
 
     names = [d.strip() for d in _setting(RUNS_DIRS_ENV, "runs_dirs").split(",") if d.strip()] or [
-        SPECS_BY_NAME["output_dir"].default]
+        BY_NAME["output_dir"].default]
     return [name.rstrip("/") if name.startswith("s3://") else resolve_path(name)
             for name in names]
 

@@ -29,9 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from finetune import REPO_ROOT
-from finetune.config import SECRET_FIELDS, RunConfig
+from finetune.config import RunConfig
 from finetune.report import EVALUATION_FILE, REPORT_HTML, REPORT_JSON
 from finetune_contract.fields import LOWER_IS_BETTER
+from finetune_contract.parameters import SECRET_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +280,7 @@ def _track(uri: str, cfg: RunConfig, model_name: str, report: dict, evaluation: 
             "model_uri": model_uri, "target": cfg.target})
         run_id = run.info.run_id
         params = [Param(key, str(value)[:MAX_PARAM_CHARS])
-                  for key, value in sorted(cfg.to_dict().items()) if key not in SECRET_FIELDS]
+                  for key, value in sorted(cfg.to_dict().items()) if key not in SECRET_NAMES]
         now = int(time.time() * 1000)
         metrics = [Metric(key, float(point[key]), now, int(point["step"]))
                    for point in report.get("series", {}).get("train", [])

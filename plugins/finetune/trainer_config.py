@@ -1,5 +1,5 @@
-"""The trainer's config (trainer/config.py TrainConfig fields) from a run config; every target
-hands the trainer the same JSON."""
+"""What a target hands the trainer: its config (TrainConfig's fields) from a run config, the same
+JSON on every target; and where this machine finds the run's model and tokenizer."""
 
 from __future__ import annotations
 
@@ -8,79 +8,32 @@ from typing import Any
 
 from finetune.config import RunConfig, resolve_path
 from finetune_contract.data import dataset_source
-from finetune_contract.fields import DPO_FIELDS, EVAL_FRACTION, method_dataset
 from finetune_contract.models import BUILTIN_MODELS
+from finetune_contract.parameters import TRAINER_PARAMETERS
+from finetune_contract.train_config import method_dataset
 
 
 def trainer_config(cfg: RunConfig, *, local_paths: bool = True) -> dict[str, Any]:
-    """The trainer's JSON config (trainer/config.py TrainConfig) for this run.
+    """The trainer's JSON config (finetune_contract.train_config.TrainConfig) for this run:
+    every trainer parameter with the run's value (an optional text left empty as null), the
+    output directory the run's own.
 
     local_paths: resolve paths on this machine (local target). Off for a cluster: paths are read
     in the trainer's container (relative ones from its working dir, which holds trainer/), or
     are s3:// or hub ids.
     """
-    source = method_dataset(cfg.method, cfg.dataset)
-    if not local_paths:
-        model, tokenizer, dataset = cfg.model, cfg.tokenizer or None, source
-        eval_dataset = cfg.eval_dataset or None
-    else:
-        model = cfg.model if cfg.model in BUILTIN_MODELS or not _is_dir(resolve_path(cfg.model)) \
-            else str(resolve_path(cfg.model))
-        tokenizer = str(resolve_path(cfg.tokenizer)) if cfg.tokenizer else None
-        dataset = _dataset_here(source)
-        eval_dataset = _dataset_here(cfg.eval_dataset) or None
-    return {
-        "model": model,
-        "tokenizer": tokenizer,
-        "dataset": dataset,
-        "dataset_format": cfg.dataset_format,
-        "dataset_split": cfg.dataset_split,
-        "prepared_data": cfg.prepared_data or None,
-        "text_field": cfg.text_field or None,
-        "prompt_field": cfg.prompt_field,
-        "response_field": cfg.response_field,
-        **{name: getattr(cfg, name) for name in DPO_FIELDS},
-        "seq_len": cfg.seq_len,
-        "micro_batch": cfg.micro_batch,
-        "grad_accum": cfg.grad_accum,
-        "lr": cfg.lr,
-        "warmup_steps": cfg.warmup_steps,
-        "max_steps": cfg.max_steps,
-        "epochs": cfg.epochs,
-        "seed": cfg.seed,
-        "strategy": cfg.strategy,
-        "shard_group_size": cfg.shard_group_size,
-        "tp_degree": cfg.tp_degree,
-        "mixed_precision": cfg.mixed_precision,
-        "activation_checkpointing": cfg.activation_checkpointing,
-        "selective_ac": cfg.selective_ac,
-        "activation_offload": cfg.activation_offload,
-        "cpu_offload": cfg.cpu_offload,
-        "compile": cfg.compile,
-        "attention": cfg.attention,
-        "float8": cfg.float8,
-        "float8_recipe": cfg.float8_recipe,
-        "lora_rank": cfg.lora_rank,
-        "lora_alpha": cfg.lora_alpha,
-        "lora_dropout": cfg.lora_dropout,
-        "lora_target_modules": cfg.lora_target_modules,
-        "quantize_base": cfg.quantize_base,
-        "prompt_template": cfg.prompt_template,
-        "packing": cfg.packing,
-        "bad_rows": cfg.bad_rows,
-        "eval_interval": cfg.eval_interval,
-        "eval_fraction": EVAL_FRACTION,
-        "checkpoint_interval": cfg.checkpoint_interval,
-        "checkpoint_async": cfg.checkpoint_async,
-        "metrics_port": cfg.metrics_port,
-        "hang_timeout_s": cfg.hang_timeout_s,
-        "straggler_threshold": cfg.straggler_threshold,
-        "eval_dataset": eval_dataset,
-        "sample_prompts": cfg.sample_prompts,
-        "max_new_tokens": cfg.max_new_tokens,
-        "eval_tasks": cfg.eval_tasks,
-        "output_dir": cfg.run_dir,
-    }
+    values = {p.name: (getattr(cfg, p.name) or None) if p.optional else getattr(cfg, p.name)
+              for p in TRAINER_PARAMETERS}
+    values["dataset"] = method_dataset(cfg.method, cfg.dataset)
+    values["output_dir"] = cfg.run_dir
+    if local_paths:
+        if cfg.model not in BUILTIN_MODELS and _is_dir(resolve_path(cfg.model)):
+            values["model"] = str(resolve_path(cfg.model))
+        if cfg.tokenizer:
+            values["tokenizer"] = str(resolve_path(cfg.tokenizer))
+        values["dataset"] = _dataset_here(values["dataset"])
+        values["eval_dataset"] = _dataset_here(cfg.eval_dataset) or None
+    return values
 
 
 def _dataset_here(dataset: str) -> str:

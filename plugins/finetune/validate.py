@@ -22,35 +22,26 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from finetune.config import (
-    PARAM_SPECS,
-    SECRET_FIELDS,
-    SPECS_BY_NAME,
-    ConfigError,
-    RunConfig,
-    check_type,
-    check_value,
-    default_params,
-    run_output_dir,
-)
+from finetune.config import ConfigError, RunConfig, run_output_dir
 from finetune.hub import GATED, NO_CONFIG, NOT_FOUND, hub_config
 from finetune.names import DNS_SUBDOMAIN, LABEL_VALUE, dns_label, run_dir_name
 from finetune.planning import model_config_of, run_hardware
-from finetune.presets import NO_PRESET, PRESET_NAMES, PRESETS, Preset, apply_preset
 from finetune.targets import get_target
 from finetune.trainer_config import local_dir, run_tokenizer_dir, trainer_config
 from finetune_contract import data as contract_data
-from finetune_contract.fields import (
-    LOWER_IS_BETTER,
-    ContractError,
-    TrainConfig,
-    eval_task_names,
-    hub_id_problem,
-    quoted,
-)
+from finetune_contract.fields import LOWER_IS_BETTER, ContractError, hub_id_problem, quoted
 from finetune_contract.models import BUILTIN_MODELS, HUB_MODEL_CONFIGS, ModelShape
+from finetune_contract.parameters import (
+    FORM_PARAMETERS,
+    SECRET_NAMES,
+    Parameter,
+    defaults,
+    eval_task_names,
+)
 from finetune_contract.plan import memory_problems
+from finetune_contract.presets import NO_PRESET, PRESET_NAMES, PRESETS, Preset, apply_preset
 from finetune_contract.rules import config_problems, location_problems
+from finetune_contract.train_config import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +62,7 @@ def validate_params(params: Mapping[str, Any], *, run_id: str, dag_id: str = "ll
     """Params (from the trigger form, REST conf or defaults) -> RunConfig, or ConfigError.
 
     A `preset` in params supplies the values of the fields not set on purpose (`given`: the
-    conf the run was triggered with; see finetune.presets.apply_preset). plan_only (for
+    conf the run was triggered with; see finetune_contract.presets.apply_preset). plan_only (for
     `python -m finetune.plan`): the training's fields and rules, not the cluster's (its name, node
     group, image, the local machine's cores) nor the memory rule, whose estimate it prints.
     """
@@ -83,27 +74,28 @@ def validate_params(params: Mapping[str, Any], *, run_id: str, dag_id: str = "ll
                        + ", ".join(PRESET_NAMES)))
         params = {k: v for k, v in params.items() if k != "preset"}
     else:
-        params, preset = apply_preset(params, default_params(), given)
-    unknown = sorted(set(params) - set(SPECS_BY_NAME), key=str)
+        params, preset = apply_preset(params, defaults(), given)
+    form = [p.name for p in FORM_PARAMETERS]
+    unknown = sorted(set(params) - set(form), key=str)
     if unknown:
         errors.append((str(unknown[0])[:40], "unknown parameter" + (
             f"s {', '.join(quoted(u, 40) for u in unknown)}" if len(unknown) > 1 else "")
-            + "; known: " + ", ".join(SPECS_BY_NAME)))
+            + "; known: " + ", ".join(form)))
     values: dict[str, Any] = {}
-    for spec in PARAM_SPECS:
-        value = params.get(spec.name, spec.default)
-        if spec.type == "number" and isinstance(value, int) and not isinstance(value, bool):
+    for parameter in FORM_PARAMETERS:
+        value = params.get(parameter.name, parameter.default)
+        if parameter.type is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
-        if spec.type == "string" and isinstance(value, str):
+        if parameter.type is str and isinstance(value, str):
             value = value.strip()
-        if value is None and spec.default == "":
+        if value is None and parameter.optional:
             value = ""  # an optional text field left empty in the form
-        problem = check_type(spec, value) or check_value(spec, value)
+        problem = parameter.type_problem(value) or parameter.problem(value)
         if problem:
-            errors.append((spec.name, problem))
+            errors.append((parameter.name, problem))
         else:
-            values[spec.name] = value
-    if len(values) < len(PARAM_SPECS):  # the rules across fields need every field typed
+            values[parameter.name] = value
+    if len(values) < len(FORM_PARAMETERS):  # the rules across fields need every field typed
         raise ConfigError(errors)
     run_name = run_dir_name(run_id)
     cfg = RunConfig(
@@ -240,8 +232,6 @@ def _hub_model_problems(cfg: RunConfig) -> Problems:
 def _field_problems(cfg: RunConfig) -> Problems:
     """Fields with a form of their own: endpoints, secrets' names, labels, ports."""
     errors: Problems = []
-    if not cfg.text_field and not (cfg.prompt_field and cfg.response_field):
-        errors.append(("text_field", "set text_field, or both prompt_field and response_field"))
     rdzv_port = None
     if cfg.rdzv_endpoint:
         endpoint = host_port(cfg.rdzv_endpoint)
@@ -480,18 +470,20 @@ def _encoded_cached(rows: _Rows, tokenizer_stamp: tuple, tokenizer_dir: str, fie
 
 def secret_safe(field: str, value: Any) -> str:
     """How a field's value may appear in a log line."""
-    return "(set, not shown)" if field in SECRET_FIELDS and value else quoted(value)
+    return "(set, not shown)" if field in SECRET_NAMES and value else quoted(value)
 
 
 def config_table(cfg: RunConfig) -> str:
     """The values the run will use as one table for the validate task's log: field, value and
-    where the value comes from (the built-in default, the preset, or this run), by section."""
-    defaults = default_params()
+    where the value comes from (the built-in default, the preset, or this run), by section; a
+    value set for another target or method than the run's says that this run does not use it."""
+    form_defaults = defaults()
     preset = PRESETS.get(cfg.preset)
-    width = max(len(spec.name) for spec in PARAM_SPECS)
-    rows = [(spec.section, spec.name, secret_safe(spec.name, getattr(cfg, spec.name)),
-             _value_source(spec.name, getattr(cfg, spec.name), defaults, preset))
-            for spec in PARAM_SPECS]
+    width = max(len(p.name) for p in FORM_PARAMETERS)
+    rows = [(p.section, p.name, secret_safe(p.name, getattr(cfg, p.name)),
+             _value_source(p.name, getattr(cfg, p.name), form_defaults, preset)
+             + _unused(p, cfg, form_defaults))
+            for p in FORM_PARAMETERS]
     value_width = min(40, max(len(value) for _, _, value, _ in rows))
     lines = [f"  {'field':<{width}}  {'value':<{value_width}}  from",
              f"  {'-' * width}  {'-' * value_width}  {'-' * 16}"]
@@ -502,6 +494,17 @@ def config_table(cfg: RunConfig) -> str:
             lines.append(f"  [{section}]")
         lines.append(f"  {name:<{width}}  {value:<{value_width}}  {source}")
     return "\n".join(lines)
+
+
+def _unused(p: Parameter, cfg: RunConfig, form_defaults: Mapping[str, Any]) -> str:
+    """A note for a value set away from its default where the run does not read it."""
+    if getattr(cfg, p.name) == form_defaults[p.name]:
+        return ""
+    if cfg.target not in p.targets:
+        return f"; not used by target {cfg.target}"
+    if cfg.method not in p.methods:
+        return f"; not used by method {cfg.method}"
+    return ""
 
 
 def _value_source(name: str, value: Any, defaults: Mapping[str, Any],

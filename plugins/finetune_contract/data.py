@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from finetune_contract.fields import TrainConfig, hub_id_problem, quoted
+from finetune_contract.fields import hub_id_problem, quoted
+from finetune_contract.train_config import TrainConfig
 
 # A data file's format from its extension; jsonl and json are both read by `datasets`' json.
 FORMAT_BY_SUFFIX = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}

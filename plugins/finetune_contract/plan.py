@@ -29,7 +29,6 @@ from finetune_contract.families import (
 )
 from finetune_contract.families import attention_flops as attention_work
 from finetune_contract.families import head_dim as family_head_dim
-from finetune_contract.fields import TrainConfig
 from finetune_contract.models import BUILTIN_MODELS
 from finetune_contract.rules import fsdp_group, selective_every
 from finetune_contract.throughput import (
@@ -38,6 +37,7 @@ from finetune_contract.throughput import (
     flops_per_token,
     parameter_count,
 )
+from finetune_contract.train_config import TrainConfig
 
 GIB = 1 << 30
 AUTO = "auto"

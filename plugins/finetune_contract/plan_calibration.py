@@ -18,7 +18,7 @@ BASE: dict[str, Any] = {"seq_len": 4096, "mixed_precision": "bf16", "compile": T
                         "strategy": "SHARD_GRAD_OP", "activation_checkpointing": "none"}
 BENCH = "python -m trainer.bench --no-hf --compile"
 TORCHRUN = "torchrun --nproc-per-node {gpus} -m trainer.bench --no-hf --compile"
-# The machine every row so far was measured on (plugins/finetune/instance_types.py's H200 types
+# The machine every row so far was measured on (finetune_contract.instance_types: its H200 types
 # have its GPU; the 2- and 4-GPU hosts joined their GPUs by NVLink, NCCL_NVLS_ENABLE=0).
 H200 = "NVIDIA H200"
 

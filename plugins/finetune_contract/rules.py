@@ -11,14 +11,10 @@ import ipaddress
 import re
 
 from finetune_contract.families import FAMILIES, lora_target_problem
-from finetune_contract.fields import (
-    FA4_CAPABILITIES,
-    FA4_HEAD_DIMS,
-    PRINTABLE,
-    TrainConfig,
-    quoted,
-)
+from finetune_contract.fields import FA4_CAPABILITIES, FA4_HEAD_DIMS, PRINTABLE, quoted
 from finetune_contract.models import ModelShape
+from finetune_contract.parameters import TRAINER_PARAMETERS
+from finetune_contract.train_config import TrainConfig
 
 Problems = list[tuple[str, str]]
 S3_SCHEME = "s3://"
@@ -256,15 +252,17 @@ def _float8_and_lora(cfg: TrainConfig) -> Problems:
 
 
 def _preference(cfg: TrainConfig) -> Problems:
-    """DPO against what it cannot run with, and its options set for an SFT run."""
+    """A field set away from its default for a method it does not apply to (the parameter
+    table's `methods`), and DPO against what it cannot run with."""
     problems: Problems = []
+    for parameter in TRAINER_PARAMETERS:
+        value = getattr(cfg, parameter.name)
+        if cfg.method not in parameter.methods and value != parameter.default:
+            problems.append((parameter.name, f"{quoted(value)} applies to method "
+                             f"{' or '.join(parameter.methods)} only (method is {cfg.method}): "
+                             f"set method to {parameter.methods[0]} or {parameter.name} to "
+                             f"{parameter.default}"))
     if cfg.method != "dpo":
-        for name, default in (("dpo_loss", "sigmoid"), ("dpo_reference", "model"),
-                              ("dpo_label_smoothing", 0.0)):
-            if getattr(cfg, name) != default:
-                problems.append((name, f"{getattr(cfg, name)} applies to method dpo only "
-                                 f"(method is {cfg.method}): set method to dpo or {name} to "
-                                 f"{default}"))
         return problems
     if cfg.packing:
         problems.append(("packing", "cannot be combined with method = dpo: a chosen and a "

@@ -44,7 +44,7 @@ from finetune_contract.data import (
     row_columns,
     split_sizes,
 )
-from finetune_contract.fields import TrainConfig
+from finetune_contract.train_config import TrainConfig
 
 if TYPE_CHECKING:
     import datasets

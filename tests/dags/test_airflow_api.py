@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.presets import PRESET_DISPLAY, PRESET_NAMES
+from finetune_contract.presets import PRESET_DISPLAY, PRESET_NAMES
 from tests.support.airflow import Airflow, Api, wait_for
 from tests.support.system import system_binary_or_skip
 

@@ -10,8 +10,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from finetune.config import RDZV_BACKENDS, STRATEGIES, ConfigError
-from finetune.instance_types import INSTANCE_TYPES
+from finetune.config import ConfigError
 from finetune.targets.eks.manifests import (
     ETCD_PORT,
     LABEL_RUN,
@@ -21,6 +20,9 @@ from finetune.targets.eks.manifests import (
     trainer_configmap_manifest,
 )
 from finetune.validate import validate_params
+from finetune_contract.fields import STRATEGIES
+from finetune_contract.instance_types import INSTANCE_TYPES
+from finetune_contract.parameters import RDZV_BACKENDS
 from tests.support.eks import EKS_PARAMS, eks_config
 from tests.support.schemas import K8S_VERSION, assert_valid_pytorchjob
 

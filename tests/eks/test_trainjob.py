@@ -15,7 +15,6 @@ import yaml
 from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
 
 from finetune.config import ConfigError
-from finetune.instance_types import INSTANCE_TYPES
 from finetune.targets.eks import job
 from finetune.targets.eks.launchers import TRAINJOB, trainjob_state
 from finetune.targets.eks.manifests import (
@@ -26,6 +25,7 @@ from finetune.targets.eks.manifests import (
     trainjob_manifest,
 )
 from finetune.validate import validate_params
+from finetune_contract.instance_types import INSTANCE_TYPES
 from tests.support.deferral import reloaded, run_deferred
 from tests.support.eks import (
     IMAGE,

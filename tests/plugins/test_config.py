@@ -7,16 +7,12 @@ import json
 
 import pytest
 
-from finetune.config import (
-    PARAM_SPECS,
-    ConfigError,
-    RunConfig,
-    default_params,
-)
+from finetune.config import ConfigError, RunConfig
 from finetune.names import dns_label, run_dir_name
 from finetune.params import dag_params
 from finetune.targets.local import local_cpu_count, local_resources, trainer_config
 from finetune.validate import validate_params
+from finetune_contract.parameters import FORM_PARAMETERS, defaults
 
 
 def _data_file(tmp_path, rows: int) -> str:
@@ -55,7 +51,7 @@ BAD_CONFS = [
     ({"strategy": "HYBRID_SHARD", "procs_per_node": 2, "shard_group_size": 3},
      "shard_group_size", "does not divide"),
     ({"shard_group_size": 2}, "shard_group_size", "HYBRID_SHARD only"),
-    ({"text_field": "", "prompt_field": ""}, "text_field", "prompt_field"),
+    ({"text_field": "", "prompt_field": ""}, "prompt_field", "must not be empty"),
     ({"warmup_steps": -1}, "warmup_steps", ">= 0"),
     ({"rdzv_endpoint": "localhost"}, "rdzv_endpoint", "host:port"),
     ({"output_dir": "s3://bucket/runs"}, "output_dir", "target eks"),
@@ -156,7 +152,7 @@ def test_hub_ids_are_accepted_as_models():
 
 def test_every_param_has_a_form_entry_with_title_description_and_section():
     params = dag_params()
-    assert list(params) == [s.name for s in PARAM_SPECS]
+    assert list(params) == [p.name for p in FORM_PARAMETERS]
     for name, param in params.items():
         schema = param.schema
         assert schema["title"] and schema["section"], name
@@ -168,7 +164,7 @@ def test_every_param_has_a_form_entry_with_title_description_and_section():
 
 
 def test_form_defaults_are_the_validated_defaults():
-    assert {k: p.value for k, p in dag_params().items()} == default_params()
+    assert {k: p.value for k, p in dag_params().items()} == defaults()
 
 
 def test_run_dir_names_are_safe_and_distinct_for_distinct_run_ids():

@@ -85,7 +85,7 @@ def test_float8_on_hopper_nodes_and_lora_options_reach_the_trainer_config():
 
 
 def test_the_default_lora_target_modules_are_the_trainers():
-    from finetune.config import SPECS_BY_NAME
+    from finetune_contract.parameters import BY_NAME
     from trainer.config import TrainConfig
 
-    assert SPECS_BY_NAME["lora_target_modules"].default == TrainConfig().lora_target_modules
+    assert BY_NAME["lora_target_modules"].default == TrainConfig().lora_target_modules

@@ -20,9 +20,11 @@ from finetune_contract.data import (
     split_sizes,
     tokenizer_problems,
 )
-from finetune_contract.fields import BOUNDS, CHOICES, ContractError, TrainConfig, quoted
+from finetune_contract.fields import ContractError, quoted
 from finetune_contract.models import BUILTIN_MODELS, ModelShape, model_shape
+from finetune_contract.parameters import PARAMETERS
 from finetune_contract.rules import config_problems, path_problem, split_s3
+from finetune_contract.train_config import TrainConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONTRACT = REPO_ROOT / "plugins" / "finetune_contract"
@@ -142,13 +144,13 @@ def test_long_values_are_cut_in_messages():
     assert len(quoted("y" * 500)) < 120
 
 
-def test_choices_and_bounds_cover_every_enum_and_number_field():
-    for name, value in TrainConfig().to_dict().items():
-        if isinstance(value, bool):
-            continue
-        if isinstance(value, int | float):
-            assert name in BOUNDS, name
-    assert set(CHOICES) <= set(TrainConfig().to_dict())
+def test_every_number_parameter_has_bounds_and_every_default_is_allowed():
+    for parameter in PARAMETERS:
+        if parameter.type in (int, float):
+            assert parameter.bounds is not None, parameter.name
+        assert parameter.problem(parameter.default) is None, parameter.name
+        if parameter.choices is not None:
+            assert parameter.default in parameter.choices, parameter.name
 
 
 def test_builtin_shapes_give_heads_mlp_and_positions():

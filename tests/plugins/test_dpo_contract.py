@@ -1,7 +1,8 @@
 """The DPO fields' rules, in the one contract validate and the trainer both call."""
 
-from finetune_contract.fields import DEMO_DATASET, DEMO_PREFERENCES, TrainConfig
+from finetune_contract.fields import DEMO_DATASET, DEMO_PREFERENCES
 from finetune_contract.rules import config_problems
+from finetune_contract.train_config import TrainConfig
 
 
 def problems(**fields):

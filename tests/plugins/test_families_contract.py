@@ -22,9 +22,9 @@ from finetune_contract.families import (
     pieces,
     size,
 )
-from finetune_contract.fields import TrainConfig
 from finetune_contract.models import model_shape
 from finetune_contract.rules import config_problems
+from finetune_contract.train_config import TrainConfig
 
 SHAPE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 100}

@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 
-from finetune.presets import PRESETS
 from finetune.targets.eks.manifests import (
     evaluation_job_manifest,
     prepare_job_manifest,
@@ -26,6 +25,7 @@ from finetune.targets.eks.manifests import (
 )
 from finetune.trainer_config import trainer_config
 from finetune.validate import validate_params
+from finetune_contract.presets import PRESETS
 from tests.support.eks import EKS_PARAMS
 
 SNAPSHOTS = Path(__file__).parent / "snapshots"

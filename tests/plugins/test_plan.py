@@ -8,11 +8,10 @@ import json
 import pytest
 
 from finetune.config import ConfigError, RunConfig
-from finetune.instance_types import INSTANCE_TYPES
 from finetune.plan import main
 from finetune.planning import hardware_of, model_config_of, plan_text, scaling_rows
 from finetune.validate import validate_params
-from finetune_contract.fields import TrainConfig
+from finetune_contract.instance_types import INSTANCE_TYPES
 from finetune_contract.plan import (
     MEMORY_ERROR,
     THROUGHPUT_ERROR,
@@ -21,6 +20,7 @@ from finetune_contract.plan import (
     resolve_checkpointing,
 )
 from finetune_contract.plan_calibration import ROWS
+from finetune_contract.train_config import TrainConfig
 
 H200 = hardware_of(INSTANCE_TYPES["p5e.48xlarge"])
 EKS_SITE = {"target": "eks", "cluster_name": "gpu", "nodegroup": "ng",

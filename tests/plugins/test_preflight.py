@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 import trainer.preflight
-from finetune.instance_types import BUSBW_FLOOR, INSTANCE_TYPES
 from finetune.preflight import PreflightFailed, judge, result_line
 from finetune.report import write_report
 from finetune.targets.local import LocalTarget
 from finetune.validate import validate_params
+from finetune_contract.instance_types import BUSBW_FLOOR, INSTANCE_TYPES
 from finetune_contract.preflight import PREFLIGHT_FILE, RESULT_PREFIX
 from tests.support.preflight import measured
 

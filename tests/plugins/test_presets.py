@@ -6,14 +6,15 @@ import re
 
 import pytest
 
-from finetune.config import ConfigError, default_params
-from finetune.instance_types import INSTANCE_TYPES
+from finetune.config import ConfigError
 from finetune.params import dag_params
 from finetune.planning import plan_run
-from finetune.presets import PRESETS, apply_preset
 from finetune.validate import config_table, validate_params
 from finetune_contract.families import model_type_of
+from finetune_contract.instance_types import INSTANCE_TYPES
 from finetune_contract.models import HUB_MODEL_CONFIGS
+from finetune_contract.parameters import defaults as default_params
+from finetune_contract.presets import PRESETS, apply_preset
 
 # What a deployment adds to an eks preset (its cluster, node group, output and image).
 EKS_SITE = {"cluster_name": "gpu", "nodegroup": "p5", "output_dir": "s3://bucket/runs",

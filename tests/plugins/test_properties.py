@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from finetune.config import PARAM_SPECS, ConfigError
+from finetune.config import ConfigError
 from finetune.names import dns_label, run_dir_name
 from finetune.targets.eks.manifests import (
     configmap_name,
@@ -25,6 +25,7 @@ from finetune.targets.eks.manifests import (
 )
 from finetune.trainer_config import trainer_config
 from finetune.validate import validate_params
+from finetune_contract.parameters import FORM_PARAMETERS
 
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -57,16 +58,16 @@ JUNK = st.one_of(st.none(), st.text(max_size=20), st.integers(-10**12, 10**12),
 
 
 def valid_values(spec) -> st.SearchStrategy:
-    if spec.enum is not None:
-        return st.sampled_from(spec.enum)
-    if spec.type == "boolean":
+    if spec.choices is not None:
+        return st.sampled_from(spec.choices)
+    if spec.type is bool:
         return st.booleans()
-    if spec.type == "integer":
+    if spec.type is int:
         bounds = spec.bounds
         low = int(bounds.minimum) if bounds.minimum is not None else 0
         high = int(bounds.maximum) if bounds.maximum is not None else 10**6
         return st.integers(low, high) | st.integers(low, min(high, low + 16))
-    if spec.type == "number":
+    if spec.type is float:
         bounds = spec.bounds
         low = bounds.exclusive_minimum if bounds.exclusive_minimum is not None else bounds.minimum
         return st.floats(low or 0.0, bounds.maximum or 1e6, exclude_min=bounds.exclusive_minimum
@@ -76,7 +77,8 @@ def valid_values(spec) -> st.SearchStrategy:
 
 @st.composite
 def params(draw) -> dict:
-    chosen = draw(st.lists(st.sampled_from(PARAM_SPECS), max_size=8, unique_by=lambda s: s.name))
+    chosen = draw(st.lists(st.sampled_from(FORM_PARAMETERS), max_size=8,
+                           unique_by=lambda s: s.name))
     out = {s.name: draw(st.one_of(*[valid_values(s)] * 6, JUNK))
            for s in chosen}
     if draw(st.booleans()):  # an eks run, so the eks checks and manifests are reached

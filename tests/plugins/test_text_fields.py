@@ -1,32 +1,37 @@
 """Every text field has a length bound and a character set (or a fixed set of values), checked
-by validate and by the trainer from the contract's one table (finetune_contract.fields.TEXTS);
+by validate and by the trainer from the parameter table (finetune_contract.parameters);
 every message quotes a value through the one cutting function (`quoted`)."""
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import pytest
 
-from finetune.config import PARAM_SPECS, SECRET_FIELDS, ConfigError
+from finetune.config import ConfigError
 from finetune.validate import validate_params
 from finetune_contract.fields import (
-    CHOICES,
     CONN_ID,
     CONN_ID_MAX_LEN,
     MAX_QUOTED,
-    TEXTS,
     ContractError,
-    TrainConfig,
     hub_id_problem,
 )
+from finetune_contract.parameters import (
+    FORM_PARAMETERS,
+    PARAMETERS,
+    SECRET_NAMES,
+    TRAINER_PARAMETERS,
+)
 from finetune_contract.rules import split_s3
+from finetune_contract.train_config import TrainConfig
 from tests.support.eks import EKS_PARAMS
 
-TEXT_SPECS = [spec for spec in PARAM_SPECS if spec.type == "string"]
-TRAINER_TEXT_FIELDS = [field.name for field in dataclasses.fields(TrainConfig)
-                       if field.type in ("str", "str | None")]
+TEXT_SPECS = [p for p in FORM_PARAMETERS if p.type is str]
+TRAINER_TEXT_FIELDS = [p.name for p in TRAINER_PARAMETERS if p.type is str]
+TEXTS = {p.name: p.text for p in PARAMETERS if p.text is not None}
+CHOICES = {p.name: p.choices for p in PARAMETERS if p.choices is not None}
+SECRET_FIELDS = SECRET_NAMES
 TARGETS = {"local": {"procs_per_node": 1}, "eks": EKS_PARAMS}
 # The rules of the form's fields (prepared_data is the trainer's only: the pipeline sets it).
 FORM_TEXTS = sorted(name for name in TEXTS if name in {spec.name for spec in TEXT_SPECS})
@@ -41,7 +46,7 @@ def errors_of(conf: dict) -> list[tuple[str, str]]:
 def test_every_text_field_has_a_length_bound_and_a_pattern_or_a_set_of_choices():
     """A new text field (in the form or the trainer's config) without a rule fails here."""
     unruled = [spec.name for spec in TEXT_SPECS
-               if spec.enum is None and spec.name not in CHOICES and spec.name not in TEXTS]
+               if spec.name not in CHOICES and spec.name not in TEXTS]
     unruled += [name for name in TRAINER_TEXT_FIELDS
                 if name not in CHOICES and name not in TEXTS]
     assert not unruled, f"text fields without a length bound and a pattern: {unruled}"

@@ -182,7 +182,7 @@ def test_a_long_value_is_cut_in_the_message():
 
 
 def test_the_form_says_what_happens_to_examples_longer_than_seq_len():
-    from finetune.config import SPECS_BY_NAME
+    from finetune_contract.parameters import BY_NAME as SPECS_BY_NAME
 
     description = SPECS_BY_NAME["seq_len"].description
     assert "never truncated" in description and "bad_rows" in description

@@ -14,9 +14,10 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import trainer.attention as attention
-from finetune_contract.fields import ContractError, TrainConfig
+from finetune_contract.fields import ContractError
 from finetune_contract.models import ModelShape
 from finetune_contract.rules import config_problems, device_problems
+from finetune_contract.train_config import TrainConfig
 from trainer.config import load_config
 from trainer.parallel import check_start
 

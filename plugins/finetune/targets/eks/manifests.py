@@ -18,10 +18,10 @@ import json
 from typing import Any
 
 from finetune.config import RunConfig
-from finetune.instance_types import GPU_RESOURCE, INSTANCE_TYPES, InstanceProfile
 from finetune.names import DNS_SUBDOMAIN, LABEL_VALUE, dns_label
 from finetune.targets.base import TORCHRUN_ENV
 from finetune.trainer_config import trainer_config
+from finetune_contract.instance_types import GPU_RESOURCE, INSTANCE_TYPES, InstanceProfile
 
 PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, PYTORCHJOB_PLURAL = "kubeflow.org", "v1", "pytorchjobs"
 PYTORCHJOB_API_VERSION = f"{PYTORCHJOB_GROUP}/{PYTORCHJOB_VERSION}"

@@ -16,7 +16,6 @@ from typing import Any
 import tenacity
 
 from finetune.config import RunConfig
-from finetune.instance_types import EFA_RESOURCE, GPU_RESOURCE
 from finetune.targets.eks.clients import aws_session, retry_transient
 from finetune.targets.eks.manifests import (
     APP,
@@ -31,6 +30,7 @@ from finetune.targets.eks.reservations import (
     live_reservations,
     wanted_scaling,
 )
+from finetune_contract.instance_types import EFA_RESOURCE, GPU_RESOURCE
 
 log = logging.getLogger(__name__)
 

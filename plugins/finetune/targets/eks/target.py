@@ -38,7 +38,6 @@ from finetune.gpu_metrics import (
     xid_codes_by_node,
 )
 from finetune.image import IN_POD_PATHS
-from finetune.instance_types import EFA_RESOURCE, GPU_RESOURCE, INSTANCE_TYPES
 from finetune.names import DNS_LABEL, DNS_SUBDOMAIN
 from finetune.outputs import (
     build_report,
@@ -101,6 +100,7 @@ from finetune.targets.eks.triggers import (
 )
 from finetune_contract.errors import ERRORS_DIR, failure_summary
 from finetune_contract.fields import quoted
+from finetune_contract.instance_types import EFA_RESOURCE, GPU_RESOURCE, INSTANCE_TYPES
 from finetune_contract.models import BUILTIN_MODELS
 
 log = logging.getLogger(__name__)

@@ -118,45 +118,6 @@ PRESET_DISPLAY = {NO_PRESET: "none: the fields below as they are",
                   **{p.name: p.title for p in PRESETS.values()}}
 
 
-def _preset_value_text(value: Any) -> str:
-    return "on" if value is True else "off" if value is False else str(value)
-
-
-def preset_values_note(field: str, default: Any) -> str:
-    """For a field's description in the form: the values the presets give it, which a run with
-    that preset uses while the field stays at its built-in default. Empty when no preset
-    changes the field."""
-    by_value: dict[str, list[str]] = {}
-    for preset in PRESETS.values():
-        if field in preset.values and preset.values[field] != default:
-            by_value.setdefault(_preset_value_text(preset.values[field]), []).append(preset.name)
-    if not by_value:
-        return ""
-    values = "; ".join(f"{value} ({', '.join(names)})" for value, names in by_value.items())
-    return (f" With a preset, leaving this at its default ({_preset_value_text(default)}) "
-            f"runs the preset's value: {values}.")
-
-
-def presets_markdown(defaults: Mapping[str, Any]) -> str:
-    """The preset field's description in the form (Markdown): the rule, and what each preset
-    sets where it differs from the built-in defaults the form's fields show."""
-    lines = [
-        "Settings known to fit a model on an instance type (`plugins/finetune/presets.py`).",
-        "",
-        "**A field left at its built-in default takes the preset's value; change a field to "
-        "override the preset.** The fields below keep showing the built-in defaults; with a "
-        "preset the run uses these values instead (the validate task's log lists every value "
-        "the run uses):",
-        "",
-    ]
-    for preset in PRESETS.values():
-        changed = ", ".join(f"{field} **{_preset_value_text(value)}**"
-                            for field, value in preset.values.items()
-                            if value != defaults.get(field))
-        lines.append(f"- `{preset.name}`: {changed}")
-    return "\n".join(lines)
-
-
 def explicit_fields(conf: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
     """The fields a run's conf sets on purpose.
 
