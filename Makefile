@@ -105,7 +105,7 @@ run: venv
 # make plan CONF=conf.json (a file or inline JSON) ARGS='--search --scaling --set micro_batch=8'.
 # Exit code 1: it does not fit the instance type's GPU (the fastest settings that fit follow).
 plan: venv
-	$(BIN)/python -m finetune.plan --conf '$(CONF)' $(ARGS)
+	$(BIN)/python -m finetune.plan_cli --conf '$(CONF)' $(ARGS)
 
 # docs/parameters.md from the parameter spec the trigger form is built from (finetune.config);
 # tests/test_docs.py fails when the committed page is not what this writes.

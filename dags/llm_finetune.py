@@ -1,6 +1,6 @@
 """Fine-tune a Llama-class model with PyTorch FSDP, end to end.
 
-validate -> prepare_data -> snapshot (setup) -> scale_up -> build_image + reset_etcd -> preflight
+validate -> prepare_data -> snapshot (setup) -> scale_up -> build_image + rendezvous -> preflight
 -> train -> collect_metrics,
 and teardown, which runs whenever the setup ran: after a success, after any stage failed, and
 after a run is marked failed. Choose a preset, the target (`local`: this machine; `eks`: Amazon

@@ -11,7 +11,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from finetune_contract.models import BUILTIN_MODELS
-from finetune_contract.plan import AUTO, GIB, Hardware, resolve_checkpointing
+from finetune_contract.planner import AUTO, GIB, Hardware, resolve_checkpointing
 from finetune_contract.rules import selective_every
 from finetune_contract.train_config import TrainConfig
 

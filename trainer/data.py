@@ -1,7 +1,7 @@
 """Data: the prepared splits loaded memory-mapped, collated into batches, sampled per rank.
 
 The data set is read, encoded, packed and split by the prepare_data stage
-(finetune_data.prepare, the one encoding); the trainer loads its Arrow files on every rank
+(finetune_data.prepared_set, the one encoding); the trainer loads its Arrow files on every rank
 and never tokenizes at start.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 import datasets
 import torch
 import torch.distributed as dist
-from finetune_data.prepare import (
+from finetune_data.prepared_set import (
     PREPARED_DIR,
     REJECTED_IDS,
     REJECTED_LABELS,
@@ -134,7 +134,7 @@ def _rows(ds: datasets.Dataset, indices: list[int]) -> list[dict[str, list[int]]
     return [dict(zip(columns, values)) for values in zip(*columns.values())]
 
 
-class DistributedSampler:
+class ResumableSampler:
     """Seeded per-epoch permutation; rank r takes every world_size-th row from offset r.
 
     The position (epoch, index of the next micro batch in the epoch) is all the state there is,
@@ -176,7 +176,7 @@ class TrainBatches:
     def __init__(
         self,
         ds: datasets.Dataset,
-        sampler: DistributedSampler,
+        sampler: ResumableSampler,
         pad_id: int,
         pad_to: int | None = None,
     ):

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from finetune_contract.preflight import MEASURED_FILE, RESULT_PREFIX
+from finetune_contract.preflight_result import MEASURED_FILE, RESULT_PREFIX
 
 
 def gpu_health(index: int) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The prepare_data stage in a pod of its own (the eks target's prepare_on pod): the run's data set
-encoded on a CPU node with the one function the Airflow worker uses (finetune_data.prepare), so a
-small Airflow worker never encodes a large data set.
+encoded on a CPU node with the one function the Airflow worker uses (finetune_data.prepared_set),
+so a small Airflow worker never encodes a large data set.
 
 python -m trainer.prepare_data --config CONFIG.json --prepared-root s3://B/P/prepared_data \
     --record s3://B/P/RUN/prepare_data.json [--num-proc N]
@@ -43,7 +43,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> dict:
     """Prepare (or reuse) the set and write the record; the record."""
     import boto3
-    from finetune_data.prepare import prepare_to_s3
+    from finetune_data.prepared_set import prepare_to_s3
 
     for what, uri in (("--prepared-root", args.prepared_root), ("--record", args.record)):
         if not is_s3(uri):

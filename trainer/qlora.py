@@ -15,8 +15,8 @@ import sys
 
 import torch
 
-from finetune_contract.plan import NF4_BLOCK_SIZE as BLOCK_SIZE
-from finetune_contract.plan import NF4_SCALER_BLOCK_SIZE as SCALER_BLOCK_SIZE
+from finetune_contract.planner import NF4_BLOCK_SIZE as BLOCK_SIZE
+from finetune_contract.planner import NF4_SCALER_BLOCK_SIZE as SCALER_BLOCK_SIZE
 from trainer.blocks import decoder_blocks
 from trainer.lora import is_adapter_param
 

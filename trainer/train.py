@@ -32,8 +32,8 @@ from trainer.config import TrainConfig, parse_args
 from trainer.data import (
     IGNORE_INDEX,
     Batch,
-    DistributedSampler,
     EvalBatches,
+    ResumableSampler,
     Splits,
     TrainBatches,
     build_splits,
@@ -122,7 +122,7 @@ class Trainer:
     output: RunOutput
     tokenizer: PreTrainedTokenizerBase
     splits: Splits
-    sampler: DistributedSampler
+    sampler: ResumableSampler
     batches: Iterator[Batch]
     evals: Iterable[Batch]
     max_steps: int
@@ -171,7 +171,7 @@ class Trainer:
         # The ranks of a tensor-parallel group work on the same batch: sample per data-parallel
         # rank.
         dp_rank, dp_size = data_parallel_rank(env.rank, env.world_size, config.tp_degree)
-        sampler = DistributedSampler(
+        sampler = ResumableSampler(
             len(splits.train), config.micro_batch, dp_rank, dp_size, config.seed
         )
         # Packed rows are seq_len long anyway. float8 matmuls need token counts in multiples of

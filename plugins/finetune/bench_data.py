@@ -30,7 +30,7 @@ def _timed(fn):
 
 def bench(rows: int, work: Path) -> Iterator[tuple[str, float]]:
     """(figure, seconds), each as soon as it is measured (a run stopped midway keeps them)."""
-    from finetune_data.prepare import cpu_count, prepare
+    from finetune_data.prepared_set import cpu_count, prepare
 
     from finetune.validate import validate_params
     from trainer.config import load_config

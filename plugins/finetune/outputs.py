@@ -24,7 +24,7 @@ from finetune.report import (
     write_report,
 )
 from finetune_contract.errors import ERRORS_DIR, failure_records
-from finetune_contract.preflight import PREFLIGHT_FILE
+from finetune_contract.preflight_result import PREFLIGHT_FILE
 
 
 class ReportUnavailable(RuntimeError):

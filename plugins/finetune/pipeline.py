@@ -1,7 +1,7 @@
 """The fine-tuning task graph, shared by every DAG that runs it (llm_finetune and the scheduled
 retraining DAG): call `finetune_pipeline()` inside a `@dag` function.
 
-validate -> prepare_data -> snapshot (setup) -> scale_up -> build_image + reset_etcd -> preflight
+validate -> prepare_data -> snapshot (setup) -> scale_up -> build_image + rendezvous -> preflight
 -> train -> evaluate -> collect_metrics -> promote, and teardown, which runs whenever the setup ran.
 find_champion reads the model evaluate measures the run's against.
 """
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 # a tag in ECR is skipped, a running build Job adopted), train (reattaches to the running
 # training or takes a finished one's result), collect_metrics (rewrites the report) and
 # teardown (every step is idempotent). validate and snapshot are retried by no one: they fail
-# the same way again. reset_etcd neither: it clears the rendezvous a running training uses.
+# the same way again. rendezvous neither: it clears the store a running training uses.
 # A training that itself failed is not retried (`targets.base.TrainingFailed`).
 # Five retries, 30 s doubling to at most 10 minutes: about 15 minutes of Airflow coming back,
 # during which a try whose start meets no api-server is killed by its supervisor.
@@ -109,7 +109,7 @@ def finetune_pipeline(*, base_conf: Mapping[str, Any] | None = None,
     @task
     def validate() -> dict:
         """Params -> one typed, immutable run config; every bad value fails here."""
-        from finetune.planning import plan_run, plan_text
+        from finetune.run_plan import plan_run, plan_text
         from finetune.validate import config_table, validate_params
 
         context = get_current_context()
@@ -127,10 +127,12 @@ def finetune_pipeline(*, base_conf: Mapping[str, Any] | None = None,
         target, cfg = _target(run_config)
         return target.snapshot(cfg)
 
-    @task
-    def reset_etcd(run_config: dict) -> dict:
+    @task(task_id="rendezvous")
+    def clean_rendezvous(run_config: dict) -> dict:
+        """The run's rendezvous made clean: its etcd keys deleted (or etcd restarted), or a
+        fresh c10d store where there is no etcd; returns its endpoint, backend and id."""
         target, cfg = _target(run_config)
-        return target.reset_etcd(cfg)
+        return target.rendezvous(cfg)
 
     @task
     def find_champion(run_config: dict) -> dict:
@@ -185,7 +187,7 @@ def finetune_pipeline(*, base_conf: Mapping[str, Any] | None = None,
     snap >> up
     image = StageOperator(task_id="build_image", stage="build_image", run_config=cfg,
                           **RESUMABLE)
-    rendezvous = reset_etcd(cfg)
+    rendezvous = clean_rendezvous(cfg)
     up >> [image, rendezvous]
     # Every node checked before it trains; a bad one is named, cordoned or replaced.
     checked = StageOperator(task_id="preflight", stage="preflight", run_config=cfg,

@@ -22,7 +22,7 @@ from finetune_contract.fields import (
     PREPARE_DATA_FILE,
     STRAGGLER_THRESHOLD,
 )
-from finetune_contract.preflight import PREFLIGHT_FILE
+from finetune_contract.preflight_result import PREFLIGHT_FILE
 from finetune_contract.stragglers import RANK_STEP_TIMES, rank_medians, stragglers
 from finetune_contract.throughput import run_throughput
 
@@ -217,7 +217,7 @@ def write_report(
     `node_hourly_price` (USD per node-hour) and `nodes` the report estimates the cost of the
     training wall time. error: why a failed run failed ({"stage", "type", "message", "rank"}:
     the trainer's own root cause, finetune_contract/errors.py, or the failed stage's error).
-    plan: the planner's estimate made at validate (finetune.planning.RunPlan.to_dict()), put beside
+    plan: the planner's estimate made at validate (finetune.run_plan.RunPlan.to_dict()), put beside
     what was measured.
     """
     if status not in STATUSES:
@@ -305,7 +305,7 @@ def write_report(
 
 
 def data_section(record: dict | None) -> dict | None:
-    """The prepare_data stage's record (finetune.prepare_data) as the report shows it."""
+    """The prepare_data stage's record (finetune.prepare_stage) as the report shows it."""
     if not record:
         return None
     keys = ("path", "cache_hit", "seconds", "num_proc", "rows_read", "rows_kept",

@@ -25,7 +25,7 @@ from typing import Any
 from finetune.config import ConfigError, RunConfig, run_output_dir
 from finetune.hub import GATED, NO_CONFIG, NOT_FOUND, hub_config
 from finetune.names import DNS_SUBDOMAIN, LABEL_VALUE, dns_label, run_dir_name
-from finetune.planning import model_config_of, run_hardware
+from finetune.run_plan import model_config_of, run_hardware
 from finetune.targets import get_target
 from finetune.trainer_config import local_dir, run_tokenizer_dir, trainer_config
 from finetune_contract import data as contract_data
@@ -38,7 +38,7 @@ from finetune_contract.parameters import (
     defaults,
     eval_task_names,
 )
-from finetune_contract.plan import memory_problems
+from finetune_contract.planner import memory_problems
 from finetune_contract.presets import NO_PRESET, PRESET_NAMES, PRESETS, Preset, apply_preset
 from finetune_contract.rules import config_problems, location_problems
 from finetune_contract.train_config import TrainConfig
@@ -62,9 +62,10 @@ def validate_params(params: Mapping[str, Any], *, run_id: str, dag_id: str = "ll
     """Params (from the trigger form, REST conf or defaults) -> RunConfig, or ConfigError.
 
     A `preset` in params supplies the values of the fields not set on purpose (`given`: the
-    conf the run was triggered with; see finetune_contract.presets.apply_preset). plan_only (for
-    `python -m finetune.plan`): the training's fields and rules, not the cluster's (its name, node
-    group, image, the local machine's cores) nor the memory rule, whose estimate it prints.
+    conf the run was triggered with; see finetune_contract.presets.apply_preset). plan_only
+    (for `python -m finetune.plan_cli`): the training's fields and rules, not the cluster's (its
+    name, node group, image, the local machine's cores) nor the memory rule, whose estimate it
+    prints.
     """
     errors: Problems = []
     preset = None
@@ -106,7 +107,7 @@ def validate_params(params: Mapping[str, Any], *, run_id: str, dag_id: str = "ll
     problems, size = _run_checks(cfg, paths_are_local=target.paths_are_local,
                                  memory=not plan_only)
     errors += problems
-    if size is not None:  # for the plan's steps when max_steps is 0 (finetune.planning)
+    if size is not None:  # for the plan's steps when max_steps is 0 (finetune.run_plan)
         cfg = dataclasses.replace(cfg, counted_train_rows=size.train_rows,
                                   counted_batches_per_epoch=size.batches_per_epoch)
     if not plan_only:
@@ -122,7 +123,7 @@ def run_problems(cfg: RunConfig, paths_are_local: bool = True, memory: bool = Tr
 
     paths_are_local: the target's (finetune.targets.base.Target): whether the trainer reads
     paths on this machine, or absolute ones in its pods. memory: refuse a run whose estimated
-    peak exceeds its GPU's memory (finetune_contract.plan)."""
+    peak exceeds its GPU's memory (finetune_contract.planner)."""
     return _run_checks(cfg, paths_are_local, memory)[0]
 
 

@@ -9,5 +9,5 @@ A rule lives here once; `validate` runs it before anything is paid for, the trai
 - `rules`: cross-field rules (precision, checkpointing, float8, LoRA, sharding, tensor
   parallelism, sequence length, s3:// URIs, paths) as functions returning (field, message) pairs.
 - `data`: what can be known of a data set and a tokenizer from their files, and the encoding of
-  one example (the one encoding: finetune_data.prepare encodes every row with it).
+  one example (the one encoding: finetune_data.prepared_set encodes every row with it).
 """

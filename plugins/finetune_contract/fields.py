@@ -10,7 +10,7 @@ from typing import Any
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
 MIXED_PRECISION = ("bf16", "fp16", "fp32")
-# auto: the planner (finetune_contract.plan) picks the fastest of the others that fits the GPU.
+# auto: the planner (finetune_contract.planner) picks the fastest of the others that fits the GPU.
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective", "auto")
 PROMPT_TEMPLATES = ("instruction", "chat")
 DATASET_FORMATS = ("auto", "jsonl", "json", "parquet", "csv")

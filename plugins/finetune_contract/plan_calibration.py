@@ -1,4 +1,4 @@
-"""Measured runs the planner (finetune_contract.plan) is calibrated and checked against.
+"""Measured runs the planner (finetune_contract.planner) is calibrated and checked against.
 
 One row a measurement: the settings that differ from `BASE` (the benchmark's: seq 4096, bf16,
 compile, one H200), what was measured (tokens/s per GPU, MFU, peak GiB from

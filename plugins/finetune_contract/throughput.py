@@ -1,6 +1,6 @@
 """FLOPs per token (finetune_contract.families), the GPUs' peaks, and a run's throughput from
 its per-step train records (metrics.jsonl): the one definition the trainer's summary.json, the
-run report, the runs page, experiment tracking and the planner (finetune_contract.plan) all use.
+run report, the runs page, experiment tracking and the planner (finetune_contract.planner) all use.
 
 tokens/s is the run's total tokens over its total step time, not the mean of per-step rates: a
 mean of rates weighs a 0.05 s step like a 7 s stall and overstates a run on a loaded machine

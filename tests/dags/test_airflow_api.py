@@ -31,7 +31,7 @@ from tests.support.system import system_binary_or_skip
 
 pytestmark = pytest.mark.slow  # a real api-server, scheduler, dag-processor; DAG runs; Chromium
 
-STAGES = {"validate", "snapshot", "scale_up", "build_image", "reset_etcd", "preflight",
+STAGES = {"validate", "snapshot", "scale_up", "build_image", "rendezvous", "preflight",
           "find_champion", "train", "evaluate", "collect_metrics", "promote", "teardown"}
 # Few steps on top of the tiny-local preset: a run finishes in well under a minute.
 SHORT = {"max_steps": 6, "eval_interval": 3, "checkpoint_interval": 0, "warmup_steps": 2}

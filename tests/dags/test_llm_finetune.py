@@ -18,7 +18,7 @@ from tests.support.system import etcd_or_skip, has_etcd
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DAG_FILE = REPO_ROOT / "dags" / "llm_finetune.py"
-STAGES = ["validate", "prepare_data", "snapshot", "scale_up", "build_image", "reset_etcd",
+STAGES = ["validate", "prepare_data", "snapshot", "scale_up", "build_image", "rendezvous",
           "preflight", "find_champion", "train", "evaluate", "collect_metrics", "promote",
           "teardown"]
 # Fake credentials in the environment of the full run, which must appear nowhere it writes.
@@ -77,9 +77,9 @@ def test_dag_wires_the_stages_with_a_guaranteed_teardown():
     assert up["prepare_data"] == {"validate"}
     assert up["snapshot"] == {"prepare_data"}
     assert up["scale_up"] == {"prepare_data", "snapshot"}
-    assert up["build_image"] == up["reset_etcd"] == {"prepare_data", "scale_up"}
-    assert up["preflight"] == {"prepare_data", "build_image", "reset_etcd"}
-    assert up["train"] == {"prepare_data", "build_image", "reset_etcd", "preflight"}
+    assert up["build_image"] == up["rendezvous"] == {"prepare_data", "scale_up"}
+    assert up["preflight"] == {"prepare_data", "build_image", "rendezvous"}
+    assert up["train"] == {"prepare_data", "build_image", "rendezvous", "preflight"}
     assert up["find_champion"] == {"prepare_data"}
     assert up["evaluate"] == {"prepare_data", "train", "build_image", "find_champion"}
     assert up["collect_metrics"] == {"prepare_data", "train", "evaluate"}

@@ -1,7 +1,7 @@
 """Faults injected into local runs: a killed rank, a killed node, a lost Airflow worker.
 
 The local target's train stage is run as the train task runs it (LocalTarget.train after
-reset_etcd), with torchrun, etcd and the tiny model for real; the test kills processes mid-run.
+rendezvous), with torchrun, etcd and the tiny model for real; the test kills processes mid-run.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def start(tmp_path: Path, run_id: str, **conf) -> tuple[LocalTarget, object, dic
     cfg = validate_params({**RUN, "output_dir": str(tmp_path), **conf}, run_id=run_id)
     target = LocalTarget()
     target.snapshot(cfg)
-    return target, cfg, target.reset_etcd(cfg)
+    return target, cfg, target.rendezvous(cfg)
 
 
 def train_records(run_dir: Path) -> list[dict]:

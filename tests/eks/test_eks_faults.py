@@ -116,12 +116,12 @@ def fail_at(stage: str, cluster: Any, cfg: Any) -> None:
         with pytest.raises(Exception, match="not in ECR"):
             run_stage("build_image", missing)
         return
-    if stage == "reset_etcd":  # etcd_reset=restart, and no etcd service to restart
+    if stage == "rendezvous":  # etcd_reset=restart, and no etcd service to restart
         with pytest.raises(kubernetes.client.ApiException):
-            t.reset_etcd(dataclasses.replace(cfg, etcd_reset="restart",
+            t.rendezvous(dataclasses.replace(cfg, etcd_reset="restart",
                                              etcd_service="no-such-etcd"))
         return
-    t.reset_etcd(cfg)
+    t.rendezvous(cfg)
     operator = TrainingOperator(cluster, cfg, outcome="Failed", oom_worker=0)
     operator.start()
     with pytest.raises(AirflowFailException, match="OOMKilled"):
@@ -129,7 +129,7 @@ def fail_at(stage: str, cluster: Any, cfg: Any) -> None:
     operator.join(5)
 
 
-@pytest.mark.parametrize("stage", ["scale_up", "build_image", "reset_etcd", "train"])
+@pytest.mark.parametrize("stage", ["scale_up", "build_image", "rendezvous", "train"])
 @pytest.mark.slow
 def test_teardown_after_a_failure_at_each_stage_gives_everything_back(
         stage, nodegroup, cluster, etcd_server):

@@ -26,7 +26,7 @@ from finetune.targets.eks.manifests import (
     PYTORCHJOB_VERSION,
     run_selector,
 )
-from finetune_contract.preflight import PREFLIGHT_FILE, RESULT_PREFIX
+from finetune_contract.preflight_result import PREFLIGHT_FILE, RESULT_PREFIX
 from tests.support.eks import (
     IMAGE,
     NS,
@@ -183,7 +183,7 @@ def test_with_replace_bad_nodes_the_instance_is_replaced_and_checked_again(
 
 
 def test_replacing_stops_after_the_bounded_number_of_preflights(nodegroup, cluster):
-    from finetune.preflight import PREFLIGHT_TRIES
+    from finetune.preflight_verdict import PREFLIGHT_TRIES
 
     cfg = config(replace_bad_nodes=True)
     autoscaling, asg_name, _ = the_nodegroups_asg(nodegroup, 2)

@@ -207,14 +207,14 @@ def test_scale_up_raises_max_size_up_to_the_cap_and_never_beyond(nodegroup, clus
     assert scaling(nodegroup)["maxSize"] == 4
 
 
-def test_reset_etcd_deletes_the_runs_keys_through_the_service_proxy(cluster, etcd_server):
+def test_the_rendezvous_stage_deletes_the_runs_keys_through_the_service_proxy(cluster, etcd_server):
     cfg = eks_config()
     cluster.emulator.proxies[NS, "etcd"] = etcd_server.endpoint
     for key in (f"/torch/elastic/rendezvous/{cfg.rdzv_id}", "/torch/elastic/rendezvous/other"):
         req = urllib.request.Request(f"http://{etcd_server.endpoint}/v2/keys{key}",
                                      data=b"value=closed", method="PUT")
         urllib.request.urlopen(req, timeout=5).close()
-    result = target().reset_etcd(cfg)
+    result = target().rendezvous(cfg)
     assert result["deleted_keys"] == 1
     assert result["endpoint"] == "etcd.ml.svc:2379" and result["rdzv_id"] == cfg.rdzv_id
     with pytest.raises(urllib.error.HTTPError):  # gone

@@ -178,9 +178,9 @@ def test_combinations_the_trainjob_launcher_cannot_run_are_refused_naming_both_f
 # -- the stages on the emulated cluster ----------------------------------------------------------
 
 
-def test_reset_etcd_does_nothing_with_the_trainjob_launcher_and_says_so(task_log):
+def test_the_rendezvous_stage_does_nothing_with_the_trainjob_launcher_and_says_so(task_log):
     cfg = trainjob_config()
-    result = target().reset_etcd(cfg)  # no cluster, no etcd: nothing is called
+    result = target().rendezvous(cfg)  # no cluster, no etcd: nothing is called
     assert result["endpoint"] == f"{job_name(cfg)}-node-0-0.{job_name(cfg)}:29400"
     assert result["deleted_keys"] == 0 and result["launcher"] == "trainjob"
     assert any("static c10d rendezvous" in line and "nothing to reset" in line

@@ -17,7 +17,7 @@ import pytest
 
 from finetune import hub
 from finetune.config import ConfigError
-from finetune.planning import model_config_of
+from finetune.run_plan import model_config_of
 from finetune.validate import validate_params
 
 SHAPE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,

@@ -8,18 +8,18 @@ import json
 import pytest
 
 from finetune.config import ConfigError, RunConfig
-from finetune.plan import main
-from finetune.planning import hardware_of, model_config_of, plan_text, scaling_rows
+from finetune.plan_cli import main
+from finetune.run_plan import hardware_of, model_config_of, plan_text, scaling_rows
 from finetune.validate import validate_params
 from finetune_contract.instance_types import INSTANCE_TYPES
-from finetune_contract.plan import (
+from finetune_contract.plan_calibration import ROWS
+from finetune_contract.planner import (
     MEMORY_ERROR,
     THROUGHPUT_ERROR,
     Hardware,
     estimate,
     resolve_checkpointing,
 )
-from finetune_contract.plan_calibration import ROWS
 from finetune_contract.train_config import TrainConfig
 
 H200 = hardware_of(INSTANCE_TYPES["p5e.48xlarge"])
@@ -114,8 +114,8 @@ def test_eager_attention_keeps_its_score_rows_in_the_plan():
     of heads x seq_len scores per token and layer; the same shape without the cap (sdpa) keeps
     none."""
     from finetune_contract.models import FAMILY_SHAPES
-    from finetune_contract.plan import EAGER_SCORE_ROWS
     from finetune_contract.plan_calibration import BASE
+    from finetune_contract.planner import EAGER_SCORE_ROWS
 
     gemma2 = FAMILY_SHAPES["gemma2-2b"][1]
     cfg = TrainConfig(**{**BASE, "model": "family", "micro_batch": 2})
@@ -242,19 +242,19 @@ def test_predicted_scaling_falls_with_nodes_across_efa_and_not_within_one_node()
 def test_with_max_steps_0_the_plan_counts_the_steps_the_trainer_will_run(conf, tmp_path):
     """The plan's steps (and so its wall time and cost) come from the prepared data set's
     statistics: the same split and per-rank batches as the trainer's, packed or not."""
-    from finetune.planning import plan_run
-    from finetune.prepare_data import prepare_run_data
+    from finetune.prepare_stage import prepare_run_data
+    from finetune.run_plan import plan_run
     from finetune.trainer_config import trainer_config
     from finetune_contract.data import optimizer_steps
     from trainer.config import resolve
-    from trainer.data import DistributedSampler, build_splits
+    from trainer.data import ResumableSampler, build_splits
 
     cfg = validate_params({**conf, "output_dir": str(tmp_path)}, run_id="plan")
     cfg, _ = prepare_run_data(cfg)
     plan = plan_run(RunConfig.from_dict(cfg.to_dict()))  # as a later stage gets it (XCom)
     train = resolve(TrainConfig(**trainer_config(cfg)))  # as the trainer reads it
     splits = build_splits(train)
-    sampler = DistributedSampler(len(splits.train), train.micro_batch, 0, cfg.world_size,
+    sampler = ResumableSampler(len(splits.train), train.micro_batch, 0, cfg.world_size,
                                  train.seed)
     steps = optimizer_steps(train, sampler.batches_per_epoch)
     assert (plan.train_rows, plan.steps) == (len(splits.train), steps)

@@ -1,5 +1,5 @@
-"""The preflight's verdict (finetune/preflight.py) on what trainer/preflight.py measured, the
-report's table, and the local target's preflight with real torchrun processes (gloo)."""
+"""The preflight's verdict (finetune/preflight_verdict.py) on what trainer/preflight.py measured,
+the report's table, and the local target's preflight with real torchrun processes (gloo)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 import trainer.preflight
-from finetune.preflight import PreflightFailed, judge, result_line
+from finetune.preflight_verdict import PreflightFailed, judge, result_line
 from finetune.report import write_report
 from finetune.targets.local import LocalTarget
 from finetune.validate import validate_params
 from finetune_contract.instance_types import BUSBW_FLOOR, INSTANCE_TYPES
-from finetune_contract.preflight import PREFLIGHT_FILE, RESULT_PREFIX
+from finetune_contract.preflight_result import PREFLIGHT_FILE, RESULT_PREFIX
 from tests.support.preflight import measured
 
 P4DE = INSTANCE_TYPES["p4de.24xlarge"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from finetune.config import ConfigError
-from finetune.prepare_data import RUN_RECORD, prepare_run_data
+from finetune.prepare_stage import RUN_RECORD, prepare_run_data
 from finetune.validate import validate_params
 from tests.support.training import demo_rows, write_jsonl
 

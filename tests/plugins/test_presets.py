@@ -8,7 +8,7 @@ import pytest
 
 from finetune.config import ConfigError
 from finetune.params import dag_params
-from finetune.planning import plan_run
+from finetune.run_plan import plan_run
 from finetune.validate import config_table, validate_params
 from finetune_contract.families import model_type_of
 from finetune_contract.instance_types import INSTANCE_TYPES

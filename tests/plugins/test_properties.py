@@ -138,8 +138,8 @@ def trainer_data_start(cfg, train, data_parallel: int) -> None:
     """What happens to the data before the first step: prepare_data (which may still refuse,
     before scale-up, with a ConfigError naming the field), then the trainer's load and the
     sampler of this data-parallel size."""
-    from finetune.prepare_data import prepare_run_data
-    from trainer.data import DistributedSampler
+    from finetune.prepare_stage import prepare_run_data
+    from trainer.data import ResumableSampler
 
     run = dataclasses.replace(cfg, output_dir=str(_PREPARED), run_dir=str(_PREPARED / "run"))
     try:
@@ -151,7 +151,7 @@ def trainer_data_start(cfg, train, data_parallel: int) -> None:
     key = dataclasses.replace(train, output_dir=str(_PREPARED), lr=1.0, max_steps=0,
                               prepared_data=prepared.prepared_data)
     splits = _splits(key)
-    DistributedSampler(len(splits.train), train.micro_batch, 0, data_parallel, train.seed)
+    ResumableSampler(len(splits.train), train.micro_batch, 0, data_parallel, train.seed)
 
 
 @pytest.mark.slow

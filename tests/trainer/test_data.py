@@ -7,7 +7,7 @@ import datasets
 import pandas as pd
 import pytest
 import torch
-from finetune_data.prepare import pack
+from finetune_data.prepared_set import pack
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from finetune_contract.data import IGNORE_INDEX, PROMPT_TEMPLATE, encode_example
@@ -17,8 +17,8 @@ from trainer.config import load_config
 from trainer.data import (
     REJECTED_IDS,
     REJECTED_LABELS,
-    DistributedSampler,
     EvalBatches,
+    ResumableSampler,
     TrainBatches,
     build_splits,
     collate,
@@ -114,7 +114,7 @@ def test_the_eval_split_is_held_out_deterministically_and_holds_at_least_a_batch
 
 
 def test_ranks_draw_disjoint_rows_covering_an_epoch():
-    samplers = [DistributedSampler(50, 4, rank, 3, seed=7) for rank in range(3)]
+    samplers = [ResumableSampler(50, 4, rank, 3, seed=7) for rank in range(3)]
     assert samplers[0].batches_per_epoch == 4  # 50 // 3 ranks = 16 rows, 4 batches of 4
     epoch = [[i for _ in range(4) for i in s.next_indices()] for s in samplers]
     flat = [i for rows in epoch for i in rows]
@@ -122,18 +122,18 @@ def test_ranks_draw_disjoint_rows_covering_an_epoch():
 
 
 def test_a_restored_sampler_continues_with_the_same_batches_across_epochs():
-    sampler = DistributedSampler(40, 4, 1, 2, seed=3)
+    sampler = ResumableSampler(40, 4, 1, 2, seed=3)
     for _ in range(3):
         sampler.next_indices()
     state = sampler.state_dict()
     expected = [sampler.next_indices() for _ in range(10)]  # crosses into epochs 1 and 2
-    restored = DistributedSampler(40, 4, 1, 2, seed=3)
+    restored = ResumableSampler(40, 4, 1, 2, seed=3)
     restored.load_state_dict(json.loads(json.dumps(state)))
     assert [restored.next_indices() for _ in range(10)] == expected
 
 
 def test_each_epoch_is_a_new_permutation():
-    sampler = DistributedSampler(16, 8, 0, 1, seed=0)
+    sampler = ResumableSampler(16, 8, 0, 1, seed=0)
     first = sampler.next_indices() + sampler.next_indices()
     second = sampler.next_indices() + sampler.next_indices()
     assert sorted(first) == sorted(second) == list(range(16)) and first != second
@@ -316,8 +316,8 @@ def test_packing_concatenates_whole_examples_in_order_with_positions_restarting(
 
 def test_packed_batches_are_seq_len_long_and_their_padding_is_a_document_of_its_own(tokenizer):
     packed = pack(tokenized_examples(tokenizer, PAIRS), 48)
-    drawn = DistributedSampler(len(packed), 2, 0, 1, seed=0).next_indices()
-    sampler = DistributedSampler(len(packed), 2, 0, 1, seed=0)
+    drawn = ResumableSampler(len(packed), 2, 0, 1, seed=0).next_indices()
+    sampler = ResumableSampler(len(packed), 2, 0, 1, seed=0)
     batch = next(TrainBatches(packed, sampler, tokenizer.pad_token_id, pad_to=48))
     assert batch.input_ids.shape == batch.labels.shape == batch.position_ids.shape == (2, 48)
     for i, row in enumerate(packed.select(drawn)):

@@ -5,7 +5,7 @@ import json
 import datasets
 import pandas as pd
 import pytest
-from finetune_data.prepare import S3_CACHE_DIR, download_s3
+from finetune_data.prepared_set import S3_CACHE_DIR, download_s3
 from transformers import AutoTokenizer
 
 from tests.support.training import demo_rows, write_jsonl

@@ -104,9 +104,9 @@ def test_auto_checkpointing_at_trainer_start_is_the_choice_validate_makes_for_th
         monkeypatch):
     from types import SimpleNamespace
 
-    from finetune.planning import hardware_of
+    from finetune.run_plan import hardware_of
     from finetune_contract.instance_types import INSTANCE_TYPES
-    from finetune_contract.plan import GIB, resolve_checkpointing
+    from finetune_contract.planner import GIB, resolve_checkpointing
     from finetune_contract.train_config import TrainConfig
     from trainer.activations import resolve_auto_checkpointing
 

@@ -1,4 +1,4 @@
-"""The prepare_data stage's work (finetune_data.prepare): encoded once, content-addressed,
+"""The prepare_data stage's work (finetune_data.prepared_set): encoded once, content-addressed,
 reused, safe against a concurrent prepare and a failure; and the trainer's start that only
 loads it."""
 
@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from finetune_data import prepare as prep
+from finetune_data import prepared_set as prep
 
 from tests.support.training import demo_rows, write_jsonl
 from trainer.config import load_config
@@ -213,7 +213,7 @@ def test_evaluate_measures_on_the_prepared_eval_sets_and_never_encodes(tmp_path,
     assert len(held_out) == stats["eval_examples"] == len(plain)
 
 
-# The data set's encoding (finetune_data.prepare and the contract's encode functions), and a
+# The data set's encoding (finetune_data.prepared_set and the contract's encode functions), and a
 # tokenizer's own encoding calls: only these modules may reach them. The stage itself (on the
 # worker and in its pod), validate's sample of rows, the benchmark, and the trainer started by
 # hand without a prepared set (trainer.data, with the stage's own function). Nothing that runs
@@ -221,9 +221,9 @@ def test_evaluate_measures_on_the_prepared_eval_sets_and_never_encodes(tmp_path,
 ENCODING_NAMES = {"encode_row", "encode_pair", "encode_example", "tokenize", "load_rows",
                   "prepare", "prepare_to_s3"}
 TOKENIZER_CALLS = {"encode", "encode_plus", "batch_encode_plus", "apply_chat_template"}
-MAY_ENCODE = {"finetune.prepare_data", "finetune.validate", "finetune.bench_data",
+MAY_ENCODE = {"finetune.prepare_stage", "finetune.validate", "finetune.bench_data",
               "trainer.prepare_data", "trainer.data"}
-ENCODING_MODULES = {"finetune_data.prepare", "finetune_data", "finetune_contract.data",
+ENCODING_MODULES = {"finetune_data.prepared_set", "finetune_data", "finetune_contract.data",
                     "finetune_contract"}
 
 
@@ -277,12 +277,12 @@ def test_no_stage_after_prepare_data_and_no_trainer_module_encodes_the_data():
 
 def test_the_encoding_scan_finds_a_module_that_encodes():
     assert modules_that_encode({
-        "a": "from finetune_data.prepare import tokenize\n",
+        "a": "from finetune_data.prepared_set import tokenize\n",
         "b": "from finetune_contract import data as d\nd.encode_row(t, c, r)\n",
         "c": "def f(tokenizer):\n    return tokenizer('text')['input_ids']\n",
         "c2": "def f(champion_tokenizer):\n    return champion_tokenizer('text')\n",
         "d": "def f(self):\n    return self.tokenizer.apply_chat_template([])\n",
-        "e": "import finetune_data.prepare as p\np.prepare(c, r)\n",
-        "clean": "from finetune_data.prepare import load_prepared\n",
+        "e": "import finetune_data.prepared_set as p\np.prepare(c, r)\n",
+        "clean": "from finetune_data.prepared_set import load_prepared\n",
         "clean2": "t = Tokenizer(m)\nsave_tokenizer(t, out)\n",
     }) == {"a", "b", "c", "c2", "d", "e"}

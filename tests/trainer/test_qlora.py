@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from finetune_contract.data import PROMPT_TEMPLATE
 from finetune_contract.fields import ContractError
-from finetune_contract.plan import dequantized_blocks_kept
+from finetune_contract.planner import dequantized_blocks_kept
 from tests.support.training import demo_rows, lm_step, torchrun, write_jsonl
 from trainer.checkpoint import Checkpointer
 from trainer.config import load_config

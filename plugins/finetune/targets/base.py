@@ -60,9 +60,9 @@ class Target(ABC):
 
     def prepare_data(self, cfg: RunConfig) -> Outcome:
         """Encode the run's data set once before any node is up (or reuse an identical one):
-        here, on the Airflow worker (finetune.prepare_data). Returns the later stages' run
+        here, on the Airflow worker (finetune.prepare_stage). Returns the later stages' run
         config (prepared_data and the counted split sizes set)."""
-        from finetune.prepare_data import prepare_run_data, stage_result
+        from finetune.prepare_stage import prepare_run_data, stage_result
 
         cfg, record = prepare_run_data(cfg, s3_client=lambda: self.s3_client(cfg))
         return stage_result(cfg, record)
@@ -86,7 +86,7 @@ class Target(ABC):
         """Provide the trainer image (or environment) the run uses."""
 
     @abstractmethod
-    def reset_etcd(self, cfg: RunConfig) -> dict:
+    def rendezvous(self, cfg: RunConfig) -> dict:
         """Give the run a clean rendezvous: its endpoint, backend and id."""
 
     @abstractmethod

@@ -39,8 +39,7 @@ from finetune.outputs import (
     trainer_root_cause,
     write_run_file,
 )
-from finetune.planning import plan_run
-from finetune.preflight import (
+from finetune.preflight_verdict import (
     PREFLIGHT_FILE,
     PreflightFailed,
     failure_message,
@@ -49,6 +48,7 @@ from finetune.preflight import (
     summary_line,
 )
 from finetune.report import write_report
+from finetune.run_plan import plan_run
 from finetune.s3_dataset import check_s3_dataset
 from finetune.targets.base import TORCHRUN_ENV, Target, TrainingFailed
 from finetune.trainer_config import trainer_config
@@ -343,7 +343,7 @@ class LocalTarget(Target):
                  tag, env["torch"], env["transformers"], env["datasets"])
         return {"image_tag": tag, "image": f"local/finetune-trainer:{tag}"}
 
-    def reset_etcd(self, cfg: RunConfig) -> dict:
+    def rendezvous(self, cfg: RunConfig) -> dict:
         endpoint, started = cfg.rdzv_endpoint, False
         if not endpoint:
             binary = etcd_binary()

@@ -166,7 +166,7 @@ def launcher_problems(values: dict[str, Any]) -> list[tuple[str, str]]:
                        "rdzv_backend c10d"))
     if values["etcd_reset"] == "restart":
         errors.append(("etcd_reset", f"restart cannot work with {what}: there is no etcd "
-                       "rendezvous to reset; set etcd_reset keys (reset_etcd does nothing)"))
+                       "rendezvous to reset; set etcd_reset keys (rendezvous does nothing)"))
     if values["max_restarts"]:
         errors.append(("max_restarts", f"{values['max_restarts']}: {what} has no elastic "
                        "policy, so torchrun cannot restart workers in place; JobSet restarts "

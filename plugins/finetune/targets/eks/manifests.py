@@ -221,7 +221,7 @@ def prepare_job_manifest(cfg: RunConfig, image: str) -> dict[str, Any]:
     mounts), writes the set to <output_dir>/prepared_data/<key>/ (stats.json last) and the
     stage's record to the run directory. No GPU is requested and no GPU taint tolerated, so
     it never holds a GPU node; one try (the task decides), a deadline, kept an hour to read."""
-    from finetune_data.prepare import prepared_root
+    from finetune_data.prepared_set import prepared_root
 
     from finetune_contract.fields import PREPARE_DATA_FILE
 

@@ -53,7 +53,7 @@ def delete_run_keys(api: Any, cfg: RunConfig) -> list[str]:
 
 def reset_rendezvous(api_client: Any, cfg: RunConfig, poll_interval: float,
                      timeout: float) -> dict:
-    """reset_etcd's result: the rendezvous endpoint, backend and id; the store made clean.
+    """The rendezvous stage's result: the rendezvous endpoint, backend and id; the store made clean.
 
     `api_client` is called only when there is an etcd to reset.
     """

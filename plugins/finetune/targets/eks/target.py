@@ -15,7 +15,7 @@ returns its result or a `Wait` on one of the triggers.
   (`nodes_ready`);
 - build_image starts the build unless the image is prebuilt or in ECR, and waits for it
   (`build_done`);
-- reset_etcd deletes the run's rendezvous keys through the service proxy (or restarts etcd);
+- rendezvous deletes the run's rendezvous keys through the service proxy (or restarts etcd);
 - train creates (or, on a retry, adopts) the run's job and waits for it, waking up
   (`job_wake`) to stream the leader's log and renew the reservation; a failure names each
   failed pod's reason; a TrainJob past active_deadline_s is deleted by the task (Trainer v2.0
@@ -47,8 +47,7 @@ from finetune.outputs import (
     trainer_root_cause,
     write_run_file,
 )
-from finetune.planning import plan_run
-from finetune.preflight import (
+from finetune.preflight_verdict import (
     PREFLIGHT_FILE,
     PREFLIGHT_TRIES,
     XID_WINDOW_S,
@@ -58,6 +57,7 @@ from finetune.preflight import (
     result_line,
     summary_line,
 )
+from finetune.run_plan import plan_run
 from finetune.s3_dataset import check_s3_dataset
 from finetune.targets.base import Target, TrainingFailed, Wait
 from finetune.targets.eks import job, nodegroup
@@ -289,7 +289,7 @@ class EksTarget(Target):
         """The pod's record (the statistics) decides the run, as the worker's would; the Job
         and its pod are deleted whatever happened (nothing of the stage runs on)."""
         from finetune.outputs import read_output
-        from finetune.prepare_data import accept_prepared, stage_result
+        from finetune.prepare_stage import accept_prepared, stage_result
         from finetune_contract.fields import PREPARE_DATA_FILE
 
         api, name = self._kube(cfg), state["job"]
@@ -400,9 +400,9 @@ class EksTarget(Target):
         return finish_image(cfg, aws_session(cfg.aws_conn_id), lambda: self._kube(cfg),
                             state["started"], event["state"], event["message"])
 
-    # -- reset_etcd -------------------------------------------------------------------------
+    # -- rendezvous -------------------------------------------------------------------------
 
-    def reset_etcd(self, cfg: RunConfig) -> dict:
+    def rendezvous(self, cfg: RunConfig) -> dict:
         return reset_rendezvous(lambda: self._kube(cfg), cfg, self.poll_interval,
                                 self.etcd_timeout)
 

@@ -1,5 +1,5 @@
 """The prepare_data stage on the Airflow worker: the run's data set encoded once, before any GPU
-node is up (finetune_data.prepare does the work; this decides where and whether it is good
+node is up (finetune_data.prepared_set does the work; this decides where and whether it is good
 enough to pay GPUs for).
 
 The prepared set lives under <output_dir>/prepared_data/<key>, beside the runs, so a later run of
@@ -34,7 +34,7 @@ def prepare_run_data(cfg: RunConfig, s3_client: Callable[[], Any] | None = None,
     """Prepared here, on the Airflow worker: (the run config with prepared_data and the counted
     split sizes set, the statistics); ConfigError naming the field when the prepared data
     cannot make the run the user asked."""
-    from finetune_data import prepare
+    from finetune_data import prepared_set
 
     values = trainer_config(cfg, local_paths=True)
     found = run_tokenizer_dir(cfg, in_pod=False)  # a built-in model's: the demo tokenizer
@@ -44,9 +44,10 @@ def prepare_run_data(cfg: RunConfig, s3_client: Callable[[], Any] | None = None,
     try:
         if cfg.output_dir.startswith("s3://"):
             s3 = s3_client() if s3_client else _boto3_s3()
-            stats = prepare.prepare_to_s3(train, prepared_root(cfg), s3, num_proc, log=log.info)
+            stats = prepared_set.prepare_to_s3(train, prepared_root(cfg), s3, num_proc,
+                                                 log=log.info)
         else:
-            stats = prepare.prepare(train, prepared_root(cfg), num_proc, log=log.info)
+            stats = prepared_set.prepare(train, prepared_root(cfg), num_proc, log=log.info)
     except ValueError as exc:  # the data: a bad row (file and line), too few usable rows
         raise ConfigError([("dataset", str(exc))]) from None
     record = {**stats, "run_id": cfg.run_id}
@@ -55,9 +56,9 @@ def prepare_run_data(cfg: RunConfig, s3_client: Callable[[], Any] | None = None,
 
 
 def prepared_root(cfg: RunConfig) -> str:
-    """The run's prepared root (finetune_data.prepare.prepared_root), a local one resolved as
+    """The run's prepared root (finetune_data.prepared_set.prepared_root), a local one resolved as
     the run's paths are."""
-    from finetune_data.prepare import prepared_root as root_of
+    from finetune_data.prepared_set import prepared_root as root_of
 
     out = cfg.output_dir
     return root_of(out if out.startswith("s3://") else str(resolve_path(out)))
@@ -81,7 +82,7 @@ def accept_prepared(cfg: RunConfig, record: dict[str, Any]) -> RunConfig:
 def stage_result(cfg: RunConfig, record: dict[str, Any]) -> dict[str, Any]:
     """What the prepare_data stage returns (the later stages' run config), logged with the
     record and the plan its counted steps give."""
-    from finetune.planning import plan_run, plan_text
+    from finetune.run_plan import plan_run, plan_text
 
     log.info("prepare_data: %s %s in %.1f s: %d rows read, %d kept, %d skipped %s; %d train "
              "and %d eval rows, %d tokens per epoch", record["path"],

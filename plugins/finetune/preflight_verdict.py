@@ -12,7 +12,7 @@ from typing import Any
 
 from finetune.targets.base import TrainingFailed
 from finetune_contract.instance_types import BUSBW_FLOOR, InstanceProfile
-from finetune_contract.preflight import PREFLIGHT_FILE, result_line  # noqa: F401 (re-exported)
+from finetune_contract.preflight_result import PREFLIGHT_FILE, result_line  # noqa: F401 (re-exported)
 
 # A GPU this much slower at a matmul than the run's median is flagged.
 SLOW_GPU_FRACTION = 0.5

@@ -1,6 +1,6 @@
-"""A run's plan: the contract's planner (finetune_contract.plan) on the run's instance type (its
+"""A run's plan: the contract's planner (finetune_contract.planner) on the run's instance type (its
 GPU memory, peak FLOPs and bus bandwidths from finetune_contract.instance_types). validate logs
-it, the report compares it with the measurement, `python -m finetune.plan` prints it.
+it, the report compares it with the measurement, `python -m finetune.plan_cli` prints it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from finetune_contract.data import optimizer_steps
 from finetune_contract.fields import hub_id_problem
 from finetune_contract.instance_types import INSTANCE_TYPES, InstanceProfile
 from finetune_contract.models import model_config
-from finetune_contract.plan import (
+from finetune_contract.planner import (
     MEMORY_ERROR,
     THROUGHPUT_ERROR,
     Estimate,
@@ -103,7 +103,7 @@ def _gib(value: float | None) -> str:
 
 
 def plan_text(cfg: RunConfig, plan: RunPlan) -> str:
-    """The lines validate logs and `python -m finetune.plan` prints."""
+    """The lines validate logs and `python -m finetune.plan_cli` prints."""
     est = plan.estimate
     where = cfg.instance_type if cfg.target == "eks" else f"{cfg.target} target"
     lines = [f"plan: {cfg.model} on {cfg.nodes} x {where} ({cfg.world_size} processes), "

@@ -1,9 +1,9 @@
 """Plan a run before paying for it: memory per GPU, step time, wall time and cost of a conf.
 
-    python -m finetune.plan --conf conf.json [--set micro_batch=8 ...] [--search] [--scaling]
+    python -m finetune.plan_cli --conf conf.json [--set micro_batch=8 ...] [--search] [--scaling]
     make plan CONF='{"preset": "llama2-70b-p5"}' ARGS=--search
 
-The figures are finetune.planning's; validate logs the same and refuses a run whose estimated
+The figures are finetune.run_plan's; validate logs the same and refuses a run whose estimated
 peak exceeds the GPU's memory. Exit code 0: it fits; 1: it does not; 2: the conf is invalid.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 
 from finetune.cli import parse_set
 from finetune.config import ConfigError
-from finetune.planning import model_config_of, plan_run, plan_text, scaling_rows, search_text
+from finetune.run_plan import model_config_of, plan_run, plan_text, scaling_rows, search_text
 from finetune.trainer_config import trainer_config
 from finetune.validate import validate_params
 from finetune_contract.instance_types import INSTANCE_TYPES
@@ -26,7 +26,7 @@ from finetune_contract.train_config import TrainConfig
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m finetune.plan", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m finetune.plan_cli", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--conf", default="{}",
                         help="the run's conf as for a trigger: a JSON file, or JSON itself")

@@ -1,5 +1,6 @@
 """What the preflight program (trainer/preflight.py) hands the Airflow side
-(finetune/preflight.py): rank 0's result line in its log, and the files in the run directory."""
+(finetune/preflight_verdict.py): rank 0's result line in its log, and the files in the run
+directory."""
 
 from __future__ import annotations
 
