@@ -1,10 +1,8 @@
-"""Fine-tune a Llama-class model with PyTorch FSDP, end to end.
+"""Fine-tune an open decoder-only LLM (Llama, Qwen, Mistral, Gemma, Phi, OLMo) with PyTorch
+FSDP2, end to end, from the trigger form, the REST API or `make run`.
 
-validate -> prepare_data -> snapshot (setup) -> scale_up -> build_image + rendezvous -> preflight
--> train -> collect_metrics,
-and teardown, which runs whenever the setup ran: after a success, after any stage failed, and
-after a run is marked failed. Choose a preset, the target (`local`: this machine; `eks`: Amazon
-EKS) and the training parameters in the trigger form.
+Choose a preset, the target (`local`: this machine; `eks`: Amazon EKS) and the training
+parameters in the trigger form.
 """
 
 from __future__ import annotations
@@ -13,7 +11,7 @@ from airflow.sdk import dag
 
 from finetune.assets import model_asset
 from finetune.params import dag_params
-from finetune.pipeline import finetune_pipeline
+from finetune.pipeline import PIPELINE_DOC, finetune_pipeline
 
 DAG_ID = "llm_finetune"
 
@@ -24,7 +22,7 @@ DAG_ID = "llm_finetune"
     catchup=False,
     params=dag_params(),
     tags=["llm", "fine-tuning", "fsdp"],
-    doc_md=__doc__,
+    doc_md=__doc__ + PIPELINE_DOC,
 )
 def llm_finetune():
     # Every success adds an event (with the report summary) to the asset `llm_finetune.model`.

@@ -14,7 +14,7 @@ from __future__ import annotations
 from airflow.sdk import Asset, AssetOrTimeSchedule, CronTriggerTimetable, dag
 
 from finetune.assets import model_asset
-from finetune.pipeline import finetune_pipeline
+from finetune.pipeline import PIPELINE_DOC, finetune_pipeline
 
 DAG_ID = "llm_finetune_scheduled"
 # Edit these three for your deployment (or set the Variable).
@@ -33,7 +33,7 @@ POOL = "finetune_cluster"
     catchup=False,
     max_active_runs=1,
     tags=["llm", "fine-tuning", "fsdp", "scheduled"],
-    doc_md=__doc__,
+    doc_md=__doc__ + PIPELINE_DOC,
 )
 def llm_finetune_scheduled():
     finetune_pipeline(base_conf=CONF, conf_variable=CONF_VARIABLE, pool=POOL,

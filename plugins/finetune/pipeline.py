@@ -1,9 +1,6 @@
 """The fine-tuning task graph, shared by every DAG that runs it (llm_finetune and the scheduled
-retraining DAG): call `finetune_pipeline()` inside a `@dag` function.
-
-validate -> prepare_data -> snapshot (setup) -> scale_up -> build_image + rendezvous -> preflight
--> train -> evaluate -> collect_metrics -> promote, and teardown, which runs whenever the setup ran.
-find_champion reads the model evaluate measures the run's against.
+retraining DAG): call `finetune_pipeline()` inside a `@dag` function; `PIPELINE_DOC` says what
+its tasks do (the DAGs' doc_md, which the Airflow UI shows).
 """
 
 from __future__ import annotations
@@ -19,6 +16,30 @@ from airflow.sdk import Asset, Variable, get_current_context, task
 from finetune.operators import StageOperator
 
 log = logging.getLogger(__name__)
+
+# Markdown; tests/dags/test_llm_finetune.py holds it to the DAG's tasks.
+PIPELINE_DOC = """
+```
+validate -> prepare_data -> snapshot (setup) -> scale_up -> build_image + rendezvous
+  -> preflight -> train -> evaluate -> collect_metrics -> promote
+find_champion -> evaluate, promote
+teardown (whenever the setup ran)
+```
+
+- **validate**: the params become one typed run config; a bad value fails here, naming it.
+- **prepare_data**: the data set encoded once (or an identical one reused), before any node.
+- **snapshot**: records what teardown restores (the node group's size on eks).
+- **scale_up**: the run's nodes, waited for until Ready with their GPUs.
+- **build_image**: the trainer image, built and pushed unless its content hash is in ECR.
+- **rendezvous**: a clean rendezvous for torchrun (the run's etcd keys deleted, or c10d).
+- **preflight**: every node's GPUs and bus bandwidth checked; a bad node is named.
+- **train**: torchrun on every node (a PyTorchJob or TrainJob on eks).
+- **find_champion**: the model the registry promoted last, to measure this one against.
+- **evaluate**: held-out loss, samples and benchmark tasks, beside the champion's.
+- **collect_metrics**: report.json and report.html (with GPU metrics) beside the model.
+- **promote**: the model becomes the champion when it beats it by the margin.
+- **teardown**: stops what the run started and gives the nodes back, after any failure too.
+"""
 
 # The stages a new try resumes instead of repeating, retried when a try is lost with its
 # worker, scheduler or the whole of Airflow (Airflow's default is no retry): scale_up (the

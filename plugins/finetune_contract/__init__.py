@@ -4,10 +4,24 @@ Torch-free and Airflow-free (standard library only), so both sides import the sa
 Airflow workers (plugins/, MWAA's plugins.zip) and the trainer image (copied beside trainer/).
 A rule lives here once; `validate` runs it before anything is paid for, the trainer at start.
 
-- `fields`: the choices and bounds of every field, the trainer's `TrainConfig`, `ContractError`.
+- `parameters`: every run parameter, declared once (type, default, bounds or text rule, choices,
+  the form's section and words, the targets and methods it applies to).
+- `fields`: the sets of choices, bounds and text rules the parameters name; `ContractError`.
+- `train_config`: the trainer's `TrainConfig`, a view of the trainer parameters.
+- `presets`: named, versioned settings known to fit a model on an instance type (values only).
+- `rules`: rules across fields, as functions returning (field, message) pairs.
 - `models`: the built-in model shapes as plain data, and a model directory's shape.
-- `rules`: cross-field rules (precision, checkpointing, float8, LoRA, sharding, tensor
-  parallelism, sequence length, s3:// URIs, paths) as functions returning (field, message) pairs.
-- `data`: what can be known of a data set and a tokenizer from their files, and the encoding of
-  one example (the one encoding: finetune_data.prepared_set encodes every row with it).
+- `families`: the architecture table of the decoder-only families the trainer runs.
+- `instance_types`: what each GPU instance type offers (GPUs, EFA, CPU, memory, bandwidth).
+- `planner`: a run's memory per GPU, step time, wall time and cost, before it is paid for.
+- `plan_calibration`: the measured runs the planner is checked against.
+- `throughput`: FLOPs per token, the GPUs' peaks, a run's tokens/s and MFU.
+- `stragglers`: ranks slower than the median by more than a threshold.
+- `data`: what a data set and a tokenizer must be, and the encoding of one example (the one
+  encoding: finetune_data.prepared_set encodes every row with it).
+- `errors`: the record of a failed training's first cause, per rank.
+- `preflight_result`: what the preflight program hands the Airflow side.
+- `transformers_import`: transformers imported without what it imports for nothing here.
+
+tests/plugins/test_package_layout.py fails when a module of the package is not listed here.
 """

@@ -89,6 +89,16 @@ def test_dag_wires_the_stages_with_a_guaranteed_teardown():
     assert dag.get_task("teardown").is_teardown
 
 
+def test_the_dag_doc_the_ui_shows_describes_each_of_its_tasks():
+    """The doc_md (the DAG's page in the Airflow UI) has a line for every task and names no
+    task the DAG lacks: a stage added or renamed without it fails here."""
+    import re
+
+    for dag in (load_dag(), load_dag("llm_finetune_scheduled")):
+        described = set(re.findall(r"^- \*\*(\w+)\*\*:", dag.doc_md, re.M))
+        assert described == set(dag.task_ids), dag.dag_id
+
+
 def test_the_stages_a_new_try_resumes_are_retried_after_a_delay_and_no_others():
     dag = load_dag()
     resumable = {"scale_up", "build_image", "preflight", "train", "collect_metrics",

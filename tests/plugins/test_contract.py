@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,15 @@ from finetune_contract.train_config import TrainConfig
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONTRACT = REPO_ROOT / "plugins" / "finetune_contract"
 TINY = model_shape("tiny-llama")
+
+
+def test_the_package_opening_lists_each_of_its_modules():
+    """A newcomer reads the package's docstring first: every module is on its list."""
+    import finetune_contract
+
+    listed = set(re.findall(r"^- `(\w+)`:", finetune_contract.__doc__, re.M))
+    modules = {p.stem for p in CONTRACT.glob("*.py") if p.stem != "__init__"}
+    assert listed == modules
 
 
 def problems(world: int = 2, local: int | None = None, shape: ModelShape | None = TINY,
