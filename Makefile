@@ -14,6 +14,10 @@ export AIRFLOW__CORE__PLUGINS_FOLDER := $(CURDIR)/plugins
 export AIRFLOW__CORE__LOAD_EXAMPLES := False
 export PYTHONPATH := $(CURDIR)/plugins:$(CURDIR)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
+# Python caches the bytecode of what it imports: where the environment sets
+# PYTHONDONTWRITEBYTECODE, every process (each torchrun worker, each Airflow task) compiled torch,
+# transformers and Airflow from source again (`import torch`: 19 s instead of 6.6 s, 2 cores).
+unexport PYTHONDONTWRITEBYTECODE
 # `airflow standalone` starts its components as `airflow ...` from PATH.
 export PATH := $(BIN):$(PATH)
 

@@ -15,6 +15,11 @@ for path in (REPO_ROOT / "plugins", REPO_ROOT):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
+# Bytecode is cached, as make test has it, when a file is run by hand where the environment sets
+# PYTHONDONTWRITEBYTECODE (the Makefile says why): for this process and its subprocesses.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
 # No test reaches the Hugging Face hub (transformers, datasets, and validate's read of a hub id's
 # config.json, finetune.hub); tests/plugins/test_hub_config.py serves a hub of its own.
 os.environ["HF_HUB_OFFLINE"] = "1"

