@@ -2,7 +2,7 @@
 
 import pytest
 
-from trainer.bench import FAMILY_SHAPES, bench_config, build_bench_model
+from bench.train import FAMILY_SHAPES, bench_config, build_bench_model
 from trainer.model import model_on_meta
 
 
