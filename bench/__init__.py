@@ -1,6 +1,7 @@
 """Benchmarks, outside the product: this trainer beside its peers (`python -m bench.train`, with
-torchtitan in `bench.titan` and Unsloth in `bench.unsloth`) and the data path
-(`python -m bench.prepare_data`).
+torchtitan in `bench.titan` and Unsloth in `bench.unsloth`), the data path
+(`python -m bench.prepare_data`), and what the planner is checked against: the measured rows
+(`bench.plan_calibration`) and the published shapes of other families (`bench.family_shapes`).
 
 Run from the repository root with PYTHONPATH=plugins:. (as make sets it). Benchmarks import the
 trainer and plugins/; nothing in plugins/, trainer/ or dags/ imports them

@@ -39,10 +39,11 @@ import transformers
 from torch.distributed.fsdp import FSDPModule
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from bench.family_shapes import FAMILY_SHAPES
 from bench.titan import titan_problem, titan_step_runner
 from bench.unsloth import unsloth_problem
 from finetune_contract.fields import ATTENTION, LORA_TARGET_MODULES, QUANTIZE_BASE
-from finetune_contract.models import BUILTIN_MODELS, FAMILY_SHAPES
+from finetune_contract.models import BUILTIN_MODELS
 from finetune_contract.rules import lora_module_names
 from finetune_contract.throughput import flops_per_token, mfu
 from trainer.config import TrainConfig
