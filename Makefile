@@ -73,7 +73,7 @@ BESIDE_RESTART := tests/dags/test_airflow_restart.py tests/eks/test_image_builda
   $(filter-out %/test_image_buildah.py,$(sort $(wildcard tests/eks/test_*.py)))
 SLOW_FIRST := $(addprefix tests/,dags/test_promotion_runs.py dags/test_local_faults.py \
   dags/test_airflow_api.py trainer/test_hang.py dags/test_llm_finetune.py \
-  trainer/test_training.py trainer/test_bench.py trainer/test_dpo.py \
+  trainer/test_training.py bench/test_train.py trainer/test_dpo.py \
   trainer/test_tensor_parallel.py trainer/test_families.py trainer/test_qlora.py)
 SLOW_FILES := $(SLOW_FIRST) $(filter-out $(SLOW_FIRST) $(BESIDE_RESTART), \
   $(sort $(wildcard tests/test_*.py tests/*/test_*.py)))

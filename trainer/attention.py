@@ -14,7 +14,7 @@ with fa4, `finetune_contract.rules`), generation with a KV cache, sliding window
 Where the tensors are not on a CUDA device (the tests) the ops run a plain torch reference of
 the same function (fp32 softmax, the kernels' log-sum-exp and backward formulas), so the
 op registration, the autograd wiring and compile are tested on the CPU; the kernels themselves
-are checked against cuDNN on the GPU (`python -m trainer.bench --attention-check`).
+are checked against cuDNN on the GPU (`python -m bench.train --attention-check`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""The packages' shape: no import circle among the modules of plugins/ and trainer/ (lazy imports
-included), every module opens with a docstring saying what it owns, and the plugin works from
-MWAA's plugins.zip, its page templates included."""
+"""The packages' shape: no import circle among the modules of plugins/, trainer/ and bench/ (lazy
+imports included), nothing of the product (plugins/, trainer/, dags/) imports the benchmarks
+(bench/, the layer above), every module opens with a docstring saying what it owns, and the
+plugin works from MWAA's plugins.zip, its page templates included."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PLUGINS = REPO_ROOT / "plugins"
 TRAINER = REPO_ROOT / "trainer"
+DAGS = REPO_ROOT / "dags"
+BENCH = REPO_ROOT / "bench"
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -69,11 +72,47 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_no_import_circle_among_the_plugin_and_trainer_modules():
+def test_no_import_circle_among_the_plugin_trainer_and_bench_modules():
     # One graph: the trainer imports the contract package (plugins/finetune_contract).
-    modules = modules_under(PLUGINS, PLUGINS) | modules_under(TRAINER, REPO_ROOT)
+    modules = (modules_under(PLUGINS, PLUGINS) | modules_under(TRAINER, REPO_ROOT)
+               | modules_under(BENCH, REPO_ROOT))
     assert len(modules) > 60 and "trainer.model" in modules and "finetune.report" in modules
+    assert "bench.train" in modules
     assert cycles(import_graph(modules)) == []
+
+
+def is_bench(module: str) -> bool:
+    return module == "bench" or module.startswith("bench.")
+
+
+def bench_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Each import of a benchmark module by a module that is not one, as "importer -> bench.x"."""
+    return sorted(f"{name} -> {imported}" for name, imports in graph.items()
+                  if not is_bench(name) for imported in imports if is_bench(imported))
+
+
+def test_nothing_of_the_product_imports_the_benchmarks():
+    """bench/ sits above the trainer and plugins/ (it imports both); a product module that
+    imported it would put the benchmarks back into what ships."""
+    modules = (modules_under(PLUGINS, PLUGINS) | modules_under(TRAINER, REPO_ROOT)
+               | modules_under(DAGS, DAGS) | modules_under(BENCH, REPO_ROOT))
+    graph = import_graph(modules)
+    assert {"bench.train", "trainer.model", "finetune.pipeline", "llm_finetune"} <= set(graph)
+    assert any(is_bench(m) for imports in graph.values() for m in imports)  # bench's own
+    assert bench_imports(graph) == []
+
+
+def test_the_scan_finds_a_product_module_that_imports_a_benchmark(tmp_path):
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "__init__.py").write_text("import trainer\n")
+    (tmp_path / "bench" / "train.py").write_text("from trainer import model\n")
+    (tmp_path / "trainer").mkdir()
+    (tmp_path / "trainer" / "__init__.py").write_text("")
+    (tmp_path / "trainer" / "model.py").write_text("def f():\n    from bench.train import g\n")
+    (tmp_path / "trainer" / "data.py").write_text("import bench\n")
+    graph = import_graph(modules_under(tmp_path / "bench", tmp_path)
+                         | modules_under(tmp_path / "trainer", tmp_path))
+    assert bench_imports(graph) == ["trainer.data -> bench", "trainer.model -> bench.train"]
 
 
 def test_the_graph_has_the_trainer_s_lazy_imports(tmp_path):
@@ -92,7 +131,7 @@ def test_the_scan_finds_a_circle_when_there_is_one():
 
 def test_every_module_opens_with_a_docstring():
     missing = [str(p.relative_to(REPO_ROOT))
-               for root in (PLUGINS, REPO_ROOT / "trainer", REPO_ROOT / "dags")
+               for root in (PLUGINS, TRAINER, DAGS, BENCH)
                for p in root.rglob("*.py")
                if p.stat().st_size and ast.get_docstring(ast.parse(p.read_text())) is None]
     assert missing == []

@@ -59,7 +59,7 @@ def test_a_tokenizer_validate_loads_and_every_trainer_module_leave_the_unused_un
         "from trainer.demo import DEMO_TOKENIZER\n"
         "AutoTokenizer.from_pretrained(DEMO_TOKENIZER)\n"
         "plugin_side = [p for p in UNUSED if p in sys.modules]\n"
-        "import trainer.train, trainer.bench, trainer.evaluate\n"
+        "import trainer.train, bench.train, trainer.evaluate\n"
         "print(json.dumps([plugin_side, [p for p in UNUSED if p in sys.modules]]))\n")
     env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT / 'plugins'}{os.pathsep}{REPO_ROOT}"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

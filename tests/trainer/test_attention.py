@@ -3,7 +3,7 @@
 On the CPU the ops run their torch reference (trainer/attention.py), so these tests prove the
 wiring (registration, fake shapes, backward, transformers' dispatch, compile) and the function
 the kernels must compute; the kernels against cuDNN are checked on the GPU by the benchmark
-(`python -m trainer.bench --attention-check`).
+(`python -m bench.train --attention-check`).
 """
 
 import math

@@ -2,7 +2,7 @@
 
 On CPU the blocks compile with the aot_eager backend: the same Dynamo graphs and AOT autograd as
 inductor, without inductor's C++ code generation (minutes for a tiny model on a CPU). GPU runs of
-trainer.bench use inductor and print their losses.
+bench.train use inductor and print their losses.
 """
 
 import pytest

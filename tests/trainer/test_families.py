@@ -175,7 +175,7 @@ def test_every_family_trains_resumes_and_exports_on_every_path(matrix, model_typ
 @pytest.mark.slow
 def test_qlora_trains_every_family_through_the_benchmark(tmp_path):
     """QLoRA (NF4 base, LoRA rank 8 on the family's default targets) on each family's tiny
-    config, through trainer.bench's config-directory rows: on a GPU for real (bf16, torchao's
+    config, through bench.train's config-directory rows: on a GPU for real (bf16, torchao's
     NF4 kernels), elsewhere with NF4 emulated on the CPU. Every family runs, with its blocks'
     Linears stored in NF4 and finite losses."""
     dirs = []
@@ -188,7 +188,7 @@ def test_qlora_trains_every_family_through_the_benchmark(tmp_path):
     if not torch.cuda.is_available():
         env[QUANTIZE_ON_CPU_ENV] = "1"
     done = subprocess.run(
-        [sys.executable, "-m", "trainer.bench", "--models", ",".join(dirs), "--no-hf",
+        [sys.executable, "-m", "bench.train", "--models", ",".join(dirs), "--no-hf",
          "--lora-rank", "8", "--quantize-base", "nf4", "--seq-len", "64", "--micro-batch", "2",
          "--steps", "2", "--warmup", "1"],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)

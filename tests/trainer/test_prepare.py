@@ -221,7 +221,7 @@ def test_evaluate_measures_on_the_prepared_eval_sets_and_never_encodes(tmp_path,
 ENCODING_NAMES = {"encode_row", "encode_pair", "encode_example", "tokenize", "load_rows",
                   "prepare", "prepare_to_s3"}
 TOKENIZER_CALLS = {"encode", "encode_plus", "batch_encode_plus", "apply_chat_template"}
-MAY_ENCODE = {"finetune.prepare_stage", "finetune.validate", "finetune.bench_data",
+MAY_ENCODE = {"finetune.prepare_stage", "finetune.validate", "bench.prepare_data",
               "trainer.prepare_data", "trainer.data"}
 ENCODING_MODULES = {"finetune_data.prepared_set", "finetune_data", "finetune_contract.data",
                     "finetune_contract"}
@@ -268,7 +268,7 @@ def test_no_stage_after_prepare_data_and_no_trainer_module_encodes_the_data():
 
     sources = {}
     for root, tree in ((REPO_ROOT / "plugins", REPO_ROOT / "plugins" / "finetune"),
-                       (REPO_ROOT, REPO_ROOT / "trainer")):
+                       (REPO_ROOT, REPO_ROOT / "trainer"), (REPO_ROOT, REPO_ROOT / "bench")):
         for path in tree.rglob("*.py"):
             module = ".".join(path.relative_to(root).with_suffix("").parts)
             sources[module.removesuffix(".__init__")] = path.read_text()

@@ -3,9 +3,9 @@
 One row a measurement: the settings that differ from `BASE` (the benchmark's: seq 4096, bf16,
 compile, one H200), what was measured (tokens/s per GPU, MFU, peak GiB from
 torch.cuda.max_memory_allocated), the command and the date. To add a row: run the command on the
-GPU, append a `Row`; `tests/plugins/test_plan.py` recomputes the planner's error over every row.
-All rows so far are from docs/trainer.md's tables ("Benchmark: one H200", "Where the time goes",
-"Scaling: one host, several H200s").
+GPU, append a `Row`; `tests/bench/test_plan_calibration.py` recomputes the planner's error over
+every row. All rows so far are from docs/trainer.md's tables ("Benchmark: one H200", "Where the
+time goes", "Scaling: one host, several H200s").
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-# The benchmark's TrainConfig fields (trainer/bench.py with --compile).
+# The benchmark's TrainConfig fields (bench/train.py with --compile).
 BASE: dict[str, Any] = {"seq_len": 4096, "mixed_precision": "bf16", "compile": True,
                         "strategy": "SHARD_GRAD_OP", "activation_checkpointing": "none"}
-BENCH = "python -m trainer.bench --no-hf --compile"
-TORCHRUN = "torchrun --nproc-per-node {gpus} -m trainer.bench --no-hf --compile"
+# Every row was measured as `trainer.bench`, bench.train's name before it moved (2026-12-05).
+BENCH = "python -m bench.train --no-hf --compile"
+TORCHRUN = "torchrun --nproc-per-node {gpus} -m bench.train --no-hf --compile"
 # The machine every row so far was measured on (finetune_contract.instance_types: its H200 types
 # have its GPU; the 2- and 4-GPU hosts joined their GPUs by NVLink, NCCL_NVLS_ENABLE=0).
 H200 = "NVIDIA H200"
@@ -138,12 +139,12 @@ ROWS: tuple[Row, ...] = (
 # Each family's saved activations (families.Family.activation_extra), one device call on one
 # H200, 2026-12-03: 8-layer models at the family's published widths (random weights, seq 4096,
 # compile, no checkpointing, one GPU without FSDP), peak GiB at micro-batch 2 and 4
-# (`python -m trainer.bench --no-hf --compile --steps 2 --warmup 1 --micro-batch 2` (and 4)
+# (`python -m bench.train --no-hf --compile --steps 2 --warmup 1 --micro-batch 2` (and 4)
 # `--models` the eight config directories; docs/notes/2026-12-03-h200-family-activations-mb*.log).
 # The slope over micro-batch is what the activations cost; a family in the table without a row
-# here fails tests/plugins/test_plan.py. Gemma 2's row is of 2026-12-04, run as the trainer runs
-# it (eager attention for its soft cap; that day's benchmark builds it so, where the first run had
-# sdpa and no cap: 26.12 / 32.25 GiB, 53,410 / 59,130 tokens/s):
+# here fails tests/bench/test_plan_calibration.py. Gemma 2's row is of 2026-12-04, run as the
+# trainer runs it (eager attention for its soft cap; that day's benchmark builds it so, where the
+# first run had sdpa and no cap: 26.12 / 32.25 GiB, 53,410 / 59,130 tokens/s):
 # docs/notes/2026-12-04-h200-gemma2-eager.log.
 
 
@@ -180,7 +181,7 @@ FAMILY_TOKENS_PER_S: dict[str, tuple[float, float]] = {
 
 @dataclass(frozen=True)
 class ReleasedRow:
-    """A family shape at its released depth (finetune_contract.models.FAMILY_SHAPES)."""
+    """A family shape at its released depth (bench.family_shapes.FAMILY_SHAPES)."""
 
     shape: str
     micro_batch: int
@@ -189,7 +190,7 @@ class ReleasedRow:
     attention: str  # the attention the run had
 
 
-# One device call on one H200, 2026-12-03 (`python -m trainer.bench --no-hf --compile --steps 5
+# One device call on one H200, 2026-12-03 (`python -m bench.train --no-hf --compile --steps 5
 # --warmup 2 --micro-batch 2 --models gemma2-2b,gemma3-1b,gemma3-4b`;
 # docs/notes/2026-12-03-h200-gemma-released-depths.log); the first two's profiles of that day
 # (`--profile`, docs/notes/2026-12-03-h200-profile-gemma*.log) fit ATTENTION_EFFICIENCY[256] and

@@ -1,6 +1,6 @@
-"""torchtitan as a peer of trainer.bench: its Llama 3 model, sdpa, compile, AC and loss.
+"""torchtitan as a peer of bench.train: its Llama 3 model, sdpa, compile, AC and loss.
 
-`python -m trainer.bench --peers titan` runs it in a child process (as the Liger peer runs), on
+`python -m bench.train --peers titan` runs it in a child process (as the Liger peer runs), on
 the bench's shapes, tokens and hyper-parameters. torchtitan 0.2.2: the newest release that runs
 on torch 2.11 (0.3.0 imports `DataParallelMeshDims` from `torch.distributed.fsdp`, which torch
 2.11 lacks: seen on the H200, 2026-12-03). What runs is torchtitan's own: its llama3

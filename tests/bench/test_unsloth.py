@@ -1,11 +1,11 @@
-"""The Unsloth peer's pure parts (trainer/bench_unsloth.py), without Unsloth installed."""
+"""The Unsloth peer's pure parts (bench/unsloth.py), without Unsloth installed."""
 
 import subprocess
 import sys
 
 import pytest
 
-from trainer.bench import PEERS, parse_args, peer_child_argv, peer_command, peer_problem
+from bench.train import PEERS, parse_args, peer_child_argv, peer_command, peer_problem
 
 
 @pytest.mark.parametrize("flags", [[], ["--lora-rank", "16", "--float8"],

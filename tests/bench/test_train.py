@@ -1,4 +1,4 @@
-"""trainer.bench on a CPU: a tiny model, two timed steps, one JSON line per run."""
+"""bench.train on a CPU: a tiny model, two timed steps, one JSON line per run."""
 
 import importlib.util
 import json
@@ -22,7 +22,7 @@ RUN_KEYS = {
 
 def bench(*args: str) -> list[dict]:
     command = [
-        sys.executable, "-m", "trainer.bench", "--models", "tiny", "--seq-len", "64",
+        sys.executable, "-m", "bench.train", "--models", "tiny", "--seq-len", "64",
         "--micro-batch", "2", "--steps", "2", "--warmup", "1", *args,
     ]  # fmt: skip
     path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
@@ -84,7 +84,7 @@ def test_with_gradient_accumulation_both_trainers_time_whole_optimizer_steps():
 
 def test_the_benchmark_imports_neither_trainer_data_nor_datasets():
     modules = "'datasets', 'trainer.data'"
-    code = f"import sys, trainer.bench; print(*(m in sys.modules for m in [{modules}]))"
+    code = f"import sys, bench.train; print(*(m in sys.modules for m in [{modules}]))"
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True
     )
@@ -92,7 +92,7 @@ def test_the_benchmark_imports_neither_trainer_data_nor_datasets():
 
 
 def test_the_benchmark_under_torchrun_prints_one_per_gpu_line_from_rank_0():
-    result = torchrun(["-m", "trainer.bench", "--models", "tiny", "--seq-len", "64",
+    result = torchrun(["-m", "bench.train", "--models", "tiny", "--seq-len", "64",
                        "--micro-batch", "2", "--steps", "2", "--warmup", "1", "--no-hf",
                        "--strategy", "HYBRID_SHARD", "--shard-group-size", "1"])
     lines = [json.loads(x) for x in result.stdout.splitlines() if x.startswith('{"')]
@@ -104,7 +104,7 @@ def test_the_benchmark_under_torchrun_prints_one_per_gpu_line_from_rank_0():
 
 
 def test_with_tensor_parallelism_each_gpu_is_credited_a_tp_th_of_the_tokens():
-    result = torchrun(["-m", "trainer.bench", "--models", "tiny", "--seq-len", "64",
+    result = torchrun(["-m", "bench.train", "--models", "tiny", "--seq-len", "64",
                        "--micro-batch", "2", "--steps", "2", "--warmup", "1", "--no-hf",
                        "--strategy", "FULL_SHARD", "--tp-degree", "2"])
     (line,) = [json.loads(x) for x in result.stdout.splitlines() if x.startswith('{"')]

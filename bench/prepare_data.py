@@ -1,6 +1,6 @@
 """Benchmark of the data path: prepare (1 core and all), validate, the trainer's data start.
 
-python -m finetune.bench_data [--rows 100000 1000000]
+python -m bench.prepare_data [--rows 100000 1000000]
 
 For each size, generated demo-style instruction rows (trainer/demo/make_data.py) are written to a
 temporary jsonl, then timed: validate_params on them; the prepare_data stage's work with one

@@ -1,8 +1,8 @@
-"""Unsloth as a peer of trainer.bench: its FastLanguageModel for LoRA and QLoRA, in a process
+"""Unsloth as a peer of bench.train: its FastLanguageModel for LoRA and QLoRA, in a process
 of its own.
 
-`python -m trainer.bench --lora-rank 16 [--quantize-base nf4] --peers unsloth` runs the bench in
-a child process that imports Unsloth before anything else (`bench.PEER_PRELUDES`): Unsloth
+`python -m bench.train --lora-rank 16 [--quantize-base nf4] --peers unsloth` runs the bench in
+a child process that imports Unsloth before anything else (`bench.train.PEER_PRELUDES`): Unsloth
 patches transformers, peft and trl when it is imported, and its patches reach no other run. What
 runs is Unsloth's recipe for LoRA and QLoRA fine-tuning: `FastLanguageModel.from_pretrained` of
 a checkpoint (random weights at the bench's shape, saved in bf16 with the demo tokenizer beside

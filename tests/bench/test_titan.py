@@ -1,13 +1,13 @@
-"""The torchtitan peer's pure parts (trainer/bench_titan.py), without torchtitan installed."""
+"""The torchtitan peer's pure parts (bench/titan.py), without torchtitan installed."""
 
 import math
 
 import pytest
 import torch
 
+from bench.titan import IGNORE_INDEX, TITAN_SHAPES, titan_labels, titan_problem
+from bench.train import PEERS, bench_config, parse_args, peer_child_argv
 from finetune_contract.models import BUILTIN_MODELS
-from trainer.bench import PEERS, bench_config, parse_args, peer_child_argv
-from trainer.bench_titan import IGNORE_INDEX, TITAN_SHAPES, titan_labels, titan_problem
 
 
 @pytest.mark.parametrize("name", sorted(TITAN_SHAPES))

@@ -2,7 +2,8 @@
 
 import pytest
 
-from trainer.bench import FAMILY_SHAPES, bench_config, build_bench_model
+from bench.family_shapes import FAMILY_SHAPES
+from bench.train import bench_config, build_bench_model
 from trainer.model import model_on_meta
 
 

@@ -1,9 +1,9 @@
 """Throughput: this trainer against Hugging Face Trainer, same model, batch and data.
 
-python -m trainer.bench --models 1b,3b --micro-batch 4 --compile
-python -m trainer.bench --models 8b --micro-batch 2 --compile --ac full --strategy FULL_SHARD
-python -m trainer.bench --models 3b --micro-batch 4 --compile --float8 --no-hf   # H100/H200
-torchrun --nproc-per-node 8 -m trainer.bench --models 8b --no-hf --strategy HYBRID_SHARD ...
+python -m bench.train --models 1b,3b --micro-batch 4 --compile
+python -m bench.train --models 8b --micro-batch 2 --compile --ac full --strategy FULL_SHARD
+python -m bench.train --models 3b --micro-batch 4 --compile --float8 --no-hf   # H100/H200
+torchrun --nproc-per-node 8 -m bench.train --models 8b --no-hf --strategy HYBRID_SHARD ...
 
 Under torchrun (several GPUs) only this trainer runs; tokens/s, TFLOPs and MFU are per GPU and
 rank 0 prints them, so the scaling efficiency is tokens/s at N GPUs over tokens/s at one.
@@ -39,12 +39,13 @@ import transformers
 from torch.distributed.fsdp import FSDPModule
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from bench.family_shapes import FAMILY_SHAPES
+from bench.titan import titan_problem, titan_step_runner
+from bench.unsloth import unsloth_problem
 from finetune_contract.fields import ATTENTION, LORA_TARGET_MODULES, QUANTIZE_BASE
-from finetune_contract.models import BUILTIN_MODELS, FAMILY_SHAPES
+from finetune_contract.models import BUILTIN_MODELS
 from finetune_contract.rules import lora_module_names
 from finetune_contract.throughput import flops_per_token, mfu
-from trainer.bench_titan import titan_problem, titan_step_runner
-from trainer.bench_unsloth import unsloth_problem
 from trainer.config import TrainConfig
 from trainer.float8 import check_float8_device, precompute_float8_scales
 from trainer.lora import apply_lora
@@ -57,8 +58,7 @@ from trainer.parallel import DistEnv, apply_parallelism, init_distributed, quant
 from trainer.qlora import nf4_bytes
 
 # The peers beside ours: Hugging Face Trainer, Trainer with Liger's kernels, torchtitan
-# (trainer/bench_titan.py) and Unsloth (trainer/bench_unsloth.py); each with the "run" name of
-# its JSON line.
+# (bench/titan.py) and Unsloth (bench/unsloth.py); each with the "run" name of its JSON line.
 PEERS = {"hf": "hf_trainer", "liger": "hf_liger", "titan": "titan", "unsloth": "unsloth"}
 # What a peer's child process runs before anything of the project: Unsloth patches transformers
 # when imported, so it must come before the trainer package (which imports transformers.utils).
@@ -70,7 +70,7 @@ GIB = 1024**3
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="trainer.bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="bench.train", description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="1b,3b,8b",
                         help="comma-separated: 1b, 3b, 8b, tiny, a family shape, or a directory "
                         "with a config.json (random weights of that config)")
@@ -327,7 +327,7 @@ def run_hf_trainer(
     """Hugging Face Trainer on the same model, batches and hyper-parameters; `peer` "liger":
     its use_liger_kernel (Liger's RMSNorm, SwiGLU, RoPE and fused linear cross-entropy);
     "unsloth": the model Unsloth's FastLanguageModel loads and patches
-    (trainer/bench_unsloth.py)."""
+    (bench/unsloth.py)."""
     from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
     liger = peer == "liger"
@@ -335,7 +335,7 @@ def run_hf_trainer(
     torch.manual_seed(args.seed)
     recipe: dict[str, Any] = {}  # what the peer's own recipe sets beyond these options
     if peer == "unsloth":
-        from trainer.bench_unsloth import unsloth_model
+        from bench.unsloth import unsloth_model
 
         model, adapter_params, base_dir, recipe = unsloth_model(model_config, args, device,
                                                                 release_memory)
@@ -412,7 +412,7 @@ def run_titan(
     name: str, args: argparse.Namespace, device: torch.device, peak: float | None
 ) -> dict[str, Any]:
     """torchtitan's Llama 3 on the same shape, tokens and hyper-parameters
-    (trainer/bench_titan.py says what of torchtitan runs)."""
+    (bench/titan.py says what of torchtitan runs)."""
     problem = titan_problem(name, args)
     if problem:
         raise ValueError(problem)
@@ -612,8 +612,8 @@ def peer_in_child(peer: str, name: str, argv: Sequence[str]) -> dict[str, Any]:
 def peer_command(peer: str, child_argv: Sequence[str]) -> list[str]:
     """The child's command line: this module's main, after the peer's prelude (PEER_PRELUDES)."""
     if peer not in PEER_PRELUDES:
-        return [sys.executable, "-m", "trainer.bench", *child_argv]
-    main = "import runpy; runpy.run_module('trainer.bench', run_name='__main__', alter_sys=True)"
+        return [sys.executable, "-m", "bench.train", *child_argv]
+    main = "import runpy; runpy.run_module('bench.train', run_name='__main__', alter_sys=True)"
     return [sys.executable, "-c", f"{PEER_PRELUDES[peer]}\n{main}", *child_argv]
 
 
