@@ -14,7 +14,6 @@ A rule lives here once; `validate` runs it before anything is paid for, the trai
 - `families`: the architecture table of the decoder-only families the trainer runs.
 - `instance_types`: what each GPU instance type offers (GPUs, EFA, CPU, memory, bandwidth).
 - `planner`: a run's memory per GPU, step time, wall time and cost, before it is paid for.
-- `plan_calibration`: the measured runs the planner is checked against.
 - `throughput`: FLOPs per token, the GPUs' peaks, a run's tokens/s and MFU.
 - `stragglers`: ranks slower than the median by more than a threshold.
 - `data`: what a data set and a tokenizer must be, and the encoding of one example (the one

@@ -102,6 +102,17 @@ def test_nothing_of_the_product_imports_the_benchmarks():
     assert bench_imports(graph) == []
 
 
+def test_the_airflow_side_never_imports_the_trainer():
+    """The Airflow side talks to the trainer through the contract and the files it writes,
+    never through its modules (which need torch): plugins/ and dags/ import no trainer."""
+    modules = (modules_under(PLUGINS, PLUGINS) | modules_under(TRAINER, REPO_ROOT)
+               | modules_under(DAGS, DAGS))
+    graph = import_graph(modules)
+    airflow_side = {m for m in modules if not (m == "trainer" or m.startswith("trainer."))}
+    assert [f"{m} -> {t}" for m in sorted(airflow_side) for t in sorted(graph[m])
+            if t == "trainer" or t.startswith("trainer.")] == []
+
+
 def test_the_scan_finds_a_product_module_that_imports_a_benchmark(tmp_path):
     (tmp_path / "bench").mkdir()
     (tmp_path / "bench" / "__init__.py").write_text("import trainer\n")
