@@ -6,6 +6,8 @@ A rule lives here once; `validate` runs it before anything is paid for, the trai
 
 - `fields`: the choices and bounds of every field, the trainer's `TrainConfig`, `ContractError`.
 - `models`: the built-in model shapes as plain data, and a model directory's shape.
+- `parallel_dims`: the parallel layout of a world (`ParallelDims`): data-parallel, FSDP shard and
+  replicate, and tensor-parallel degrees, the device mesh's dims, their problems.
 - `rules`: cross-field rules (precision, checkpointing, float8, LoRA, sharding, tensor
   parallelism, sequence length, s3:// URIs, paths) as functions returning (field, message) pairs.
 - `data`: what can be known of a data set and a tokenizer from their files, and the encoding of
