@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from finetune.config import RunConfig
 from finetune_contract.fields import STRATEGIES
 from finetune_contract.parallel_dims import STRATEGY_DIMS, ParallelDims
 from finetune_contract.rules import config_problems
@@ -78,6 +79,14 @@ def test_one_process_that_keeps_its_weights_needs_no_fsdp():
     assert layout("FULL_SHARD", 1, 1).needs_fsdp(cpu_offload=False)  # frees after forward
     assert layout("NO_SHARD", 2, 2).needs_fsdp(cpu_offload=False)
     assert layout("NO_SHARD", 2, 2, tp_degree=2).needs_fsdp(cpu_offload=False)
+
+
+def test_validate_plans_the_layout_of_the_run_config_s_world():
+    cfg = RunConfig(run_id="r", run_name="r", rdzv_id="r", run_dir="/tmp/r", nodes=2,
+                    procs_per_node=4, strategy="HYBRID_SHARD", tp_degree=2)
+    dims = cfg.parallel_dims
+    assert (dims.world_size, dims.procs_per_node, dims.dp_degree) == (8, 4, 4)
+    assert (dims.replicate_degree, dims.shard_degree) == (2, 2)
 
 
 WORLDS = st.fixed_dictionaries({
