@@ -1,4 +1,5 @@
-"""Process group, device mesh and FSDP2 sharding under the FSDP1 strategy names users know."""
+"""Process group, the device mesh of the run's parallel layout (finetune_contract.parallel_dims),
+and FSDP2 sharding under the FSDP1 strategy names users know."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from transformers import PretrainedConfig
 
 from finetune_contract.fields import ContractError
 from finetune_contract.models import ModelShape
+from finetune_contract.parallel_dims import TP_DIM, ParallelDims
 from finetune_contract.rules import config_problems, device_problems
 from trainer.activations import checkpoint_activations, offload_activations
 from trainer.blocks import decoder_blocks
@@ -26,15 +28,10 @@ from trainer.config import TrainConfig
 from trainer.float8 import convert_to_float8
 from trainer.master_weights import use_master_weights
 from trainer.qlora import quantized_params
-from trainer.tensor_parallel import (
-    TP_DIM,
-    apply_tensor_parallel,
-    mesh_plan,
-)
+from trainer.tensor_parallel import apply_tensor_parallel
 
 # Tests only: let quantize_base run on a CPU (see quantize_emulated).
 QUANTIZE_ON_CPU_ENV = "TRAINER_NF4_ON_CPU"
-MeshPlan = tuple[tuple[int, ...], tuple[str, ...], bool]
 # The dtype blocks compute in for each mixed_precision; master weights and optimizer stay fp32.
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -73,30 +70,27 @@ def init_distributed() -> DistEnv:
     )
 
 
-def fsdp_plan(
-    strategy: str, world_size: int, local_world_size: int, shard_group_size: int = 0
-) -> MeshPlan:
-    """(mesh shape, mesh dim names, reshard_after_forward) for an FSDP1-style strategy name."""
-    if strategy == "FULL_SHARD":
-        return (world_size,), ("shard",), True
-    if strategy == "SHARD_GRAD_OP":
-        return (world_size,), ("shard",), False
-    if strategy == "HYBRID_SHARD":
-        shard = shard_group_size or local_world_size
-        if shard < 1 or world_size % shard:
-            source = "" if shard_group_size else ", from LOCAL_WORLD_SIZE"
-            raise ValueError(
-                f"strategy HYBRID_SHARD needs shard_group_size ({shard}{source}) to divide the "
-                f"world size ({world_size}): set shard_group_size to a divisor of {world_size} or "
-                "choose another strategy"
-            )
-        return (world_size // shard, shard), ("replicate", "shard"), True
-    if strategy == "NO_SHARD":
-        # A shard dim of size 1 is plain replication: DDP semantics from the same code path.
-        return (world_size, 1), ("replicate", "shard"), False
-    raise ValueError(
-        f"strategy must be FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD or NO_SHARD; got {strategy!r}"
-    )
+@dataclass(frozen=True)
+class ParallelMesh:
+    """The run's parallel layout and the device mesh built from it, once: FSDP shards and
+    replicates over `data_parallel`, tensor parallelism splits over `tensor_parallel`."""
+
+    dims: ParallelDims
+    world: DeviceMesh  # every dim of dims.mesh_dim_names
+    data_parallel: DeviceMesh  # dims.dp_dim_names
+    tensor_parallel: DeviceMesh | None  # "tp"; None without tensor parallelism
+
+
+def build_mesh(config: TrainConfig, env: DistEnv) -> ParallelMesh:
+    """The device mesh of `config`'s layout in this world (its real size, not the planned one);
+    ContractError naming the fields when the layout does not fit the world."""
+    dims = ParallelDims.of(config, world_size=env.world_size, procs_per_node=env.local_world_size)
+    if dims.problems:
+        raise ContractError(dims.problems, "the parallel layout cannot run here")
+    world = init_device_mesh(env.device.type, dims.mesh_shape, mesh_dim_names=dims.mesh_dim_names)
+    if not dims.tp_enabled:
+        return ParallelMesh(dims, world, world, None)
+    return ParallelMesh(dims, world, world[dims.dp_dim_names], world[TP_DIM])
 
 
 def mixed_precision_policy(
@@ -174,48 +168,30 @@ def compile_blocks(blocks: torch.nn.ModuleList) -> None:
         blocks[i] = torch.compile(block, backend=backend, fullgraph=True)
 
 
-def _unsharded_single_device(config: TrainConfig, mesh: DeviceMesh) -> bool:
-    """One rank that keeps its weights between forward and backward (SHARD_GRAD_OP, NO_SHARD) and
-    on the device: FSDP has nothing to do. FULL_SHARD and HYBRID_SHARD keep FSDP at one rank,
-    whose freeing of each block's weights after forward lowers the peak memory."""
-    return (
-        mesh.size() == 1
-        and config.tp_degree == 1
-        and config.strategy in ("SHARD_GRAD_OP", "NO_SHARD")
-        and not config.cpu_offload
-    )
-
-
-def apply_parallelism(model: torch.nn.Module, config: TrainConfig, env: DistEnv) -> DeviceMesh:
+def apply_parallelism(
+    model: torch.nn.Module, config: TrainConfig, env: DistEnv, mesh: ParallelMesh | None = None
+) -> ParallelMesh:
     """Checkpoint activations per block if asked, then fully_shard every block and the root (or,
-    with one unsharded rank, fp32 master weights with compute copies instead of FSDP)."""
-    tp = config.tp_degree
+    with one unsharded rank, fp32 master weights with compute copies instead of FSDP).
+
+    mesh: the run's, built once (train.py: the model and DPO's reference share it); None: built
+    here for this world."""
     check_start(config, env, model.config)
-    # With TP, FSDP's dims cover world_size / tp ranks; a node holds local_world_size / tp of them.
-    shape, names, reshard = fsdp_plan(
-        config.strategy,
-        env.world_size // tp,
-        max(1, env.local_world_size // tp),
-        config.shard_group_size,
-    )
-    if tp > 1:
-        world_shape, world_names = mesh_plan(shape, names, tp)
-        world_mesh = init_device_mesh(env.device.type, world_shape, mesh_dim_names=world_names)
+    if mesh is None:
+        mesh = build_mesh(config, env)
+    dims = mesh.dims
+    if mesh.tensor_parallel is not None:
         # Before checkpoint wrapping, which renames the submodules the TP plan names.
-        apply_tensor_parallel(model, world_mesh[TP_DIM])
-        mesh = world_mesh[names]
-    else:
-        mesh = init_device_mesh(env.device.type, shape, mesh_dim_names=names)
+        apply_tensor_parallel(model, mesh.tensor_parallel)
     blocks = decoder_blocks(model)
     if config.float8:  # before checkpoint wrapping and compile, as torchtitan converts
-        convert_to_float8(blocks, sharded=mesh["shard"].size() > 1,
-                          recipe=config.float8_recipe)
+        convert_to_float8(blocks, sharded=dims.shard_degree > 1, recipe=config.float8_recipe)
     checkpoint_activations(blocks, config.activation_checkpointing, config.selective_ac)
     if config.compile:
         compile_blocks(blocks)
     if config.activation_offload:
         offload_activations(blocks, env.device)
-    if _unsharded_single_device(config, mesh):
+    if not dims.needs_fsdp(config.cpu_offload):
         # Nothing to shard, gather or reduce: FSDP would only copy (trainer/master_weights.py).
         if config.mixed_precision != "fp32":
             use_master_weights(model, COMPUTE_DTYPES[config.mixed_precision], config.grad_accum)
@@ -223,13 +199,14 @@ def apply_parallelism(model: torch.nn.Module, config: TrainConfig, env: DistEnv)
     policies = {
         # QLoRA: the 4-bit base stays whole on every rank (trainer/qlora.py).
         "ignored_params": set(quantized_params(model)) if config.quantize_base != "none" else None,
-        "mp_policy": mixed_precision_policy(config.mixed_precision, mesh.size()),
+        "mp_policy": mixed_precision_policy(config.mixed_precision, dims.dp_degree),
         "offload_policy": CPUOffloadPolicy(pin_memory=env.device.type == "cuda")
         if config.cpu_offload
         else OffloadPolicy(),
     }
+    reshard = dims.reshard_after_forward
     for block in blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **policies)
+        fully_shard(block, mesh=mesh.data_parallel, reshard_after_forward=reshard, **policies)
     # The root's parameters (embeddings, final norm, head) are needed first in backward: keep them.
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, **policies)
+    fully_shard(model, mesh=mesh.data_parallel, reshard_after_forward=False, **policies)
     return mesh

@@ -41,24 +41,6 @@ from finetune_contract.data import IGNORE_INDEX
 from trainer.batch import Batch
 from trainer.blocks import decoder_blocks
 
-TP_DIM = "tp"
-
-
-def data_parallel_rank(rank: int, world_size: int, tp_degree: int) -> tuple[int, int]:
-    """(this rank's index among the data-parallel replicas, their number).
-
-    The ranks of one TP group hold the consecutive global ranks (tp is the mesh's last dim), and
-    they must see the same batch.
-    """
-    return rank // tp_degree, world_size // tp_degree
-
-
-def mesh_plan(
-    fsdp_shape: tuple[int, ...], fsdp_names: tuple[str, ...], tp_degree: int
-) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """The device mesh with "tp" as the innermost dim, so a TP group stays within a node."""
-    return (*fsdp_shape, tp_degree), (*fsdp_names, TP_DIM)
-
 
 def apply_tensor_parallel(model: PreTrainedModel, tp_mesh: DeviceMesh) -> None:
     """Split every decoder block, the embedding and the LM head over `tp_mesh` (1-D)."""

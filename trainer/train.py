@@ -56,13 +56,15 @@ from trainer.optim import build_grad_scaler, build_optimizer, optimizer_step
 from trainer.parallel import (
     COMPUTE_DTYPES,
     DistEnv,
+    ParallelMesh,
     apply_parallelism,
+    build_mesh,
     check_start,
     init_distributed,
     quantize_dtype,
 )
 from trainer.storage import RunOutput
-from trainer.tensor_parallel import SequenceParallelBatches, data_parallel_rank
+from trainer.tensor_parallel import SequenceParallelBatches
 from trainer.watchdog import HangWatchdog, watchdog_env_defaults
 
 
@@ -118,6 +120,7 @@ class Trainer:
 
     config: TrainConfig
     env: DistEnv
+    mesh: ParallelMesh  # the parallel layout of this world, and its device mesh
     started: float  # wall-clock time the process started, for the summary
     output: RunOutput
     tokenizer: PreTrainedTokenizerBase
@@ -154,6 +157,7 @@ class Trainer:
         if chosen and env.rank == 0:
             print(chosen, flush=True)  # the resolved config below records the choice
         check_start(config, env)
+        mesh = build_mesh(config, env)
         if config.float8:
             check_float8_device(env.device)
         # For an s3:// output_dir: a local staging dir with the same layout, uploaded from.
@@ -170,7 +174,7 @@ class Trainer:
         data_load_s = time.perf_counter() - data_started
         # The ranks of a tensor-parallel group work on the same batch: sample per data-parallel
         # rank.
-        dp_rank, dp_size = data_parallel_rank(env.rank, env.world_size, config.tp_degree)
+        dp_rank, dp_size = mesh.dims.dp_rank(env.rank), mesh.dims.dp_degree
         sampler = ResumableSampler(
             len(splits.train), config.micro_batch, dp_rank, dp_size, config.seed
         )
@@ -193,7 +197,7 @@ class Trainer:
         adapter_params = apply_lora(model, config) if config.lora_rank else None
         model_config = model.config
         token_flops = flops_per_token(model_config, config.seq_len, adapter_params)
-        apply_parallelism(model, config, env)
+        apply_parallelism(model, config, env, mesh)
         # FSDP's CPU offload keeps the sharded parameters in CPU memory.
         param_device = torch.device("cpu") if config.cpu_offload else env.device
         materialize_weights(model, config.model, config.seed, param_device,
@@ -207,7 +211,7 @@ class Trainer:
             batches = TrainBatches(splits.train, sampler, pad_id, pad_to)
         elif config.method == "dpo" and not config.lora_rank:  # LoRA: the adapters disabled
             reference = build_model(config.model, tokenizer, config.attention)
-            apply_parallelism(reference, config, env)
+            apply_parallelism(reference, config, env, mesh)
             materialize_weights(reference, config.model, config.seed, param_device,
                                 quantize_dtype(config))
             reference.requires_grad_(False)
@@ -227,7 +231,7 @@ class Trainer:
         compute_dtype = COMPUTE_DTYPES[config.mixed_precision]
         peak, peak_source = peak_flops(env.device, compute_dtype)
         return cls(
-            config=config, env=env, started=started, output=output, tokenizer=tokenizer,
+            config=config, env=env, mesh=mesh, started=started, output=output, tokenizer=tokenizer,
             splits=splits, sampler=sampler, batches=batches, evals=evals, max_steps=max_steps,
             model=model, model_config=model_config, token_flops=token_flops, optimizer=optimizer,
             scaler=scaler, scheduler=scheduler, checkpointer=checkpointer,
@@ -276,7 +280,7 @@ class Trainer:
                 self.model, self.reference, micro_batches, config, env, scaler)
         else:
             loss, tokens = train_step(self.model, micro_batches, env, scaler, waits)
-        tokens //= config.tp_degree  # every rank of a TP group counted the same tokens
+        tokens //= self.mesh.dims.tp_degree  # every rank of a TP group counted the same tokens
         grad_norm, skipped = optimizer_step(
             self.model, self.optimizer, config.max_grad_norm, scaler
         )

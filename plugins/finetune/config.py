@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune import REPO_ROOT
+from finetune_contract.parallel_dims import ParallelDims
 from finetune_contract.parameters import PARAMETERS
 
 
@@ -33,6 +34,12 @@ class _RunConfig:
     @property
     def world_size(self) -> int:
         return self.nodes * self.procs_per_node
+
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        """The parallel layout of the planned world (the trainer makes its own from the world
+        it starts in)."""
+        return ParallelDims.of(self, world_size=self.world_size, procs_per_node=self.procs_per_node)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

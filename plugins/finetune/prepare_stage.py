@@ -71,7 +71,7 @@ def accept_prepared(cfg: RunConfig, record: dict[str, Any]) -> RunConfig:
     problems = data_problems(cfg, record)
     if problems:
         raise ConfigError(problems)
-    data_parallel = cfg.world_size // cfg.tp_degree
+    data_parallel = cfg.parallel_dims.dp_degree
     return dataclasses.replace(
         cfg, prepared_data=record["uri"] if "uri" in record else record["path"],
         counted_train_rows=record["train_rows"],
@@ -108,7 +108,7 @@ def data_problems(cfg: RunConfig, stats: dict[str, Any]) -> list[tuple[str, str]
             f"({reasons}), more than max_skipped_fraction {cfg.max_skipped_fraction:g}; longest: "
             f"{longest or 'none'}. Raise seq_len, fix the rows, or raise max_skipped_fraction")))
     try:
-        batches_per_epoch(stats["train_rows"], cfg.micro_batch, cfg.world_size // cfg.tp_degree)
+        batches_per_epoch(stats["train_rows"], cfg.micro_batch, cfg.parallel_dims.dp_degree)
     except ValueError as exc:
         what = "sequences (packed)" if stats["packing"] else "rows"
         problems.append(("micro_batch", f"the prepared data set has {stats['train_rows']} "

@@ -377,7 +377,7 @@ def _row_problems(cfg: RunConfig, train: TrainConfig, rows: contract_data.FileRo
         return [("prompt_template", str(exc))], None
     if first_bad is not None and cfg.bad_rows == "error":
         return [("dataset", contract_data.bad_row_error(train, *first_bad))], None
-    data_parallel = cfg.world_size // cfg.tp_degree
+    data_parallel = cfg.parallel_dims.dp_degree
     if not whole:
         # Counted unencoded, every row as if usable: too few even so is too few.
         if len(rows.rows) + len(rows.malformed) < MAX_ROWS_CHECKED:

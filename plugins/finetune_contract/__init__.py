@@ -13,6 +13,8 @@ A rule lives here once; `validate` runs it before anything is paid for, the trai
 - `models`: the built-in model shapes as plain data, and a model directory's shape.
 - `families`: the architecture table of the decoder-only families the trainer runs.
 - `instance_types`: what each GPU instance type offers (GPUs, EFA, CPU, memory, bandwidth).
+- `parallel_dims`: the parallel layout of a world (`ParallelDims`): data-parallel, FSDP shard
+  and replicate, and tensor-parallel degrees, the device mesh's dims, their problems.
 - `planner`: a run's memory per GPU, step time, wall time and cost, before it is paid for.
 - `throughput`: FLOPs per token, the GPUs' peaks, a run's tokens/s and MFU.
 - `stragglers`: ranks slower than the median by more than a threshold.
@@ -22,5 +24,5 @@ A rule lives here once; `validate` runs it before anything is paid for, the trai
 - `preflight_result`: what the preflight program hands the Airflow side.
 - `transformers_import`: transformers imported without what it imports for nothing here.
 
-tests/plugins/test_package_layout.py fails when a module of the package is not listed here.
+tests/plugins/test_contract.py fails when a module of the package is not listed here.
 """

@@ -31,7 +31,8 @@ from finetune_contract.families import (
 from finetune_contract.families import attention_flops as attention_work
 from finetune_contract.families import head_dim as family_head_dim
 from finetune_contract.models import BUILTIN_MODELS
-from finetune_contract.rules import fsdp_group, selective_every
+from finetune_contract.parallel_dims import ParallelDims
+from finetune_contract.rules import selective_every
 from finetune_contract.throughput import (
     LOGITS_PER_CHUNK,
     PEAK_FLOPS_BY_DEVICE,
@@ -256,11 +257,9 @@ def estimate(cfg: TrainConfig, *, world_size: int, local_world_size: int, hardwa
     params = sum(counts.values())
     layers = config.num_hidden_layers
     tp = cfg.tp_degree
-    dp, group = fsdp_group(cfg, world_size, local_world_size)
-    shard = {"FULL_SHARD": dp, "SHARD_GRAD_OP": dp, "HYBRID_SHARD": group, "NO_SHARD": 1}[
-        cfg.strategy] * tp
-    no_fsdp = (world_size == 1 and tp == 1 and cfg.strategy in ("SHARD_GRAD_OP", "NO_SHARD")
-               and not cfg.cpu_offload)
+    layout = ParallelDims.of(cfg, world_size=world_size, procs_per_node=local_world_size)
+    shard = layout.param_shards
+    no_fsdp = not layout.needs_fsdp(cfg.cpu_offload)
     compute_bytes = 4 if cfg.mixed_precision == "fp32" else 2
     tokens = cfg.micro_batch * cfg.seq_len  # per micro-batch per data-parallel rank
     lora = _adapter_params(cfg, config) if cfg.lora_rank else 0
@@ -308,8 +307,8 @@ def estimate(cfg: TrainConfig, *, world_size: int, local_world_size: int, hardwa
              "activations": activations / GIB, "loss_chunk": loss / GIB,
              "overhead": OVERHEAD_GIB}
     peak = max(forward_end, backward_end, start) / GIB + OVERHEAD_GIB
-    step, comm, exposed = _step_time(cfg, config, hardware, world_size, local_world_size, shard,
-                                     no_fsdp, params, trained, lora, quantized)
+    step, comm, exposed = _step_time(cfg, config, hardware, layout, no_fsdp, params, trained,
+                                     lora, quantized)
     tokens_per_s = tokens * cfg.grad_accum / tp / step if step else None
     token_flops = flops_per_token(config, cfg.seq_len, lora or None)
     mfu = (tokens_per_s * token_flops / hardware.peak_flops
@@ -319,9 +318,8 @@ def estimate(cfg: TrainConfig, *, world_size: int, local_world_size: int, hardwa
                     note="" if step else "no peak FLOPs for this device: no time estimate")
 
 
-def _step_time(cfg: TrainConfig, config: Any, hardware: Hardware, world_size: int,
-               local_world_size: int, shard: int, no_fsdp: bool, params: int, trained: int,
-               lora: int, quantized: float = 0
+def _step_time(cfg: TrainConfig, config: Any, hardware: Hardware, layout: ParallelDims,
+               no_fsdp: bool, params: int, trained: int, lora: int, quantized: float = 0
                ) -> tuple[float | None, float | None, float | None]:
     """(step seconds, communication seconds, of which exposed); Nones without a peak."""
     if not hardware.peak_flops:
@@ -365,13 +363,13 @@ def _step_time(cfg: TrainConfig, config: Any, hardware: Hardware, world_size: in
         compute += LORA_S_PER_ELEMENT * tokens * lora / cfg.lora_rank * (1 + recomputed / 3)
     if quantized:  # dequantized for forward, backward and any recompute
         compute += NF4_DEQUANT_S_PER_PARAM * quantized * (2 + recomputed)
+    shard = layout.param_shards
     optimizer = OPTIMIZER_S_PER_PARAM * trained / max(1, shard)
     if cfg.cpu_offload:  # the step on the CPU; parameters in, gradients out every micro-batch
         optimizer = CPU_OPTIMIZER_S_PER_PARAM * trained / max(1, shard)
         compute += (2 * params + 4 * trained) / max(1, shard) / PCIE_BYTES_PER_S
     # the NF4 base is whole on every GPU: FSDP gathers only the rest
-    comm = communication(cfg, config, hardware, world_size, local_world_size, shard,
-                         int(params - quantized), trained)
+    comm = communication(cfg, config, hardware, layout, int(params - quantized), trained)
     # Gathers and reductions overlap the blocks' compute but slow it (COMM_EXPOSED); whatever
     # exceeds the compute waits in full.
     exposed_per_micro = max(comm - compute, COMM_EXPOSED * comm)
@@ -379,19 +377,19 @@ def _step_time(cfg: TrainConfig, config: Any, hardware: Hardware, world_size: in
     return step, comm * cfg.grad_accum, exposed_per_micro * cfg.grad_accum
 
 
-def communication(cfg: TrainConfig, config: Any, hardware: Hardware, world_size: int,
-                  local_world_size: int, shard: int, params: int, trained: int) -> float:
+def communication(cfg: TrainConfig, config: Any, hardware: Hardware, layout: ParallelDims,
+                  params: int, trained: int) -> float:
     """Seconds of collectives per micro-batch before overlap: FSDP's all-gathers (bf16, twice with
     FULL_SHARD and HYBRID_SHARD: forward and backward) and reduce-scatters (fp32) over the shard
     group, the gradients' all-reduce across replicas (HYBRID_SHARD, NO_SHARD), and tensor
     parallelism's gathers and reductions of the hidden states within a node."""
     tp, layers = cfg.tp_degree, config.num_hidden_layers
-    dp_shard = shard // tp
+    dp_shard, replicas, shard = layout.shard_degree, layout.replicate_degree, layout.param_shards
     intra = (hardware.busbw_intra_gbps or 0) * 1e9
     inter = (hardware.busbw_inter_gbps or 0) * 1e9
 
     def crosses(group: int) -> bool:
-        return group * tp > local_world_size
+        return group * tp > layout.procs_per_node
 
     def ring(nbytes: float, group: int, collectives: int) -> float:
         """A ring collective's bandwidth term and its per-hop latency, once per collective."""
@@ -401,14 +399,13 @@ def communication(cfg: TrainConfig, config: Any, hardware: Hardware, world_size:
 
     seconds = 0.0
     if dp_shard > 1 and cfg.strategy != "NO_SHARD":
-        gathers = 2 if cfg.strategy in ("FULL_SHARD", "HYBRID_SHARD") else 1
+        gathers = 2 if layout.reshard_after_forward else 1
         fraction = (dp_shard - 1) / dp_shard
         nbytes = (2 * gathers * params + 4 * trained) / tp * fraction
         seconds += ring(nbytes, dp_shard, (gathers + 1) * layers)
-    replicas = world_size // shard if cfg.strategy in ("HYBRID_SHARD", "NO_SHARD") else 1
     if replicas > 1:  # an all-reduce moves 2 (n-1)/n of the buffer: the bus bandwidth's basis
         nbytes = 4 * trained / shard * 2 * (replicas - 1) / replicas
-        seconds += ring(nbytes, replicas * shard // tp, 2 * layers)
+        seconds += ring(nbytes, replicas * dp_shard, 2 * layers)
     if tp > 1:  # sequence parallel: 2 gathers + 2 reductions of the hidden states per block,
         # forward and backward (bf16)
         hidden_bytes = 2 * cfg.micro_batch * cfg.seq_len * config.hidden_size * (tp - 1) / tp

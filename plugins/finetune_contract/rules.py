@@ -13,6 +13,7 @@ import re
 from finetune_contract.families import FAMILIES, lora_target_problem
 from finetune_contract.fields import FA4_CAPABILITIES, FA4_HEAD_DIMS, PRINTABLE, quoted
 from finetune_contract.models import ModelShape
+from finetune_contract.parallel_dims import ParallelDims
 from finetune_contract.parameters import TRAINER_PARAMETERS
 from finetune_contract.train_config import TrainConfig
 
@@ -106,12 +107,6 @@ def location_problems(field: str, value: str) -> Problems:
 
 def _name(shape: ModelShape) -> str:
     return shape.name if len(shape.name) <= 80 else f"{shape.name[:80]}..."
-
-
-def fsdp_group(cfg: TrainConfig, world_size: int, local_world_size: int) -> tuple[int, int]:
-    """(data-parallel size, HYBRID_SHARD shard group size) as the trainer builds its mesh."""
-    tp = cfg.tp_degree
-    return world_size // tp, cfg.shard_group_size or max(1, local_world_size // tp)
 
 
 def config_problems(cfg: TrainConfig, *, world_size: int, local_world_size: int,
@@ -307,14 +302,12 @@ def _architecture(cfg: TrainConfig, shape: ModelShape | None) -> Problems:
 
 def _parallelism(cfg: TrainConfig, world_size: int, local_world_size: int,
                  shape: ModelShape | None) -> Problems:
-    problems: Problems = []
+    """The layout's problems (finetune_contract.parallel_dims) and tensor parallelism against the
+    sequence, CPU offload and the model's heads and MLP."""
+    layout = ParallelDims.of(cfg, world_size=world_size, procs_per_node=local_world_size)
+    problems: Problems = list(layout.tp_problems)
     tp = cfg.tp_degree
     if tp > 1:
-        if local_world_size % tp:
-            problems.append(("tp_degree", f"{tp} does not divide the processes per node "
-                             f"({local_world_size}): tensor parallelism stays within a node"))
-        elif world_size % tp:
-            problems.append(("tp_degree", f"{tp} does not divide the world size ({world_size})"))
         if cfg.seq_len % tp:
             problems.append(("tp_degree", f"{tp} does not divide seq_len = {cfg.seq_len}: "
                              "sequence parallelism splits every sequence into equal parts"))
@@ -328,16 +321,6 @@ def _parallelism(cfg: TrainConfig, world_size: int, local_world_size: int,
                     problems.append(("tp_degree", f"{tp} does not divide model "
                                      f"{_name(shape)}'s {name} ({count}): each "
                                      "tensor-parallel rank computes an equal part"))
-    if cfg.strategy == "HYBRID_SHARD":
-        if not problems:
-            data_parallel, group = fsdp_group(cfg, world_size, local_world_size)
-            if data_parallel % group:
-                source = "shard_group_size" if cfg.shard_group_size else \
-                    "processes per node / tp_degree (shard_group_size 0)"
-                problems.append(("shard_group_size", f"the shard group ({group}, {source}) does "
-                                 f"not divide the data-parallel size ({data_parallel} = world "
-                                 f"size {world_size} / tp_degree {tp}) (strategy HYBRID_SHARD)"))
-    elif cfg.shard_group_size:
-        problems.append(("shard_group_size", f"applies to strategy HYBRID_SHARD only, strategy "
-                         f"is {cfg.strategy}: set it to 0"))
-    return problems
+    if problems and cfg.strategy == "HYBRID_SHARD":
+        return problems  # its shard group is measured against the tp_degree these ask to change
+    return problems + list(layout.shard_problems)

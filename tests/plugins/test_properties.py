@@ -114,7 +114,7 @@ def later_stages(cfg) -> None:
     # test: its data start is checked for local tokenizers.
     if local:
         if Path(train.tokenizer).is_dir():
-            trainer_data_start(cfg, train, cfg.world_size // cfg.tp_degree)
+            trainer_data_start(cfg, train, cfg.parallel_dims.dp_degree)
     else:
         import kubernetes_validate
 

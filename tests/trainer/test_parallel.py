@@ -1,46 +1,92 @@
+"""The trainer's start checks, and the device mesh it builds from the run's parallel layout
+(finetune_contract.parallel_dims, whose arithmetic tests/plugins/test_parallel_dims.py tests)."""
+
+import itertools
 import warnings
+from contextlib import contextmanager
 
 import pytest
 import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from finetune_contract.fields import STRATEGIES, ContractError
+from finetune_contract.parallel_dims import ParallelDims
 from trainer.config import TrainConfig
-from trainer.parallel import DistEnv, check_start, fsdp_plan
+from trainer.parallel import DistEnv, build_mesh, check_start
 
 CPU_WORLD_OF_TWO = DistEnv(rank=0, world_size=2, local_rank=0, local_world_size=2,
                            device=torch.device("cpu"))
 
 
-def test_full_shard_is_a_1d_mesh_that_reshards_after_forward():
-    assert fsdp_plan("FULL_SHARD", 16, 8, 0) == ((16,), ("shard",), True)
+@contextmanager
+def fake_world(world_size: int, procs_per_node: int):
+    """Rank 0 of a world of `world_size` whose collectives do nothing (torch's fake process
+    group): a device mesh of any size builds in this one process."""
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        yield DistEnv(rank=0, world_size=world_size, local_rank=0,
+                      local_world_size=procs_per_node, device=torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
 
 
-def test_shard_grad_op_keeps_parameters_unsharded_between_forward_and_backward():
-    assert fsdp_plan("SHARD_GRAD_OP", 16, 8, 0) == ((16,), ("shard",), False)
+# shard_group_size only where it applies: the rest of the refusals are tp_degree's and the group's.
+LAYOUTS = st.sampled_from(STRATEGIES).flatmap(lambda strategy: st.fixed_dictionaries({
+    "strategy": st.just(strategy),
+    "nodes": st.integers(1, 4),
+    "procs_per_node": st.sampled_from([1, 2, 4, 6, 8]),
+    "shard_group_size": st.sampled_from([0, 0, 1, 2, 4, 8] if strategy == "HYBRID_SHARD"
+                                        else [0]),
+    "tp_degree": st.sampled_from([1, 2, 4]),
+}))
 
 
-def test_hybrid_shard_shards_within_a_node_by_default_and_replicates_across_nodes():
-    assert fsdp_plan("HYBRID_SHARD", 16, 8, 0) == ((2, 8), ("replicate", "shard"), True)
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(LAYOUTS)
+def test_every_accepted_layout_builds_its_mesh_with_tp_groups_within_a_node(layout):
+    procs = layout.pop("procs_per_node")
+    world_size = layout.pop("nodes") * procs
+    config = TrainConfig(**layout)
+    dims = ParallelDims.of(config, world_size=world_size, procs_per_node=procs)
+    with fake_world(world_size, procs) as env:
+        if dims.problems:
+            with pytest.raises(ContractError) as refused:
+                build_mesh(config, env)
+            assert refused.value.errors == list(dims.problems)
+            event("refused")
+            return
+        event(f"built {dims.mesh_dim_names}")
+        mesh = build_mesh(config, env)
+        assert_mesh_of(mesh, dims, hybrid_default_group=config.strategy == "HYBRID_SHARD"
+                       and not config.shard_group_size)
 
 
-def test_hybrid_shard_uses_the_configured_shard_group_size():
-    assert fsdp_plan("HYBRID_SHARD", 16, 8, 4) == ((4, 4), ("replicate", "shard"), True)
-
-
-def test_no_shard_replicates_everywhere():
-    assert fsdp_plan("NO_SHARD", 16, 8, 0) == ((16, 1), ("replicate", "shard"), False)
-
-
-def test_hybrid_shard_with_a_group_size_that_does_not_divide_the_world_names_both_options():
-    with pytest.raises(ValueError, match="HYBRID_SHARD") as error:
-        fsdp_plan("HYBRID_SHARD", 12, 8, 0)
-    assert "shard_group_size" in str(error.value) and "(12)" in str(error.value)
-    with pytest.raises(ValueError, match="shard_group_size \\(5\\)"):
-        fsdp_plan("HYBRID_SHARD", 16, 8, 5)
-
-
-def test_an_unknown_strategy_is_rejected_with_the_choices():
-    with pytest.raises(ValueError, match="FULL_SHARD"):
-        fsdp_plan("ZERO3", 8, 8, 0)
+def assert_mesh_of(mesh, dims: ParallelDims, hybrid_default_group: bool) -> None:
+    """The mesh has the layout's dims and sizes; every rank's place in it: its data-parallel
+    index is dims.dp_rank, its TP group (same data-parallel index) is on one node, and
+    HYBRID_SHARD's default shard group is a node."""
+    assert mesh.dims == dims
+    assert tuple(mesh.world.shape) == dims.mesh_shape
+    assert mesh.world.mesh_dim_names == dims.mesh_dim_names
+    assert mesh.data_parallel.mesh_dim_names == dims.dp_dim_names
+    assert mesh.data_parallel.size() == dims.dp_degree
+    assert mesh.data_parallel["shard"].size() == dims.shard_degree
+    assert (mesh.tensor_parallel.size() if mesh.tensor_parallel else 1) == dims.tp_degree
+    ranks, procs = mesh.world.mesh, dims.procs_per_node
+    dp_shape = dims.mesh_shape[:len(dims.dp_dim_names)]
+    for place in itertools.product(*(range(n) for n in dims.mesh_shape)):
+        dp_place, dp_index = place[:len(dp_shape)], 0
+        for size, index in zip(dp_shape, dp_place, strict=True):
+            dp_index = dp_index * size + index
+        assert dims.dp_rank(int(ranks[place])) == dp_index
+        if dims.tp_degree > 1:
+            assert len({int(r) // procs for r in ranks[dp_place]}) == 1
+    if hybrid_default_group:
+        for replica in ranks:
+            assert len({int(r) // procs for r in replica.flatten()}) == 1
 
 
 @pytest.mark.parametrize("option", ["activation_offload", "cpu_offload"])

@@ -8,13 +8,14 @@ import torch.distributed.checkpoint as dcp
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from finetune_contract.data import IGNORE_INDEX
+from finetune_contract.parallel_dims import ParallelDims
 from tests.support.training import demo_rows, read_metrics, torchrun, write_jsonl
 from tests.trainer.tensor_parallel_worker import CHECKPOINT_AT, EVEN_VOCAB_MODEL_ENV, STEPS
 from trainer.batch import Batch
 from trainer.checkpoint import Checkpointer
 from trainer.config import TrainConfig
 from trainer.model import builtin_config
-from trainer.tensor_parallel import mesh_plan, pad_to_multiple
+from trainer.tensor_parallel import pad_to_multiple
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +131,9 @@ def tiny_config(**overrides):
 
 def test_the_tp_dim_is_innermost_so_a_tp_group_is_consecutive_ranks():
     plan = ((2, 4, 2), ("replicate", "shard", "tp"))
-    assert mesh_plan((2, 4), ("replicate", "shard"), 2) == plan
+    dims = ParallelDims(world_size=16, procs_per_node=8, strategy="HYBRID_SHARD",
+                        shard_group_size=4, tp_degree=2)
+    assert (dims.mesh_shape, dims.mesh_dim_names) == plan
 
 
 def test_padding_for_sequence_parallelism_adds_pads_without_loss_at_the_end():
