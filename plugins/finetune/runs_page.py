@@ -3,7 +3,9 @@ s3:// prefixes, as eks runs write them), with its status and headline figures fr
 and a link to its report.html.
 
 Pure functions (list_runs, render_runs_page) plus the FastAPI app the Airflow plugin mounts
-(plugins/finetune_runs_plugin.py); standard library and FastAPI only.
+(plugins/finetune_runs_plugin.py). No torch: the standard library, Jinja2 for the page
+(finetune.pages, templates/runs.html.j2), FastAPI and Airflow's auth for the app, boto3 (through
+the Airflow AWS connection) for s3:// run directories.
 """
 
 from __future__ import annotations
