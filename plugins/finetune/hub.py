@@ -116,4 +116,9 @@ def hub_config(repo_id: str) -> HubConfig:
     """The hub's config.json of `repo_id` (a valid org/name), read once per process."""
     if _offline():
         return HubConfig(None, UNREACHABLE, f"{OFFLINE_ENV} is set")
-    return _fetch(config_url(repo_id))
+    try:
+        url = config_url(repo_id)
+    except ImportError:  # an Airflow installed without this project's requirements.txt (MWAA)
+        return HubConfig(None, UNREACHABLE, "huggingface_hub is not installed where validate "
+                                            "runs")
+    return _fetch(url)
