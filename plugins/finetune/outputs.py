@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from finetune.report import (
-    EVALUATION_FILE,
     METRICS_FILE,
     MODEL_DIR,
     REPORT_HTML,
@@ -24,6 +23,7 @@ from finetune.report import (
     write_report,
 )
 from finetune_contract.errors import ERRORS_DIR, failure_records
+from finetune_contract.fields import EVALUATION_FILE
 from finetune_contract.preflight_result import PREFLIGHT_FILE
 
 

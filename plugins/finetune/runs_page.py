@@ -3,7 +3,9 @@ s3:// prefixes, as eks runs write them), with its status and headline figures fr
 and a link to its report.html.
 
 Pure functions (list_runs, render_runs_page) plus the FastAPI app the Airflow plugin mounts
-(plugins/finetune_runs_plugin.py); standard library and FastAPI only.
+(plugins/finetune_runs_plugin.py). No torch: the standard library, Jinja2 for the page
+(finetune.pages, templates/runs.html.j2), FastAPI and Airflow's auth for the app, boto3 (through
+the Airflow AWS connection) for s3:// run directories.
 """
 
 from __future__ import annotations
@@ -16,13 +18,12 @@ from typing import Any
 from urllib.parse import quote
 
 from finetune.pages import render
-from finetune.report import (
+from finetune.report.formats import fmt, fmt_duration, mfu_text
+from finetune.report.run_files import (
+    METRICS_FILE,
     REPORT_HTML,
     REPORT_JSON,
     SUMMARY_FILE,
-    _fmt,
-    _fmt_duration,
-    mfu_text,
     parse_metrics,
 )
 from finetune_contract.fields import RESOLVED_CONFIG_FILE
@@ -33,7 +34,6 @@ URL_PREFIX = "/finetune-runs"
 # default output_dir. S3 is read with the AWS connection [finetune] aws_conn_id.
 RUNS_DIRS_ENV = "AIRFLOW__FINETUNE__RUNS_DIRS"
 AWS_CONN_ENV = "AIRFLOW__FINETUNE__AWS_CONN_ID"
-METRICS_JSONL = "metrics.jsonl"
 # The page fetches its table again this often (milliseconds), so running runs move on their own.
 REFRESH_MS = 5000
 # Steps the ETA of a running run is estimated from: recent enough to follow a change of pace.
@@ -148,7 +148,7 @@ def _trainer_model(text: str | None) -> dict[str, Any]:
 
 def _local_progress(run_dir: Path) -> dict[str, Any]:
     try:
-        lines = (run_dir / METRICS_JSONL).read_text(encoding="utf-8", errors="replace")
+        lines = (run_dir / METRICS_FILE).read_text(encoding="utf-8", errors="replace")
     except OSError:
         lines = ""
     return run_progress(lines.splitlines(), (run_dir / SUMMARY_FILE).is_file())
@@ -192,11 +192,11 @@ def _s3_runs(uri: str, s3: Any) -> list[dict[str, Any]]:
                     rows.append(_row(name, run_dir, report, REPORT_HTML in keys, mtime))
                 else:
                     rows.append(_row(name, run_dir, None, False, mtime, status="unreadable"))
-            elif METRICS_JSONL in keys:
+            elif METRICS_FILE in keys:
                 row = _row(name, run_dir, None, False,
-                           keys[METRICS_JSONL]["LastModified"].timestamp())
+                           keys[METRICS_FILE]["LastModified"].timestamp())
                 try:
-                    body = s3.get_object(Bucket=bucket, Key=f"{key}/{METRICS_JSONL}")["Body"]
+                    body = s3.get_object(Bucket=bucket, Key=f"{key}/{METRICS_FILE}")["Body"]
                     lines = body.read().decode("utf-8", errors="replace").splitlines()
                 except Exception as error:
                     if not _not_found(error):
@@ -292,9 +292,9 @@ def _progress_view(progress: dict) -> dict:
         "stage": progress["stage"], "step": step, "total": total,
         "percent": f"{min(100.0, 100 * step / total):.1f}" if total else None,
         "steps": f"{step:,}/{total:,}" if total else None,
-        "eta": _fmt_duration(progress["eta_s"]).replace(" ", "\u00a0"),  # kept on one line
-        "loss": _fmt(progress["loss"], ".4f") if progress["loss"] is not None else None,
-        "quiet": _fmt_duration(quiet) if quiet is not None and quiet > STALE_S
+        "eta": fmt_duration(progress["eta_s"]).replace(" ", "\u00a0"),  # kept on one line
+        "loss": fmt(progress["loss"], ".4f") if progress["loss"] is not None else None,
+        "quiet": fmt_duration(quiet) if quiet is not None and quiet > STALE_S
         and progress["stage"] == "training" else None,
     }
 
@@ -304,10 +304,10 @@ def _data_view(data: dict | None) -> dict | None:
     if not data:
         return None
     how = "cache hit" if data.get("cache_hit") else "prepared"
-    return {"rows": f'{_fmt(data.get("rows_kept"), ",.0f")} of '
-                    f'{_fmt(data.get("rows_read"), ",.0f")} rows',
-            "how": f'{_fmt(data.get("skipped_rows"), ",.0f")} skipped; {how} in '
-                   f'{_fmt_duration(data.get("seconds"))}'}
+    return {"rows": f'{fmt(data.get("rows_kept"), ",.0f")} of '
+                    f'{fmt(data.get("rows_read"), ",.0f")} rows',
+            "how": f'{fmt(data.get("skipped_rows"), ",.0f")} skipped; {how} in '
+                   f'{fmt_duration(data.get("seconds"))}'}
 
 
 def _when(row: dict[str, Any]) -> str:
@@ -341,19 +341,19 @@ def _row_view(row: dict[str, Any]) -> dict[str, Any]:
         "status": row["status"],
         "error": _error_view(row.get("error")),
         "progress": _progress_view(progress) if progress is not None else None,
-        "steps": _fmt(steps, ",.0f") if steps else None,
+        "steps": fmt(steps, ",.0f") if steps else None,
         "what": " · ".join(str(cfg[k]) for k in ("target", "model") if cfg.get(k)) or "n/a",
         "size": (f"{cfg['nodes']} x {cfg['procs_per_node']} procs"
                  if "nodes" in cfg and "procs_per_node" in cfg else ""),
         "data": _data_view(row.get("data")),
         "figures": [
-            _fmt(m.get("tokens_per_s"), ",.0f"), _fmt(m.get("tflops_per_device"), ".4g"),
-            mfu_text(m), _fmt_duration(m.get("wall_time_s")),
-            f"{_fmt(m.get('initial_eval_loss'), '.3f')} → {_fmt(m.get('final_eval_loss'), '.3f')}",
-            _fmt(_gpu_util(gpu), ".1f", "%")],
+            fmt(m.get("tokens_per_s"), ",.0f"), fmt(m.get("tflops_per_device"), ".4g"),
+            mfu_text(m), fmt_duration(m.get("wall_time_s")),
+            f"{fmt(m.get('initial_eval_loss'), '.3f')} → {fmt(m.get('final_eval_loss'), '.3f')}",
+            fmt(_gpu_util(gpu), ".1f", "%")],
         # XID errors of the run's GPUs; None (n/a) where none were collected (a CPU run)
         "xids": len(gpu.get("xid_errors") or []) if gpu and gpu.get("available") else None,
-        "cost": _fmt(m.get("cost_usd"), ",.2f", " USD"),
+        "cost": fmt(m.get("cost_usd"), ",.2f", " USD"),
     }
 
 

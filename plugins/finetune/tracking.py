@@ -30,8 +30,8 @@ from typing import Any
 
 from finetune import REPO_ROOT
 from finetune.config import RunConfig
-from finetune.report import EVALUATION_FILE, REPORT_HTML, REPORT_JSON
-from finetune_contract.fields import LOWER_IS_BETTER
+from finetune.report import REPORT_HTML, REPORT_JSON
+from finetune_contract.fields import EVALUATION_FILE, LOWER_IS_BETTER
 from finetune_contract.parameters import SECRET_NAMES
 
 log = logging.getLogger(__name__)

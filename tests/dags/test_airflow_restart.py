@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from finetune.names import run_dir_name
-from finetune.targets.local import _alive, _trainer_processes, training_finished
+from finetune.targets.local.processes import is_alive, trainer_processes
+from finetune.targets.local.training import training_finished
 from tests.support.airflow import Airflow, wait_for
 from tests.support.training import logged_steps
 
@@ -129,10 +130,10 @@ def outage(airflow: Airflow, killed: str, short: Run, long: Run) -> None:
     else:
         airflow.kill(whole_session=True)
     for run in (short, long):  # the trainings run on without Airflow
-        assert all(_alive(pid) for pid in run.first_try["agents"]), run
+        assert all(is_alive(pid) for pid in run.first_try["agents"]), run
     wait_for("the short training to finish", lambda: training_finished(
         short.run_dir, short.first_try["started"]) and not any(
-        _alive(p) for p in short.first_try["agents"]), 300, airflow.home)
+        is_alive(p) for p in short.first_try["agents"]), 300, airflow.home)
     if killed == "scheduler":
         airflow.start("scheduler")
     else:  # the api-server last, as it comes up last: the scheduler queues the lost tries'
@@ -204,11 +205,11 @@ def assert_ran_once_and_left_nothing(airflow: Airflow, run: Run) -> None:
         assert log.read_text().count("done: ") == 1, log
     assert Path(run_dir, "model", "config.json").is_file()
     # Nothing of the run left: no trainer, no earlier try's task process, no etcd.
-    assert _trainer_processes(str(run_dir / "trainer_config.json")) == []
-    assert not _alive(run.first_try["task"]["pid"])
+    assert trainer_processes(str(run_dir / "trainer_config.json")) == []
+    assert not is_alive(run.first_try["task"]["pid"])
     etcd = run_dir / "state" / "etcd.json"
     if etcd.is_file():
-        assert not _alive(json.loads(etcd.read_text())["pid"])
+        assert not is_alive(json.loads(etcd.read_text())["pid"])
 
 
 def assert_marked_failed_stops_the_training(airflow: Airflow, tmp_path: Path) -> None:
@@ -233,7 +234,7 @@ def assert_marked_failed_stops_the_training(airflow: Airflow, tmp_path: Path) ->
     tis = wait_for("teardown", torn_down, 300, airflow.home, interval=2)
     assert tis["teardown"]["state"] == "success"
     assert tis["train"]["state"] == "failed" and tis["train"]["try_number"] == 1
-    wait_for("the training to stop", lambda: not any(_alive(p) for p in agents), 30,
+    wait_for("the training to stop", lambda: not any(is_alive(p) for p in agents), 30,
              airflow.home)
-    assert _trainer_processes(str(run_dir / "trainer_config.json")) == []
+    assert trainer_processes(str(run_dir / "trainer_config.json")) == []
     assert len(logged_steps(run_dir)) < LONG_STEPS

@@ -13,7 +13,7 @@ import pytest
 from finetune.demo import load_dag, run_dag, task_results
 from finetune.etcd import LocalEtcd, is_healthy
 from finetune.names import run_dir_name
-from finetune.targets.local import _trainer_processes
+from finetune.targets.local.processes import trainer_processes
 from tests.support.system import etcd_or_skip, has_etcd
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -174,7 +174,7 @@ def test_full_local_run_trains_a_model_transformers_loads_and_writes_the_report(
     # teardown stopped the run's etcd and left no trainer process behind
     if has_etcd():
         assert_etcd_stopped(run_dir)
-    assert _trainer_processes(str(run_dir / "trainer_config.json")) == []
+    assert trainer_processes(str(run_dir / "trainer_config.json")) == []
     train_log = (run_dir / "train.log").read_text()
     assert "step" in train_log
     # prepare_data encoded the data set once, before scale_up; the trainer only loaded it
@@ -286,7 +286,7 @@ def test_teardown_stops_etcd_and_trainers_when_train_fails_and_the_report_says_w
     run_dir = run_dir_of(dag_run, out)
     assert_etcd_stopped(run_dir)
     assert "has no safetensors weights" in (run_dir / "train.log").read_text()
-    assert _trainer_processes(str(run_dir / "trainer_config.json")) == []
+    assert trainer_processes(str(run_dir / "trainer_config.json")) == []
     report = json.loads((run_dir / "report.json").read_text())
     assert report["status"] == "failed"
     # The report says why, in the trainer's own words, not torchrun's ChildFailedError.
@@ -309,7 +309,7 @@ def test_a_training_past_its_deadline_is_stopped_and_the_run_gives_everything_ba
     assert str(dag_run.state) == "failed"
     assert states["train"] == "failed" and states["teardown"] == "success"
     run_dir = run_dir_of(dag_run, out)
-    assert _trainer_processes(str(run_dir / "trainer_config.json")) == []
+    assert trainer_processes(str(run_dir / "trainer_config.json")) == []
     assert json.loads((run_dir / "report.json").read_text())["status"] == "failed"
     if has_etcd():
         assert_etcd_stopped(run_dir)

@@ -18,13 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from finetune.targets.local import (
-    LocalTarget,
-    _alive,
-    _is_agent,
-    _trainer_processes,
-    training_finished,
-)
+from finetune.targets.local.processes import is_agent, is_alive, trainer_processes
+from finetune.targets.local.target import LocalTarget
+from finetune.targets.local.training import training_finished
 from finetune.validate import validate_params
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -71,7 +67,7 @@ def wait_for_step(run_dir: Path, step: int, timeout: float = 240) -> None:
 def workers(cfg) -> dict[int, int]:
     """Global rank -> pid of the run's trainer processes (not the torchrun agents)."""
     found = {}
-    for pid in _trainer_processes(str(Path(cfg.run_dir) / "trainer_config.json")):
+    for pid in trainer_processes(str(Path(cfg.run_dir) / "trainer_config.json")):
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -122,7 +118,7 @@ def train_during(target: LocalTarget, cfg, rdzv: dict, fault) -> dict:
 
 def assert_nothing_left(target: LocalTarget, cfg) -> None:
     target.teardown(cfg, {})
-    assert _trainer_processes(str(Path(cfg.run_dir) / "trainer_config.json")) == []
+    assert trainer_processes(str(Path(cfg.run_dir) / "trainer_config.json")) == []
 
 
 def assert_resumed_to_the_uninterrupted_losses(run_dir: Path, uninterrupted: dict) -> None:
@@ -224,7 +220,7 @@ def test_a_killed_node_is_started_again_and_both_nodes_resume_to_the_uninterrupt
 TRAIN_TASK = """
 import json, sys
 from finetune.config import RunConfig
-from finetune.targets.local import LocalTarget
+from finetune.targets.local.target import LocalTarget
 cfg, rdzv = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 LocalTarget().train(RunConfig.from_dict(cfg), {"image_tag": "test"}, rdzv)
 """
@@ -249,7 +245,7 @@ def lost_worker_run(tmp_path_factory) -> tuple[dict, Path, list[int]]:
         agents = json.loads((run_dir / "state" / "train.json").read_text())["agents"]
         first_try.send_signal(signal.SIGKILL)
         first_try.wait(10)
-        assert all(_alive(pid) for pid in agents)  # the training runs on without its task
+        assert all(is_alive(pid) for pid in agents)  # the training runs on without its task
 
         result = target.train(cfg, IMAGE, rdzv)  # the retry
     finally:
@@ -303,7 +299,7 @@ def test_a_reattached_retry_fails_when_the_training_it_follows_fails(tmp_path):
     (run_dir / "logs").mkdir(exist_ok=True)
     (run_dir / "logs" / "torchrun-node-0.log").write_text("worker 1 exited with -9\n")
     deadline = time.monotonic() + 30
-    while not _is_agent(agent.pid, str(run_dir / "trainer_config.json")):  # its exec done
+    while not is_agent(agent.pid, str(run_dir / "trainer_config.json")):  # its exec done
         assert time.monotonic() < deadline
         time.sleep(0.05)
     try:

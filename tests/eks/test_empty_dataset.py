@@ -10,7 +10,7 @@ import pytest
 
 from finetune.config import ConfigError
 from finetune.s3_dataset import s3_dataset_problem
-from finetune.targets.local import LocalTarget
+from finetune.targets.local.target import LocalTarget
 from tests.support.eks import SCALING, eks_config, run_stage, scaling, target
 from tests.support.kube import add_nodes
 

@@ -10,7 +10,8 @@ import pytest
 from finetune.config import ConfigError, RunConfig
 from finetune.names import dns_label, run_dir_name
 from finetune.params import dag_params
-from finetune.targets.local import local_cpu_count, local_resources, trainer_config
+from finetune.targets.local.machine import local_cpu_count, local_resources
+from finetune.trainer_config import trainer_config
 from finetune.validate import validate_params
 from finetune_contract.parameters import FORM_PARAMETERS, defaults
 
@@ -222,8 +223,8 @@ def test_seq_len_beyond_a_model_directorys_positions_is_refused(tmp_path):
 
 
 def test_omp_num_threads_where_the_stage_runs_caps_each_processs_threads(monkeypatch):
-    monkeypatch.setattr("finetune.targets.local.local_cpu_count", lambda: 8)
-    monkeypatch.setattr("finetune.targets.local.gpu_count", lambda: 0)
+    monkeypatch.setattr("finetune.targets.local.machine.local_cpu_count", lambda: 8)
+    monkeypatch.setattr("finetune.targets.local.machine.gpu_count", lambda: 0)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert {k: local_resources(1, 2)[k] for k in ("threads_per_process", "threads")} == \
         {"threads_per_process": 4, "threads": 8}

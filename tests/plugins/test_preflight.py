@@ -13,7 +13,7 @@ import pytest
 import trainer.preflight
 from finetune.preflight_verdict import PreflightFailed, judge, result_line
 from finetune.report import write_report
-from finetune.targets.local import LocalTarget
+from finetune.targets.local.target import LocalTarget
 from finetune.validate import validate_params
 from finetune_contract.instance_types import BUSBW_FLOOR, INSTANCE_TYPES
 from finetune_contract.preflight_result import PREFLIGHT_FILE, RESULT_PREFIX
@@ -119,7 +119,7 @@ def test_a_local_preflight_that_cannot_measure_fails_with_the_programs_output(tm
                                                                               monkeypatch):
     cfg = validate_params({"output_dir": str(tmp_path), "nodes": 1, "procs_per_node": 1},
                           run_id="pf-bad")
-    monkeypatch.setattr("finetune.targets.local.sys.executable", "/bin/false")
+    monkeypatch.setattr("finetune.targets.local.target.sys.executable", "/bin/false")
     with pytest.raises(PreflightFailed, match="preflight could not measure"):
         LocalTarget().preflight(cfg, image={}, rendezvous={})
 

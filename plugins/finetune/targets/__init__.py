@@ -18,7 +18,7 @@ from finetune.targets.base import Target
 def get_target(name: str, **options: Any) -> Target:
     """The target called `name`; `options` are its constructor's (poll intervals, timeouts)."""
     if name == "local":
-        from finetune.targets.local import LocalTarget
+        from finetune.targets.local.target import LocalTarget
 
         return LocalTarget(**options)
     if name == "eks":
