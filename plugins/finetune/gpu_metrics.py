@@ -3,7 +3,7 @@ this machine during training (local: host CPU and memory, NVML where a GPU and p
 
 Both sources end in the same `gpu` section of report.json (`gpu_section`): per GPU and per node
 mean and max of each series, XID errors flagged, and per-GPU time series for the plots.
-Standard library only (plus psutil, an Airflow dependency): this runs in the Airflow worker.
+It runs in the Airflow worker: the standard library, psutil, and pynvml where a GPU is.
 """
 
 from __future__ import annotations
