@@ -91,13 +91,19 @@ def reconcile_scaling(eks: Any, cfg: RunConfig, store: ReservationStore, attempt
 
     Whoever changes the reservations last also sizes the node group last, from them.
     """
-    for _ in range(attempts):
+    def size_from_latest() -> dict[str, int] | None:
+        """The size applied, or None when the reservations changed meanwhile."""
         state, version = store.read()
         wanted = wanted_scaling(state, time.time())
         apply_scaling(eks, cfg, wanted, attempts, wait_s)
-        if store.read()[1] == version:
-            return wanted
-    raise RuntimeError(f"the reservations of node group {cfg.nodegroup} kept changing")
+        return wanted if store.read()[1] == version else None
+
+    sized = tenacity.Retrying(retry=tenacity.retry_if_result(lambda wanted: wanted is None),
+                              stop=tenacity.stop_after_attempt(attempts),
+                              retry_error_callback=lambda _: None)(size_from_latest)
+    if sized is None:
+        raise RuntimeError(f"the reservations of node group {cfg.nodegroup} kept changing")
+    return sized
 
 
 # -- its nodes in Kubernetes (pure) ----------------------------------------------------------
