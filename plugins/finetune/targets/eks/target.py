@@ -57,7 +57,7 @@ from finetune.preflight_verdict import (
 from finetune.run_plan import plan_run
 from finetune.s3_dataset import check_s3_dataset
 from finetune.targets.base import Target, TrainingFailed, Wait
-from finetune.targets.eks import checks, job, nodegroup
+from finetune.targets.eks import checks, evaluation_job, job, nodegroup, prepare_pod
 from finetune.targets.eks.clients import (
     TOKEN_REFRESH_S,
     aws_session,
@@ -174,7 +174,7 @@ class EksTarget(Target):
         return self._start_prepare(cfg, self.build_done(cfg, event, state)["image"])
 
     def _start_prepare(self, cfg: RunConfig, image: str) -> Wait:
-        name = job.start_prepare_job(self._kube(cfg), cfg, image)
+        name = prepare_pod.start_prepare_job(self._kube(cfg), cfg, image)
         deadline = time.time() + PREPARE_DEADLINE_S + self.poll_interval
         return Wait(BatchJobTrigger(
             credentials=kube_credentials(cfg), namespace=cfg.namespace, name=name,
@@ -183,25 +183,11 @@ class EksTarget(Target):
             resume="prepare_job_done", deadline=deadline, state={"job": name, "image": image})
 
     def prepare_job_done(self, cfg: RunConfig, event: dict, state: dict) -> dict:
-        """The pod's record (the statistics) decides the run, as the worker's would; the Job
-        and its pod are deleted whatever happened (nothing of the stage runs on)."""
-        from finetune.outputs import read_output
+        """The pod's record (the statistics) decides the run, as the worker's would."""
         from finetune.prepare_stage import accept_prepared, stage_result
-        from finetune_contract.fields import PREPARE_DATA_FILE
 
-        api, name = self._kube(cfg), state["job"]
-        try:
-            if event["state"] != "Complete":
-                message = event["message"] if event["state"] == "Failed" else (
-                    f"no result after PREPARE_DEADLINE_S = {PREPARE_DEADLINE_S} s: deleted it")
-                raise RuntimeError(job.prepare_failure(api, cfg, name, message))
-            text = read_output(cfg.run_dir, PREPARE_DATA_FILE, lambda: self._s3(cfg))
-            record = json.loads(text) if text else None
-            if not record or record.get("run_id") != cfg.run_id:
-                raise RuntimeError(f"prepare_data Job {cfg.namespace}/{name} succeeded but "
-                                   f"{cfg.run_dir} has no {PREPARE_DATA_FILE} of this run")
-        finally:
-            job.delete_prepare_job(api, cfg)
+        record = prepare_pod.prepared_record(self._kube(cfg), cfg, state["job"], event,
+                                             lambda: self._s3(cfg))
         return stage_result(accept_prepared(cfg, record), record)
 
     # -- snapshot ---------------------------------------------------------------------------
@@ -506,22 +492,8 @@ class EksTarget(Target):
         """trainer.evaluate as a one-GPU job of the run's launcher (PyTorchJob or TrainJob) on
         the run's nodes (created, or adopted by a retry), then wait for it as for the training;
         teardown deletes it with the run's other jobs."""
-        import kubernetes
-
-        launcher = launcher_for(cfg)
-        manifest = launcher.evaluation_manifest(cfg, image["image"],
-                                                champion.get("model_uri") or "")
-        name = manifest["metadata"]["name"]
-        custom = kubernetes.client.CustomObjectsApi(self._kube(cfg))
-        try:
-            custom.create_namespaced_custom_object(launcher.group, launcher.version,
-                                                   cfg.namespace, launcher.plural, manifest)
-            log.info("created %s %s/%s: trainer.evaluate", launcher.kind, cfg.namespace, name)
-        except kubernetes.client.ApiException as exc:
-            if exc.status != 409:
-                raise
-            log.info("adopting %s %s/%s an earlier try created", launcher.kind, cfg.namespace,
-                     name)
+        name = evaluation_job.start_evaluation_job(self._kube(cfg), cfg, image["image"],
+                                                   champion.get("model_uri") or "")
         return self._wait_for_evaluation(cfg, {"job": name, "after": "",
                                                "started": time.time()})
 
@@ -533,25 +505,13 @@ class EksTarget(Target):
             resume="evaluation_wake", state=state)
 
     def evaluation_wake(self, cfg: RunConfig, event: dict, state: dict) -> dict | Wait:
-        import json
-
-        from finetune.outputs import evaluation_result, read_output
-        from finetune_contract.fields import EVALUATION_FILE
-
-        name, api, launcher = state["job"], self._kube(cfg), launcher_for(cfg)
+        name, api = state["job"], self._kube(cfg)
         state = {**state, "after": job.stream_leader_log(api, cfg.namespace, name,
-                                                         state["after"], launcher)}
+                                                         state["after"], launcher_for(cfg))}
         if event["status"] == "running":
             return self._wait_for_evaluation(cfg, state)
-        if event["status"] == "failed":
-            raise RuntimeError("evaluation failed: " + job.failure_report(
-                api, cfg.namespace, name, event["message"], launcher))
-        text = read_output(cfg.run_dir, EVALUATION_FILE, lambda: self._s3(cfg))
-        if text is None:
-            raise RuntimeError(f"{launcher.kind} {name} succeeded but {cfg.run_dir} has no "
-                               f"{EVALUATION_FILE}")
-        return evaluation_result(json.loads(text), f"{cfg.run_dir.rstrip('/')}/"
-                                 f"{EVALUATION_FILE}", time.time() - state["started"])
+        return evaluation_job.evaluation_outcome(api, cfg, name, event, state["started"],
+                                                 lambda: self._s3(cfg))
 
     # -- collect_metrics --------------------------------------------------------------------
 
@@ -590,11 +550,15 @@ class EksTarget(Target):
                             config=cfg.to_dict(), error=trainer_root_cause(cfg.run_dir, s3))
 
     def teardown(self, cfg: RunConfig, snapshot: dict) -> dict:
-        """Delete the run's job and ConfigMap, restore the node group; every step is tried."""
+        """Delete the run's jobs, prepare_data pod and ConfigMaps, restore the node group;
+        every step is tried."""
         done: dict[str, Any] = {}
         problems: list[str] = []
         try:
-            done["deleted"] = job.delete_run_objects(self._kube(cfg), cfg)
+            api = self._kube(cfg)
+            done["deleted"] = (job.delete_run_jobs(api, cfg) +
+                               prepare_pod.delete_prepare_job(api, cfg) +
+                               job.delete_run_configmaps(api, cfg))
         except Exception as exc:  # the node group must be restored even so
             problems.append(f"deleting the run's Kubernetes objects failed: {exc}")
         if cfg.rdzv_backend != "c10d":
