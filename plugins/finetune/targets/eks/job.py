@@ -1,7 +1,9 @@
 """The run's job (a PyTorchJob or a TrainJob: `launchers`), from creation to its end: create (or,
 on a retry, adopt) it with the trainer's ConfigMap, read its state and its pods' failures, stream
-the leader's log, report a failure with each failed pod's reason and log tail, delete it; the
-preflight's job is started here too, and teardown deletes the run's jobs and ConfigMaps.
+the leader's log, fail fast on pods the scheduler cannot place, report a failure with each failed
+pod's reason and log tail and the first failure of all (the ranks' records and the pods'
+deaths), delete it; the preflight's job is started here too, and teardown deletes the run's jobs
+and ConfigMaps.
 
 The readers (the launcher's `state`, `pod_failure`, `split_log`) are pure functions on the API's
 JSON; the trigger that waits for the job uses the launcher's `state` too.
@@ -10,12 +12,15 @@ JSON; the trigger that waits for the job uses the launcher's `state` too.
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 from finetune.config import RunConfig
+from finetune.outputs import trainer_failures, write_run_file
 from finetune.targets.eks.clients import (
     adopt_or_create,
     create_or_replace,
@@ -38,7 +43,12 @@ from finetune.targets.eks.manifests import (
     run_selector,
     trainer_configmap_manifest,
 )
-from finetune_contract.errors import MAX_MESSAGE_CHARS, death_record
+from finetune_contract.errors import (
+    ERRORS_DIR,
+    MAX_MESSAGE_CHARS,
+    death_record,
+    failure_summary,
+)
 
 log = logging.getLogger(__name__)
 
@@ -295,6 +305,20 @@ def unschedulable_pods(api: Any, namespace: str, name: str,
     return sorted(found)
 
 
+def fail_unschedulable(api: Any, cfg: RunConfig, name: str, launcher: Launcher) -> None:
+    """Fail fast, with the scheduler's words, when a pod of the job has waited to be placed for
+    schedule_timeout_s or more (0: never)."""
+    stuck = [(pod, seconds, why) for pod, seconds, why in
+             unschedulable_pods(api, cfg.namespace, name, launcher)
+             if cfg.schedule_timeout_s and seconds >= cfg.schedule_timeout_s]
+    if stuck:
+        raise RuntimeError(
+            f"{len(stuck)} pod(s) of {launcher.kind} {name} could not be scheduled for "
+            f"{cfg.schedule_timeout_s} s or more (schedule_timeout_s); the scheduler "
+            "says:\n" + "\n".join(f"{pod} ({seconds} s): {why}"
+                                  for pod, seconds, why in stuck))
+
+
 def _restart_attempt(pod: dict[str, Any]) -> int:
     value = ((pod.get("metadata") or {}).get("labels") or {}).get(LABEL_RESTART_ATTEMPT, "0")
     return int(value) if value.isdigit() else 0
@@ -354,6 +378,27 @@ def failure_report(api: Any, namespace: str, name: str, message: str,
             parts.append(f"  last lines of {pod_name}:\n" + "\n".join(
                 "    " + line for line in tail.splitlines()[-LOG_TAIL_LINES:]))
     return "\n".join(parts)
+
+
+def first_failure(api: Any, cfg: RunConfig, name: str, launcher: Launcher,
+                  s3_client: Callable[[], Any]) -> str:
+    """The failures by time, first the first: the ranks' own records (on the output) and the
+    pods that died (their container status, with the node); each dead pod's record is stored
+    with the ranks' so the failed report names it too."""
+    deaths = failed_pods(api, cfg.namespace, name, launcher)
+    try:
+        records = trainer_failures(cfg.run_dir, s3_client)
+        # an output on a volume the pods mount is not mounted here: nothing to store there
+        for record in deaths if cfg.run_dir.startswith("s3://") else []:
+            pod = record["node"].rsplit("(pod ", 1)[-1].rstrip(")")
+            write_run_file(cfg.run_dir, s3_client, f"{ERRORS_DIR}/pod_{pod}.json",
+                           json.dumps(record))
+    except Exception as exc:  # the pods' reasons still say what happened
+        log.warning("could not read or store the failure records: %s", exc)
+        records = []
+    # a pod's record stored by an earlier read is the one derived again above
+    records = [r for r in records if "(pod " not in str(r.get("node", ""))]
+    return failure_summary(sorted(records + deaths, key=lambda record: record["time"]))
 
 
 def train_result(cfg: RunConfig, job: dict, image: dict, rendezvous: dict) -> dict:
