@@ -22,7 +22,9 @@ import urllib.parse
 import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
+
+import tenacity
 
 from finetune_contract.parameters import BY_NAME, FORM_PARAMETERS
 from finetune_contract.presets import PRESETS
@@ -115,22 +117,32 @@ class AirflowClient:
         # A busy api-server (its database locked by the scheduler) may not answer in time:
         # a read is asked again, a write is not (it may have been done).
         attempts = GET_ATTEMPTS if method == "GET" else 1
-        for attempt in range(1, attempts + 1):
-            try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    return response.status, _json(response.read())
-            except urllib.error.HTTPError as exc:
-                return exc.code, _json(exc.read())
-            except urllib.error.URLError as exc:
-                if not isinstance(exc.reason, TimeoutError) or attempt == attempts:
-                    raise CliError(f"cannot reach Airflow at {self.url}: {exc.reason}") from None
-            except TimeoutError:
-                if attempt == attempts:
-                    raise CliError(f"Airflow at {self.url} did not answer {method} {path} "
-                                   f"within {self.timeout:g} s ({attempts} tries)") from None
-            print(f"no answer to {method} {path} within {self.timeout:g} s: asking again",
-                  file=sys.stderr, flush=True)
-        raise AssertionError("unreachable")
+        asking_again = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(_no_answer_in_time),
+            stop=tenacity.stop_after_attempt(attempts), reraise=True,
+            before_sleep=lambda _: print(f"no answer to {method} {path} within "
+                                         f"{self.timeout:g} s: asking again", file=sys.stderr,
+                                         flush=True))
+        try:
+            return asking_again(self._open, request)
+        except urllib.error.URLError as exc:
+            raise CliError(f"cannot reach Airflow at {self.url}: {exc.reason}") from None
+        except TimeoutError:
+            raise CliError(f"Airflow at {self.url} did not answer {method} {path} "
+                           f"within {self.timeout:g} s ({attempts} tries)") from None
+
+    def _open(self, request: urllib.request.Request) -> tuple[int, Any]:
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                return response.status, _json(response.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, _json(exc.read())
+
+
+def _no_answer_in_time(exc: BaseException) -> bool:
+    """A request that timed out: while connecting (URLError) or while reading the answer."""
+    return isinstance(exc, TimeoutError) or (isinstance(exc, urllib.error.URLError)
+                                             and isinstance(exc.reason, TimeoutError))
 
 
 def _json(raw: bytes) -> Any:
@@ -179,7 +191,8 @@ def follow(client: AirflowClient, dag_id: str, run_id: str, *, poll_s: float = 5
             f"{urllib.parse.quote(run_id, safe='')}")
     start = time.monotonic()
     seen: dict[str, str] = {}
-    while True:
+
+    def look() -> dict[str, Any]:
         status, run = client.call("GET", base)
         if status != 200:
             raise CliError(f"run {run_id}: HTTP {status}: {_detail(run)}")
@@ -194,12 +207,18 @@ def follow(client: AirflowClient, dag_id: str, run_id: str, *, poll_s: float = 5
                     note = f" (try {ti['try_number']})" if ti.get("try_number", 1) > 1 else ""
                     print(f"{elapsed:7.0f}s  {ti['task_id']:16s} {state}{note}", file=out,
                           flush=True)
-        if run.get("state") in FINISHED:
-            return run["state"]
-        if timeout_s is not None and time.monotonic() - start > timeout_s:
-            raise CliError(f"run {run_id} still {run.get('state')} after {timeout_s:.0f} s "
-                           "(it goes on in Airflow)")
-        time.sleep(poll_s)
+        return run
+
+    def gave_up(attempt: tenacity.RetryCallState) -> NoReturn:
+        state = attempt.outcome.result().get("state") if attempt.outcome else None
+        raise CliError(f"run {run_id} still {state} after {timeout_s:.0f} s "
+                       "(it goes on in Airflow)")
+
+    until_finished = tenacity.Retrying(
+        retry=tenacity.retry_if_result(lambda run: run.get("state") not in FINISHED),
+        wait=tenacity.wait_fixed(poll_s), retry_error_callback=gave_up,
+        stop=tenacity.stop_never if timeout_s is None else tenacity.stop_after_delay(timeout_s))
+    return until_finished(look)["state"]
 
 
 def print_summary(client: AirflowClient, dag_id: str, run_id: str, out=None) -> None:

@@ -19,13 +19,14 @@ import signal
 import socket
 import subprocess
 import tempfile
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import tenacity
 
 log = logging.getLogger(__name__)
 
@@ -147,14 +148,16 @@ class LocalEtcd:
         A free port is free when asked, not when etcd binds it: another program may take it in
         between, and then etcd exits at once; it is started again on new ports.
         """
-        for attempt in range(1, attempts + 1):
-            try:
-                return cls._start_once(binary, log_dir, timeout)
-            except _PortTaken as exc:
-                if attempt == attempts:
-                    raise EtcdError(str(exc)) from None
-                log.info("etcd: %s; starting it again on new ports", str(exc).splitlines()[0])
-        raise AssertionError("unreachable")
+        on_new_ports = tenacity.Retrying(
+            retry=tenacity.retry_if_exception_type(_PortTaken),
+            stop=tenacity.stop_after_attempt(attempts), reraise=True,
+            before_sleep=lambda attempt: log.info(
+                "etcd: %s; starting it again on new ports",
+                str(attempt.outcome.exception() if attempt.outcome else "").splitlines()[0]))
+        try:
+            return on_new_ports(cls._start_once, binary, log_dir, timeout)
+        except _PortTaken as exc:
+            raise EtcdError(str(exc)) from None
 
     @classmethod
     def _start_once(cls, binary: str, log_dir: Path, timeout: float) -> LocalEtcd:
@@ -177,8 +180,8 @@ class LocalEtcd:
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         server = cls(pid=proc.pid, endpoint=f"127.0.0.1:{client}", data_dir=data_dir,
                      log_file=str(log_file))
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+
+        def up() -> bool:
             if proc.poll() is not None:
                 shutil.rmtree(data_dir, ignore_errors=True)
                 with log_file.open("rb") as log:  # this start's lines only
@@ -188,9 +191,10 @@ class LocalEtcd:
                     raise _PortTaken(f"port {client} or {peer} was taken before etcd bound it:"
                                      f"\n{tail}")
                 raise EtcdError(f"etcd exited with code {proc.returncode}:\n{tail}")
-            if is_healthy(server.endpoint):
-                return server
-            time.sleep(0.1)
+            return is_healthy(server.endpoint)
+
+        if until_true(timeout, 0.1)(up):
+            return server
         server.stop()
         raise EtcdError(f"etcd did not become healthy within {timeout:.0f}s; log: {log_file}")
 
@@ -206,17 +210,26 @@ class LocalEtcd:
         """Stop the server (SIGTERM, then SIGKILL) and delete its data dir."""
         if self.is_running():
             os.kill(self.pid, signal.SIGTERM)
-            deadline = time.monotonic() + timeout
-            while self.is_running() and time.monotonic() < deadline:
-                _reap(self.pid)
-                time.sleep(0.1)
-            if self.is_running():
+            if not until_true(timeout, 0.1)(self._stopped):
                 os.kill(self.pid, signal.SIGKILL)
             _reap(self.pid)
         shutil.rmtree(self.data_dir, ignore_errors=True)
 
+    def _stopped(self) -> bool:
+        _reap(self.pid)
+        return not self.is_running()
+
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def until_true(timeout: float, interval: float) -> tenacity.Retrying:
+    """Calls a check every `interval` seconds until it returns True (then True) or `timeout`
+    seconds have passed (then False); an exception it raises ends the wait."""
+    return tenacity.Retrying(retry=tenacity.retry_if_result(lambda done: not done),
+                             stop=tenacity.stop_after_delay(timeout),
+                             wait=tenacity.wait_fixed(interval),
+                             retry_error_callback=lambda _: False)
 
 
 def _reap(pid: int) -> None:

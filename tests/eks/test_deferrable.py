@@ -22,6 +22,8 @@ from finetune.targets.eks.manifests import (
 )
 from finetune.targets.eks.target import EksTarget
 from finetune.targets.eks.triggers import (
+    BatchJobTrigger,
+    ImageBuildTrigger,
     NodegroupActiveTrigger,
     NodesReadyTrigger,
     PyTorchJobTrigger,
@@ -218,6 +220,38 @@ def test_trigger_deadlines_are_wall_clock_and_a_restarted_triggerer_does_not_ext
     with pytest.raises(TimeoutError, match="only 0 of 2 node"):
         t.nodes_ready(cfg, event, ready.state)
     t.teardown(cfg, t.snapshot(cfg))
+
+
+def test_a_degraded_nodegroup_ends_the_wait_at_once_naming_its_health_issues(monkeypatch):
+    """boto3's nodegroup_active waiter would wait this out to its deadline (it fails only on
+    CREATE_FAILED)."""
+    degraded = {"status": "DEGRADED", "health": {"issues": [
+        {"code": "AsgInstanceLaunchFailures", "message": "Could not launch On-Demand Instances"}]}}
+    monkeypatch.setattr(NodegroupActiveTrigger, "_describe", lambda self: degraded)
+    trigger = NodegroupActiveTrigger(cluster_name="train", nodegroup="gpu-p4de",
+                                     deadline=time.time() + 30, poll_interval=0.05)
+    began = time.monotonic()
+    assert asyncio.run(first_event(trigger)) == {
+        "status": "error", "message": "node group gpu-p4de is DEGRADED: "
+        "AsgInstanceLaunchFailures: Could not launch On-Demand Instances"}
+    assert time.monotonic() - began < 1
+
+
+def test_every_trigger_is_built_again_from_its_serialised_kwargs():
+    credentials = kube_credentials(eks_config())
+    for trigger in (
+            NodegroupActiveTrigger(cluster_name="train", nodegroup="gpu", deadline=1.0),
+            NodesReadyTrigger(credentials=credentials, nodegroup="gpu", nodes=2, gpus=8,
+                              deadline=2.0, efa=4, instance_type="p4de.24xlarge"),
+            PyTorchJobTrigger(credentials=credentials, namespace=NS, name="j", wake_at=3.0,
+                              launcher="trainjob", deadline=4.0),
+            ImageBuildTrigger(pending={"builder": "codebuild", "build_id": "b:1"},
+                              deadline=5.0, aws_conn_id="aws"),
+            BatchJobTrigger(credentials=credentials, namespace=NS, name="j-prep", deadline=6.0)):
+        classpath, kwargs = trigger.serialize()
+        assert classpath == f"finetune.targets.eks.triggers.{type(trigger).__name__}"
+        assert reloaded(trigger).serialize() == (classpath, kwargs)
+        assert kwargs["deadline"] == trigger.deadline  # wall-clock, carried in the kwargs
 
 
 def test_the_jobs_wake_up_time_is_wall_clock_too(cluster):

@@ -12,7 +12,6 @@ import pytest
 
 from finetune.targets.eks import job
 from finetune.targets.eks.manifests import job_name
-from finetune.targets.eks.target import EksTarget
 from finetune_contract.errors import error_file, error_record, failure_records
 from tests.support.eks import NS, eks_config
 from tests.support.kube import pod_status
@@ -93,7 +92,7 @@ def test_a_failed_train_leads_with_the_oomkilled_pod_before_rank_0s_broken_colle
     make_pod(cluster, name, 0, terminated(1, "2026-11-29T10:00:08Z"))
     make_pod(cluster, name, 1, terminated(137, "2026-11-29T10:00:05Z", "OOMKilled"))
 
-    summary = EksTarget()._first_failure(cfg, cluster.api(), name, job.PYTORCHJOB)
+    summary = job.first_failure(cluster.api(), cfg, name, job.PYTORCHJOB, lambda: s3)
     lines = summary.splitlines()
     assert lines[0].startswith("first failure: a process killed by SIGKILL"), summary
     assert "ip-10-0-0-1" in lines[0] and "OOMKilled" in lines[0]
@@ -105,5 +104,5 @@ def test_a_failed_train_leads_with_the_oomkilled_pod_before_rank_0s_broken_colle
                              .decode() for o in listed)
     assert stored[0]["type"] == "SIGKILL" and "ip-10-0-0-1" in stored[0]["node"]
     # read again (a retried task): the stored pod records are not counted twice
-    again = EksTarget()._first_failure(cfg, cluster.api(), name, job.PYTORCHJOB)
+    again = job.first_failure(cluster.api(), cfg, name, job.PYTORCHJOB, lambda: s3)
     assert again == summary

@@ -255,11 +255,11 @@ def test_a_retry_of_prepare_adopts_the_running_job_of_the_first_try(session, kub
 
 
 def test_teardown_deletes_a_prepare_pod_left_running(session, kube, nodegroup, tmp_path):
-    from finetune.targets.eks import job
+    from finetune.targets.eks import prepare_pod
     from tests.support.eks import target
 
     cfg = pod_config()
-    job.start_prepare_job(kube.api(), cfg, "1234.dkr.ecr/ft:abc")
+    prepare_pod.start_prepare_job(kube.api(), cfg, "1234.dkr.ecr/ft:abc")
     name = prepare_job_manifest(cfg, "x")["metadata"]["name"]
     kubernetes.client.CoreV1Api(kube.api()).create_namespaced_pod(NS, {
         "apiVersion": "v1", "kind": "Pod",

@@ -1,5 +1,6 @@
 """The CLI's REST client against a real HTTP server that answers late: a read is asked again,
-a write is not (it may have been done), and giving up says why in one line."""
+a write is not (it may have been done), and giving up says why in one line; following a run
+prints each task's state change once and gives up after its timeout, saying the run goes on."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 
 import pytest
 
-from finetune.cli import GET_ATTEMPTS, AirflowClient, CliError
+from finetune.cli import GET_ATTEMPTS, AirflowClient, CliError, follow
 
 
 class SlowServer(http.server.ThreadingHTTPServer):
@@ -76,3 +77,31 @@ def test_a_write_that_times_out_is_not_sent_twice(server):
         client.call("POST", "/api/v2/dags/x/dagRuns", {"conf": {}})
     time.sleep(0.8)
     assert server.requests == [("POST", "/api/v2/dags/x/dagRuns")]
+
+
+class RunStates:
+    """An AirflowClient stand-in whose run goes through `states`, one per look; its one task
+    goes queued -> running -> success alongside."""
+
+    def __init__(self, states: list[str]):
+        self.states, self.looks = states, 0
+
+    def call(self, method: str, path: str, body: object = None) -> tuple[int, dict]:
+        if path.endswith("/taskInstances?limit=100"):
+            state = ("queued", "running", "success")[min(self.looks - 1, 2)]
+            return 200, {"task_instances": [{"task_id": "train", "state": state}]}
+        state = self.states[min(self.looks, len(self.states) - 1)]
+        self.looks += 1
+        return 200, {"state": state}
+
+
+def test_follow_prints_each_task_state_change_once_and_returns_the_runs_end(capsys):
+    client = RunStates(["queued", "running", "running", "success"])
+    assert follow(client, "dag", "run", poll_s=0.01) == "success"
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[-1] for line in lines] == ["queued", "running", "success"]
+
+
+def test_follow_gives_up_after_its_timeout_saying_the_run_goes_on():
+    with pytest.raises(CliError, match=r"run r still running after 0 s \(it goes on in Airflow"):
+        follow(RunStates(["running"]), "dag", "r", poll_s=0.01, timeout_s=0.05)

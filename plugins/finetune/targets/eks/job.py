@@ -1,6 +1,9 @@
 """The run's job (a PyTorchJob or a TrainJob: `launchers`), from creation to its end: create (or,
 on a retry, adopt) it with the trainer's ConfigMap, read its state and its pods' failures, stream
-the leader's log, report a failure with each failed pod's reason and log tail, delete it.
+the leader's log, fail fast on pods the scheduler cannot place, report a failure with each failed
+pod's reason and log tail and the first failure of all (the ranks' records and the pods'
+deaths), delete it; the preflight's job is started here too, and teardown deletes the run's jobs
+and ConfigMaps.
 
 The readers (the launcher's `state`, `pod_failure`, `split_log`) are pure functions on the API's
 JSON; the trigger that waits for the job uses the launcher's `state` too.
@@ -9,12 +12,15 @@ JSON; the trigger that waits for the job uses the launcher's `state` too.
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 from finetune.config import RunConfig
+from finetune.outputs import trainer_failures, write_run_file
 from finetune.targets.eks.clients import (
     adopt_or_create,
     create_or_replace,
@@ -33,13 +39,16 @@ from finetune.targets.eks.manifests import (
     LABEL_PROGRAM,
     LABEL_RESTART_ATTEMPT,
     PREFLIGHT,
-    PREPARE,
     TRAIN,
-    prepare_job_manifest,
     run_selector,
     trainer_configmap_manifest,
 )
-from finetune_contract.errors import MAX_MESSAGE_CHARS, death_record
+from finetune_contract.errors import (
+    ERRORS_DIR,
+    MAX_MESSAGE_CHARS,
+    death_record,
+    failure_summary,
+)
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +179,7 @@ def start_preflight_job(api: Any, cfg: RunConfig, image: str) -> str:
 
 def leader_log(api: Any, namespace: str, name: str, launcher: Launcher = PYTORCHJOB) -> str:
     """Rank 0's whole log ('' when its pod is gone)."""
-    pods = _pods(api, namespace, launcher.leader_selector(name))
+    pods = list_pods(api, namespace, launcher.leader_selector(name))
     if not pods:
         return ""
     leader = max(pods, key=lambda p: (_restart_attempt(p),
@@ -249,7 +258,7 @@ def pod_log(core: Any, pod: str, namespace: str, container: str = PYTORCHJOB.con
 
 
 @retry_transient
-def _pods(api: Any, namespace: str, selector: str) -> list[dict[str, Any]]:
+def list_pods(api: Any, namespace: str, selector: str) -> list[dict[str, Any]]:
     _, core = _apis(api)
     return api.sanitize_for_serialization(core.list_namespaced_pod(
         namespace, label_selector=selector))["items"]
@@ -257,7 +266,7 @@ def _pods(api: Any, namespace: str, selector: str) -> list[dict[str, Any]]:
 
 def job_pods(api: Any, namespace: str, name: str,
              launcher: Launcher = PYTORCHJOB) -> list[dict[str, Any]]:
-    return _pods(api, namespace, launcher.pod_selector(name))
+    return list_pods(api, namespace, launcher.pod_selector(name))
 
 
 def delete_pods_on(api: Any, namespace: str, pods: list[dict[str, Any]],
@@ -283,7 +292,7 @@ def unschedulable_pods(api: Any, namespace: str, name: str,
     """(pod, seconds, the scheduler's message) of the job's pods the scheduler could not place
     (PodScheduled False, reason Unschedulable: what a FailedScheduling event also says)."""
     found = []
-    for pod in _pods(api, namespace, launcher.pod_selector(name)):
+    for pod in list_pods(api, namespace, launcher.pod_selector(name)):
         if (pod.get("status") or {}).get("phase") != "Pending":
             continue
         for condition in (pod.get("status") or {}).get("conditions") or []:
@@ -296,6 +305,20 @@ def unschedulable_pods(api: Any, namespace: str, name: str,
     return sorted(found)
 
 
+def fail_unschedulable(api: Any, cfg: RunConfig, name: str, launcher: Launcher) -> None:
+    """Fail fast, with the scheduler's words, when a pod of the job has waited to be placed for
+    schedule_timeout_s or more (0: never)."""
+    stuck = [(pod, seconds, why) for pod, seconds, why in
+             unschedulable_pods(api, cfg.namespace, name, launcher)
+             if cfg.schedule_timeout_s and seconds >= cfg.schedule_timeout_s]
+    if stuck:
+        raise RuntimeError(
+            f"{len(stuck)} pod(s) of {launcher.kind} {name} could not be scheduled for "
+            f"{cfg.schedule_timeout_s} s or more (schedule_timeout_s); the scheduler "
+            "says:\n" + "\n".join(f"{pod} ({seconds} s): {why}"
+                                  for pod, seconds, why in stuck))
+
+
 def _restart_attempt(pod: dict[str, Any]) -> int:
     value = ((pod.get("metadata") or {}).get("labels") or {}).get(LABEL_RESTART_ATTEMPT, "0")
     return int(value) if value.isdigit() else 0
@@ -306,7 +329,7 @@ def stream_leader_log(api: Any, namespace: str, name: str, after: str,
     """Copy rank 0's log lines newer than timestamp `after` into the task log; the newest."""
     import kubernetes
 
-    pods = _pods(api, namespace, launcher.leader_selector(name))
+    pods = list_pods(api, namespace, launcher.leader_selector(name))
     if not pods:
         return after
     # After a JobSet restart the newest attempt's pod leads (the old one may still be there).
@@ -329,7 +352,7 @@ def stream_leader_log(api: Any, namespace: str, name: str, after: str,
 def failed_pods(api: Any, namespace: str, name: str,
                 launcher: Launcher = PYTORCHJOB) -> list[dict[str, Any]]:
     """The failure records of the job's pods that died, earliest first (pod_deaths)."""
-    return pod_deaths(_pods(api, namespace, launcher.pod_selector(name)))
+    return pod_deaths(list_pods(api, namespace, launcher.pod_selector(name)))
 
 
 def failure_report(api: Any, namespace: str, name: str, message: str,
@@ -339,7 +362,7 @@ def failure_report(api: Any, namespace: str, name: str, message: str,
 
     _, core = _apis(api)
     parts = [f"{launcher.kind} {namespace}/{name} failed: {message}"]
-    pods = _pods(api, namespace, launcher.pod_selector(name))
+    pods = list_pods(api, namespace, launcher.pod_selector(name))
     for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
         reason = pod_failure(pod)
         if reason is None:
@@ -357,6 +380,27 @@ def failure_report(api: Any, namespace: str, name: str, message: str,
     return "\n".join(parts)
 
 
+def first_failure(api: Any, cfg: RunConfig, name: str, launcher: Launcher,
+                  s3_client: Callable[[], Any]) -> str:
+    """The failures by time, first the first: the ranks' own records (on the output) and the
+    pods that died (their container status, with the node); each dead pod's record is stored
+    with the ranks' so the failed report names it too."""
+    deaths = failed_pods(api, cfg.namespace, name, launcher)
+    try:
+        records = trainer_failures(cfg.run_dir, s3_client)
+        # an output on a volume the pods mount is not mounted here: nothing to store there
+        for record in deaths if cfg.run_dir.startswith("s3://") else []:
+            pod = record["node"].rsplit("(pod ", 1)[-1].rstrip(")")
+            write_run_file(cfg.run_dir, s3_client, f"{ERRORS_DIR}/pod_{pod}.json",
+                           json.dumps(record))
+    except Exception as exc:  # the pods' reasons still say what happened
+        log.warning("could not read or store the failure records: %s", exc)
+        records = []
+    # a pod's record stored by an earlier read is the one derived again above
+    records = [r for r in records if "(pod " not in str(r.get("node", ""))]
+    return failure_summary(sorted(records + deaths, key=lambda record: record["time"]))
+
+
 def train_result(cfg: RunConfig, job: dict, image: dict, rendezvous: dict) -> dict:
     """What train returns (to XCom): the job, its time window (for the GPU metrics), the
     image and the rendezvous it ran with."""
@@ -368,18 +412,25 @@ def train_result(cfg: RunConfig, job: dict, image: dict, rendezvous: dict) -> di
             "rendezvous": {k: rendezvous[k] for k in ("backend", "rdzv_id")}}
 
 
-def delete_run_objects(api: Any, cfg: RunConfig) -> list[str]:
-    """Delete the run's job(s) (PyTorchJob or TrainJob), its prepare_data Job and pod, and its
-    ConfigMap(s), found by the run's label."""
-    import kubernetes
-
+def delete_run_jobs(api: Any, cfg: RunConfig) -> list[str]:
+    """Delete the run's jobs (PyTorchJob or TrainJob: training, preflight, evaluation), found
+    by the run's label; what was deleted."""
     launcher = launcher_for(cfg)
-    custom, core = _apis(api)
+    custom, _ = _apis(api)
     deleted = []
     for job in _list_jobs(custom, launcher, cfg, program=None):
         if delete_job(api, cfg.namespace, job["metadata"]["name"], launcher=launcher):
             deleted.append(f"{launcher.name}/{job['metadata']['name']}")
-    deleted += delete_prepare_job(api, cfg)
+    return deleted
+
+
+def delete_run_configmaps(api: Any, cfg: RunConfig) -> list[str]:
+    """Delete the run's ConfigMaps (the trainer config its jobs and prepare pod mount), found
+    by the run's label; what was deleted."""
+    import kubernetes
+
+    _, core = _apis(api)
+    deleted = []
     for cm in core.list_namespaced_config_map(cfg.namespace,
                                               label_selector=run_selector(cfg)).items:
         try:
@@ -388,104 +439,4 @@ def delete_run_objects(api: Any, cfg: RunConfig) -> list[str]:
         except kubernetes.client.ApiException as exc:
             if exc.status != 404:
                 raise
-    return deleted
-
-
-# -- the prepare_data pod (prepare_on pod): a batch/v1 Job --------------------------------------
-
-
-def start_prepare_job(api: Any, cfg: RunConfig, image: str) -> str:
-    """The trainer's ConfigMap (the pod reads the run's trainer config from it) and the
-    prepare_data Job, created, or adopted from an earlier try while it runs (a failed one is
-    replaced); its name."""
-    import kubernetes
-
-    from finetune.targets.eks.image_build import create_or_adopt_batch_job
-
-    core = kubernetes.client.CoreV1Api(api)
-    create_or_replace(core.create_namespaced_config_map, core.replace_namespaced_config_map,
-                      trainer_configmap_manifest(cfg))
-    manifest = prepare_job_manifest(cfg, image)
-    create_or_adopt_batch_job(kubernetes.client.BatchV1Api(api), manifest, "prepare_data Job")
-    name = manifest["metadata"]["name"]
-    log.info("prepare_data Job %s/%s: %s CPU(s), %d GiB, image %s", cfg.namespace, name,
-             cfg.prepare_cpu, cfg.prepare_memory_gib, image)
-    return name
-
-
-def prepare_pods(api: Any, cfg: RunConfig, name: str) -> list[dict[str, Any]]:
-    from finetune.targets.eks.image_build import JOB_NAME_LABEL
-
-    return _pods(api, cfg.namespace, f"{JOB_NAME_LABEL}={name}")
-
-
-def prepare_failure(api: Any, cfg: RunConfig, name: str, message: str) -> str:
-    """Why the prepare_data Job failed, the first cause first: its container's own message
-    (trainer.prepare_data writes the error there), else how the pod died (OOMKilled, evicted,
-    an exit code, an image that cannot be pulled); then each pod's reason and log tail."""
-    import kubernetes
-
-    _, core = _apis(api)
-    pods = sorted(prepare_pods(api, cfg, name),
-                  key=lambda p: p["metadata"].get("creationTimestamp") or "")
-    first = ""
-    for pod in pods:
-        for cs in (pod.get("status") or {}).get("containerStatuses") or []:
-            term = (cs.get("state") or {}).get("terminated") or {}
-            if term.get("exitCode") and term.get("message") and term.get("reason") != "OOMKilled":
-                first = term["message"].strip().splitlines()[-1]
-                break
-        if not first:
-            death = pod_death(pod)
-            first = death["message"] if death else ""
-        if not first:
-            first = pod_failure(pod) or ""
-        if first:
-            break
-    parts = [f"prepare_data pod failed: {first or message or 'no pod of the Job was found'}",
-             f"batch Job {cfg.namespace}/{name}: {message or 'failed'}"]
-    for pod in pods:
-        pod_name = pod["metadata"]["name"]
-        phase = (pod.get("status") or {}).get("phase")
-        parts.append(f"pod {pod_name}: {pod_failure(pod) or phase}")
-        try:
-            tail = pod_log(core, pod_name, cfg.namespace, tail_lines=LOG_TAIL_LINES)
-        except kubernetes.client.ApiException:
-            tail = ""
-        if tail.strip():
-            parts.append(f"  last lines of {pod_name}:\n" + "\n".join(
-                "    " + line for line in tail.splitlines()[-LOG_TAIL_LINES:]))
-    return "\n".join(parts)
-
-
-def delete_prepare_job(api: Any, cfg: RunConfig) -> list[str]:
-    """Delete the run's prepare_data Job and its pod (found by the run's and the program's
-    labels); what was deleted."""
-    import kubernetes
-
-    from finetune.targets.eks.image_build import delete_batch_job
-
-    batch = kubernetes.client.BatchV1Api(api)
-    try:
-        jobs = batch.list_namespaced_job(
-            cfg.namespace, label_selector=f"{run_selector(cfg)},{LABEL_PROGRAM}={PREPARE}").items
-    except kubernetes.client.ApiException as exc:
-        if exc.status == 404:  # no batch API served: no Job was made
-            return []
-        raise
-    deleted = []
-    for found in jobs:
-        if delete_batch_job(batch, cfg.namespace, found.metadata.name):
-            deleted.append(f"job/{found.metadata.name}")
-    # Background propagation leaves the pod to the garbage collector: delete it too, so nothing
-    # of the run runs on after its teardown.
-    core = kubernetes.client.CoreV1Api(api)
-    for found in jobs:
-        for pod in prepare_pods(api, cfg, found.metadata.name):
-            try:
-                core.delete_namespaced_pod(pod["metadata"]["name"], cfg.namespace)
-                deleted.append(f"pod/{pod['metadata']['name']}")
-            except kubernetes.client.ApiException as exc:
-                if exc.status != 404:
-                    raise
     return deleted

@@ -1,9 +1,11 @@
 """The run's EKS managed node group: its scaling config (read, sized from the reservations,
-updated one change at a time), its instance type (resolved from the node group, checked
-against the run's), which of its nodes are usable, and the Auto Scaling group's scale-in
-protection of the nodes other runs train on.
+updated one change at a time), the run's nodes reserved (`reserve_nodes`) and given back
+(`give_back_nodes`), its instance type (resolved from the node group, checked against the
+run's), which of its nodes are usable, and the Auto Scaling group's scale-in protection of the
+nodes other runs train on.
 
 `node_readiness` and `usable_nodes` are pure; the trigger that waits for the nodes uses them.
+Bad nodes (cordoned, replaced) are `node_health`'s.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import datetime
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import tenacity
@@ -28,6 +31,9 @@ from finetune.targets.eks.reservations import (
     SCALING_KEYS,
     ReservationStore,
     live_reservations,
+    record_baseline,
+    release,
+    reserve,
     wanted_scaling,
 )
 from finetune_contract.instance_types import EFA_RESOURCE, GPU_RESOURCE
@@ -91,13 +97,57 @@ def reconcile_scaling(eks: Any, cfg: RunConfig, store: ReservationStore, attempt
 
     Whoever changes the reservations last also sizes the node group last, from them.
     """
-    for _ in range(attempts):
+    def size_from_latest() -> dict[str, int] | None:
+        """The size applied, or None when the reservations changed meanwhile."""
         state, version = store.read()
         wanted = wanted_scaling(state, time.time())
         apply_scaling(eks, cfg, wanted, attempts, wait_s)
-        if store.read()[1] == version:
-            return wanted
-    raise RuntimeError(f"the reservations of node group {cfg.nodegroup} kept changing")
+        return wanted if store.read()[1] == version else None
+
+    sized = tenacity.Retrying(retry=tenacity.retry_if_result(lambda wanted: wanted is None),
+                              stop=tenacity.stop_after_attempt(attempts),
+                              retry_error_callback=lambda _: None)(size_from_latest)
+    if sized is None:
+        raise RuntimeError(f"the reservations of node group {cfg.nodegroup} kept changing")
+    return sized
+
+
+def reserve_nodes(eks: Any, cfg: RunConfig, store: ReservationStore, ttl: float,
+                  attempts: int, wait_s: float) -> dict[str, int]:
+    """Reserve the run's nodes (the baseline recorded first when no run holds any; refused
+    above max_nodes) and size the node group for every live reservation; the size applied."""
+    store.update(lambda state: reserve(record_baseline(state, current_scaling(eks, cfg)),
+                                       cfg.rdzv_id, cfg.nodes, time.time(), cfg.max_nodes, ttl))
+    return reconcile_scaling(eks, cfg, store, attempts, wait_s)
+
+
+def give_back_nodes(eks: Any, kube: Callable[[], Any], cfg: RunConfig, snapshot: dict,
+                    store: Callable[[], ReservationStore], attempts: int,
+                    wait_s: float) -> dict[str, int]:
+    """Remove the run's reservation; give back only what no other live run needs. Without
+    reservations (none recorded, or the cluster unreachable) the run's snapshot is restored."""
+    try:
+        reservations = store()
+        state, _ = reservations.read()
+    except Exception as exc:  # no cluster: no other run can be using the nodes either
+        log.warning("reservations unreadable (%s): restoring the run's snapshot", exc)
+        state = None
+    if state is None or not state["baseline"]:
+        apply_scaling(eks, cfg, dict(snapshot["scaling_config"]), attempts, wait_s)
+        return dict(snapshot["scaling_config"])
+
+    def release_own(state: dict) -> dict:
+        released = release(state, cfg.rdzv_id, time.time())
+        # Before the node group shrinks: the ASG must pick idle nodes, not another run's.
+        released = protect_busy_instances(eks, kube(), cfg, released)
+        if not live_reservations(released, time.time()):
+            # The last run gives the nodes back before the record says none are held, so
+            # a new run's snapshot never takes the raised size for the baseline.
+            apply_scaling(eks, cfg, released["baseline"], attempts, wait_s)
+        return released
+
+    reservations.update(release_own)
+    return reconcile_scaling(eks, cfg, reservations, attempts, wait_s)
 
 
 # -- its nodes in Kubernetes (pure) ----------------------------------------------------------
@@ -236,44 +286,3 @@ def protect_busy_instances(eks: Any, api: Any, cfg: RunConfig, state: dict) -> d
     except Exception as exc:
         log.warning("could not set the node group's scale-in protection: %s", exc)
         return state
-
-
-# -- bad nodes ---------------------------------------------------------------------------------
-
-
-def cordon_nodes(api: Any, names: list[str]) -> list[str]:
-    """Mark the nodes unschedulable (kubectl cordon): no new pod of any run lands there."""
-    import kubernetes
-
-    core = kubernetes.client.CoreV1Api(api)
-    for name in names:
-        core.patch_node(name, {"spec": {"unschedulable": True}})
-        log.warning("cordoned node %s", name)
-    return list(names)
-
-
-def replace_nodes(eks: Any, api: Any, cfg: RunConfig, names: list[str]) -> list[str]:
-    """Terminate the instances of the nodes `names` in the node group's Auto Scaling group
-    without lowering its desired capacity, so the group launches a new instance for each;
-    the instance ids terminated."""
-    import kubernetes
-
-    groups = describe_nodegroup(eks, cfg).get("resources", {}).get("autoScalingGroups") or []
-    if not groups:
-        raise RuntimeError(f"node group {cfg.nodegroup} has no Auto Scaling group to replace "
-                           f"nodes {', '.join(names)} with")
-    core = kubernetes.client.CoreV1Api(api)
-    autoscaling = aws_session(cfg.aws_conn_id).client("autoscaling")
-    terminated = []
-    for name in names:
-        node = api.sanitize_for_serialization(core.read_node(name))
-        iid = instance_id(node)
-        if iid is None:
-            raise RuntimeError(f"node {name} has no EC2 instance in its providerID: cannot "
-                               "replace it")
-        autoscaling.terminate_instance_in_auto_scaling_group(
-            InstanceId=iid, ShouldDecrementDesiredCapacity=False)
-        log.warning("terminated %s (node %s): %s launches a new instance", iid, name,
-                    groups[0]["name"])
-        terminated.append(iid)
-    return terminated

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
+
+import tenacity
 
 from finetune.names import dns_label
 from finetune.targets.eks.manifests import APP, LABEL_APP
@@ -113,31 +114,36 @@ class ReservationStore:
 
     def update(self, change: Callable[[State], State]) -> State:
         """Apply `change` to the latest state; on a concurrent change, re-read and re-apply."""
-        import kubernetes
+        on_conflict = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(_conflict), reraise=True,
+            stop=tenacity.stop_after_attempt(self.retries),
+            wait=tenacity.wait_incrementing(start=0.05, increment=0.05),
+            before_sleep=lambda _: log.info("reservations %s/%s changed concurrently: retrying",
+                                            self.namespace, self.name))
+        return on_conflict(self._apply, change)
 
-        for attempt in range(self.retries):
-            state, version = self.read()
-            new = change(state)
-            if new == state:  # nothing to write (a renewal of a run that holds none)
-                return new
-            body = {"apiVersion": "v1", "kind": "ConfigMap",
-                    "metadata": {"name": self.name, "namespace": self.namespace,
-                                 "labels": {LABEL_APP: APP},
-                                 "annotations": {"finetune.airflow.apache.org/nodegroup":
-                                                 self.nodegroup}},
-                    "data": {STATE_KEY: json.dumps(new, sort_keys=True)}}
-            try:
-                if version is None:
-                    self.core.create_namespaced_config_map(self.namespace, body)
-                else:
-                    body["metadata"]["resourceVersion"] = version
-                    self.core.replace_namespaced_config_map(self.name, self.namespace, body)
-                return new
-            except kubernetes.client.ApiException as exc:
-                # 409: another run changed (or created) it since we read it.
-                if exc.status != 409 or attempt == self.retries - 1:
-                    raise
-                log.info("reservations %s/%s changed concurrently: retrying", self.namespace,
-                         self.name)
-                time.sleep(0.05 * (attempt + 1))
-        raise AssertionError("unreachable")
+    def _apply(self, change: Callable[[State], State]) -> State:
+        """One read-modify-replace, conditional on the resourceVersion read."""
+        state, version = self.read()
+        new = change(state)
+        if new == state:  # nothing to write (a renewal of a run that holds none)
+            return new
+        body = {"apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": {"name": self.name, "namespace": self.namespace,
+                             "labels": {LABEL_APP: APP},
+                             "annotations": {"finetune.airflow.apache.org/nodegroup":
+                                             self.nodegroup}},
+                "data": {STATE_KEY: json.dumps(new, sort_keys=True)}}
+        if version is None:
+            self.core.create_namespaced_config_map(self.namespace, body)
+        else:
+            body["metadata"]["resourceVersion"] = version
+            self.core.replace_namespaced_config_map(self.name, self.namespace, body)
+        return new
+
+
+def _conflict(exc: BaseException) -> bool:
+    """409: another run changed (or created) the ConfigMap since it was read."""
+    import kubernetes
+
+    return isinstance(exc, kubernetes.client.ApiException) and exc.status == 409

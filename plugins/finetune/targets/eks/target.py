@@ -1,95 +1,71 @@
 """The `eks` target: Amazon EKS with Kubeflow's training operator (PyTorchJob) or Kubeflow
 Trainer v2 (TrainJob), as the run's `launcher` says (`launchers`). A thin class: each stage
-calls the part that owns the work (node group, reservations, image build, rendezvous, job) and
-returns its result or a `Wait` on one of the triggers.
+reads as the story of the stage, calls the part that owns the work and returns its result or a
+`Wait` on one of the triggers; the methods a Wait resumes with keep their names, which a
+deferred task stores.
 
+- validate's eks checks are `checks`;
 - prepare_data encodes the data set on the Airflow worker (prepare_on worker), or in a CPU pod
-  of its own (prepare_on pod: a batch Job of the trainer image, built first when it is not in
-  ECR; `prepare_job_done` reads the record it wrote and deletes it, failed or not);
-- snapshot records the node group's scaling config (and the shared baseline); teardown deletes
-  the run's PyTorchJob and ConfigMap and removes the run's node reservation, giving back only
-  what no other live run reserved, whatever happened to the run;
-- scale_up checks the node group's instance type, reserves the run's nodes, sizes the node
-  group to baseline + live reservations (never above max_nodes) and waits for ACTIVE
-  (`nodegroup_active`), then for the run's nodes to be Ready with allocatable GPUs (and EFA)
-  (`nodes_ready`);
-- build_image starts the build unless the image is prebuilt or in ECR, and waits for it
-  (`build_done`);
-- rendezvous deletes the run's rendezvous keys through the service proxy (or restarts etcd);
-- train creates (or, on a retry, adopts) the run's job and waits for it, waking up
-  (`job_wake`) to stream the leader's log and renew the reservation; a failure names each
-  failed pod's reason; a TrainJob past active_deadline_s is deleted by the task (Trainer v2.0
-  has no activeDeadlineSeconds).
+  of its own (prepare_on pod: `prepare_pod`, the trainer image built first when it is not in
+  ECR);
+- snapshot records the node group's scaling config (and the shared baseline); scale_up
+  reserves the run's nodes and sizes the node group (`nodegroup`, `reservations`), then waits
+  for ACTIVE and for the nodes to be Ready with allocatable GPUs (and EFA); teardown deletes
+  what the run created (`job`, `prepare_pod`, `rendezvous`) and gives back only the nodes no
+  other live run reserved, whatever happened to the run;
+- build_image provides the trainer image (`image_build`);
+- rendezvous makes the rendezvous store clean (`rendezvous`);
+- preflight checks the run's nodes in a job of their own; bad ones are cordoned and replaced
+  (`node_health`);
+- train creates (or, on a retry, adopts) the run's job and waits for it (`job`), waking up to
+  stream the leader's log, move off nodes with XID errors (`node_health`) and renew the
+  reservation; a TrainJob past active_deadline_s is deleted by the task (Trainer v2.0 has no
+  activeDeadlineSeconds);
+- evaluate runs trainer.evaluate in a job of its own (`evaluation_job`); collect_metrics
+  writes the report with the job's GPU metrics from Prometheus.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from typing import Any
 
-from finetune.config import RunConfig, resolve_path
-from finetune.gpu_metrics import (
-    missing_section,
-    prometheus_endpoint,
-    prometheus_gpu_metrics,
-    xid_codes_by_node,
-)
-from finetune.image import IN_POD_PATHS
-from finetune.names import DNS_LABEL, DNS_SUBDOMAIN
-from finetune.outputs import (
-    build_report,
-    has_outputs,
-    report_exists,
-    trainer_failures,
-    trainer_root_cause,
-    write_run_file,
-)
+from finetune.config import RunConfig
+from finetune.gpu_metrics import missing_section, prometheus_endpoint, prometheus_gpu_metrics
+from finetune.outputs import build_report, has_outputs, report_exists, trainer_root_cause
 from finetune.preflight_verdict import (
-    PREFLIGHT_FILE,
     PREFLIGHT_TRIES,
-    XID_WINDOW_S,
     PreflightFailed,
     failure_message,
-    judge,
-    result_line,
     summary_line,
 )
 from finetune.run_plan import plan_run
 from finetune.s3_dataset import check_s3_dataset
 from finetune.targets.base import Target, TrainingFailed, Wait
-from finetune.targets.eks import job, nodegroup
+from finetune.targets.eks import (
+    checks,
+    evaluation_job,
+    job,
+    node_health,
+    nodegroup,
+    prepare_pod,
+)
 from finetune.targets.eks.clients import (
     TOKEN_REFRESH_S,
     aws_session,
     kube_api_client,
     kube_credentials,
 )
-from finetune.targets.eks.image_build import (
-    BUILD_TIMEOUT_S,
-    finish_image,
-    image_param_errors,
-    start_image,
-)
-from finetune.targets.eks.launchers import LAUNCHERS, launcher_for, launcher_problems
-from finetune.targets.eks.manifests import (
-    C10D_PORT,
-    PREFLIGHT_DEADLINE_S,
-    PREPARE_DEADLINE_S,
-    parse_node_selector,
-    parse_volumes,
-)
+from finetune.targets.eks.image_build import BUILD_TIMEOUT_S, finish_image, start_image
+from finetune.targets.eks.launchers import LAUNCHERS, launcher_for
+from finetune.targets.eks.manifests import PREFLIGHT_DEADLINE_S, PREPARE_DEADLINE_S
 from finetune.targets.eks.rendezvous import delete_run_keys, reset_rendezvous
 from finetune.targets.eks.reservations import (
     RESERVATION_TTL_S,
     ReservationStore,
-    live_reservations,
     record_baseline,
-    release,
     renew,
-    reserve,
 )
 from finetune.targets.eks.triggers import (
     BatchJobTrigger,
@@ -98,78 +74,9 @@ from finetune.targets.eks.triggers import (
     NodegroupActiveTrigger,
     NodesReadyTrigger,
 )
-from finetune_contract.errors import ERRORS_DIR, failure_summary
-from finetune_contract.fields import quoted
 from finetune_contract.instance_types import EFA_RESOURCE, GPU_RESOURCE, INSTANCE_TYPES
-from finetune_contract.models import BUILTIN_MODELS
 
 log = logging.getLogger(__name__)
-
-
-
-def _required(values: dict[str, Any], field: str, what: str) -> list[tuple[str, str]]:
-    return [] if values[field] else [(field, f"is required for target eks: {what}")]
-
-
-def _pod_problems(values: dict[str, Any]) -> list[tuple[str, str]]:
-    """The pods' service account, Kueue queue and volumes; an absolute path the pods read or
-    write must lie on a mounted volume (the image holds only /app)."""
-    errors = []
-    for field in ("service_account", "queue_name"):
-        if values[field] and not DNS_SUBDOMAIN.match(values[field]):
-            errors.append((field, f"{quoted(values[field])} is not a Kubernetes name "
-                           "(lowercase letters, digits, '-' and '.')"))
-    try:
-        mounts = [path for _, path in parse_volumes(values["volumes"])]
-    except ValueError as exc:
-        return errors + [("volumes", str(exc))]
-    errors += _worker_only_paths(values)
-    for field in ("model", "tokenizer", "dataset", "output_dir"):
-        path = values[field]
-        if path.startswith("/") and not path.startswith("/app/") and not any(
-                path == m or path.startswith(m + "/") for m in mounts):
-            errors.append((field, f"{quoted(path)} is on no volume the pods mount ("
-                           + (", ".join(mounts) or "volumes is empty") + "): mount its "
-                           "PersistentVolumeClaim with volumes, or use s3://"))
-    return errors
-
-
-def _worker_only_paths(values: dict[str, Any]) -> list[tuple[str, str]]:
-    """A relative path that exists on this Airflow worker but not in the pods: their working
-    directory (/app) holds only the trainer and the contract (finetune.image.IN_POD_PATHS)."""
-    errors = []
-    for field in ("model", "tokenizer", "dataset", "eval_dataset"):
-        value = values[field]
-        if not value or value.startswith(("/", "s3://")) or value in BUILTIN_MODELS:
-            continue
-        normal = os.path.normpath(value)
-        if any(normal == part or normal.startswith(part + "/") for part in IN_POD_PATHS):
-            continue  # shipped in the image at the same relative path
-        try:
-            here = resolve_path(value).exists()
-        except OSError:
-            continue
-        if here:
-            errors.append((field, f"{quoted(value)} exists on the Airflow worker but not in the "
-                           "training pods (their working directory holds only "
-                           + ", ".join(f"{part}/" for part in IN_POD_PATHS) + " and the "
-                           "contract): upload it and give its s3:// URI, give a hub id, or put "
-                           "it on a volume the pods mount (volumes) and give the absolute path"))
-    return errors
-
-
-def _prepare_problems(values: dict[str, Any]) -> list[tuple[str, str]]:
-    """prepare_on pod: the set and the record go to S3 (the worker reads the record there), and
-    the node selector must be one."""
-    try:
-        parse_node_selector(values["prepare_node_selector"])
-    except ValueError as exc:
-        return [("prepare_node_selector", str(exc))]
-    if values["prepare_on"] == "pod" and not values["output_dir"].startswith("s3://"):
-        return [("output_dir", f"{quoted(values['output_dir'])}: prepare_on pod writes the "
-                 "prepared set and its record to S3, where this worker reads them; give "
-                 "s3://bucket/prefix, or set prepare_on to worker")]
-    return []
 
 
 class EksTarget(Target):
@@ -194,38 +101,10 @@ class EksTarget(Target):
         self.update_retries, self.reservation_ttl = update_retries, reservation_ttl
         self.build_timeout, self.refresh_interval = build_timeout, refresh_interval
 
-    # -- validate ---------------------------------------------------------------------------
-
     def check(self, values: dict[str, Any]) -> list[tuple[str, str]]:
-        errors = _required(values, "cluster_name", "the EKS cluster's name")
-        errors += _required(values, "nodegroup", "the managed node group of GPU nodes")
-        errors += image_param_errors(values)
-        if values["nodes"] > values["max_nodes"]:
-            errors.append(("nodes", f"{values['nodes']} exceeds max_nodes = "
-                           f"{values['max_nodes']}, the cap on the node group's size"))
-        itype = INSTANCE_TYPES[values["instance_type"]]
-        if values["procs_per_node"] > itype.gpus:
-            errors.append(("procs_per_node", f"{values['procs_per_node']} processes per node, "
-                           f"but {itype.name} has {itype.gpus} GPUs; allowed: 1..{itype.gpus}"))
-        if values["float8"] and not itype.float8:
-            errors.append(("float8", f"{itype.name}'s GPUs have no float8 tensor cores (compute "
-                           "capability < 8.9); choose a p5, p5e, p5en or g6 instance_type or set "
-                           "float8 to false"))
-        for field in ("namespace", "etcd_service"):
-            if not DNS_LABEL.match(values[field]):
-                errors.append((field, f"{quoted(values[field])} is not a DNS label (lowercase "
-                               "letters, digits and '-', at most 63)"))
-        out = values["output_dir"]
-        if not (out.startswith("s3://") or out.startswith("/")):
-            errors.append(("output_dir", f"{quoted(out)}: on eks give s3://bucket/prefix or an "
-                           "absolute path the pods mount (volumes)"))
-        if values["rdzv_backend"] == "c10d" and values["metrics_port"] == C10D_PORT:
-            errors.append(("metrics_port", f"{C10D_PORT} is the c10d rendezvous port on worker "
-                           "0, where rank 0 serves its metrics; choose another port"))
-        return errors + _pod_problems(values) + launcher_problems(values) + \
-            _prepare_problems(values)
+        return checks.problems(values)
 
-    # -- clients ----------------------------------------------------------------------------
+    # -- clients and waits ------------------------------------------------------------------
 
     def _eks(self, cfg: RunConfig) -> Any:
         return aws_session(cfg.aws_conn_id).client("eks")
@@ -242,12 +121,36 @@ class EksTarget(Target):
         return ReservationStore(kubernetes.client.CoreV1Api(self._kube(cfg)), cfg.namespace,
                                 cfg.cluster_name, cfg.nodegroup)
 
-    def _reconcile(self, eks: Any, cfg: RunConfig, store: ReservationStore) -> dict[str, int]:
-        return nodegroup.reconcile_scaling(eks, cfg, store, self.update_retries,
-                                           self.poll_interval)
-
     def s3_client(self, cfg: RunConfig) -> Any:
         return self._s3(cfg)
+
+    def _wait_for_build(self, cfg: RunConfig, started: dict, resume: str) -> Wait:
+        pending = started["pending"]
+        deadline = time.time() + self.build_timeout
+        return Wait(ImageBuildTrigger(
+            pending=pending, deadline=deadline,
+            credentials=kube_credentials(cfg) if pending["builder"] == "buildkit" else None,
+            aws_conn_id=cfg.aws_conn_id, poll_interval=self.poll_interval,
+            refresh_interval=self.refresh_interval),
+            resume=resume, deadline=deadline, state={"started": started})
+
+    def _wait_for_nodes(self, cfg: RunConfig, instance_type: str, state: dict,
+                        resume: str) -> Wait:
+        """Until the run's nodes of `instance_type` are Ready with GPUs (and state["efa"])."""
+        deadline = time.time() + self.nodes_timeout
+        return Wait(NodesReadyTrigger(
+            credentials=kube_credentials(cfg), nodegroup=cfg.nodegroup, nodes=cfg.nodes,
+            gpus=cfg.procs_per_node, deadline=deadline, efa=state["efa"],
+            instance_type=instance_type, devices_grace_s=self.devices_grace_s,
+            poll_interval=self.poll_interval, refresh_interval=self.refresh_interval),
+            resume=resume, deadline=deadline, state=state)
+
+    def _job_trigger(self, cfg: RunConfig, name: str, deadline: float = 0.0) -> JobTrigger:
+        """A wait on one of the run's jobs that comes back after wake_after at the latest."""
+        return JobTrigger(
+            credentials=kube_credentials(cfg), namespace=cfg.namespace, name=name,
+            wake_at=time.time() + self.wake_after, poll_interval=self.poll_interval,
+            refresh_interval=self.refresh_interval, launcher=cfg.launcher, deadline=deadline)
 
     # -- prepare_data -----------------------------------------------------------------------
 
@@ -265,19 +168,13 @@ class EksTarget(Target):
             return self._start_prepare(cfg, image["image"])
         log.info("prepare_data: building the trainer image %s for its pod first",
                  started["image"])
-        deadline = time.time() + self.build_timeout
-        return Wait(ImageBuildTrigger(
-            pending=started["pending"], deadline=deadline,
-            credentials=kube_credentials(cfg) if started["pending"]["builder"] == "buildkit"
-            else None, aws_conn_id=cfg.aws_conn_id, poll_interval=self.poll_interval,
-            refresh_interval=self.refresh_interval),
-            resume="prepare_image_built", deadline=deadline, state={"started": started})
+        return self._wait_for_build(cfg, started, resume="prepare_image_built")
 
     def prepare_image_built(self, cfg: RunConfig, event: dict, state: dict) -> Wait:
         return self._start_prepare(cfg, self.build_done(cfg, event, state)["image"])
 
     def _start_prepare(self, cfg: RunConfig, image: str) -> Wait:
-        name = job.start_prepare_job(self._kube(cfg), cfg, image)
+        name = prepare_pod.start_prepare_job(self._kube(cfg), cfg, image)
         deadline = time.time() + PREPARE_DEADLINE_S + self.poll_interval
         return Wait(BatchJobTrigger(
             credentials=kube_credentials(cfg), namespace=cfg.namespace, name=name,
@@ -286,25 +183,11 @@ class EksTarget(Target):
             resume="prepare_job_done", deadline=deadline, state={"job": name, "image": image})
 
     def prepare_job_done(self, cfg: RunConfig, event: dict, state: dict) -> dict:
-        """The pod's record (the statistics) decides the run, as the worker's would; the Job
-        and its pod are deleted whatever happened (nothing of the stage runs on)."""
-        from finetune.outputs import read_output
+        """The pod's record (the statistics) decides the run, as the worker's would."""
         from finetune.prepare_stage import accept_prepared, stage_result
-        from finetune_contract.fields import PREPARE_DATA_FILE
 
-        api, name = self._kube(cfg), state["job"]
-        try:
-            if event["state"] != "Complete":
-                message = event["message"] if event["state"] == "Failed" else (
-                    f"no result after PREPARE_DEADLINE_S = {PREPARE_DEADLINE_S} s: deleted it")
-                raise RuntimeError(job.prepare_failure(api, cfg, name, message))
-            text = read_output(cfg.run_dir, PREPARE_DATA_FILE, lambda: self._s3(cfg))
-            record = json.loads(text) if text else None
-            if not record or record.get("run_id") != cfg.run_id:
-                raise RuntimeError(f"prepare_data Job {cfg.namespace}/{name} succeeded but "
-                                   f"{cfg.run_dir} has no {PREPARE_DATA_FILE} of this run")
-        finally:
-            job.delete_prepare_job(api, cfg)
+        record = prepare_pod.prepared_record(self._kube(cfg), cfg, state["job"], event,
+                                             lambda: self._s3(cfg))
         return stage_result(accept_prepared(cfg, record), record)
 
     # -- snapshot ---------------------------------------------------------------------------
@@ -335,11 +218,9 @@ class EksTarget(Target):
             check_s3_dataset(cfg.dataset, cfg.dataset_format, self._s3(cfg))
         eks = self._eks(cfg)
         instance_type = nodegroup.resolve_instance_type(eks, cfg)
-        store = self._reservations(cfg)
-        store.update(lambda state: reserve(
-            record_baseline(state, nodegroup.current_scaling(eks, cfg)), cfg.rdzv_id,
-            cfg.nodes, time.time(), cfg.max_nodes, self.reservation_ttl))
-        scaling = self._reconcile(eks, cfg, store)
+        scaling = nodegroup.reserve_nodes(eks, cfg, self._reservations(cfg),
+                                          self.reservation_ttl, self.update_retries,
+                                          self.poll_interval)
         deadline = time.time() + self.nodes_timeout
         return Wait(NodegroupActiveTrigger(
             cluster_name=cfg.cluster_name, nodegroup=cfg.nodegroup, deadline=deadline,
@@ -351,15 +232,7 @@ class EksTarget(Target):
     def nodegroup_active(self, cfg: RunConfig, event: dict, state: dict) -> Wait:
         if event["status"] != "success":
             raise RuntimeError(event["message"])
-        deadline = time.time() + self.nodes_timeout
-        return Wait(NodesReadyTrigger(
-            credentials=kube_credentials(cfg), nodegroup=cfg.nodegroup, nodes=cfg.nodes,
-            gpus=cfg.procs_per_node, deadline=deadline,
-            efa=state["efa"],
-            instance_type=state["instance_type"], devices_grace_s=self.devices_grace_s,
-            poll_interval=self.poll_interval,
-            refresh_interval=self.refresh_interval),
-            resume="nodes_ready", deadline=deadline, state=state)
+        return self._wait_for_nodes(cfg, state["instance_type"], state, resume="nodes_ready")
 
     def nodes_ready(self, cfg: RunConfig, event: dict, state: dict) -> dict:
         if event["status"] == "devices":
@@ -383,17 +256,11 @@ class EksTarget(Target):
         # The cluster client only when a BuildKit build needs it.
         started = start_image(cfg, session, lambda: self._kube(cfg),
                               timeout=self.build_timeout)
-        pending = started["pending"]
-        if pending is None:
+        if started["pending"] is None:
             return finish_image(cfg, session, lambda: self._kube(cfg), started, "Complete", "")
-        log.info("waiting deferred for the %s build of %s", pending["builder"], started["image"])
-        deadline = time.time() + self.build_timeout
-        return Wait(ImageBuildTrigger(
-            pending=pending, deadline=deadline,
-            credentials=kube_credentials(cfg) if pending["builder"] == "buildkit" else None,
-            aws_conn_id=cfg.aws_conn_id, poll_interval=self.poll_interval,
-            refresh_interval=self.refresh_interval),
-            resume="build_done", deadline=deadline, state={"started": started})
+        log.info("waiting deferred for the %s build of %s", started["pending"]["builder"],
+                 started["image"])
+        return self._wait_for_build(cfg, started, resume="build_done")
 
     def build_done(self, cfg: RunConfig, event: dict, state: dict) -> dict:
         """After the build's wait: clean up, report a failure, verify the tag in ECR."""
@@ -423,52 +290,29 @@ class EksTarget(Target):
                                               "deadline": deadline})
 
     def _wait_for_preflight(self, cfg: RunConfig, state: dict) -> Wait:
-        return Wait(JobTrigger(
-            credentials=kube_credentials(cfg), namespace=cfg.namespace, name=state["job"],
-            wake_at=time.time() + self.wake_after, poll_interval=self.poll_interval,
-            refresh_interval=self.refresh_interval, launcher=cfg.launcher,
-            deadline=state["deadline"]),
-            resume="preflight_wake", state=state, deadline=state["deadline"])
+        return Wait(self._job_trigger(cfg, state["job"], deadline=state["deadline"]),
+                    resume="preflight_wake", state=state, deadline=state["deadline"])
 
     def preflight_wake(self, cfg: RunConfig, event: dict, state: dict) -> dict | Wait:
-        name, api, launcher = state["job"], self._kube(cfg), launcher_for(cfg)
+        name, api = state["job"], self._kube(cfg)
         if event["status"] == "running":
-            self._fail_unschedulable(cfg, api, name, launcher)
+            job.fail_unschedulable(api, cfg, name, launcher_for(cfg))
             return self._wait_for_preflight(cfg, state)
         if event["status"] != "succeeded":
-            report = job.failure_report(api, cfg.namespace, name, event["message"], launcher)
-            job.delete_job(api, cfg.namespace, name, launcher=launcher)
-            why = ("did not finish in PREFLIGHT_DEADLINE_S = "
-                   f"{PREFLIGHT_DEADLINE_S} s (a collective that hangs: a node's NCCL/EFA)"
-                   if event["status"] == "deadline" else "failed")
-            raise PreflightFailed(f"preflight {why}:\n{report}")
-        measured = result_line(job.leader_log(api, cfg.namespace, name, launcher))
-        job.delete_job(api, cfg.namespace, name, launcher=launcher)
-        if measured is None:
-            raise PreflightFailed(f"preflight {launcher.kind} {name} succeeded but its rank 0 "
-                                  "printed no result")
-        nodes = sorted({r["node_name"] for r in measured["ranks"]})
-        verdict = judge(measured, INSTANCE_TYPES[cfg.instance_type], self._xids(cfg, nodes))
-        write_run_file(cfg.run_dir, lambda: self._s3(cfg), PREFLIGHT_FILE,
-                       json.dumps(verdict, indent=2))
-        log.info("preflight: %s", summary_line(verdict))
+            raise node_health.preflight_failure(api, cfg, name, event)
+        verdict = node_health.preflight_verdict(api, cfg, name, lambda: self._s3(cfg))
         if verdict["ok"]:
             return {"ok": True, "summary": summary_line(verdict), "tries": state["tries"]}
         bad = verdict["bad_nodes"]
-        nodegroup.cordon_nodes(api, bad)
+        node_health.cordon_nodes(api, bad)
         if bad and cfg.replace_bad_nodes and state["tries"] < PREFLIGHT_TRIES:
-            replaced = nodegroup.replace_nodes(self._eks(cfg), api, cfg, bad)
+            replaced = node_health.replace_nodes(self._eks(cfg), api, cfg, bad)
             log.warning(failure_message(verdict, f"cordoned and replaced {', '.join(bad)} "
                         f"({', '.join(replaced)}); checking again when the new nodes are Ready"))
-            deadline = time.time() + self.nodes_timeout
-            itype = INSTANCE_TYPES[cfg.instance_type]
-            return Wait(NodesReadyTrigger(
-                credentials=kube_credentials(cfg), nodegroup=cfg.nodegroup, nodes=cfg.nodes,
-                gpus=cfg.procs_per_node, deadline=deadline, efa=itype.efa,
-                instance_type=cfg.instance_type, devices_grace_s=self.devices_grace_s,
-                poll_interval=self.poll_interval, refresh_interval=self.refresh_interval),
-                resume="preflight_nodes_ready", deadline=deadline,
-                state={**state, "efa": itype.efa, "scaling_config": {}})
+            efa = INSTANCE_TYPES[cfg.instance_type].efa
+            return self._wait_for_nodes(cfg, cfg.instance_type,
+                                        {**state, "efa": efa, "scaling_config": {}},
+                                        resume="preflight_nodes_ready")
         action = (f"cordoned {', '.join(bad)}" if bad else "no single node to blame") + (
             f"; {state['tries']} preflight(s), no more replacements" if cfg.replace_bad_nodes
             else "; set replace_bad_nodes to have them replaced")
@@ -477,59 +321,6 @@ class EksTarget(Target):
     def preflight_nodes_ready(self, cfg: RunConfig, event: dict, state: dict) -> Wait:
         self.nodes_ready(cfg, event, state)  # fails as scale_up would
         return self._start_preflight(cfg, state["image"], state["tries"] + 1)
-
-    def _xids(self, cfg: RunConfig, nodes: list[str]) -> dict[str, list[int]]:
-        """XID codes per node over the last hour (DCGM via Prometheus); {} without one."""
-        url, auth = prometheus_endpoint(cfg.prometheus_url, cfg.prometheus_conn_id)
-        if not url:
-            return {}
-        try:
-            return xid_codes_by_node(url, auth, nodes, time.time(), XID_WINDOW_S)
-        except Exception as exc:  # the NVML checks still ran
-            log.warning("could not read XID errors from Prometheus: %s", exc)
-            return {}
-
-    def _cordon_xid_nodes(self, cfg: RunConfig, api: Any, name: str, launcher: Any,
-                          state: dict) -> dict:
-        """A node of the training whose GPUs raised XID errors (DCGM) since the job started is
-        cordoned and its pods of the job deleted, so the restart they cause lands elsewhere
-        (on the node replace_bad_nodes brings, or it waits schedule_timeout_s and fails)."""
-        url, auth = prometheus_endpoint(cfg.prometheus_url, cfg.prometheus_conn_id)
-        if not url:
-            return state
-        done = set(state.get("cordoned") or [])
-        pods = job.job_pods(api, cfg.namespace, name, launcher)
-        nodes = sorted({p["spec"]["nodeName"] for p in pods if p["spec"].get("nodeName")} - done)
-        try:
-            since = time.time() - state["job"]["created"]
-            xids = xid_codes_by_node(url, auth, nodes, time.time(), max(60.0, since))
-        except Exception as exc:  # the training goes on; the report still shows XIDs
-            log.warning("could not read XID errors from Prometheus: %s", exc)
-            return state
-        if not xids:
-            return state
-        bad = sorted(xids)
-        nodegroup.cordon_nodes(api, bad)
-        evicted = job.delete_pods_on(api, cfg.namespace, pods, bad)
-        log.warning("XID error(s) on %s: cordoned, and deleted the job's pods there (%s) so "
-                    "they restart on other nodes", "; ".join(
-                        f"{n} (XID {', '.join(map(str, c))})" for n, c in xids.items()),
-                    ", ".join(evicted) or "none")
-        if cfg.replace_bad_nodes:
-            nodegroup.replace_nodes(self._eks(cfg), api, cfg, bad)
-        return {**state, "cordoned": sorted(done | set(bad))}
-
-    def _fail_unschedulable(self, cfg: RunConfig, api: Any, name: str,
-                            launcher: Any) -> None:
-        stuck = [(pod, seconds, why) for pod, seconds, why in
-                 job.unschedulable_pods(api, cfg.namespace, name, launcher)
-                 if cfg.schedule_timeout_s and seconds >= cfg.schedule_timeout_s]
-        if stuck:
-            raise RuntimeError(
-                f"{len(stuck)} pod(s) of {launcher.kind} {name} could not be scheduled for "
-                f"{cfg.schedule_timeout_s} s or more (schedule_timeout_s); the scheduler "
-                "says:\n" + "\n".join(f"{pod} ({seconds} s): {why}"
-                                      for pod, seconds, why in stuck))
 
     # -- train ------------------------------------------------------------------------------
 
@@ -546,12 +337,8 @@ class EksTarget(Target):
             "rendezvous": {k: rendezvous[k] for k in ("backend", "rdzv_id")}})
 
     def _wait_for_job(self, cfg: RunConfig, state: dict) -> Wait:
-        return Wait(JobTrigger(
-            credentials=kube_credentials(cfg), namespace=cfg.namespace,
-            name=state["job"]["job"], wake_at=time.time() + self.wake_after,
-            poll_interval=self.poll_interval, refresh_interval=self.refresh_interval,
-            launcher=cfg.launcher, deadline=state.get("deadline", 0.0)),
-            resume="job_wake", state=state)
+        return Wait(self._job_trigger(cfg, state["job"]["job"], state.get("deadline", 0.0)),
+                    resume="job_wake", state=state)
 
     def job_wake(self, cfg: RunConfig, event: dict, state: dict) -> dict | Wait:
         """Each wake-up: the leader's new log lines into the task log; then wait again (the
@@ -567,8 +354,9 @@ class EksTarget(Target):
                 f"{cfg.active_deadline_s} s (from its creation): deleted it; teardown gives the "
                 "nodes back")
         if event["status"] == "running":
-            self._fail_unschedulable(cfg, api, name, launcher)
-            state = self._cordon_xid_nodes(cfg, api, name, launcher, state)
+            job.fail_unschedulable(api, cfg, name, launcher)
+            state = node_health.move_off_xid_nodes(lambda: self._eks(cfg), api, cfg, name,
+                                                   launcher, state)
             try:
                 self._renew_reservation(cfg)
             except Exception as exc:  # the reservation outlives a few missed renewals
@@ -576,7 +364,8 @@ class EksTarget(Target):
             return self._wait_for_job(cfg, state)
         if event["status"] == "failed":
             report = job.failure_report(api, cfg.namespace, name, event["message"], launcher)
-            raise TrainingFailed(self._first_failure(cfg, api, name, launcher) + report)
+            raise TrainingFailed(job.first_failure(api, cfg, name, launcher,
+                                                   lambda: self._s3(cfg)) + report)
         return job.train_result(cfg, state["job"], state["image"], state["rendezvous"])
 
     def _renew_reservation(self, cfg: RunConfig) -> None:
@@ -586,75 +375,26 @@ class EksTarget(Target):
 
     # -- evaluate ---------------------------------------------------------------------------
 
-    def _first_failure(self, cfg: RunConfig, api: Any, name: str, launcher: Any) -> str:
-        """The failures by time, first the first: the ranks' own records (on the output) and
-        the pods that died (their container status, with the node); each dead pod's record is
-        stored with the ranks' so the failed report names it too."""
-        deaths = job.failed_pods(api, cfg.namespace, name, launcher)
-        try:
-            records = trainer_failures(cfg.run_dir, lambda: self._s3(cfg))
-            # an output on a volume the pods mount is not mounted here: nothing to store there
-            for record in deaths if cfg.run_dir.startswith("s3://") else []:
-                pod = record["node"].rsplit("(pod ", 1)[-1].rstrip(")")
-                write_run_file(cfg.run_dir, lambda: self._s3(cfg), f"{ERRORS_DIR}/pod_{pod}.json",
-                               json.dumps(record))
-        except Exception as exc:  # the pods' reasons still say what happened
-            log.warning("could not read or store the failure records: %s", exc)
-            records = []
-        # a pod's record stored by an earlier read is the one derived again above
-        records = [r for r in records if "(pod " not in str(r.get("node", ""))]
-        return failure_summary(sorted(records + deaths, key=lambda record: record["time"]))
-
     def evaluate(self, cfg: RunConfig, trained: dict, image: dict, champion: dict) -> Wait:
         """trainer.evaluate as a one-GPU job of the run's launcher (PyTorchJob or TrainJob) on
         the run's nodes (created, or adopted by a retry), then wait for it as for the training;
         teardown deletes it with the run's other jobs."""
-        import kubernetes
-
-        launcher = launcher_for(cfg)
-        manifest = launcher.evaluation_manifest(cfg, image["image"],
-                                                champion.get("model_uri") or "")
-        name = manifest["metadata"]["name"]
-        custom = kubernetes.client.CustomObjectsApi(self._kube(cfg))
-        try:
-            custom.create_namespaced_custom_object(launcher.group, launcher.version,
-                                                   cfg.namespace, launcher.plural, manifest)
-            log.info("created %s %s/%s: trainer.evaluate", launcher.kind, cfg.namespace, name)
-        except kubernetes.client.ApiException as exc:
-            if exc.status != 409:
-                raise
-            log.info("adopting %s %s/%s an earlier try created", launcher.kind, cfg.namespace,
-                     name)
+        name = evaluation_job.start_evaluation_job(self._kube(cfg), cfg, image["image"],
+                                                   champion.get("model_uri") or "")
         return self._wait_for_evaluation(cfg, {"job": name, "after": "",
                                                "started": time.time()})
 
     def _wait_for_evaluation(self, cfg: RunConfig, state: dict) -> Wait:
-        return Wait(JobTrigger(
-            credentials=kube_credentials(cfg), namespace=cfg.namespace, name=state["job"],
-            wake_at=time.time() + self.wake_after, poll_interval=self.poll_interval,
-            refresh_interval=self.refresh_interval, launcher=cfg.launcher),
-            resume="evaluation_wake", state=state)
+        return Wait(self._job_trigger(cfg, state["job"]), resume="evaluation_wake", state=state)
 
     def evaluation_wake(self, cfg: RunConfig, event: dict, state: dict) -> dict | Wait:
-        import json
-
-        from finetune.outputs import evaluation_result, read_output
-        from finetune_contract.fields import EVALUATION_FILE
-
-        name, api, launcher = state["job"], self._kube(cfg), launcher_for(cfg)
+        name, api = state["job"], self._kube(cfg)
         state = {**state, "after": job.stream_leader_log(api, cfg.namespace, name,
-                                                         state["after"], launcher)}
+                                                         state["after"], launcher_for(cfg))}
         if event["status"] == "running":
             return self._wait_for_evaluation(cfg, state)
-        if event["status"] == "failed":
-            raise RuntimeError("evaluation failed: " + job.failure_report(
-                api, cfg.namespace, name, event["message"], launcher))
-        text = read_output(cfg.run_dir, EVALUATION_FILE, lambda: self._s3(cfg))
-        if text is None:
-            raise RuntimeError(f"{launcher.kind} {name} succeeded but {cfg.run_dir} has no "
-                               f"{EVALUATION_FILE}")
-        return evaluation_result(json.loads(text), f"{cfg.run_dir.rstrip('/')}/"
-                                 f"{EVALUATION_FILE}", time.time() - state["started"])
+        return evaluation_job.evaluation_outcome(api, cfg, name, event, state["started"],
+                                                 lambda: self._s3(cfg))
 
     # -- collect_metrics --------------------------------------------------------------------
 
@@ -684,20 +424,16 @@ class EksTarget(Target):
 
     # -- teardown ---------------------------------------------------------------------------
 
-    def _failed_report(self, cfg: RunConfig) -> dict | None:
-        """After a failed run: a failed report of what the trainer left, unless none is needed."""
-        s3 = lambda: self._s3(cfg)  # noqa: E731
-        if report_exists(cfg.run_dir, s3) or not has_outputs(cfg.run_dir, s3):
-            return None
-        return build_report(cfg.run_dir, s3, run_id=cfg.run_id, status="failed",
-                            config=cfg.to_dict(), error=trainer_root_cause(cfg.run_dir, s3))
-
     def teardown(self, cfg: RunConfig, snapshot: dict) -> dict:
-        """Delete the run's job and ConfigMap, restore the node group; every step is tried."""
+        """Delete the run's jobs, prepare_data pod and ConfigMaps, restore the node group;
+        every step is tried."""
         done: dict[str, Any] = {}
         problems: list[str] = []
         try:
-            done["deleted"] = job.delete_run_objects(self._kube(cfg), cfg)
+            api = self._kube(cfg)
+            done["deleted"] = (job.delete_run_jobs(api, cfg) +
+                               prepare_pod.delete_prepare_job(api, cfg) +
+                               job.delete_run_configmaps(api, cfg))
         except Exception as exc:  # the node group must be restored even so
             problems.append(f"deleting the run's Kubernetes objects failed: {exc}")
         if cfg.rdzv_backend != "c10d":
@@ -707,7 +443,9 @@ class EksTarget(Target):
                 log.warning("could not delete rendezvous %s's keys on etcd service %s/%s: %s",
                             cfg.rdzv_id, cfg.namespace, cfg.etcd_service, exc)
         try:
-            done["scaling_config"] = self._restore_scaling(cfg, snapshot)
+            done["scaling_config"] = nodegroup.give_back_nodes(
+                self._eks(cfg), lambda: self._kube(cfg), cfg, snapshot,
+                lambda: self._reservations(cfg), self.update_retries, self.poll_interval)
         except Exception as exc:
             problems.append(f"restoring node group {cfg.nodegroup} failed: {exc}")
         try:  # after the nodes are given back: the report is not worth an idle GPU
@@ -721,30 +459,10 @@ class EksTarget(Target):
             raise RuntimeError("teardown incomplete: " + "; ".join(problems))
         return done
 
-    def _restore_scaling(self, cfg: RunConfig, snapshot: dict) -> dict[str, int]:
-        """Remove the run's reservation; give back only what no other live run needs."""
-        eks = self._eks(cfg)
-        try:
-            store = self._reservations(cfg)
-            state, _ = store.read()
-        except Exception as exc:  # no cluster: no other run can be using the nodes either
-            log.warning("reservations unreadable (%s): restoring the run's snapshot", exc)
-            state, store = None, None
-        if store is None or state is None or not state["baseline"]:
-            nodegroup.apply_scaling(eks, cfg, dict(snapshot["scaling_config"]),
-                                    self.update_retries, self.poll_interval)
-            return dict(snapshot["scaling_config"])
-
-        def release_own(state: dict) -> dict:
-            released = release(state, cfg.rdzv_id, time.time())
-            # Before the node group shrinks: the ASG must pick idle nodes, not another run's.
-            released = nodegroup.protect_busy_instances(eks, self._kube(cfg), cfg, released)
-            if not live_reservations(released, time.time()):
-                # The last run gives the nodes back before the record says none are held, so
-                # a new run's snapshot never takes the raised size for the baseline.
-                nodegroup.apply_scaling(eks, cfg, released["baseline"], self.update_retries,
-                                        self.poll_interval)
-            return released
-
-        store.update(release_own)
-        return self._reconcile(eks, cfg, store)
+    def _failed_report(self, cfg: RunConfig) -> dict | None:
+        """After a failed run: a failed report of what the trainer left, unless none is needed."""
+        s3 = lambda: self._s3(cfg)  # noqa: E731
+        if report_exists(cfg.run_dir, s3) or not has_outputs(cfg.run_dir, s3):
+            return None
+        return build_report(cfg.run_dir, s3, run_id=cfg.run_id, status="failed",
+                            config=cfg.to_dict(), error=trainer_root_cause(cfg.run_dir, s3))

@@ -1,6 +1,11 @@
 """The eks target's deferrable waits: they only wait (no decisions), run in the triggerer and
 serialise to plain kwargs.
 
+`PollingTrigger` owns the loop every wait shares: look (`poll`), fire the event the look calls
+for (`done`), else fire the deadline's event once the deadline has passed (`timed_out`), else
+sleep `poll_interval` and look again. Each trigger below says what it looks at and when it is
+done:
+
 - `NodegroupActiveTrigger`: the EKS node group is ACTIVE again after a scaling update;
 - `NodesReadyTrigger`: N nodes of the node group are Ready with the GPUs (and EFA) a worker asks;
 - `JobTrigger` (alias `PyTorchJobTrigger`): the run's job (a PyTorchJob or a TrainJob, named by
@@ -13,14 +18,16 @@ serialise to plain kwargs.
 
 Every deadline (and the job's wake-up time) is wall-clock epoch seconds in the kwargs, computed
 once when the task defers: a triggerer restart rebuilds the trigger from them and does not
-extend it. Transient API errors are retried (`clients.retry_transient`). Kubernetes calls use
-kubernetes_asyncio; the client is re-opened every `refresh_interval` seconds so waits of hours
-outlive an EKS token (valid about 14 minutes).
+extend it. A trigger serialises every argument of its `__init__`, read back from the attribute
+of the same name. Transient API errors are retried (`clients.retry_transient`). Kubernetes calls
+use kubernetes_asyncio; the client is re-opened every `refresh_interval` seconds so waits of
+hours outlive an EKS token (valid about 14 minutes).
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -43,22 +50,80 @@ from finetune.targets.eks.nodegroup import missing_devices, usable_nodes
 NODEGROUP_FAILED = ("CREATE_FAILED", "DELETE_FAILED", "DEGRADED", "DELETING")
 
 
-def _passed(deadline: float) -> bool:
-    return time.time() > deadline
+class PollingTrigger(BaseTrigger):
+    """Look, fire or sleep, until an event: the loop of every wait here.
+
+    A subclass sets `deadline` (epoch seconds; 0: none) and `poll_interval`, and says what it
+    looks at (`poll`), the event that look calls for or None to look again (`done`), and the
+    event once the deadline has passed (`timed_out`). A wait that reads the cluster sets
+    `credentials` and `refresh_interval` and reads through `kube()`.
+    """
+
+    deadline: float = 0.0
+    poll_interval: float = 15.0
+    credentials: dict[str, str] | None = None
+    refresh_interval: float = TOKEN_REFRESH_S
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._kube: KubeClient | None = None
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        arguments = inspect.signature(type(self).__init__).parameters
+        return f"{type(self).__module__}.{type(self).__qualname__}", {
+            name: getattr(self, name) for name in arguments if name != "self"}
+
+    async def poll(self) -> Any:
+        """One look at what the trigger waits for."""
+        raise NotImplementedError
+
+    def done(self, seen: Any) -> dict[str, Any] | None:
+        """The event `seen` calls for; None to look again."""
+        raise NotImplementedError
+
+    def timed_out(self, seen: Any) -> dict[str, Any]:
+        """The event once the deadline has passed, from the last look."""
+        raise NotImplementedError
+
+    def passed(self) -> bool:
+        return bool(self.deadline) and time.time() > self.deadline
+
+    def kube(self) -> KubeClient:
+        """The cluster's client for this run of the trigger (opened at its first call)."""
+        if self._kube is None:
+            self._kube = KubeClient(self.credentials or {}, self.refresh_interval)
+        return self._kube
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        try:
+            while True:
+                seen = await self.poll()
+                event = self.done(seen)
+                if event is None and self.passed():
+                    event = self.timed_out(seen)
+                if event is not None:
+                    yield TriggerEvent(event)
+                    return
+                await asyncio.sleep(self.poll_interval)
+        finally:
+            if self._kube is not None:
+                kube, self._kube = self._kube, None
+                await kube.close()
 
 
-class NodegroupActiveTrigger(BaseTrigger):
+class NodegroupActiveTrigger(PollingTrigger):
+    """Reads describe_nodegroup itself rather than running boto3's `nodegroup_active` waiter:
+    the waiter fails only on CREATE_FAILED (a DEGRADED or DELETING node group would be waited
+    out to the deadline instead of named at once with its health issues), hands a throttled
+    call back as a WaiterError that `retry_transient` cannot tell from a real failure, and the
+    amazon provider's async form of it (`AwsBaseWaiterTrigger`) needs aiobotocore and counts
+    attempts, not a wall-clock deadline."""
+
     def __init__(self, *, cluster_name: str, nodegroup: str, deadline: float,
                  aws_conn_id: str = "", poll_interval: float = 15.0):
         super().__init__()
         self.cluster_name, self.nodegroup, self.aws_conn_id = cluster_name, nodegroup, aws_conn_id
         self.deadline, self.poll_interval = deadline, poll_interval
-
-    def serialize(self) -> tuple[str, dict[str, Any]]:
-        return f"{__name__}.NodegroupActiveTrigger", {
-            "cluster_name": self.cluster_name, "nodegroup": self.nodegroup,
-            "deadline": self.deadline, "aws_conn_id": self.aws_conn_id,
-            "poll_interval": self.poll_interval}
 
     @retry_transient
     def _describe(self) -> dict[str, Any]:
@@ -66,27 +131,28 @@ class NodegroupActiveTrigger(BaseTrigger):
         return eks.describe_nodegroup(clusterName=self.cluster_name,
                                       nodegroupName=self.nodegroup)["nodegroup"]
 
-    async def run(self) -> AsyncIterator[TriggerEvent]:
-        while True:
-            # boto3 blocks: off the triggerer's event loop.
-            ng = await asyncio.to_thread(self._describe)
-            status = ng.get("status")
-            if status == "ACTIVE":
-                yield TriggerEvent({"status": "success", "nodegroup_status": status})
-                return
-            if status in NODEGROUP_FAILED or _passed(self.deadline):
-                issues = "; ".join(f"{i.get('code')}: {i.get('message')}"
-                                   for i in (ng.get("health") or {}).get("issues") or [])
-                message = (f"node group {self.nodegroup} is {status}" if status in
-                           NODEGROUP_FAILED else f"node group {self.nodegroup} still {status} "
-                           "at its deadline")
-                yield TriggerEvent({"status": "error",
-                                    "message": message + (f": {issues}" if issues else "")})
-                return
-            await asyncio.sleep(self.poll_interval)
+    async def poll(self) -> dict[str, Any]:
+        return await asyncio.to_thread(self._describe)  # boto3 blocks: off the event loop
+
+    def done(self, ng: dict[str, Any]) -> dict[str, Any] | None:
+        if ng.get("status") == "ACTIVE":
+            return {"status": "success", "nodegroup_status": "ACTIVE"}
+        if ng.get("status") in NODEGROUP_FAILED:
+            return self._error(ng, f"node group {self.nodegroup} is {ng.get('status')}")
+        return None
+
+    def timed_out(self, ng: dict[str, Any]) -> dict[str, Any]:
+        return self._error(ng, f"node group {self.nodegroup} still {ng.get('status')} at its "
+                           "deadline")
+
+    @staticmethod
+    def _error(ng: dict[str, Any], message: str) -> dict[str, Any]:
+        issues = "; ".join(f"{i.get('code')}: {i.get('message')}"
+                           for i in (ng.get("health") or {}).get("issues") or [])
+        return {"status": "error", "message": message + (f": {issues}" if issues else "")}
 
 
-class NodesReadyTrigger(BaseTrigger):
+class NodesReadyTrigger(PollingTrigger):
     def __init__(self, *, credentials: dict[str, str], nodegroup: str, nodes: int, gpus: int,
                  deadline: float, efa: int = 0, instance_type: str = "",
                  devices_grace_s: float = 300.0, poll_interval: float = 15.0,
@@ -98,49 +164,31 @@ class NodesReadyTrigger(BaseTrigger):
         self.deadline, self.poll_interval = deadline, poll_interval
         self.refresh_interval = refresh_interval
 
-    def serialize(self) -> tuple[str, dict[str, Any]]:
-        return f"{__name__}.NodesReadyTrigger", {
-            "credentials": self.credentials, "nodegroup": self.nodegroup, "nodes": self.nodes,
-            "gpus": self.gpus, "deadline": self.deadline, "efa": self.efa,
-            "instance_type": self.instance_type, "devices_grace_s": self.devices_grace_s,
-            "poll_interval": self.poll_interval,
-            "refresh_interval": self.refresh_interval}
-
-    async def run(self) -> AsyncIterator[TriggerEvent]:
+    @retry_transient
+    async def poll(self) -> list[dict[str, Any]]:
         from kubernetes_asyncio import client
 
-        kube = KubeClient(self.credentials, self.refresh_interval)
+        api = await self.kube().get()
+        listed = await client.CoreV1Api(api).list_node(
+            label_selector=f"{NODEGROUP_LABEL}={self.nodegroup}")
+        return api.sanitize_for_serialization(listed)["items"]
 
-        @retry_transient
-        async def list_nodes() -> list[dict[str, Any]]:
-            api = await kube.get()
-            listed = await client.CoreV1Api(api).list_node(
-                label_selector=f"{NODEGROUP_LABEL}={self.nodegroup}")
-            return api.sanitize_for_serialization(listed)["items"]
+    def done(self, nodes: list[dict[str, Any]]) -> dict[str, Any] | None:
+        usable, _ = usable_nodes(nodes, self.gpus, self.efa, self.instance_type)
+        if len(usable) >= self.nodes:
+            return {"status": "success", "nodes": usable}
+        missing = missing_devices(nodes, self.gpus, self.efa, self.instance_type,
+                                  self.devices_grace_s, time.time())
+        if missing:  # waiting on would only wait out the deadline
+            return {"status": "devices", "nodes": usable, "message": missing}
+        return None
 
-        try:
-            while True:
-                nodes = await list_nodes()
-                usable, summary = usable_nodes(nodes, self.gpus, self.efa, self.instance_type)
-                if len(usable) >= self.nodes:
-                    yield TriggerEvent({"status": "success", "nodes": usable})
-                    return
-                missing = missing_devices(nodes, self.gpus, self.efa, self.instance_type,
-                                          self.devices_grace_s, time.time())
-                if missing:  # waiting on would only wait out the deadline
-                    yield TriggerEvent({"status": "devices", "nodes": usable,
-                                        "message": missing})
-                    return
-                if _passed(self.deadline):
-                    yield TriggerEvent({"status": "timeout", "nodes": usable,
-                                        "summary": summary})
-                    return
-                await asyncio.sleep(self.poll_interval)
-        finally:
-            await kube.close()
+    def timed_out(self, nodes: list[dict[str, Any]]) -> dict[str, Any]:
+        usable, summary = usable_nodes(nodes, self.gpus, self.efa, self.instance_type)
+        return {"status": "timeout", "nodes": usable, "summary": summary}
 
 
-class JobTrigger(BaseTrigger):
+class JobTrigger(PollingTrigger):
     """`launcher`: pytorchjob or trainjob (launchers.LAUNCHERS); `deadline`: epoch seconds after
     which the event says so (0: none, the job ends itself at its activeDeadlineSeconds)."""
 
@@ -154,43 +202,27 @@ class JobTrigger(BaseTrigger):
         self.refresh_interval = refresh_interval
         self.launcher, self.deadline = launcher, deadline
 
-    def serialize(self) -> tuple[str, dict[str, Any]]:
-        return f"{__name__}.JobTrigger", {
-            "credentials": self.credentials, "namespace": self.namespace, "name": self.name,
-            "wake_at": self.wake_at, "poll_interval": self.poll_interval,
-            "refresh_interval": self.refresh_interval, "launcher": self.launcher,
-            "deadline": self.deadline}
-
-    async def run(self) -> AsyncIterator[TriggerEvent]:
+    @retry_transient
+    async def poll(self) -> tuple[str, str]:
         from kubernetes_asyncio import client
 
-        kube = KubeClient(self.credentials, self.refresh_interval)
         launcher = LAUNCHERS[self.launcher]
+        api = await self.kube().get()
+        return launcher.state(await client.CustomObjectsApi(api).get_namespaced_custom_object(
+            launcher.group, launcher.version, self.namespace, launcher.plural, self.name))
 
-        @retry_transient
-        async def read_job() -> dict[str, Any]:
-            api = await kube.get()
-            return await client.CustomObjectsApi(api).get_namespaced_custom_object(
-                launcher.group, launcher.version, self.namespace, launcher.plural, self.name)
+    def done(self, seen: tuple[str, str]) -> dict[str, Any] | None:
+        state, message = seen
+        if state in TERMINAL:
+            return {"status": state.lower(), "state": state, "message": message}
+        # Back to the task, which streams the log; a passed deadline's event comes first.
+        if time.time() >= self.wake_at and not self.passed():
+            return {"status": "running", "state": state, "message": message}
+        return None
 
-        try:
-            while True:
-                state, message = launcher.state(await read_job())
-                if state in TERMINAL:
-                    yield TriggerEvent({"status": state.lower(), "state": state,
-                                        "message": message})
-                    return
-                if self.deadline and _passed(self.deadline):  # the task stops the job
-                    yield TriggerEvent({"status": "deadline", "state": state,
-                                        "message": message})
-                    return
-                if time.time() >= self.wake_at:  # back to the task: it streams the log
-                    yield TriggerEvent({"status": "running", "state": state,
-                                        "message": message})
-                    return
-                await asyncio.sleep(self.poll_interval)
-        finally:
-            await kube.close()
+    def timed_out(self, seen: tuple[str, str]) -> dict[str, Any]:
+        state, message = seen  # the task stops the job
+        return {"status": "deadline", "state": state, "message": message}
 
     async def on_kill(self) -> None:
         """The task was marked failed (or cleared) while deferred: stop the training."""
@@ -222,7 +254,22 @@ async def read_batch_job(kube: KubeClient, namespace: str, name: str) -> tuple[s
     return build_job_state(api.sanitize_for_serialization(job))
 
 
-class ImageBuildTrigger(BaseTrigger):
+read_codebuild = retry_transient(codebuild_state)
+
+
+class CompletionTrigger(PollingTrigger):
+    """A wait on something that runs to Complete or Failed (a batch Job, a build): its event
+    is its state and message once it no longer runs, or Running at the deadline."""
+
+    def done(self, seen: tuple[str, str]) -> dict[str, Any] | None:
+        return None if seen[0] == "Running" else self.timed_out(seen)
+
+    def timed_out(self, seen: tuple[str, str]) -> dict[str, Any]:
+        state, message = seen
+        return {"state": state, "message": message}
+
+
+class ImageBuildTrigger(CompletionTrigger):
     """The image build started by `image_build.start_image` ended, or its deadline passed.
 
     `pending` is what start_image returned: a BuildKit Job (read with kubernetes_asyncio, the
@@ -237,40 +284,20 @@ class ImageBuildTrigger(BaseTrigger):
         self.pending, self.credentials, self.aws_conn_id = pending, credentials, aws_conn_id
         self.deadline, self.poll_interval = deadline, poll_interval
         self.refresh_interval = refresh_interval
+        self._codebuild: Any = None
 
-    def serialize(self) -> tuple[str, dict[str, Any]]:
-        return f"{__name__}.ImageBuildTrigger", {
-            "pending": self.pending, "deadline": self.deadline,
-            "credentials": self.credentials, "aws_conn_id": self.aws_conn_id,
-            "poll_interval": self.poll_interval, "refresh_interval": self.refresh_interval}
-
-    async def run(self) -> AsyncIterator[TriggerEvent]:
-        kube = KubeClient(self.credentials or {}, self.refresh_interval)
-        codebuild = None
-
-        async def read_build_job() -> tuple[str, str]:
-            return await read_batch_job(kube, self.pending["namespace"], self.pending["job"])
-
-        read_codebuild = retry_transient(codebuild_state)
-        try:
-            while True:
-                if self.pending["builder"] == "buildkit":
-                    state, message = await read_build_job()
-                else:
-                    if codebuild is None:
-                        codebuild = await asyncio.to_thread(
-                            lambda: aws_session(self.aws_conn_id).client("codebuild"))
-                    state, message = await asyncio.to_thread(
-                        read_codebuild, codebuild, self.pending["build_id"])
-                if state != "Running" or _passed(self.deadline):
-                    yield TriggerEvent({"state": state, "message": message})
-                    return
-                await asyncio.sleep(self.poll_interval)
-        finally:
-            await kube.close()
+    async def poll(self) -> tuple[str, str]:
+        if self.pending["builder"] == "buildkit":
+            return await read_batch_job(self.kube(), self.pending["namespace"],
+                                        self.pending["job"])
+        if self._codebuild is None:
+            self._codebuild = await asyncio.to_thread(
+                lambda: aws_session(self.aws_conn_id).client("codebuild"))
+        return await asyncio.to_thread(read_codebuild, self._codebuild,
+                                       self.pending["build_id"])
 
 
-class BatchJobTrigger(BaseTrigger):
+class BatchJobTrigger(CompletionTrigger):
     """A batch/v1 Job (the prepare_data pod's) Complete or Failed, or `deadline` (epoch seconds)
     passed: the event's state is Complete, Failed, or Running at the deadline. A mark-failed
     while deferred deletes the Job (and its pod)."""
@@ -283,23 +310,8 @@ class BatchJobTrigger(BaseTrigger):
         self.deadline, self.poll_interval = deadline, poll_interval
         self.refresh_interval = refresh_interval
 
-    def serialize(self) -> tuple[str, dict[str, Any]]:
-        return f"{__name__}.BatchJobTrigger", {
-            "credentials": self.credentials, "namespace": self.namespace, "name": self.name,
-            "deadline": self.deadline, "poll_interval": self.poll_interval,
-            "refresh_interval": self.refresh_interval}
-
-    async def run(self) -> AsyncIterator[TriggerEvent]:
-        kube = KubeClient(self.credentials, self.refresh_interval)
-        try:
-            while True:
-                state, message = await read_batch_job(kube, self.namespace, self.name)
-                if state != "Running" or _passed(self.deadline):
-                    yield TriggerEvent({"state": state, "message": message})
-                    return
-                await asyncio.sleep(self.poll_interval)
-        finally:
-            await kube.close()
+    async def poll(self) -> tuple[str, str]:
+        return await read_batch_job(self.kube(), self.namespace, self.name)
 
     async def on_kill(self) -> None:
         """The task was marked failed (or cleared) while deferred: stop the pod."""
