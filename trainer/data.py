@@ -163,10 +163,16 @@ class ResumableSampler:
         return self._order[start : start + self.micro_batch]
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "index": self.index}
+        # rows: what every rank together drew of the epoch, which a world of another size (an
+        # elastic run that lost a node) resumes from: each step drew the same block of the
+        # epoch's order whatever the world, when the global batch is kept.
+        return {"epoch": self.epoch, "index": self.index,
+                "rows": self.index * self.micro_batch * self.world_size}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self.index = state["epoch"], state["index"]
+        if "rows" in state:
+            self.index = state["rows"] // (self.micro_batch * self.world_size)
         self._order = self._epoch_order()
 
 

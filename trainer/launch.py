@@ -15,9 +15,12 @@ import json
 import os
 import socket
 import sys
+import tempfile
 from pathlib import Path
 
 from finetune_contract.errors import ERROR_DIR_ENV, NODE_NAME_ENV, death_record, error_file
+from finetune_contract.run_history import PREEMPTED_EXIT_CODE
+from trainer.preemption import SAVED_MARKER_ENV
 
 # The agent polls its workers this often (torchrun's --monitor-interval default, 0.1 s) and its
 # failure times are whole seconds: a death is at most this long before the agent's time.
@@ -39,12 +42,24 @@ def record_deaths(run_dir: Path, failures: dict, node: str) -> list[int]:
 
 
 def main(argv: list[str]) -> None:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
+    marker = Path(tempfile.gettempdir()) / f"finetune-preempted-{os.getpid()}"
+    marker.unlink(missing_ok=True)
+    os.environ[SAVED_MARKER_ENV] = str(marker)  # the workers inherit it
     try:
         torchrun(argv)
-    except ChildFailedError as failed:
+    except (SignalException, ChildFailedError) as ended:
+        if marker.exists():
+            marker.unlink()
+            print(f"the workers saved their step after a notice: exit {PREEMPTED_EXIT_CODE} "
+                  "(retried without counting a failure)", file=sys.stderr, flush=True)
+            sys.exit(PREEMPTED_EXIT_CODE)
+        if isinstance(ended, SignalException):
+            raise
+        failed = ended
         run_dir = os.environ.get(ERROR_DIR_ENV)
         if run_dir and not run_dir.startswith("s3://"):
             node = os.environ.get(NODE_NAME_ENV) or socket.gethostname()

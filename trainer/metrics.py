@@ -88,6 +88,9 @@ class MetricsLog:
         self.step_times: list[float] = []
         self.train: list[dict[str, Any]] = []
         self.endpoint = None
+        # train records of steps after the checkpoint resumed from: the round before trained
+        # them, this one trains them again (rank 0's)
+        self.dropped: list[dict[str, Any]] = []
         if rank == 0:
             self._keep_history_until(resumed_from_step)
             if metrics_port:
@@ -102,11 +105,14 @@ class MetricsLog:
         So the log holds each step once, as if the run had not been interrupted.
         """
         kept = []
-        if step is not None and self.path.is_file():
+        if self.path.is_file():
             for line in self.path.read_text().splitlines():
                 try:
-                    if json.loads(line)["step"] <= step:
+                    record = json.loads(line)
+                    if step is not None and record["step"] <= step:
                         kept.append(line + "\n")
+                    elif record["type"] == "train":
+                        self.dropped.append(record)
                 except (json.JSONDecodeError, KeyError, TypeError):
                     continue  # a line torn by the crash that caused the restart
         self.path.write_text("".join(kept))

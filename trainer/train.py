@@ -5,6 +5,7 @@ torchrun --nproc-per-node 2 -m trainer.train --config cfg.json [--max_steps 10 .
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -21,9 +22,10 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.optim.lr_scheduler import LambdaLR
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from finetune_contract.data import optimizer_steps
+from finetune_contract.data import batches_per_epoch, optimizer_steps
 from finetune_contract.errors import ERROR_DIR_ENV
 from finetune_contract.fields import RESOLVED_CONFIG_FILE
+from finetune_contract.parallel_dims import ParallelDims, elastic_grad_accum
 from finetune_contract.stragglers import RANK_STEP_TIMES, stragglers
 from finetune_contract.throughput import flops_per_token, mfu
 from trainer.activations import resolve_auto_checkpointing
@@ -42,6 +44,7 @@ from trainer.dpo import dpo_train_step, with_reference_logps
 from trainer.errors import root_cause_recorded
 from trainer.export import export_hf
 from trainer.float8 import check_float8_device, precompute_float8_scales
+from trainer.history import RunHistory, process_started
 from trainer.lora import apply_lora
 from trainer.loss import LOSS_METHOD, add_loss_method
 from trainer.master_weights import compute_weights
@@ -63,6 +66,7 @@ from trainer.parallel import (
     init_distributed,
     quantize_dtype,
 )
+from trainer.preemption import Notice, Preempted, mark_saved, stop_agent
 from trainer.storage import RunOutput
 from trainer.tensor_parallel import SequenceParallelBatches
 from trainer.watchdog import HangWatchdog, watchdog_env_defaults
@@ -71,6 +75,7 @@ from trainer.watchdog import HangWatchdog, watchdog_env_defaults
 @record  # torchrun's error file, and so its ChildFailedError, carries this rank's exception
 def main(argv: Sequence[str] | None = None) -> None:
     started = time.time()
+    notice = Notice().install()  # a SIGTERM from here on saves the step it interrupts
     rank = int(os.environ.get("RANK", 0))  # torchrun's global rank; 0 for a world of one
     with root_cause_recorded(os.environ.get(ERROR_DIR_ENV), rank):
         config = parse_args(argv)
@@ -79,14 +84,17 @@ def main(argv: Sequence[str] | None = None) -> None:
             os.environ.update(watchdog_env_defaults(config.output_dir, torch.cuda.is_available()))
         env = init_distributed()
         try:
-            train(config, env, started)
+            train(config, env, started, notice)
         finally:
             dist.destroy_process_group()
 
 
-def train(config: TrainConfig, env: DistEnv, started: float) -> dict[str, Any] | None:
-    """The whole run; returns the summary on rank 0."""
+def train(config: TrainConfig, env: DistEnv, started: float,
+          notice: Notice | None = None) -> dict[str, Any] | None:
+    """The whole run; returns the summary on rank 0. Raises Preempted once a notice's step is
+    saved."""
     trainer = Trainer.setup(config, env, started)
+    trainer.notice = notice or Notice()
     if config.hang_timeout_s:  # here, not in resume(): it ends the process it runs in
         trainer.watchdog = HangWatchdog(
             config.output_dir, trainer.output.dir, env.rank, config.hang_timeout_s
@@ -148,6 +156,10 @@ class Trainer:
     log: MetricsLog = field(init=False)
     # Started by train() when hang_timeout_s is set: ends this rank when it stops progressing.
     watchdog: HangWatchdog | None = field(init=False, default=None)
+    # SIGTERM noted (trainer/preemption.py); the run's history of rounds, saves and notices.
+    notice: Notice = field(init=False, default_factory=Notice)
+    history: RunHistory = field(init=False)
+    load_s: float = 0.0  # this round's checkpoint load
 
     @classmethod
     def setup(cls, config: TrainConfig, env: DistEnv, started: float) -> Trainer:
@@ -188,7 +200,21 @@ class Trainer:
         if config.tp_degree > 1:
             batches = SequenceParallelBatches(batches, config.tp_degree, pad_id)
             evals = SequenceParallelBatches(evals, config.tp_degree, pad_id)
-        max_steps = optimizer_steps(config, sampler.batches_per_epoch)
+        # An elastic run in a smaller world than planned keeps its global batch (more
+        # micro-batches a step) and its schedule: the steps are the planned world's.
+        grad_accum = elastic_grad_accum(config, mesh.dims)
+        if grad_accum != config.grad_accum:
+            planned_dp = ParallelDims.of(config, world_size=config.nodes * env.local_world_size,
+                                         procs_per_node=env.local_world_size).dp_degree
+            max_steps = optimizer_steps(config, batches_per_epoch(
+                len(splits.train), config.micro_batch, planned_dp))
+            if env.rank == 0:
+                print(f"elastic: {env.world_size // env.local_world_size} of {config.nodes} "
+                      f"nodes, grad_accum {config.grad_accum} -> {grad_accum} keeps the global "
+                      "batch", flush=True)
+            config = dataclasses.replace(config, grad_accum=grad_accum)
+        else:
+            max_steps = optimizer_steps(config, sampler.batches_per_epoch)
         if env.rank == 0:
             print_data(splits, max_steps)
 
@@ -243,12 +269,15 @@ class Trainer:
         """Continue from the newest complete checkpoint, or start at step 0 with an eval; open
         the metrics log accordingly."""
         state = TrainState()
+        self.history = RunHistory(self.output, self.env.rank)
         latest = self.checkpointer.latest()
         if latest is not None:
+            loading = time.perf_counter()
             state = self.restore_checkpoint(latest)
-            self.output.fetch(METRICS_FILE)  # the log up to the checkpoint, to continue
+            self.load_s = time.perf_counter() - loading
             if self.env.rank == 0:
                 print(f"resumed from {latest}", flush=True)
+        self.output.fetch(METRICS_FILE)  # the log up to the checkpoint, to continue
 
         config, splits = self.config, self.splits
         self.log = MetricsLog(
@@ -271,6 +300,14 @@ class Trainer:
         """One optimizer step over grad_accum micro batches; logs it, then evaluates, uploads the
         log and checkpoints as the intervals say."""
         config, env, scaler = self.config, self.env, self.scaler
+        if not self.notice.training:  # this round's first step: what came before was start-up
+            self.notice.training = True
+            lost = self.log.dropped
+            self.history.append(
+                "start", started=process_started(), world_size=env.world_size,
+                nodes=env.world_size // env.local_world_size,
+                resumed_from_step=state.resumed_from_step, load_s=self.load_s,
+                lost_steps=len(lost), lost_s=sum(r["step_time_s"] for r in lost))
         step_start = time.perf_counter()
         micro_batches = [next(self.batches) for _ in range(config.grad_accum)]
         waits: list[float] = []
@@ -300,7 +337,10 @@ class Trainer:
                       f"in {self.data_load_s:.2f} s, nothing tokenized)", flush=True)
         # Without the wait for the others at the step's first collective: a rank slow to get
         # its batches or to finish its previous step shows; the others would report its delay.
-        rank_times = gather_floats(step_time - sum(waits), env)
+        # A notice (SIGTERM) any rank noted travels with them: every rank learns of it here.
+        gathered = gather_floats([step_time - sum(waits), self.notice.at], env)
+        rank_times = [times for times, _ in gathered]
+        notices = [at for _, at in gathered if at]
         tflops = self.token_flops * tokens / step_time / env.world_size / 1e12
         # fp16: the steps skipped so far on inf/NaN gradients, and the loss scale now.
         scaling = (
@@ -323,6 +363,8 @@ class Trainer:
             **scaling,
             **dpo_metrics,
         )
+        if notices:
+            self.stop_for_notice(state, min(notices))
         if config.eval_interval and state.step % config.eval_interval == 0:
             self.eval_and_log(state)
             self.output.sync(METRICS_FILE)
@@ -333,6 +375,23 @@ class Trainer:
             self.output.sync(METRICS_FILE)
         self.progressed(state)
 
+    def stop_for_notice(self, state: TrainState, notice_at: float) -> None:
+        """A rank got a notice during this step: save it, record the preemption, stop."""
+        saving = time.perf_counter()
+        self.save_checkpoint(state)
+        self.checkpointer.wait()  # an async save is complete (uploaded) before the exit
+        save_s = time.perf_counter() - saving
+        self.output.sync(METRICS_FILE)
+        self.history.append("preempted", step=state.step, notice=notice_at, save_s=save_s)
+        if self.env.rank == 0:
+            print(f"preempted at step {state.step}: a notice came "
+                  f"{max(0.0, time.time() - notice_at):.1f} s ago; the step is saved "
+                  f"({save_s:.1f} s) and the run goes on from it when started again",
+                  flush=True)
+        mark_saved()
+        stop_agent()
+        raise Preempted(state.step)
+
     def finish(self, state: TrainState) -> dict[str, Any] | None:
         """Complete the last checkpoint, evaluate, export the model; rank 0 writes the summary
         and returns it."""
@@ -340,6 +399,7 @@ class Trainer:
         self.checkpointer.close()  # an async save still in flight completes (and is pruned) first
         if state.last_eval_step != state.step:
             self.eval_and_log(state)
+        self.history.append("end", step=state.step)
         output.sync(METRICS_FILE)
         export_hf(
             self.model,
@@ -370,9 +430,11 @@ class Trainer:
 
     def eval_and_log(self, state: TrainState) -> None:
         """The eval loss at this step, logged."""
+        evaluating = time.perf_counter()
         state.eval_loss = evaluate(self.model, self.evals, self.env.device)
         state.last_eval_step = state.step
         self.log.log_eval(state.step, state.eval_loss)
+        self.history.append("eval", step=state.step, seconds=time.perf_counter() - evaluating)
         self.progressed(state)
 
     def progressed(self, state: TrainState) -> None:
@@ -389,7 +451,10 @@ class Trainer:
             "skipped_steps": state.skipped_steps,
             **({"grad_scaler": self.scaler.state_dict()} if self.scaler else {}),
         }
+        saving = time.perf_counter()
         self.checkpointer.save(state.step, self.model, self.optimizer, trainer_state)
+        # what the training waited for (an async save: the copy to CPU memory)
+        self.history.append("save", step=state.step, seconds=time.perf_counter() - saving)
 
     def restore_checkpoint(self, path: Path) -> TrainState:
         """Load a checkpoint save_checkpoint() wrote into model, optimizer, sampler, scheduler
@@ -534,12 +599,12 @@ def train_step(
     return loss_sum.item() / labelled_tokens, int(tokens)
 
 
-def gather_floats(value: float, env: DistEnv) -> list[float]:
-    """`value` of every rank, by rank (one small all_gather)."""
-    mine = torch.tensor([value], dtype=torch.float64, device=env.device)
+def gather_floats(values: list[float], env: DistEnv) -> list[list[float]]:
+    """`values` of every rank, by rank (one small all_gather)."""
+    mine = torch.tensor(values, dtype=torch.float64, device=env.device)
     every = [torch.zeros_like(mine) for _ in range(env.world_size)]
     dist.all_gather(every, mine)
-    return [t.item() for t in every]
+    return [t.tolist() for t in every]
 
 
 @torch.no_grad()

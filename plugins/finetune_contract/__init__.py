@@ -21,6 +21,8 @@ A rule lives here once; `validate` runs it before anything is paid for, the trai
 - `data`: what a data set and a tokenizer must be, and the encoding of one example (the one
   encoding: finetune_data.prepared_set encodes every row with it).
 - `errors`: the record of a failed training's first cause, per rank.
+- `run_history`: each round of a run's training and what happened in it (saves, evals, a
+  preemption), and the exit code of a preempted rank.
 - `preflight_result`: what the preflight program hands the Airflow side.
 - `transformers_import`: transformers imported without what it imports for nothing here.
 

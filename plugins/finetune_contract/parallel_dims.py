@@ -164,3 +164,58 @@ class ParallelDims:
         return (("shard_group_size", f"the shard group ({self.shard_degree}, {source}) does not "
                  f"divide the data-parallel size ({self.dp_degree} = world size "
                  f"{self.world_size} / tp_degree {self.tp_degree}) (strategy HYBRID_SHARD)"),)
+
+
+class ElasticFields(LayoutFields, Protocol):
+    nodes: int
+    min_nodes: int
+    micro_batch: int
+    grad_accum: int
+
+
+def is_elastic(cfg: ElasticFields) -> bool:
+    """A run that may go on with fewer nodes than it started with (min_nodes below nodes)."""
+    return 0 < cfg.min_nodes < cfg.nodes
+
+
+def elastic_grad_accum(cfg: ElasticFields, actual: ParallelDims) -> int:
+    """The grad_accum that keeps the planned global batch (micro_batch x grad_accum x the
+    data-parallel size on `nodes` nodes) on the world the run has; grad_accum itself where the
+    run is not elastic or has its planned nodes. ValueError where no whole number does (validate
+    refuses such a run: elastic_problems)."""
+    if not is_elastic(cfg):
+        return cfg.grad_accum
+    planned = ParallelDims.of(cfg, world_size=cfg.nodes * actual.procs_per_node,
+                              procs_per_node=actual.procs_per_node)
+    batch = planned.global_batch(cfg.micro_batch, cfg.grad_accum)
+    per_step = cfg.micro_batch * actual.dp_degree
+    if batch % per_step:
+        raise ValueError(f"the global batch of {batch} sequences (micro_batch {cfg.micro_batch} x "
+                         f"grad_accum {cfg.grad_accum} x {planned.dp_degree} data-parallel ranks "
+                         f"on {cfg.nodes} nodes) is not a multiple of micro_batch x the "
+                         f"{actual.dp_degree} data-parallel ranks of this world")
+    return batch // per_step
+
+
+def elastic_problems(cfg: ElasticFields, procs_per_node: int) -> LayoutProblems:
+    """Every smaller world an elastic run may go on in (min_nodes .. nodes - 1 nodes) must hold
+    its layout and its global batch; (field, message) pairs naming the first that does not."""
+    if cfg.min_nodes > cfg.nodes:
+        return (("min_nodes", f"{cfg.min_nodes} is more than nodes ({cfg.nodes}): at most nodes, "
+                 "or 0 for a run that is not elastic"),)
+    if not is_elastic(cfg):
+        return ()
+    for nodes in range(cfg.min_nodes, cfg.nodes):
+        dims = ParallelDims.of(cfg, world_size=nodes * procs_per_node,
+                               procs_per_node=procs_per_node)
+        if dims.problems:
+            name, message = dims.problems[0]
+            return (("min_nodes", f"on {nodes} node(s) ({nodes * procs_per_node} processes) "
+                     f"the run's layout does not hold ({name}: {message}): raise min_nodes"),)
+        try:
+            elastic_grad_accum(cfg, dims)
+        except ValueError as exc:
+            return (("min_nodes", f"on {nodes} node(s) {exc}: grad_accum cannot keep the "
+                     "global batch; raise min_nodes or choose grad_accum and micro_batch so it "
+                     "divides"),)
+    return ()

@@ -300,7 +300,23 @@ PARAMETERS: tuple[Parameter, ...] = (
       choices=DPO_REFERENCES, methods=DPO),
     P('nodes', 1, 'Resources', 'Nodes',
       'Nodes (local: torchrun agents on this machine).',
-      bounds=Bounds(minimum=1, maximum=128), trainer=False),
+      bounds=Bounds(minimum=1, maximum=128)),
+    P('min_nodes', 0, 'Resources', 'Minimum nodes',
+      'Elastic: when a node is lost and none comes back within node_wait_s, the training goes '
+      'on with the nodes it has, down to this many (torchrun --nnodes min_nodes:nodes; the '
+      "checkpoint is resharded to the smaller world and grad_accum raised so the global batch "
+      'stays the same), and grows back at the next restart when nodes return. Each node lost '
+      'is a restart (max_restarts). 0: nodes (not elastic).',
+      bounds=Bounds(minimum=0, maximum=128)),
+    P('node_wait_s', 300, 'Resources', 'Lost node wait (s)',
+      'Elastic runs: how long the training waits for a lost node to come back (or for more '
+      'nodes to join a restart) before it goes on with the nodes it has.',
+      bounds=Bounds(minimum=1, maximum=86400), trainer=False),
+    P('max_preemptions', 10, 'Resources', 'Max preemptions',
+      'A notice to the nodes (SIGTERM: a spot reclaim, a drain, an eviction) ends the step in '
+      'progress, saves it and starts the training again from it, without counting against '
+      'max_restarts; a run noticed more often than this fails, saying so.',
+      bounds=Bounds(minimum=0, maximum=100000), trainer=False),
     P('procs_per_node', 2, 'Resources', 'Processes per node',
       'Training processes per node: one per GPU, or CPU processes on the local target.',
       bounds=Bounds(minimum=1, maximum=64), trainer=False),

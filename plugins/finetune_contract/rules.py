@@ -13,7 +13,7 @@ import re
 from finetune_contract.families import FAMILIES, lora_target_problem
 from finetune_contract.fields import FA4_CAPABILITIES, FA4_HEAD_DIMS, PRINTABLE, quoted
 from finetune_contract.models import ModelShape
-from finetune_contract.parallel_dims import ParallelDims
+from finetune_contract.parallel_dims import ParallelDims, elastic_problems
 from finetune_contract.parameters import TRAINER_PARAMETERS
 from finetune_contract.train_config import TrainConfig
 
@@ -323,4 +323,6 @@ def _parallelism(cfg: TrainConfig, world_size: int, local_world_size: int,
                                      "tensor-parallel rank computes an equal part"))
     if problems and cfg.strategy == "HYBRID_SHARD":
         return problems  # its shard group is measured against the tp_degree these ask to change
-    return problems + list(layout.shard_problems)
+    problems += layout.shard_problems
+    # An elastic run's smaller worlds, once its planned one holds.
+    return problems or list(elastic_problems(cfg, local_world_size))

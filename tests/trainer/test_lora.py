@@ -171,8 +171,17 @@ def test_lora_trains_only_adapters_resumes_exactly_and_exports_the_sharded_model
         step(model, optimizer)
     checkpointer = Checkpointer(str(tmp_path / "run"), keep=1, rank=world_of_one.rank)
     path = checkpointer.save(2, model, optimizer, {})
+    # The frozen base is not in it: a resumed run makes it again from the model's source.
+    saved = sum(f.stat().st_size for f in path.rglob("*.distcp"))
+    base = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    assert saved < base / 4
     expected_loss = step(model, optimizer)
-    resumed, resumed_optimizer, _ = sharded_lora_model(world_of_one, tokenizer, seed=99)
+    # As a resumed run builds it: the same base, its adapters anything until the load.
+    resumed, resumed_optimizer, _ = sharded_lora_model(world_of_one, tokenizer, seed=1)
+    with torch.no_grad():
+        for name, p in resumed.named_parameters():
+            if p.requires_grad:
+                p.normal_()
     checkpointer.load(path, resumed, resumed_optimizer)
     assert step(resumed, resumed_optimizer) == pytest.approx(expected_loss, rel=1e-6)
 

@@ -5,7 +5,10 @@ Each agent runs in a session of its own with its output in logs/torchrun-node-<n
 training outlives the task that started it (a lost Airflow worker) and a retry reattaches to it;
 `state/train.json` records what was started and which try follows it. The agents' new lines are
 copied into the task log and train.log once each, also across tries. A job that loses a node is
-started again whole, as the training operator restarts a job's pods.
+started again whole, as the training operator restarts a job's pods; an elastic one (min_nodes)
+goes on with the nodes it has. A notice (SIGTERM to an agent) ends the round with every rank's
+step saved (exit PREEMPTED_EXIT_CODE): it is started again whole, up to max_preemptions times,
+without counting as a restart.
 """
 
 from __future__ import annotations
@@ -33,6 +36,13 @@ from finetune.targets.local.processes import (
 )
 from finetune.targets.local.state import read_state, write_state
 from finetune_contract.errors import NODE_NAME_ENV
+from finetune_contract.parallel_dims import is_elastic
+from finetune_contract.run_history import (
+    HISTORY_FILE,
+    PREEMPTED_EXIT_CODE,
+    parse_history,
+    preemptions,
+)
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +55,7 @@ class Agent:
     def __init__(self, node: int, proc: subprocess.Popen | None = None, pid: int = 0):
         self.node, self.proc, self.restarts = node, proc, 0
         self.pid = proc.pid if proc is not None else pid
+        self.gone = False  # an elastic run's lost node: the training goes on without it
 
     def exit_code(self) -> int | None:
         return self.proc.poll() if self.proc is not None else None
@@ -63,11 +74,13 @@ def agent_log(cfg: RunConfig, node: int) -> Path:
 def start_agent(cfg: RunConfig, node: int, res: dict, rendezvous: dict,
                 config_path: Path) -> subprocess.Popen:
     """Node `node`'s torchrun agent, running the trainer with `config_path`."""
+    nnodes = f"{cfg.min_nodes}:{cfg.nodes}" if is_elastic(cfg) else str(cfg.nodes)
     cmd = [
         sys.executable, "-m", "trainer.launch",  # torchrun, recording ranks killed
-        "--nnodes", str(cfg.nodes), "--nproc-per-node", str(cfg.procs_per_node),
+        "--nnodes", nnodes, "--nproc-per-node", str(cfg.procs_per_node),
         "--rdzv-backend", rendezvous["backend"], "--rdzv-endpoint", rendezvous["endpoint"],
         "--rdzv-id", rendezvous["rdzv_id"], "--max-restarts", str(cfg.max_restarts),
+        *(["--rdzv-conf", f"last_call_timeout={cfg.node_wait_s}"] if is_elastic(cfg) else []),
         "-m", "trainer.train", "--config", str(config_path),
     ]
     first = node * cfg.procs_per_node
@@ -134,7 +147,10 @@ def follow_agents(cfg: RunConfig, agents: list[Agent], follower: LogFollower, re
     max_restarts times, as the training operator restarts a job's pods: every agent
     stopped, the rendezvous cleared, all nodes started, the trainer resumes from the newest
     checkpoint. (A lone new agent does not get the survivors of a round that lost a node
-    to rendezvous again.)
+    to rendezvous again.) An elastic run instead goes on with the nodes left, as long as
+    there are min_nodes: their torchrun restarts its workers in a smaller world. When every
+    agent has exited with PREEMPTED_EXIT_CODE (a notice, the step saved), all are started
+    again, up to max_preemptions times in the run.
     """
     restarts = 0
     while True:
@@ -143,22 +159,33 @@ def follow_agents(cfg: RunConfig, agents: list[Agent], follower: LogFollower, re
             # The cost guard the eks job's activeDeadlineSeconds is; the caller stops all.
             return 0, (f"was stopped: the training ran past active_deadline_s "
                        f"({cfg.active_deadline_s} s)")
-        lost = [a for a in agents if (a.exit_code() or 0) < 0]
-        if lost and restarts < cfg.max_restarts:
+        lost = [a for a in agents if not a.gone and (a.exit_code() or 0) < 0]
+        left = sum(not a.gone for a in agents) - len(lost)
+        if lost and is_elastic(cfg) and left >= cfg.min_nodes:
+            for agent in lost:
+                agent.gone = True
+            log.warning("torchrun agent of node %s was killed: the training goes on with %d "
+                        "of %d nodes (min_nodes %d) once node_wait_s (%d s) has passed without "
+                        "it", ", ".join(str(a.node) for a in lost), left, cfg.nodes,
+                        cfg.min_nodes, cfg.node_wait_s)
+        elif lost and restarts < cfg.max_restarts:
             restarts += 1
             log.warning("torchrun agent of node %d was killed (signal %d): restarting all "
                         "%d node(s) (restart %d of %d)", lost[0].node, -lost[0].exit_code(),
                         len(agents), restarts, cfg.max_restarts)
-            stop_processes([a.pid for a in agents if a.alive()])
-            stop_processes(trainer_processes(str(config_path)))
-            follower.copy_new_lines()
-            if rendezvous["backend"] == "etcd-v2":
-                delete_rendezvous_keys(rendezvous["endpoint"], rendezvous["rdzv_id"])
-            for agent in agents:
-                agent.proc = start_agent(cfg, agent.node, res, rendezvous, config_path)
-                agent.pid, agent.restarts = agent.proc.pid, agent.restarts + 1
-            write_train_state(cfg, agents, started, config_path)
-        codes = [a.exit_code() for a in agents]
+            start_again(cfg, agents, follower, res, rendezvous, config_path, started)
+        codes = [a.exit_code() for a in agents if not a.gone]
+        if codes and all(code == PREEMPTED_EXIT_CODE for code in codes):
+            noticed = len(preemptions(read_history(cfg)))
+            if noticed > cfg.max_preemptions:
+                return 0, (f"was preempted {noticed} times, more than max_preemptions "
+                           f"({cfg.max_preemptions}): each notice's step was saved; the run "
+                           "stops here")
+            log.warning("every node's training saved its step after a notice (preemption %d "
+                        "of at most %d): starting all %d node(s) again from it", noticed,
+                        cfg.max_preemptions, len(agents))
+            start_again(cfg, agents, follower, res, rendezvous, config_path, started)
+        agents_left = [a for a in agents if not a.gone]
         if any(a.proc is None for a in agents):  # reattached: no exit codes to read
             if any(a.alive() for a in agents):
                 time.sleep(0.5)
@@ -166,12 +193,36 @@ def follow_agents(cfg: RunConfig, agents: list[Agent], follower: LogFollower, re
             if training_finished(Path(cfg.run_dir), started):
                 return None
             return 0, "ended without writing summary.json (its exit code is unknown)"
+        codes = [a.exit_code() for a in agents_left]
         if all(c == 0 for c in codes):
             return None
-        for agent, code in zip(agents, codes, strict=True):
+        for agent, code in zip(agents_left, codes, strict=True):
+            if code == PREEMPTED_EXIT_CODE:
+                continue  # the others are still saving the same step
             if code not in (None, 0) and not (code < 0 and restarts < cfg.max_restarts):
                 return agent.node, f"exited with code {code}"
         time.sleep(0.5)
+
+
+def start_again(cfg: RunConfig, agents: list[Agent], follower: LogFollower, res: dict,
+                rendezvous: dict, config_path: Path, started: float) -> None:
+    """Every node's agent stopped and started again on a cleared rendezvous: the trainer
+    resumes from the newest checkpoint."""
+    stop_processes([a.pid for a in agents if a.alive()])
+    stop_processes(trainer_processes(str(config_path)))
+    follower.copy_new_lines()
+    if rendezvous["backend"] == "etcd-v2":
+        delete_rendezvous_keys(rendezvous["endpoint"], rendezvous["rdzv_id"])
+    for agent in agents:
+        agent.proc = start_agent(cfg, agent.node, res, rendezvous, config_path)
+        agent.pid, agent.restarts, agent.gone = agent.proc.pid, agent.restarts + 1, False
+    write_train_state(cfg, agents, started, config_path)
+
+
+def read_history(cfg: RunConfig) -> list[dict]:
+    """The trainer's history of the run (finetune_contract.run_history), as far as written."""
+    path = Path(cfg.run_dir) / HISTORY_FILE
+    return parse_history(path.read_text()) if path.is_file() else []
 
 
 class LogFollower:

@@ -1,0 +1,73 @@
+"""A notice to stop (SIGTERM: Kubernetes evicting the pod, a spot reclaim's two minutes, a node
+drained, torchrun passing its own on): nothing is lost but the step in progress.
+
+The rank that gets the signal only notes when. Every step ends with an all-gather the ranks make
+anyway (their step times): the notes travel with it, so every rank learns of a notice at the end
+of the same step. Then every rank saves that step (the checkpoint it would have written at its
+interval), rank 0 records the preemption in the run's history, and each rank tells its torchrun
+agent to stop as for a signal (the agent restarts no worker, counts no failure and leaves the
+rendezvous open for the next round) and exits with PREEMPTED_EXIT_CODE, which the job's restart
+policy (or the local target) retries without spending max_restarts.
+
+A notice before the first step ends the process at once: nothing was trained to save.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from types import FrameType
+
+from finetune_contract.run_history import PREEMPTED_EXIT_CODE
+
+# A file trainer.launch names for its workers: one of them writes it once a notice's step is saved.
+SAVED_MARKER_ENV = "FINETUNE_PREEMPTED_MARKER"
+
+
+class Preempted(SystemExit):
+    """The run saved the step a notice interrupted and exits for it to be started again."""
+
+    def __init__(self, step: int):
+        super().__init__(PREEMPTED_EXIT_CODE)
+        self.step = step
+
+
+class Notice:
+    """SIGTERM, noted: `at` is when it came (0.0: none yet)."""
+
+    def __init__(self) -> None:
+        self.at = 0.0
+        self.training = False  # set once the first step starts: until then a notice ends at once
+
+    def install(self) -> Notice:
+        signal.signal(signal.SIGTERM, self._note)
+        return self
+
+    def _note(self, signum: int, frame: FrameType | None) -> None:
+        if self.at:
+            return  # the agent passing the signal on, or a second notice: noted already
+        self.at = time.time()
+        if not self.training:
+            mark_saved()  # nothing trained yet: nothing to save
+            stop_agent()
+            raise Preempted(0)
+
+
+def mark_saved() -> None:
+    """Tell this node's launcher (trainer.launch) that the step was saved: it exits with
+    PREEMPTED_EXIT_CODE, not as a failure."""
+    marker = os.environ.get(SAVED_MARKER_ENV)
+    if marker:
+        with open(marker, "w") as f:
+            f.write(str(time.time()))
+
+
+def stop_agent() -> None:
+    """Under torchrun, SIGTERM to this worker's agent (its parent): it stops its workers as for
+    a signal instead of restarting them as after a failure."""
+    if os.environ.get("TORCHELASTIC_RUN_ID") and os.getppid() > 1:
+        try:
+            os.kill(os.getppid(), signal.SIGTERM)
+        except ProcessLookupError:
+            pass
