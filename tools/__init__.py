@@ -1,0 +1,12 @@
+"""The project's tooling, outside the product: a real Airflow on this machine and its UI in
+headless Chromium, for the tests and the project's scripts.
+
+- `airflow_components`: a real Airflow on this machine (api-server, scheduler, dag-processor,
+  triggerer as separate processes), a REST client and a bounded wait.
+- `airflow_ui`: Airflow's UI in headless Chromium through the DevTools protocol, and the steps
+  through the trigger form.
+
+Run from the repository root with PYTHONPATH=plugins:. (as make sets it). These modules import
+plugins/ (`finetune`); nothing in plugins/, trainer/ or dags/ imports them
+(tests/plugins/test_package_layout.py), and they are neither in the trainer image nor in its tag.
+"""
