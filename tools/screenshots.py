@@ -241,8 +241,6 @@ def trigger_form_pictures(browser: HeadlessChromium, url: str, record: dict,
                           logs: Path) -> dict[str, bytes]:
     """The form with the preset list open (the DAG's tasks behind it), the preset field's
     description, and the fields a preset changes."""
-    from finetune.params import dag_params
-
     pictures: dict[str, bytes] = {}
     shown = record["trigger-form.png"]
     resize(browser, WIDTH, 1400)
@@ -259,10 +257,10 @@ def trigger_form_pictures(browser: HeadlessChromium, url: str, record: dict,
     fit_height(browser, WIDTH, FORM)
     preset_field = f"{FORM} [data-part=item][data-state=open]"
     described = browser.js(f"document.querySelector('{preset_field}').innerText")
-    from finetune_contract.presets import PRESETS
-
+    recorded = [line.split("`")[1] for line in record["trigger-form-presets.png"]["description"]
+                if line.startswith("- `")]
     expect("the presets the preset field describes",
-           [name for name in PRESETS if f"{name}:" in described], list(PRESETS))
+           [name for name in recorded if f"{name}:" in described], recorded)
     pictures["trigger-form-presets.png"] = browser.screenshot(
         around(element_box(browser, preset_field)))
 
@@ -287,10 +285,10 @@ def trigger_form_pictures(browser: HeadlessChromium, url: str, record: dict,
     expect("the fields pictured", titles[first:first + count], list(fields["fields"]))
     notes = browser.js(f"[...document.querySelectorAll('{rows}')].slice({first}, "
                        f"{first + count}).map(r => r.innerText)")
-    params = dag_params()
-    for name, note in zip(fields_shown(), notes, strict=True):
-        if " ".join(params[name].description.split()) not in " ".join(note.split()):
-            raise ScreenshotError(f"the form shows {name} as {note!r}")
+    for (title, description), note in zip(fields["fields"].items(), notes, strict=True):
+        if " ".join(description.split()) not in " ".join(note.split()):
+            raise ScreenshotError(f"the form shows {title} as {note!r}, the record says "
+                                  f"{description!r}")
     section = element_box(browser, f"{FORM} [data-part=item][data-state=open]")
     last = element_box(browser, rows, first + count - 1)
     pictures["trigger-form-fields.png"] = browser.screenshot(
