@@ -119,7 +119,8 @@ docs: venv
 
 # docs/*.png from the real UI (tools/screenshots.py): Airflow's api-server, scheduler and
 # dag-processor on this checkout, the trigger form in headless Chromium, and a local run of the
-# tiny-local preset for the runs page and the report; about 6 minutes on 2 cores. It also writes
+# tiny-local preset for the runs page and the report: 95 to 125 s on 2 quiet cores (2026-12-06;
+# its run alone took 4 minutes while other work shared them). It also writes
 # docs/screenshots.json, what they show that the code decides: tests/test_docs.py fails when
 # that is no longer what the code shows (a preset or a stage added without new pictures).
 screenshots: venv system-deps
