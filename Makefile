@@ -21,7 +21,8 @@ unexport PYTHONDONTWRITEBYTECODE
 # `airflow standalone` starts its components as `airflow ...` from PATH.
 export PATH := $(BIN):$(PATH)
 
-.PHONY: demo test test-fast lint airflow run venv system-deps airflow-db clean mlflow plan docs
+.PHONY: demo test test-fast lint airflow run venv system-deps airflow-db clean mlflow plan docs \
+  screenshots
 
 venv: $(VENV)/.installed
 
@@ -115,6 +116,15 @@ plan: venv
 # tests/test_docs.py fails when the committed page is not what this writes.
 docs: venv
 	$(BIN)/python -m finetune.docs
+
+# docs/*.png from the real UI (tools/screenshots.py): Airflow's api-server, scheduler and
+# dag-processor on this checkout, the trigger form in headless Chromium, and a local run of the
+# tiny-local preset for the runs page and the report: 95 to 125 s on 2 quiet cores (2026-12-06;
+# its run alone took 4 minutes while other work shared them). It also writes
+# docs/screenshots.json, what they show that the code decides: tests/test_docs.py fails when
+# that is no longer what the code shows (a preset or a stage added without new pictures).
+screenshots: venv system-deps
+	$(BIN)/python -m tools.screenshots
 
 # The MLflow UI on the local target's embedded store (runs, metrics, the registry's champion) on
 # http://127.0.0.1:5000; without MLflow's job runner (seven more processes, for GenAI jobs).

@@ -1,12 +1,19 @@
-"""docs/parameters.md is what `make docs` generates from the spec the trigger form is built from."""
+"""The docs are current: docs/parameters.md is what `make docs` generates from the spec the
+trigger form is built from; docs/screenshots.json, what `make screenshots` pictured, is what the
+code would show now; every link between the README and docs/ reaches its file and heading."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
+
+import pytest
 
 from finetune import docs
 from finetune.params import dag_params
 from finetune_contract.train_config import TrainConfig
+from tools import screenshots
 
 
 def test_the_committed_parameter_reference_is_what_make_docs_generates():
@@ -78,3 +85,38 @@ def test_every_link_between_the_readme_and_docs_reaches_a_file_and_heading():
             elif anchor and path.suffix == ".md" and anchor not in _anchors(path.read_text()):
                 broken.append(f"{page.name}: {target} (no such heading)")
     assert not broken, "\n".join(broken)
+
+
+@pytest.fixture(scope="module")
+def pictured_now() -> dict:
+    """What the docs' screenshots would show of the code as it is (no browser, no Airflow)."""
+    return screenshots.screenshots_record()
+
+
+def test_the_screenshots_show_the_tasks_presets_sections_and_columns_the_code_has(pictured_now):
+    """A preset, a stage, a form section, a field's note, a runs page column or a report figure
+    added or changed without `make screenshots` fails here."""
+    committed = json.loads(screenshots.RECORD.read_text())
+    stale = screenshots.stale_pictures(committed, pictured_now)
+    assert not stale, screenshots.stale_message(stale)
+    assert set(committed) == set(screenshots.PICTURES)
+    for name in screenshots.PICTURES:
+        assert (docs.REPO_ROOT / "docs" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+
+
+def test_a_stale_record_names_the_pictures_and_make_screenshots(pictured_now, tmp_path,
+                                                                 monkeypatch, capsys):
+    before = copy.deepcopy(pictured_now)  # as committed before a preset and a stage were added
+    before["trigger-form.png"]["presets"].pop()
+    before["trigger-form.png"]["tasks"].remove("evaluate")
+    before["report.png"]["charts"].pop()
+    record = tmp_path / "screenshots.json"
+    record.write_text(json.dumps(before))
+    monkeypatch.setattr(screenshots, "RECORD", record)
+    monkeypatch.setattr(screenshots, "screenshots_record", lambda: pictured_now)
+    assert screenshots.main(["--check"]) == 1
+    err = capsys.readouterr().err
+    assert "trigger-form.png (tasks, presets); report.png (charts)" in err
+    assert "run `make screenshots`" in err
+    record.write_text(json.dumps(pictured_now))
+    assert screenshots.main(["--check"]) == 0

@@ -1,7 +1,8 @@
 """The test suite's layout: shared fixtures and helpers live in tests/support and are imported from
 there as `tests.support.<module>`. No test file imports a test module or a conftest, loads a
 conftest by path, changes sys.path (tests/conftest.py does, once), defines again a fixture that
-tests/support provides, or holds a copy of one of its helpers."""
+tests/support provides, or holds a copy of one of its helpers or of tools/' (the real Airflow
+and its UI in Chromium, which the tests share with the docs' screenshots)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from tests.support import REPO_ROOT
 
 TESTS = REPO_ROOT / "tests"
 SUPPORT = TESTS / "support"
+TOOLS = REPO_ROOT / "tools"
 ROOT_CONFTEST = TESTS / "conftest.py"
 LOADERS = {"spec_from_file_location", "SourceFileLoader", "import_module", "run_path",
            "__import__", "load_source"}
@@ -62,11 +64,11 @@ def source_of(module: str) -> Path | None:
 
 
 def support_provides() -> tuple[set[str], dict[str, str]]:
-    """(fixture names, {helper body dump: where}) of tests/support, with the first-party
-    functions it re-exports (e.g. finetune.etcd.free_port)."""
+    """(fixture names, {helper body dump: where}) of tests/support and tools/, with the
+    first-party functions tests/support re-exports (e.g. finetune.etcd.free_port)."""
     fixtures: set[str] = set()
     helpers: dict[str, str] = {}
-    for path in python_files(SUPPORT):
+    for path in python_files(SUPPORT) + python_files(TOOLS):
         tree = ast.parse(path.read_text(), filename=str(path))
         for node in ast.walk(tree):
             if (name := fixture_name(node)) is not None:
@@ -178,6 +180,9 @@ BREAKS_LAYOUT = {
     "a copied helper": (
         "import socket\n\ndef _free_port() -> int:\n    with socket.socket() as s:\n"
         "        s.bind(('127.0.0.1', 0))\n        return s.getsockname()[1]\n"),
+    "a copied tools helper": (
+        "def login(browser, url, token):\n"
+        "    browser.cdp('Network.setCookie', name='_token', value=token, url=url)\n"),
 }
 KEEPS_LAYOUT = {
     "support": "from tests.support.eks import eks_config\nfrom tests.support import REPO_ROOT\n",

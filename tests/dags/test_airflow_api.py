@@ -12,15 +12,10 @@ project-local AIRFLOW_HOME in tmp, SimpleAuthManager with a real password).
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import json
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -28,6 +23,13 @@ import pytest
 from finetune_contract.presets import PRESET_DISPLAY, PRESET_NAMES
 from tests.support.airflow import Airflow, Api, wait_for
 from tests.support.system import system_binary_or_skip
+from tools.airflow_ui import (
+    HeadlessChromium,
+    log_in,
+    open_form_section,
+    open_preset_list,
+    open_trigger_form,
+)
 
 pytestmark = pytest.mark.slow  # a real api-server, scheduler, dag-processor; DAG runs; Chromium
 
@@ -202,75 +204,19 @@ FORM_SECTIONS = ("Preset", "Where to run", "Resources", "Parallelism", "Memory a
 
 
 def render_trigger_form(chromium: str, api: Api, tmp_path: Path):
-    """Open llm_finetune's trigger form in headless Chromium (DevTools protocol, logged in
-    with the API token as the UI's cookie), read FORM_SECTIONS and show the preset list;
-    returns the page text, the preset options, whether the Trigger buttons are
-    disabled, and a screenshot."""
-    import websocket
-
-    profile = tmp_path / "chromium"
-    proc = subprocess.Popen([chromium, "--headless", "--no-sandbox", "--disable-gpu",
-                             "--disable-dev-shm-usage", "--remote-debugging-port=0",
-                             f"--user-data-dir={profile}", "--window-size=1400,2400",
-                             "about:blank"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    try:
-        port_file = profile / "DevToolsActivePort"
-        wait_for("chromium", port_file.is_file, 60, tmp_path)
-        port = port_file.read_text().split()[0]
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/json", timeout=10) as r:
-            page = next(t for t in json.loads(r.read()) if t["type"] == "page")
-        ws = websocket.create_connection(page["webSocketDebuggerUrl"], timeout=60)
-        ids = iter(range(1, 10_000))
-
-        def cdp(method: str, **params):
-            msg_id = next(ids)
-            ws.send(json.dumps({"id": msg_id, "method": method, "params": params}))
-            while True:
-                msg = json.loads(ws.recv())
-                if msg.get("id") == msg_id:
-                    assert "error" not in msg, msg
-                    return msg["result"]
-
-        def js(expr: str):
-            return cdp("Runtime.evaluate", expression=expr,
-                       returnByValue=True)["result"].get("value")
-
-        def click(label: str | None, selector: str = "button") -> bool:
-            """A real mouse click on the visible element labelled `label` (None: the first
-            visible one) matching selector; the UI ignores el.click()."""
-            at = js(f"(() => {{ const b = [...document.querySelectorAll('{selector}')].find(b => "
-                    f"b.getClientRects().length && ({json.dumps(label)} === null || "
-                    f"b.innerText.trim() === {json.dumps(label)})); if (!b) return null; "
-                    "b.scrollIntoView({block: 'center'}); const r = b.getBoundingClientRect();"
-                    " return [r.x + r.width / 2, r.y + r.height / 2]; })()")
-            for kind in ("mousePressed", "mouseReleased") if at else ():
-                cdp("Input.dispatchMouseEvent", type=kind, x=at[0], y=at[1], button="left",
-                    clickCount=1)
-            return bool(at)
-
-        cdp("Network.enable")
-        cdp("Network.setCookie", name="_token", value=api.token, url=api.url)
-        cdp("Page.navigate", url=f"{api.url}/dags/llm_finetune")
-        wait_for("the Trigger button", lambda: click("Trigger"), 90, tmp_path, interval=2)
-        wait_for("the form", lambda: "Where to run" in (js("document.body.innerText") or ""),
-                 60, tmp_path)
+    """Open llm_finetune's trigger form in headless Chromium (tools.airflow_ui: logged in with
+    the API token as the UI's cookie), read FORM_SECTIONS and show the preset list; returns the
+    page text, the preset options, whether the Trigger buttons are disabled, and a screenshot."""
+    with HeadlessChromium(chromium, tmp_path / "chromium", 1400, 2400) as browser:
+        log_in(browser, api.url, api.token)
+        open_trigger_form(browser, api.url, "llm_finetune", tmp_path)
         # The sections are an accordion (one open at a time): read each one's fields.
         text = ""
         for section in (*FORM_SECTIONS[1:], FORM_SECTIONS[0]):
-            click(section)
-            time.sleep(0.7)
-            text += js("document.body.innerText")
-        submit_disabled = js("[...document.querySelectorAll('button')].filter(b => "
-                             "b.innerText.trim() === 'Trigger').map(b => b.disabled)")
-        click(None, "input[aria-expanded]")  # the open section's select (presets): its options
-        time.sleep(1)
-        options = js("[...document.querySelectorAll('[role=option]')]"
-                     ".map(o => o.innerText.trim())")
-        png = base64.b64decode(cdp("Page.captureScreenshot", format="png",
-                                   captureBeyondViewport=True)["data"])
-        ws.close()
-        return text, options, submit_disabled, png
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+            open_form_section(browser, section)
+            text += browser.text()
+        submit_disabled = browser.js("[...document.querySelectorAll('button')].filter(b => "
+                                     "b.innerText.trim() === 'Trigger').map(b => b.disabled)")
+        options = open_preset_list(browser)
+        png = browser.screenshot()
+    return text, options, submit_disabled, png

@@ -1,7 +1,8 @@
-"""The packages' shape: no import circle among the modules of plugins/, trainer/ and bench/ (lazy
-imports included), nothing of the product (plugins/, trainer/, dags/) imports the benchmarks
-(bench/, the layer above), every module opens with a docstring saying what it owns, and the
-plugin works from MWAA's plugins.zip, its page templates included."""
+"""The packages' shape: no import circle among the modules of plugins/, trainer/, bench/ and
+tools/ (lazy imports included), nothing of the product (plugins/, trainer/, dags/) imports the
+benchmarks or the tooling (bench/ and tools/, the layers above), every module opens with a
+docstring saying what it owns, and the plugin works from MWAA's plugins.zip, its page templates
+included."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ PLUGINS = REPO_ROOT / "plugins"
 TRAINER = REPO_ROOT / "trainer"
 DAGS = REPO_ROOT / "dags"
 BENCH = REPO_ROOT / "bench"
+TOOLS = REPO_ROOT / "tools"
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -72,34 +74,43 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_no_import_circle_among_the_plugin_trainer_and_bench_modules():
+def test_no_import_circle_among_the_plugin_trainer_bench_and_tools_modules():
     # One graph: the trainer imports the contract package (plugins/finetune_contract).
     modules = (modules_under(PLUGINS, PLUGINS) | modules_under(TRAINER, REPO_ROOT)
-               | modules_under(BENCH, REPO_ROOT))
+               | modules_under(BENCH, REPO_ROOT) | modules_under(TOOLS, REPO_ROOT))
     assert len(modules) > 60 and "trainer.model" in modules and "finetune.report" in modules
-    assert "bench.train" in modules
+    assert "bench.train" in modules and "tools.airflow_ui" in modules
     assert cycles(import_graph(modules)) == []
 
 
-def is_bench(module: str) -> bool:
-    return module == "bench" or module.startswith("bench.")
+# The packages above the product: the benchmarks and the tooling (the docs' screenshots).
+ABOVE_THE_PRODUCT = ("bench", "tools")
 
 
-def bench_imports(graph: dict[str, set[str]]) -> list[str]:
-    """Each import of a benchmark module by a module that is not one, as "importer -> bench.x"."""
+def is_above_the_product(module: str) -> bool:
+    return module.split(".")[0] in ABOVE_THE_PRODUCT
+
+
+def imports_from_above(graph: dict[str, set[str]]) -> list[str]:
+    """Each import of a benchmark or tooling module by a product module, as "importer ->
+    bench.x" (bench and tools do not import each other either)."""
     return sorted(f"{name} -> {imported}" for name, imports in graph.items()
-                  if not is_bench(name) for imported in imports if is_bench(imported))
+                  for imported in imports if is_above_the_product(imported)
+                  and imported.split(".")[0] != name.split(".")[0])
 
 
-def test_nothing_of_the_product_imports_the_benchmarks():
-    """bench/ sits above the trainer and plugins/ (it imports both); a product module that
-    imported it would put the benchmarks back into what ships."""
+def test_nothing_of_the_product_imports_the_benchmarks_or_the_tooling():
+    """bench/ and tools/ sit above the trainer and plugins/ (they import them); a product
+    module that imported one would put the benchmarks or the tooling back into what ships."""
     modules = (modules_under(PLUGINS, PLUGINS) | modules_under(TRAINER, REPO_ROOT)
-               | modules_under(DAGS, DAGS) | modules_under(BENCH, REPO_ROOT))
+               | modules_under(DAGS, DAGS) | modules_under(BENCH, REPO_ROOT)
+               | modules_under(TOOLS, REPO_ROOT))
     graph = import_graph(modules)
-    assert {"bench.train", "trainer.model", "finetune.pipeline", "llm_finetune"} <= set(graph)
-    assert any(is_bench(m) for imports in graph.values() for m in imports)  # bench's own
-    assert bench_imports(graph) == []
+    assert {"bench.train", "tools.airflow_ui", "trainer.model", "finetune.pipeline",
+            "llm_finetune"} <= set(graph)
+    assert any(m.startswith("bench.") for imports in graph.values() for m in imports)
+    assert any(m.startswith("tools.") for imports in graph.values() for m in imports)
+    assert imports_from_above(graph) == []
 
 
 def test_the_airflow_side_never_imports_the_trainer():
@@ -113,7 +124,7 @@ def test_the_airflow_side_never_imports_the_trainer():
             if t == "trainer" or t.startswith("trainer.")] == []
 
 
-def test_the_scan_finds_a_product_module_that_imports_a_benchmark(tmp_path):
+def test_the_scan_finds_a_product_module_that_imports_a_benchmark_or_a_tool(tmp_path):
     (tmp_path / "bench").mkdir()
     (tmp_path / "bench" / "__init__.py").write_text("import trainer\n")
     (tmp_path / "bench" / "train.py").write_text("from trainer import model\n")
@@ -121,9 +132,15 @@ def test_the_scan_finds_a_product_module_that_imports_a_benchmark(tmp_path):
     (tmp_path / "trainer" / "__init__.py").write_text("")
     (tmp_path / "trainer" / "model.py").write_text("def f():\n    from bench.train import g\n")
     (tmp_path / "trainer" / "data.py").write_text("import bench\n")
+    (tmp_path / "trainer" / "shots.py").write_text("from tools import screenshots\n")
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "tools" / "__init__.py").write_text("")
+    (tmp_path / "tools" / "screenshots.py").write_text("import trainer.model\n")
     graph = import_graph(modules_under(tmp_path / "bench", tmp_path)
-                         | modules_under(tmp_path / "trainer", tmp_path))
-    assert bench_imports(graph) == ["trainer.data -> bench", "trainer.model -> bench.train"]
+                         | modules_under(tmp_path / "trainer", tmp_path)
+                         | modules_under(tmp_path / "tools", tmp_path))
+    assert imports_from_above(graph) == ["trainer.data -> bench", "trainer.model -> bench.train",
+                                    "trainer.shots -> tools", "trainer.shots -> tools.screenshots"]
 
 
 def test_the_graph_has_the_trainer_s_lazy_imports(tmp_path):
@@ -142,7 +159,7 @@ def test_the_scan_finds_a_circle_when_there_is_one():
 
 def test_every_module_opens_with_a_docstring():
     missing = [str(p.relative_to(REPO_ROOT))
-               for root in (PLUGINS, TRAINER, DAGS, BENCH)
+               for root in (PLUGINS, TRAINER, DAGS, BENCH, TOOLS)
                for p in root.rglob("*.py")
                if p.stat().st_size and ast.get_docstring(ast.parse(p.read_text())) is None]
     assert missing == []

@@ -16,8 +16,10 @@ never imported from another test module):
   `task_log`.
 - `deferral`: driving deferrable operators and triggers as Airflow does.
 - `airflow`: a real Airflow (api-server, scheduler, dag-processor, triggerer as separate
-  processes, each killed and started again on its own, `Airflow`), a REST client (`Api`) and a
-  bounded wait (`wait_for`).
+  processes, each killed and started again on its own, `Airflow`) and a REST client (`Api`),
+  both from tools.airflow_components (the docs' screenshots start the same one), and a bounded
+  wait (`wait_for`) that fails the test with the components' logs. Airflow's UI in headless
+  Chromium is tools.airflow_ui.
 - `schemas`: manifests checked against the Kubernetes, PyTorchJob and Kubeflow Trainer v2 CRD
   schemas (the CRDs from $FINETUNE_K8S_SCHEMAS or ../shared/k8s-schemas).
 - `trainer`: the test playing Kubeflow Trainer v2 and JobSet for a TrainJob
