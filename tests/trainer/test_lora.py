@@ -179,7 +179,7 @@ def test_lora_trains_only_adapters_resumes_exactly_and_exports_the_sharded_model
     # As a resumed run builds it: the same base, its adapters anything until the load.
     resumed, resumed_optimizer, _ = sharded_lora_model(world_of_one, tokenizer, seed=1)
     with torch.no_grad():
-        for name, p in resumed.named_parameters():
+        for p in resumed.parameters():
             if p.requires_grad:
                 p.normal_()
     checkpointer.load(path, resumed, resumed_optimizer)
