@@ -12,6 +12,13 @@ from typing import Any
 from finetune.config import RunConfig
 from finetune.hub import hub_config
 from finetune.trainer_config import local_dir, trainer_config
+from finetune_contract.checkpoint_time import (
+    CheckpointTime,
+    checkpoint_time,
+    grace_period_s,
+    notice_problems,
+    storage_of,
+)
 from finetune_contract.data import optimizer_steps
 from finetune_contract.fields import hub_id_problem
 from finetune_contract.instance_types import INSTANCE_TYPES, InstanceProfile
@@ -24,6 +31,7 @@ from finetune_contract.planner import (
     estimate,
     resolve_checkpointing,
     search,
+    trained_parameters,
 )
 from finetune_contract.train_config import TrainConfig
 
@@ -70,6 +78,8 @@ class RunPlan:
     wall_time_s: float | None
     cost_usd: float | None
     train_rows: int | None = None  # max_steps 0: the rows its steps were counted from
+    checkpoint: CheckpointTime | None = None  # None: the model is not known here
+    grace_s: int = 0  # the pods' terminationGracePeriodSeconds: the step in progress and a save
 
     def to_dict(self) -> dict[str, Any]:
         return {"activation_checkpointing": self.train.activation_checkpointing,
@@ -77,14 +87,17 @@ class RunPlan:
                 "selective_ac": self.train.selective_ac, "chosen": self.chosen,
                 **self.estimate.to_dict(), "steps": self.steps,
                 "wall_time_s": self.wall_time_s, "cost_usd": self.cost_usd,
-                "train_rows": self.train_rows}
+                "train_rows": self.train_rows,
+                "checkpoint": self.checkpoint.to_dict() if self.checkpoint else None,
+                "grace_s": self.grace_s}
 
 
-def plan_run(cfg: RunConfig, train: TrainConfig | None = None) -> RunPlan:
+def plan_run(cfg: RunConfig, train: TrainConfig | None = None, *,
+             config: Any = None) -> RunPlan:
     """The estimate validate logs and the report compares with what was measured."""
     train = train or TrainConfig(**trainer_config(cfg))
     hardware = run_hardware(cfg)
-    config = model_config_of(cfg.model)
+    config = config if config is not None else model_config_of(cfg.model)
     world = dict(world_size=cfg.world_size, local_world_size=cfg.procs_per_node)
     train, chosen = resolve_checkpointing(train, hardware=hardware, config=config, **world)
     est = estimate(train, hardware=hardware, config=config, **world)
@@ -94,8 +107,29 @@ def plan_run(cfg: RunConfig, train: TrainConfig | None = None) -> RunPlan:
     wall = est.step_time_s * steps if est.step_time_s and steps else None
     cost = cfg.nodes * cfg.node_hourly_price * wall / 3600 if wall and cfg.node_hourly_price \
         else None
+    ckpt = run_checkpoint(cfg, train, config)
     return RunPlan(train, chosen, est, steps, wall, cost,
-                   train_rows=None if train.max_steps else cfg.counted_train_rows or None)
+                   train_rows=None if train.max_steps else cfg.counted_train_rows or None,
+                   checkpoint=ckpt,
+                   grace_s=grace_period_s(est.step_time_s, ckpt.save_s if ckpt else None))
+
+
+def run_checkpoint(cfg: RunConfig, train: TrainConfig, config: Any) -> CheckpointTime | None:
+    """The run's checkpoint: its size and save and load times where it goes."""
+    trained = trained_parameters(train, config)
+    if trained is None:
+        return None
+    return checkpoint_time(trained, world_size=cfg.world_size,
+                           local_world_size=cfg.procs_per_node,
+                           storage=storage_of(cfg.output_dir, cfg.volumes))
+
+
+def capacity_problems(cfg: RunConfig, train: TrainConfig, config: Any) -> list[tuple[str, str]]:
+    """A spot run whose step in progress and its save do not fit a notice."""
+    if cfg.capacity_type != "spot":
+        return []
+    plan = plan_run(cfg, train, config=config)
+    return notice_problems(cfg.capacity_type, plan.estimate.step_time_s, plan.checkpoint)
 
 
 def _gib(value: float | None) -> str:
@@ -137,6 +171,16 @@ def plan_text(cfg: RunConfig, plan: RunPlan) -> str:
     else:
         lines.append("  wall time: n/a (max_steps 0, and the data set is not readable here or "
                      "too large to count: the trainer counts the steps at start)")
+    if plan.checkpoint:
+        ckpt = plan.checkpoint
+        lines.append(f"  checkpoint {ckpt.bytes_total / 1e9:,.1f} GB "
+                     f"({ckpt.bytes_per_node / 1e9:,.1f} GB a node, {ckpt.storage}): save "
+                     f"{ckpt.save_s:,.0f} s, load "
+                     f"{ckpt.load_s:,.0f} s; a notice gives the pods {plan.grace_s} s "
+                     "(terminationGracePeriodSeconds)")
+        spot = notice_problems("spot", est.step_time_s, ckpt)
+        lines.append("  a spot notice: " + ("the step in progress and its save fit it" if not spot
+                                            else "DOES NOT FIT (" + spot[0][1] + ")"))
     lines.append(f"  (a model calibrated on one H200: memory within {MEMORY_ERROR:.0%}, tokens/s "
                  f"within {THROUGHPUT_ERROR:.0%} on the measured rows; "
                  "docs/trainer.md \"Planning a run\")")

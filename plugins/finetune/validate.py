@@ -25,12 +25,13 @@ from typing import Any
 from finetune.config import ConfigError, RunConfig, run_output_dir
 from finetune.hub import GATED, NO_CONFIG, NOT_FOUND, hub_config
 from finetune.names import DNS_SUBDOMAIN, LABEL_VALUE, dns_label, run_dir_name
-from finetune.run_plan import model_config_of, run_hardware
+from finetune.run_plan import capacity_problems, model_config_of, run_hardware
 from finetune.targets import get_target
 from finetune.trainer_config import local_dir, run_tokenizer_dir, trainer_config
 from finetune_contract import data as contract_data
 from finetune_contract.fields import LOWER_IS_BETTER, ContractError, hub_id_problem, quoted
 from finetune_contract.models import BUILTIN_MODELS, HUB_MODEL_CONFIGS, ModelShape
+from finetune_contract.parallel_dims import is_elastic
 from finetune_contract.parameters import (
     FORM_PARAMETERS,
     SECRET_NAMES,
@@ -149,6 +150,7 @@ def _run_checks(cfg: RunConfig, paths_are_local: bool, memory: bool
         errors += memory_problems(train, world_size=cfg.world_size,
                                   local_world_size=cfg.procs_per_node,
                                   hardware=run_hardware(cfg), config=config)
+        errors += capacity_problems(cfg, train, config)
     size = None
     if not errors:
         problems, size = _checked_data(cfg, train, in_pod)
@@ -233,6 +235,14 @@ def _hub_model_problems(cfg: RunConfig) -> Problems:
 def _field_problems(cfg: RunConfig) -> Problems:
     """Fields with a form of their own: endpoints, secrets' names, labels, ports."""
     errors: Problems = []
+    if is_elastic(cfg) and not cfg.max_restarts:
+        errors.append(("max_restarts", f"0 with min_nodes {cfg.min_nodes} below nodes "
+                       f"{cfg.nodes}: a lost node is a restart of the others' workers in a "
+                       "smaller world; set max_restarts to at least 1"))
+    if cfg.capacity_fallback == "on-demand" and not cfg.fallback_nodegroup \
+            and cfg.target == "eks":
+        errors.append(("fallback_nodegroup", "is empty with capacity_fallback on-demand: name "
+                       "the on-demand node group to fall back to"))
     rdzv_port = None
     if cfg.rdzv_endpoint:
         endpoint = host_port(cfg.rdzv_endpoint)

@@ -16,6 +16,8 @@ A rule lives here once; `validate` runs it before anything is paid for, the trai
 - `parallel_dims`: the parallel layout of a world (`ParallelDims`): data-parallel, FSDP shard
   and replicate, and tensor-parallel degrees, the device mesh's dims, their problems.
 - `planner`: a run's memory per GPU, step time, wall time and cost, before it is paid for.
+- `checkpoint_time`: a checkpoint's size, save and load times, the pods' grace for a notice,
+  and whether a spot notice leaves the time.
 - `throughput`: FLOPs per token, the GPUs' peaks, a run's tokens/s and MFU.
 - `stragglers`: ranks slower than the median by more than a threshold.
 - `data`: what a data set and a tokenizer must be, and the encoding of one example (the one

@@ -68,6 +68,10 @@ IMAGE_BUILDERS = ("buildkit", "codebuild", "buildah", "prebuilt")
 # Where the prepare_data stage encodes the data set on eks: the Airflow worker, or a CPU pod of
 # its own in the cluster; the local target's is this machine.
 PREPARE_ON = ("worker", "pod")
+# The node group's capacity (EKS's capacityType: ON_DEMAND, SPOT, CAPACITY_BLOCK), and what a run
+# does when the nodes do not come in time.
+CAPACITY_TYPES = ("on-demand", "spot", "capacity-block")
+CAPACITY_FALLBACKS = ("fail", "on-demand")
 EKS, LOCAL = ("eks",), ("local",)
 DPO = ("dpo",)
 # EKS's cluster and node group name rules.
@@ -527,6 +531,27 @@ PARAMETERS: tuple[Parameter, ...] = (
       'context from S3, pushes to ECR).',
       text=Text(2048, r"arn:aws[a-z-]*:iam::\d{12}:role/[\w+=,.@/-]+", "an IAM role ARN "
                 "(arn:aws:iam::<account>:role/<name>)"), targets=EKS, trainer=False),
+    P('capacity_type', 'on-demand', 'EKS', 'Capacity type',
+      "What the node group's nodes are (its capacityType, checked at scale_up): on-demand; "
+      'spot (about a third of the price, reclaimed with two minutes\' notice: validate '
+      'refuses a run whose step and save do not fit the notice, and a notice saves the step '
+      "and starts the run again from it); capacity-block (an EC2 Capacity Block for ML's "
+      'reserved GPUs).',
+      choices=CAPACITY_TYPES, targets=EKS, trainer=False),
+    P('capacity_wait_s', 1800, 'EKS', 'Capacity wait (s)',
+      "scale_up waits this long for the run's nodes to be Ready (spot and GPU capacity may "
+      'be short); then capacity_fallback decides.',
+      bounds=Bounds(minimum=60, maximum=86400), targets=EKS, trainer=False),
+    P('capacity_fallback', 'fail', 'EKS', 'Capacity fallback',
+      'When capacity_wait_s passes without the nodes: fail (teardown gives back what came), '
+      'or on-demand: the nodes from fallback_nodegroup (on-demand, the same instance type) '
+      'instead, the first node group given back.',
+      choices=CAPACITY_FALLBACKS, targets=EKS, trainer=False),
+    P('fallback_nodegroup', '', 'EKS', 'Fallback node group',
+      'capacity_fallback on-demand: the on-demand managed node group of the same instance '
+      'type the run scales up when the first one has no capacity.',
+      text=Text(63, EKS_NAME, "an EKS node group name " + EKS_NAME_WHAT), targets=EKS,
+      trainer=False),
     P('max_nodes', 16, 'EKS', 'Node cap',
       'The node group is never scaled above this many nodes.',
       bounds=Bounds(minimum=1, maximum=1024), targets=EKS, trainer=False),

@@ -200,6 +200,15 @@ def _adapter_params(cfg: TrainConfig, config: Any) -> int:
     return adapter_params(config, cfg.lora_rank, cfg.lora_target_modules)
 
 
+def trained_parameters(cfg: TrainConfig, config: Any = None) -> int | None:
+    """The parameters a run trains (LoRA: its adapters'), which its checkpoints hold; None for
+    a model not known here."""
+    config = model_config(cfg.model, config)
+    if config is None:
+        return None
+    return _adapter_params(cfg, config) if cfg.lora_rank else sum(parameter_count(config).values())
+
+
 def activation_bytes_per_token(cfg: TrainConfig, config: Any) -> tuple[float, float]:
     """(saved bytes per token of all blocks, of one block recomputed in backward)."""
     hidden, mlp, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers

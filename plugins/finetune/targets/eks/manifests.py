@@ -21,6 +21,7 @@ from finetune.config import RunConfig
 from finetune.names import DNS_SUBDOMAIN, LABEL_VALUE, dns_label
 from finetune.targets.base import TORCHRUN_ENV
 from finetune.trainer_config import trainer_config
+from finetune_contract.checkpoint_time import volume_mounts
 from finetune_contract.instance_types import GPU_RESOURCE, INSTANCE_TYPES, InstanceProfile
 
 PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, PYTORCHJOB_PLURAL = "kubeflow.org", "v1", "pytorchjobs"
@@ -174,11 +175,9 @@ RESERVED_MOUNTS = (TRAINER_CONFIG_DIR, "/dev/shm", "/app")
 def parse_volumes(text: str) -> list[tuple[str, str]]:
     """`claim:/path,claim2:/path2` -> [(claim, path)]; ValueError naming what is wrong."""
     volumes = []
-    for part in (p.strip() for p in text.split(",")):
-        if not part:
-            continue
-        claim, sep, path = part.partition(":")
-        if not sep or not DNS_SUBDOMAIN.match(claim) or not path.startswith("/") \
+    for claim, path in volume_mounts(text):
+        part = f"{claim}:{path}"
+        if not DNS_SUBDOMAIN.match(claim) or not path.startswith("/") \
                 or path.rstrip("/") in ("", *RESERVED_MOUNTS) or ".." in path.split("/"):
             raise ValueError(f"{part[:80]!r} is not claim:/mount/path (a PersistentVolumeClaim "
                              "name and an absolute path other than /, /app, /dev/shm and "
