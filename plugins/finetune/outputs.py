@@ -25,6 +25,7 @@ from finetune.report import (
 from finetune_contract.errors import ERRORS_DIR, failure_records
 from finetune_contract.fields import EVALUATION_FILE
 from finetune_contract.preflight_result import PREFLIGHT_FILE
+from finetune_contract.run_history import HISTORY_FILE
 
 
 class ReportUnavailable(RuntimeError):
@@ -117,7 +118,7 @@ def build_report(run_dir: str, s3_client: Callable[[], Any], **report_args: Any)
     bucket, prefix = split_s3(run_dir)
     with tempfile.TemporaryDirectory(prefix="finetune-report-") as tmp:
         work = Path(tmp)
-        for name in (METRICS_FILE, SUMMARY_FILE, PREFLIGHT_FILE, EVALUATION_FILE):
+        for name in (METRICS_FILE, SUMMARY_FILE, PREFLIGHT_FILE, EVALUATION_FILE, HISTORY_FILE):
             try:
                 body = s3.get_object(Bucket=bucket, Key=f"{prefix}/{name}")["Body"].read()
                 (work / name).write_bytes(body)

@@ -280,8 +280,17 @@ def _gpu_util(gpu: dict | None) -> float | None:
 
 
 _HEADINGS = ("run", "status", "progress", "where", "data", "tokens/s",
-             "TFLOPs/device", "MFU", "wall time", "eval loss", "GPU util", "XID errors",
-             "cost")
+             "TFLOPs/device", "MFU", "wall time", "goodput", "eval loss", "GPU util",
+             "XID errors", "cost")
+
+
+def _goodput_text(metrics: dict) -> str:
+    """The share of the paid node time that trained, and the notices that interrupted it."""
+    if metrics.get("goodput") is None:
+        return "n/a"
+    notices = metrics.get("preemptions") or 0
+    return fmt(100 * metrics["goodput"], ".1f", "%") + (
+        f" ({notices} preemption{'s' if notices != 1 else ''})" if notices else "")
 
 
 def _progress_view(progress: dict) -> dict:
@@ -348,7 +357,7 @@ def _row_view(row: dict[str, Any]) -> dict[str, Any]:
         "data": _data_view(row.get("data")),
         "figures": [
             fmt(m.get("tokens_per_s"), ",.0f"), fmt(m.get("tflops_per_device"), ".4g"),
-            mfu_text(m), fmt_duration(m.get("wall_time_s")),
+            mfu_text(m), fmt_duration(m.get("wall_time_s")), _goodput_text(m),
             f"{fmt(m.get('initial_eval_loss'), '.3f')} → {fmt(m.get('final_eval_loss'), '.3f')}",
             fmt(_gpu_util(gpu), ".1f", "%")],
         # XID errors of the run's GPUs; None (n/a) where none were collected (a CPU run)

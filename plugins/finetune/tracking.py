@@ -259,6 +259,20 @@ def _champion_value(cfg: RunConfig, evaluation: dict,
                     "was not measured here)")
 
 
+def goodput_metrics(goodput: dict | None) -> dict[str, float]:
+    """The run's goodput as MLflow metrics: the share that trained, the paid node-seconds and
+    where each went (goodput/<category>_node_s), the preemptions and their cost."""
+    if not goodput:
+        return {}
+    metrics = {"goodput": goodput["goodput"], "goodput/paid_node_s": goodput["paid_node_s"],
+               "goodput/preemptions": goodput["preemptions"],
+               "goodput/interruptions": len(goodput["interruptions"])}
+    metrics |= {f"goodput/{name}_node_s": value for name, value in goodput["node_s"].items()}
+    if goodput.get("cost_usd"):
+        metrics |= {f"goodput/{name}_usd": value for name, value in goodput["cost_usd"].items()}
+    return {key: value for key, value in metrics.items() if value is not None}
+
+
 def _metric_key(metric: str) -> str:
     return f"eval/{'loss' if metric == 'eval_loss' else metric}"
 
@@ -290,6 +304,8 @@ def _track(uri: str, cfg: RunConfig, model_name: str, report: dict, evaluation: 
                     if point.get("eval_loss") is not None]
         metrics += [Metric(key, float(value), now, 0)
                     for key, value in _evaluation_metrics(evaluation).items()]
+        metrics += [Metric(key, float(value), now, 0)
+                    for key, value in goodput_metrics(report.get("goodput")).items()]
         for start in range(0, max(len(params), len(metrics)), 100):  # MLflow's batch limits
             client.log_batch(run_id, metrics=metrics[start:start + 100],
                              params=params[start:start + 100])

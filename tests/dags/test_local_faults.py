@@ -367,3 +367,151 @@ def test_a_retry_starts_again_a_training_that_ended_unfinished_on_a_fresh_rendez
     assert result["reattached"] is False
     assert (run_dir / "summary.json").is_file()
     assert "RendezvousClosedError" not in (run_dir / "train.log").read_text()
+
+
+# -- capacity taken away: a notice, a node lost for good ------------------------------------------
+
+# Injected into the trainer processes (a sitecustomize on their PYTHONPATH): each optimizer step
+# and each checkpoint save takes this much longer, so the goodput's figures can be held to them.
+STEP_DELAY_S, SAVE_DELAY_S = 0.25, 1.0
+DELAYS = """
+import os, time
+if os.environ.get("FINETUNE_TEST_DELAYS"):
+    step_s, save_s = map(float, os.environ["FINETUNE_TEST_DELAYS"].split(","))
+    import torch.optim
+    from trainer.checkpoint import Checkpointer
+    step, save = torch.optim.AdamW.step, Checkpointer.save
+    def slow_step(self, *args, **kwargs):
+        time.sleep(step_s)
+        return step(self, *args, **kwargs)
+    def slow_save(self, *args, **kwargs):
+        time.sleep(save_s)
+        return save(self, *args, **kwargs)
+    torch.optim.AdamW.step, Checkpointer.save = slow_step, slow_save
+"""
+
+
+@pytest.fixture
+def delays(tmp_path, monkeypatch):
+    """Every trainer process this test starts steps STEP_DELAY_S and saves SAVE_DELAY_S slower."""
+    hook = tmp_path / "delays"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(DELAYS)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(hook), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("FINETUNE_TEST_DELAYS", f"{STEP_DELAY_S},{SAVE_DELAY_S}")
+
+
+def history(run_dir: Path) -> list[dict]:
+    from finetune_contract.run_history import parse_history
+
+    return parse_history((run_dir / "history.jsonl").read_text())
+
+
+def goodput_of(target: LocalTarget, cfg, result: dict) -> dict:
+    """The goodput section of the run's report, as collect_metrics writes it."""
+    target.collect_metrics(cfg, result)
+    return json.loads((Path(cfg.run_dir) / "report.json").read_text())["goodput"]
+
+
+@pytest.mark.slow
+def test_a_notice_to_one_node_saves_the_step_it_interrupts_and_loses_nothing(
+        tmp_path, uninterrupted, delays):
+    # max_restarts 0: a notice is not a failure; it is retried all the same.
+    target, cfg, rdzv = start(tmp_path, "notice", nodes=2, procs_per_node=1, max_restarts=0,
+                              active_deadline_s=240)
+    run_dir = Path(cfg.run_dir)
+
+    def notice_to_node_1() -> None:
+        wait_for_step(run_dir, 5)
+        agent = json.loads((run_dir / "state" / "train.json").read_text())["agents"][1]
+        os.kill(agent, signal.SIGTERM)  # Kubernetes evicting the pod, a spot reclaim's notice
+
+    result = train_during(target, cfg, rdzv, notice_to_node_1)
+    events = history(run_dir)
+    [preempted] = [e for e in events if e["event"] == "preempted"]
+    assert 5 <= preempted["step"] < RUN["max_steps"]
+    assert preempted["step"] % RUN["checkpoint_interval"], "the notice's own save, not a periodic"
+    [first, resumed] = [e for e in events if e["event"] == "start"]
+    assert resumed["resumed_from_step"] == preempted["step"] and resumed["lost_steps"] == 0
+    assert first["nodes"] == resumed["nodes"] == 2
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from_step"] == preempted["step"]
+    losses = last_losses(run_dir)
+    assert sorted(losses) == list(range(1, RUN["max_steps"] + 1))
+    for step in range(1, RUN["max_steps"] + 1):  # no step lost, none trained twice
+        assert losses[step] == pytest.approx(uninterrupted[step], rel=1e-5), step
+    assert "preempted at step" in (run_dir / "train.log").read_text()
+
+    # Where the paid node time went, held to the delays injected: 2 nodes x each step's and
+    # each save's delay (the real work of the tiny model is a few ms a step).
+    good = goodput_of(target, cfg, result)
+    saves = [e for e in events if e["event"] == "save"]
+    assert good["preemptions"] == 1 and good["interruptions"][0]["kind"] == "preempted"
+    assert good["interruptions"][0]["steps_lost"] == 0
+    assert good["node_s"]["steps_trained_twice"] == 0
+    assert good["node_s"]["productive"] == pytest.approx(
+        2 * RUN["max_steps"] * STEP_DELAY_S, abs=2 * 1.0)
+    assert good["node_s"]["saves_and_loads"] == pytest.approx(
+        2 * len(saves) * SAVE_DELAY_S, abs=2 * 1.0)
+    assert sum(good["node_s"].values()) == pytest.approx(good["paid_node_s"], abs=0.5)
+
+
+@pytest.mark.slow
+def test_a_node_lost_for_good_leaves_an_elastic_run_on_the_other_with_the_same_global_batch(
+        tmp_path, uninterrupted, delays):
+    target, cfg, rdzv = start(tmp_path, "elastic", nodes=2, procs_per_node=1, min_nodes=1,
+                              node_wait_s=3, max_restarts=1, active_deadline_s=240)
+    run_dir = Path(cfg.run_dir)
+
+    def lose_node_1() -> None:
+        wait_for_step(run_dir, 6)
+        agent = json.loads((run_dir / "state" / "train.json").read_text())["agents"][1]
+        for pid in [*children(agent), agent]:  # no notice: the node is gone, and stays gone
+            os.kill(pid, signal.SIGKILL)
+
+    result = train_during(target, cfg, rdzv, lose_node_1)
+    assert result["node_restarts"] == 0  # the survivor went on; nothing was started again
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 1 and summary["resumed_from_step"] == 4
+    assert "grad_accum 1 -> 2 keeps the global batch" in (run_dir / "train.log").read_text()
+    losses = last_losses(run_dir)
+    assert sorted(losses) == list(range(1, RUN["max_steps"] + 1))
+    # The same rows a step in one world as in two, each token weighed the same: the losses of
+    # the uninterrupted run, but for the order of the sums.
+    for step in range(1, RUN["max_steps"] + 1):
+        assert losses[step] == pytest.approx(uninterrupted[step], rel=1e-4), step
+    assert summary["final_eval_loss"] == pytest.approx(uninterrupted["final_eval_loss"],
+                                                       rel=1e-4)
+
+    good = goodput_of(target, cfg, result)
+    [lost] = good["interruptions"]
+    assert lost["kind"] == "node lost" and lost["steps_lost"] >= 2
+    # the steps after the checkpoint at 4, trained by both nodes and lost
+    assert good["node_s"]["steps_trained_twice"] == pytest.approx(
+        2 * lost["steps_lost"] * STEP_DELAY_S, abs=2 * 1.0)
+
+
+@pytest.mark.slow
+def test_a_run_noticed_more_often_than_max_preemptions_fails_saying_so(tmp_path):
+    from finetune.targets.base import TrainingFailed
+
+    target, cfg, rdzv = start(tmp_path, "noticed", nodes=2, procs_per_node=1,
+                              max_preemptions=0, active_deadline_s=240)
+    run_dir = Path(cfg.run_dir)
+
+    def notice() -> None:
+        wait_for_step(run_dir, 2)
+        agent = json.loads((run_dir / "state" / "train.json").read_text())["agents"][0]
+        os.kill(agent, signal.SIGTERM)
+
+    thread = threading.Thread(target=notice, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(TrainingFailed) as err:
+            target.train(cfg, IMAGE, rdzv)
+    finally:
+        thread.join(5)
+        assert_nothing_left(target, cfg)
+    assert "was preempted 1 times, more than max_preemptions (0)" in str(err.value)
+    assert [e["event"] for e in history(run_dir)].count("preempted") == 1

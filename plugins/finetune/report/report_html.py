@@ -47,6 +47,7 @@ def render_html(report: dict) -> str:
                        "hours": f"{cost['hours']:.2f}", "usd": f"{cost['usd']:,.2f}"},
         gpu=_gpu_view(report.get("gpu")),
         plan=_plan_view(report.get("plan")),
+        goodput=_goodput_view(report.get("goodput")),
         host=_host_view(report.get("host")),
         ranks=_rank_times_view(report.get("rank_step_times")),
         preflight=_preflight_view(report.get("preflight")),
@@ -122,6 +123,24 @@ def _plan_view(plan: dict | None) -> dict | None:
                   f"measured" + (f" ({row['error']:+.1%})" if row["error"] is not None else ""))
             for key, row in plan["compared"].items()]
     return {"rows": rows, "notes": plan.get("notes") or []}
+
+
+def _goodput_view(goodput: dict | None) -> dict | None:
+    """Where the paid node time went, a row a category; each interruption and its cost."""
+    if not goodput:
+        return None
+    paid = goodput["paid_node_s"] or 1.0
+    cost = goodput.get("cost_usd") or {}
+    rows = [(name.replace("_", " "), f"{fmt(seconds, ',.1f')} node-s ({seconds / paid:.1%})"
+             + (f", {fmt(cost.get(name), ',.2f')} USD" if cost else ""))
+            for name, seconds in goodput["node_s"].items()]
+    interruptions = [(f"{x['kind']} at step {x['step']}",
+                      f"{x['steps_lost']} step(s) trained again, {fmt(x['node_seconds'], ',.1f')}"
+                      " node-s until it trained again") for x in goodput["interruptions"]]
+    return {"headline": f"{goodput['goodput']:.1%} of {fmt(paid, ',.0f')} paid node-seconds "
+                        f"trained" + (f" ({fmt(cost.get('paid'), ',.2f')} USD paid)"
+                                      if cost else ""),
+            "rows": rows, "interruptions": interruptions}
 
 
 def _evaluation_view(evaluation: dict | None, promotion: dict | None,

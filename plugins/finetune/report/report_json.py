@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from finetune.goodput import goodput
 from finetune.report.report_html import render_html
 from finetune.report.run_files import (
     METRICS_FILE,
@@ -22,6 +23,7 @@ from finetune.report.run_files import (
     finite,
     hang_notes,
     load_evaluation,
+    load_history,
     load_metrics,
     load_summary,
     read_object,
@@ -33,6 +35,7 @@ from finetune_contract.fields import (
     STRAGGLER_THRESHOLD,
 )
 from finetune_contract.preflight_result import PREFLIGHT_FILE
+from finetune_contract.run_history import HISTORY_FILE
 from finetune_contract.stragglers import RANK_STEP_TIMES, rank_medians, stragglers
 from finetune_contract.throughput import run_throughput
 
@@ -112,6 +115,11 @@ def write_report(
     if data_problem:
         warnings.append(data_problem)
     metrics = summarize(train, evals, summary)
+    held = run_goodput(load_history(run_dir / HISTORY_FILE), train, stages, nodes,
+                       node_hourly_price)
+    if held:
+        metrics["goodput"] = held["goodput"]
+        metrics["preemptions"] = held["preemptions"]
     cost = cost_estimate(node_hourly_price, nodes, _train_wall_time(stages, metrics))
     metrics["cost_usd"] = cost["usd"] if cost else None
     if gpu:
@@ -128,6 +136,7 @@ def write_report(
         "metrics": metrics,
         "cost": cost,
         "plan": plan_vs_measured(plan, metrics, cost, _device(stages)),
+        "goodput": held,
         "gpu": gpu,
         "host": host,
         "series": series,
@@ -258,6 +267,20 @@ def failure_error(error: dict | None) -> dict | None:
     return {"stage": str(error.get("stage") or "unknown"), "type": str(error.get("type") or ""),
             "message": str(error.get("message") or "")[:MAX_ERROR_CHARS],
             "rank": error.get("rank") if isinstance(error.get("rank"), int) else None}
+
+
+def run_goodput(history: list[dict], train: list[dict], stages: dict | None, nodes: int | None,
+                node_hourly_price: float | None) -> dict | None:
+    """The goodput (finetune.goodput) of the train stage's window: from its nodes being there
+    (its `held_from`, else its start) to its end."""
+    trained = (stages or {}).get("train") or {}
+    started, ended = trained.get("held_from") or trained.get("started"), trained.get("ended")
+    if not history or started is None or ended is None:
+        return None
+    return goodput(history, train, held_from=started, held_until=ended,
+                   nodes=trained.get("nodes") or nodes or 1,
+                   node_hourly_price=node_hourly_price or 0.0,
+                   capacity_wait_node_s=trained.get("capacity_wait_node_s") or 0.0)
 
 
 def cost_estimate(node_hourly_price: float | None, nodes: int | None,

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune_contract.errors import ERRORS_DIR
+from finetune_contract.run_history import parse_history
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -63,6 +64,11 @@ def parse_metrics(lines: Iterable[str]) -> tuple[list[dict], list[dict], int, di
             data = record
         # other record types are the trainer's business, not unreadable
     return [train[s] for s in sorted(train)], [evals[s] for s in sorted(evals)], bad_lines, data
+
+
+def load_history(path: Path) -> list[dict]:
+    """The trainer's history.jsonl (finetune_contract.run_history); [] when there is none."""
+    return parse_history(path.read_text()) if path.is_file() else []
 
 
 def read_object(path: Path) -> tuple[dict | None, str | None]:

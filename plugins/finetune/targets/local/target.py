@@ -234,8 +234,11 @@ class LocalTarget(Target):
             raise TrainingFailed(f"training failed: {because}node {node} {reason}; last "
                                  f"{len(follower.tail)} lines of {follower.log_path}:\n"
                                  + "\n".join(follower.tail))
+        ended = time.time()
         return {"model_dir": str(run_dir / "model"), "train_log": str(follower.log_path),
-                "wall_time_s": round(time.time() - started, 1), "image_tag": image["image_tag"],
+                "wall_time_s": round(ended - started, 1), "started": started, "ended": ended,
+                "nodes": cfg.nodes,
+                "image_tag": image["image_tag"],
                 "rendezvous": {k: rendezvous[k] for k in ("backend", "rdzv_id")},
                 "resources": res, "reattached": reattached,
                 "node_restarts": max(a.restarts for a in agents)}
