@@ -116,7 +116,7 @@ def run_state(airflow: Airflow, run_id: str) -> str:
 
 
 def wait_training(airflow: Airflow, run: Run) -> None:
-    wait_for("the training's step 2", lambda: len(logged_steps(run.run_dir)) >= 2, 300,
+    wait_for("the training's step 2", lambda: len(logged_steps(run.run_dir)) >= 2, 600,
              airflow.home)
     run.first_try = train_state(run.run_dir)
 
@@ -133,7 +133,7 @@ def outage(airflow: Airflow, killed: str, short: Run, long: Run) -> None:
         assert all(is_alive(pid) for pid in run.first_try["agents"]), run
     wait_for("the short training to finish", lambda: training_finished(
         short.run_dir, short.first_try["started"]) and not any(
-        is_alive(p) for p in short.first_try["agents"]), 300, airflow.home)
+        is_alive(p) for p in short.first_try["agents"]), 600, airflow.home)
     if killed == "scheduler":
         airflow.start("scheduler")
     else:  # the api-server last, as it comes up last: the scheduler queues the lost tries'
@@ -165,7 +165,7 @@ def test_runs_survive_the_scheduler_then_every_component_killed_during_train(
             return False
         return "reattaching to the training" in log
 
-    wait_for("the long run's retry to reattach", reattached, 300, airflow.home, interval=2)
+    wait_for("the long run's retry to reattach", reattached, 600, airflow.home, interval=2)
     second = trigger(airflow, runs_dir, SHORT_STEPS)
     wait_training(airflow, second)
     outage(airflow, "everything", second, long)
@@ -221,7 +221,7 @@ def assert_marked_failed_stops_the_training(airflow: Airflow, tmp_path: Path) ->
     assert status == 200, run
     run_id = run["dag_run_id"]
     run_dir = tmp_path / run_dir_name(run_id)
-    wait_for("the training's step 2", lambda: len(logged_steps(run_dir)) >= 2, 300, airflow.home)
+    wait_for("the training's step 2", lambda: len(logged_steps(run_dir)) >= 2, 600, airflow.home)
     agents = train_state(run_dir)["agents"]
     path = f"/api/v2/dags/{DAG_ID}/dagRuns/{urllib.parse.quote(run_id, safe='')}"
     status, data = airflow.api.call("PATCH", path, {"state": "failed"})
@@ -231,7 +231,7 @@ def assert_marked_failed_stops_the_training(airflow: Airflow, tmp_path: Path) ->
         tis = task_instances(airflow, run_id)
         return tis if tis["teardown"]["state"] in ("success", "failed") else None
 
-    tis = wait_for("teardown", torn_down, 300, airflow.home, interval=2)
+    tis = wait_for("teardown", torn_down, 600, airflow.home, interval=2)
     assert tis["teardown"]["state"] == "success"
     assert tis["train"]["state"] == "failed" and tis["train"]["try_number"] == 1
     wait_for("the training to stop", lambda: not any(is_alive(p) for p in agents), 30,
