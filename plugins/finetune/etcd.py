@@ -28,6 +28,8 @@ from pathlib import Path
 
 import tenacity
 
+from finetune.polling import until_true
+
 log = logging.getLogger(__name__)
 
 RENDEZVOUS_PREFIX = "/torch/elastic/rendezvous"
@@ -221,15 +223,6 @@ class LocalEtcd:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def until_true(timeout: float, interval: float) -> tenacity.Retrying:
-    """Calls a check every `interval` seconds until it returns True (then True) or `timeout`
-    seconds have passed (then False); an exception it raises ends the wait."""
-    return tenacity.Retrying(retry=tenacity.retry_if_result(lambda done: not done),
-                             stop=tenacity.stop_after_delay(timeout),
-                             wait=tenacity.wait_fixed(interval),
-                             retry_error_callback=lambda _: False)
 
 
 def _reap(pid: int) -> None:
