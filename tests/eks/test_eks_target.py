@@ -18,7 +18,7 @@ import pytest
 from airflow.sdk.exceptions import AirflowFailException
 
 from finetune.targets import get_target
-from finetune.targets.eks.clients import eks_api_client, eks_token
+from finetune.targets.eks.clients import delete_object, eks_api_client, eks_token
 from finetune.targets.eks.manifests import (
     PYTORCHJOB_GROUP,
     PYTORCHJOB_PLURAL,
@@ -279,6 +279,25 @@ def test_an_etcd_restart_without_a_new_ready_pod_fails_the_rendezvous_stage_in_e
         EksTarget(**{**FAST, "etcd_timeout": 1.0}).rendezvous(
             dataclasses.replace(eks_config(), etcd_reset="restart"))
     assert 1.0 <= time.monotonic() - started < 3.0
+
+
+def test_a_deletion_that_waits_returns_once_the_object_is_gone_or_its_timeout_has_passed():
+    def not_found() -> None:
+        raise kubernetes.client.ApiException(status=404, reason="Not Found")
+
+    gone_at = time.monotonic() + 0.3  # a finalizer holds it that long
+
+    def read() -> dict:
+        if time.monotonic() >= gone_at:
+            not_found()
+        return {}
+
+    assert delete_object(lambda: None, read, wait=True, poll_interval=0.02) is True
+    assert time.monotonic() >= gone_at
+    started = time.monotonic()  # one that stays: the wait ends at its timeout, no error
+    assert delete_object(lambda: None, dict, wait=True, timeout=0.3, poll_interval=0.02) is True
+    assert 0.3 <= time.monotonic() - started < 2.0
+    assert delete_object(not_found, read, wait=True) is False  # not there to delete
 
 
 def test_eks_token_is_a_presigned_get_caller_identity_naming_the_cluster(aws):
