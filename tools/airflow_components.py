@@ -20,6 +20,8 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+import psutil
+
 from finetune import REPO_ROOT
 from finetune.etcd import free_port
 
@@ -92,13 +94,11 @@ def session_processes(sid: int) -> list[int]:
     """Every process of session `sid`: a component and what it started, the task processes
     included (they have process groups of their own, in the component's session)."""
     found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for pid in psutil.pids():
         try:
-            if os.getsid(int(entry.name)) == sid:
-                found.append(int(entry.name))
-        except OSError:
+            if os.getsid(pid) == sid:
+                found.append(pid)
+        except OSError:  # ended meanwhile
             continue
     return found
 

@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -27,6 +26,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import tenacity
+
+from finetune.polling import until_true
+from finetune.targets.local.processes import command_line, is_alive, stop_processes
 
 log = logging.getLogger(__name__)
 
@@ -199,42 +201,15 @@ class LocalEtcd:
         raise EtcdError(f"etcd did not become healthy within {timeout:.0f}s; log: {log_file}")
 
     def is_running(self) -> bool:
-        try:
-            cmdline = Path(f"/proc/{self.pid}/cmdline").read_bytes()
-        except OSError:
-            return False
         # The pid may have been reused by another program since etcd was started.
-        return self.data_dir.encode() in cmdline
+        return self.data_dir in (command_line(self.pid) or "") and is_alive(self.pid)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the server (SIGTERM, then SIGKILL) and delete its data dir."""
         if self.is_running():
-            os.kill(self.pid, signal.SIGTERM)
-            if not until_true(timeout, 0.1)(self._stopped):
-                os.kill(self.pid, signal.SIGKILL)
-            _reap(self.pid)
+            stop_processes([self.pid], timeout)
         shutil.rmtree(self.data_dir, ignore_errors=True)
-
-    def _stopped(self) -> bool:
-        _reap(self.pid)
-        return not self.is_running()
 
     def to_dict(self) -> dict:
         return asdict(self)
 
-
-def until_true(timeout: float, interval: float) -> tenacity.Retrying:
-    """Calls a check every `interval` seconds until it returns True (then True) or `timeout`
-    seconds have passed (then False); an exception it raises ends the wait."""
-    return tenacity.Retrying(retry=tenacity.retry_if_result(lambda done: not done),
-                             stop=tenacity.stop_after_delay(timeout),
-                             wait=tenacity.wait_fixed(interval),
-                             retry_error_callback=lambda _: False)
-
-
-def _reap(pid: int) -> None:
-    """Collect the exit status when etcd is our child, so it does not linger as a zombie."""
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass

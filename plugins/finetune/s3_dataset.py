@@ -28,14 +28,8 @@ def _data_file(relative: str, dataset_format: str) -> bool:
 
 
 def _list_objects(s3: Any, bucket: str, prefix: str) -> list[dict[str, Any]]:
-    objects: list[dict[str, Any]] = []
-    more: dict[str, str] = {}
-    while True:
-        page = s3.list_objects_v2(Bucket=bucket, Prefix=prefix, **more)
-        objects += page.get("Contents", [])
-        if not page.get("IsTruncated"):
-            return objects
-        more = {"ContinuationToken": page["NextContinuationToken"]}
+    pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    return [obj for page in pages for obj in page.get("Contents", [])]
 
 
 def s3_dataset_problem(uri: str, dataset_format: str, s3: Any) -> str | None:

@@ -16,12 +16,14 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from finetune.targets.local.processes import is_agent, is_alive, trainer_processes
 from finetune.targets.local.target import LocalTarget
 from finetune.targets.local.training import training_finished
 from finetune.validate import validate_params
+from tests.support.training import torchrun_workers
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # 12 short steps, a checkpoint every 4: a kill after step 5 resumes from step 4.
@@ -66,32 +68,14 @@ def wait_for_step(run_dir: Path, step: int, timeout: float = 240) -> None:
 
 def workers(cfg) -> dict[int, int]:
     """Global rank -> pid of the run's trainer processes (not the torchrun agents)."""
-    found = {}
-    for pid in trainer_processes(str(Path(cfg.run_dir) / "trainer_config.json")):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"torch.distributed.run" in cmdline or b"trainer.launch" in cmdline:
-            continue  # a torchrun agent
-        for item in environ:
-            if item.startswith(b"RANK="):
-                found[int(item[5:])] = pid
-    return found
+    return torchrun_workers(trainer_processes(str(Path(cfg.run_dir) / "trainer_config.json")))
 
 
 def children(pid: int) -> list[int]:
-    kids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            if int(stat[1]) == pid:
-                kids.append(int(entry.name))
-    return kids
+    try:
+        return [child.pid for child in psutil.Process(pid).children()]
+    except psutil.NoSuchProcess:
+        return []
 
 
 def train_during(target: LocalTarget, cfg, rdzv: dict, fault) -> dict:

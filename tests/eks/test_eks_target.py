@@ -4,6 +4,8 @@ the test plays the training operator (pods, logs, job conditions) and the cluste
 from __future__ import annotations
 
 import base64
+import dataclasses
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -16,7 +18,7 @@ import pytest
 from airflow.sdk.exceptions import AirflowFailException
 
 from finetune.targets import get_target
-from finetune.targets.eks.clients import eks_api_client, eks_token
+from finetune.targets.eks.clients import delete_object, eks_api_client, eks_token
 from finetune.targets.eks.manifests import (
     PYTORCHJOB_GROUP,
     PYTORCHJOB_PLURAL,
@@ -27,6 +29,7 @@ from finetune.targets.eks.nodegroup import current_scaling, node_readiness, upda
 from finetune.targets.eks.target import EksTarget
 from tests.support.deferral import run_deferred
 from tests.support.eks import (
+    FAST,
     IMAGE,
     NS,
     RDZV,
@@ -222,6 +225,79 @@ def test_the_rendezvous_stage_deletes_the_runs_keys_through_the_service_proxy(cl
                                f"rendezvous/{cfg.rdzv_id}", timeout=5)
     urllib.request.urlopen(f"http://{etcd_server.endpoint}/v2/keys/torch/elastic/rendezvous/"
                            "other", timeout=5).close()  # another run's keys stay
+
+
+def etcd_pod(name: str, ready: bool) -> dict[str, Any]:
+    """A pod of the etcd service (its selector: app=etcd), Ready or not yet; its uid as the API
+    server would give it (the emulator gives none)."""
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": NS, "uid": f"uid-of-{name}",
+                         "labels": {"app": "etcd"}},
+            "spec": {"containers": [{"name": "etcd", "image": "quay.io/coreos/etcd:v3.5.17"}]},
+            "status": {"phase": "Running", "conditions": [
+                {"type": "Ready", "status": "True" if ready else "False"}]}}
+
+
+def etcd_service_with_a_ready_pod(cluster) -> Any:
+    """The etcd service and its Ready pod etcd-0; the cluster's CoreV1Api."""
+    core = kubernetes.client.CoreV1Api(cluster.api())
+    core.create_namespaced_service(NS, {
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "etcd", "namespace": NS},
+        "spec": {"selector": {"app": "etcd"}, "ports": [{"port": 2379}]}})
+    core.create_namespaced_pod(NS, etcd_pod("etcd-0", ready=True))
+    return core
+
+
+def test_the_rendezvous_stage_restarts_etcd_and_returns_once_a_new_pod_is_ready(cluster):
+    core = etcd_service_with_a_ready_pod(cluster)
+
+    def replace_the_pod() -> None:  # as etcd's Deployment does: a new pod, Ready a while later
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and core.list_namespaced_pod(NS).items:
+            time.sleep(0.02)
+        core.create_namespaced_pod(NS, etcd_pod("etcd-1", ready=False))
+        time.sleep(0.5)
+        ready = etcd_pod("etcd-1", ready=True)["status"]
+        core.patch_namespaced_pod_status("etcd-1", NS, {"status": ready})
+
+    deployment = threading.Thread(target=replace_the_pod, daemon=True)
+    deployment.start()
+    result = target().rendezvous(dataclasses.replace(eks_config(), etcd_reset="restart"))
+    deployment.join(5)
+    assert result["restarted_etcd"] is True
+    (pod,) = core.list_namespaced_pod(NS).items
+    assert pod.metadata.name == "etcd-1"
+    assert [(c.type, c.status) for c in pod.status.conditions] == [("Ready", "True")]
+
+
+def test_an_etcd_restart_without_a_new_ready_pod_fails_the_rendezvous_stage_in_etcd_timeout(
+        cluster):
+    etcd_service_with_a_ready_pod(cluster)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"etcd \(ml/etcd\) has no Ready pod 1s after the "
+                       "restart"):
+        EksTarget(**{**FAST, "etcd_timeout": 1.0}).rendezvous(
+            dataclasses.replace(eks_config(), etcd_reset="restart"))
+    assert 1.0 <= time.monotonic() - started < 3.0
+
+
+def test_a_deletion_that_waits_returns_once_the_object_is_gone_or_its_timeout_has_passed():
+    def not_found() -> None:
+        raise kubernetes.client.ApiException(status=404, reason="Not Found")
+
+    gone_at = time.monotonic() + 0.3  # a finalizer holds it that long
+
+    def read() -> dict:
+        if time.monotonic() >= gone_at:
+            not_found()
+        return {}
+
+    assert delete_object(lambda: None, read, wait=True, poll_interval=0.02) is True
+    assert time.monotonic() >= gone_at
+    started = time.monotonic()  # one that stays: the wait ends at its timeout, no error
+    assert delete_object(lambda: None, dict, wait=True, timeout=0.3, poll_interval=0.02) is True
+    assert 0.3 <= time.monotonic() - started < 2.0
+    assert delete_object(not_found, read, wait=True) is False  # not there to delete
 
 
 def test_eks_token_is_a_presigned_get_caller_identity_naming_the_cluster(aws):

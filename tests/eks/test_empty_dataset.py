@@ -7,6 +7,7 @@ import re
 
 import boto3
 import pytest
+from botocore.stub import Stubber
 
 from finetune.config import ConfigError
 from finetune.s3_dataset import s3_dataset_problem
@@ -73,6 +74,20 @@ def test_only_files_of_the_data_set_format_count(bucket, dataset_format, problem
     put(bucket, {"data/rows.jsonl": ROWS, "data/more/rows.parquet": b""})
     found = s3_dataset_problem("s3://data/data/", dataset_format, bucket)
     assert found is None if problem is None else problem in found
+
+
+def test_a_data_file_on_a_later_page_of_the_listing_counts():
+    s3 = boto3.client("s3", region_name="us-east-1", aws_access_key_id="test",
+                      aws_secret_access_key="test")
+    with Stubber(s3) as listing:  # S3 lists 1,000 keys a page
+        listing.add_response("list_objects_v2", {
+            "IsTruncated": True, "NextContinuationToken": "page-2",
+            "Contents": [{"Key": "data/_SUCCESS", "Size": 0}]},
+            {"Bucket": "data", "Prefix": "data/"})
+        listing.add_response("list_objects_v2", {
+            "IsTruncated": False, "Contents": [{"Key": "data/rows.jsonl", "Size": len(ROWS)}]},
+            {"Bucket": "data", "Prefix": "data/", "ContinuationToken": "page-2"})
+        assert s3_dataset_problem("s3://data/data/", "auto", s3) is None
 
 
 def test_the_local_target_refuses_an_empty_s3_data_set_before_it_starts_anything(

@@ -25,7 +25,8 @@ never imported from another test module):
 - `trainer`: the test playing Kubeflow Trainer v2 and JobSet for a TrainJob
   (`TrainerController`, `trainjob_config`, `set_trainjob_status`).
 - `preflight`: what the preflight program measures, made to order (`measured`).
-- `training`: torchrun, demo rows and metrics files for the trainer tests; fixture `world_of_one`.
+- `training`: torchrun, demo rows and metrics files for the trainer tests, the ranks of
+  torchrun's workers (`torchrun_workers`); fixture `world_of_one`.
 
 Fixtures reach the tests through conftest.py files: tests/conftest.py lists the light modules in
 `pytest_plugins`; the folders that need the heavy ones (Airflow, kmock) import their fixtures.

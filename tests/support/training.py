@@ -1,5 +1,5 @@
 """The trainer tests' helpers: torchrun in the repo root, demo rows and JSONL files, the metrics a
-run wrote; fixture `world_of_one`."""
+run wrote, the ranks of torchrun's workers; fixture `world_of_one`."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.support import REPO_ROOT
@@ -72,6 +74,23 @@ def logged_steps(output_dir: Path) -> list[int]:
         if record.get("type") == "train":
             steps.append(record["step"])
     return steps
+
+
+def torchrun_workers(pids: Iterable[int]) -> dict[int, int]:
+    """Global rank -> pid of the torchrun workers among `pids` (RANK in their environment);
+    torchrun agents, and processes that ended meanwhile, are left out."""
+    workers = {}
+    for pid in pids:
+        try:
+            process = psutil.Process(pid)
+            cmdline, environ = process.cmdline(), process.environ()
+        except psutil.Error:
+            continue
+        if "torch.distributed.run" in cmdline or "trainer.launch" in cmdline:
+            continue  # a torchrun agent
+        if "RANK" in environ:
+            workers[int(environ["RANK"])] = pid
+    return workers
 
 
 @pytest.fixture(scope="module")

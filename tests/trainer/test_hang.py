@@ -11,11 +11,12 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from finetune.targets.base import TORCHRUN_ENV
 from tests.support import REPO_ROOT
-from tests.support.training import logged_steps, read_metrics, torchrun
+from tests.support.training import logged_steps, read_metrics, torchrun, torchrun_workers
 from trainer.errors import read_root_cause
 from trainer.watchdog import HANG_EXIT_CODE
 
@@ -40,17 +41,7 @@ def losses(output_dir: Path) -> dict[int, float]:
 
 def worker_pid(agent: int, rank: int) -> int | None:
     """The pid of torchrun `agent`'s worker of global rank `rank`, None if it has none now."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if parent == agent and f"RANK={rank}".encode() in environ:
-            return int(entry.name)
-    return None
+    return torchrun_workers(child.pid for child in psutil.Process(agent).children()).get(rank)
 
 
 def wait_until(condition, timeout: float, what: str) -> None:

@@ -22,6 +22,8 @@ from typing import Any
 
 import tenacity
 
+from finetune.polling import until_true
+
 log = logging.getLogger(__name__)
 
 KUBECONFIG_ENV = "FINETUNE_KUBECONFIG"
@@ -242,7 +244,7 @@ def adopt_or_create(what: str, found: dict[str, Any] | None, failed: bool,
 def delete_object(delete: Any, read: Any, wait: bool = False, timeout: float = 300.0,
                   poll_interval: float = 0.5) -> bool:
     """`delete()` a namespaced object; False when it was not there. With `wait`, return once
-    `read()` says it is gone (a new object of its name may be created then)."""
+    `read()` says it is gone (a new object of its name may be created then), or at `timeout`."""
     import kubernetes
 
     try:
@@ -251,13 +253,16 @@ def delete_object(delete: Any, read: Any, wait: bool = False, timeout: float = 3
         if exc.status == 404:
             return False
         raise
-    deadline = time.time() + timeout
-    while wait and time.time() < deadline:
+
+    def gone() -> bool:
         try:
             read()
         except kubernetes.client.ApiException as exc:
             if exc.status == 404:
-                break
+                return True
             raise
-        time.sleep(poll_interval)
+        return False
+
+    if wait:
+        until_true(timeout, poll_interval)(gone)
     return True

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 import urllib.parse
 from typing import Any
 
 from finetune.config import RunConfig
 from finetune.etcd import EtcdError, KeysRequest, delete_rendezvous_keys
+from finetune.polling import until_true
 from finetune.targets.eks.manifests import ETCD_PORT, rendezvous_host
 
 log = logging.getLogger(__name__)
@@ -97,13 +97,15 @@ def restart_etcd(api: Any, cfg: RunConfig, poll_interval: float, timeout: float)
     for pod in running:
         core.delete_namespaced_pod(pod["metadata"]["name"], cfg.namespace)
     log.info("deleted etcd pod(s) %s; waiting for the replacement", sorted(old))
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        for pod in pods():
-            conditions = (pod.get("status") or {}).get("conditions") or []
-            if pod["metadata"]["uid"] not in old and any(
-                    c["type"] == "Ready" and c["status"] == "True" for c in conditions):
-                return
-        time.sleep(poll_interval)
-    raise TimeoutError(f"etcd ({cfg.namespace}/{cfg.etcd_service}) has no Ready pod "
-                       f"{timeout:.0f}s after the restart")
+
+    def new_pod_ready() -> bool:
+        return any(pod["metadata"]["uid"] not in old and _ready(pod) for pod in pods())
+
+    if not until_true(timeout, poll_interval)(new_pod_ready):
+        raise TimeoutError(f"etcd ({cfg.namespace}/{cfg.etcd_service}) has no Ready pod "
+                           f"{timeout:.0f}s after the restart")
+
+
+def _ready(pod: dict[str, Any]) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)

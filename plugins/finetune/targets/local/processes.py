@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 
 import psutil
+
+from finetune.polling import until_true
 
 
 def trainer_processes(config_path: str) -> list[int]:
@@ -29,7 +30,7 @@ def start_time(pid: int) -> float | None:
     even after the pid is reused; None when there is no such process."""
     try:
         return psutil.Process(pid).create_time()
-    except psutil.Error:
+    except psutil.Error:  # gone, a zombie, or not ours to read
         return None
 
 
@@ -41,14 +42,20 @@ def is_alive(pid: int) -> bool:
         return False
 
 
+def command_line(pid: int) -> str | None:
+    """The process's arguments joined by spaces ("" while it execs); None when it has ended or
+    is not ours to read."""
+    try:
+        return " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:  # gone, a zombie, or not ours to read
+        return None
+
+
 def is_agent(pid: int, config_path: str) -> bool:
     """`pid` runs (not a zombie) with this run's trainer config: an agent it started (a pid
     reused by another program has another command line; one read while it execs is empty)."""
-    try:
-        cmdline = psutil.Process(pid).cmdline()
-    except psutil.Error:  # gone, a zombie, or not ours to read
-        return False
-    return (not cmdline or config_path in " ".join(cmdline)) and is_alive(pid)
+    cmdline = command_line(pid)
+    return cmdline is not None and (not cmdline or config_path in cmdline) and is_alive(pid)
 
 
 def stop_processes(pids: list[int], timeout: float = 15.0) -> list[int]:
@@ -61,9 +68,7 @@ def stop_processes(pids: list[int], timeout: float = 15.0) -> list[int]:
         except psutil.NoSuchProcess:
             continue
         stopping.append(proc)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(_running(p) for p in stopping):
-        time.sleep(0.2)
+    until_true(timeout, 0.2)(lambda: not any(_running(p) for p in stopping))
     for proc in stopping:
         if _running(proc):
             with contextlib.suppress(psutil.NoSuchProcess):  # psutil: never a reused pid
