@@ -132,19 +132,19 @@ def export_checkpoint(
     model = build_model(train_config.model, tokenizer)
     if train_config.lora_rank:
         apply_lora(model, train_config)
-    quantize = quantize_dtype(train_config)
-    if quantize is None:
+    lora = bool(train_config.lora_rank)
+    if not lora:
         model.to_empty(device="cpu")
         model.tie_weights()
-    else:  # the checkpoint holds no frozen weights: the 4-bit base is remade from its source
+    else:  # a LoRA checkpoint holds no frozen weights: the base is made again from its source
         materialize_weights(model, train_config.model, train_config.seed, torch.device("cpu"),
-                            quantize)
+                            quantize_dtype(train_config))
     # The checkpoint's keys (get_state_dict drops wrapper prefixes), frozen ones only if saved.
     state = {name: param for name, param in model.state_dict(keep_vars=True).items()
-             if quantize is None or param.requires_grad}
+             if not lora or param.requires_grad}
     state = {name: tensor.detach() for name, tensor in state.items()}
     dcp.load({"model": state}, checkpoint_id=checkpoint)
-    model.load_state_dict(state, strict=quantize is None)
+    model.load_state_dict(state, strict=not lora)
     init_buffers(model)
     write_hf(
         model.state_dict(),

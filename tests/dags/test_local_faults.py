@@ -434,8 +434,10 @@ def test_a_notice_to_one_node_saves_the_step_it_interrupts_and_loses_nothing(
     assert good["preemptions"] == 1 and good["interruptions"][0]["kind"] == "preempted"
     assert good["interruptions"][0]["steps_lost"] == 0
     assert good["node_s"]["steps_trained_twice"] == 0
-    assert good["node_s"]["productive"] == pytest.approx(
-        2 * RUN["max_steps"] * STEP_DELAY_S, abs=2 * 1.0)
+    # productive: each kept step's own time on both nodes, the injected delay within it
+    kept = sum(r["step_time_s"] for r in train_records(run_dir))
+    assert good["node_s"]["productive"] == pytest.approx(2 * kept, abs=0.2)
+    assert kept >= RUN["max_steps"] * STEP_DELAY_S
     assert good["node_s"]["saves_and_loads"] == pytest.approx(
         2 * len(saves) * SAVE_DELAY_S, abs=2 * 1.0)
     assert sum(good["node_s"].values()) == pytest.approx(good["paid_node_s"], abs=0.5)
