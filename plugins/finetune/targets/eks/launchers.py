@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 from finetune.config import RunConfig
@@ -34,12 +35,14 @@ from finetune.targets.eks.manifests import (
     TRAINER_GROUP,
     TRAINER_REPLICATED_JOB,
     TRAINER_VERSION,
+    TRAINJOB_GRACE_S,
     TRAINJOB_PLURAL,
     evaluation_job_manifest,
     evaluation_trainjob_manifest,
     pytorchjob_manifest,
     trainjob_manifest,
 )
+from finetune_contract.parallel_dims import is_elastic
 
 TERMINAL = ("Succeeded", "Failed")
 
@@ -152,14 +155,27 @@ def launcher_for(cfg: RunConfig) -> Launcher:
 
 
 def launcher_problems(values: dict[str, Any]) -> list[tuple[str, str]]:
-    """Validate: combinations the trainjob launcher cannot run, naming the field and the
-    launcher. Kubeflow Trainer v2 gives torchrun a static c10d rendezvous on node 0 (no etcd,
-    no elastic policy) and restarts a run only as a whole group (JobSet's
-    failurePolicy.maxRestarts, in the ClusterTrainingRuntime)."""
+    """Validate: combinations a launcher cannot run, naming the field and the launcher.
+
+    PyTorchJob: an elastic run's rendezvous must outlive any one node, so not c10d, whose store
+    lives on worker 0. Kubeflow Trainer v2 gives torchrun a static c10d rendezvous on node 0 (no
+    etcd, no elastic policy: its ElasticPolicy API was removed) and restarts a run only as a
+    whole group (JobSet's failurePolicy.maxRestarts, in the ClusterTrainingRuntime)."""
+    elastic = is_elastic(SimpleNamespace(**values))
     if values["launcher"] != TRAINJOB.name:
+        if elastic and values["rdzv_backend"] == "c10d":
+            return [("rdzv_backend", f"c10d cannot serve an elastic run (min_nodes "
+                     f"{values['min_nodes']}): its store lives on worker 0, and a lost worker 0 "
+                     "takes the rendezvous of the nodes left with it; set rdzv_backend etcd-v2 "
+                     "(the etcd service)")]
         return []
     what = "launcher trainjob (Kubeflow Trainer v2)"
     errors = []
+    if elastic:
+        errors.append(("min_nodes", f"{values['min_nodes']}: {what} cannot go on with fewer "
+                       "nodes (its ElasticPolicy API was removed: torchrun gets a fixed node "
+                       "count and a static rendezvous on node 0); set min_nodes 0, or launcher "
+                       "pytorchjob"))
     if values["rdzv_backend"] != "c10d":
         errors.append(("rdzv_backend", f"{values['rdzv_backend']} cannot work with {what}: "
                        "torchrun gets a static c10d rendezvous on node 0 from the trainer; set "
@@ -177,3 +193,16 @@ def launcher_problems(values: dict[str, Any]) -> list[tuple[str, str]]:
                        "the scrape annotations to its pods (Trainer v2.0's TrainJob has no pod "
                        "metadata override); set metrics_port 0 or launcher pytorchjob"))
     return errors
+
+
+def launcher_plan_problems(cfg: RunConfig, grace_s: int) -> list[tuple[str, str]]:
+    """Validate: what a launcher cannot give the run as planned. A TrainJob cannot set its pods'
+    terminationGracePeriodSeconds (Trainer v2.0's podSpecOverrides has no such field): every
+    run gets the runtime's TRAINJOB_GRACE_S, which the plan's grace (its step and save after a
+    notice) must fit."""
+    if cfg.launcher != TRAINJOB.name or grace_s <= TRAINJOB_GRACE_S:
+        return []
+    return [("launcher", f"trainjob gives every run's pods {TRAINJOB_GRACE_S} s after a notice "
+             f"(the runtime's terminationGracePeriodSeconds: a TrainJob cannot set its own), but "
+             f"this run needs {grace_s} s to end its step and save it (the plan's grace); use "
+             "launcher pytorchjob, or more nodes or LoRA for a smaller save")]

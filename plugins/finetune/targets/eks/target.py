@@ -40,7 +40,7 @@ from finetune.preflight_verdict import (
     failure_message,
     summary_line,
 )
-from finetune.run_plan import plan_run
+from finetune.run_plan import RunPlan, plan_run
 from finetune.s3_dataset import check_s3_dataset
 from finetune.targets.base import Target, TrainingFailed, Wait
 from finetune.targets.eks import (
@@ -58,7 +58,7 @@ from finetune.targets.eks.clients import (
     kube_credentials,
 )
 from finetune.targets.eks.image_build import BUILD_TIMEOUT_S, finish_image, start_image
-from finetune.targets.eks.launchers import LAUNCHERS, launcher_for
+from finetune.targets.eks.launchers import LAUNCHERS, launcher_for, launcher_plan_problems
 from finetune.targets.eks.manifests import PREFLIGHT_DEADLINE_S, PREPARE_DEADLINE_S
 from finetune.targets.eks.rendezvous import delete_run_keys, reset_rendezvous
 from finetune.targets.eks.reservations import (
@@ -103,6 +103,9 @@ class EksTarget(Target):
 
     def check(self, values: dict[str, Any]) -> list[tuple[str, str]]:
         return checks.problems(values)
+
+    def plan_problems(self, cfg: RunConfig, plan: RunPlan) -> list[tuple[str, str]]:
+        return launcher_plan_problems(cfg, plan.grace_s)
 
     # -- clients and waits ------------------------------------------------------------------
 
