@@ -7,6 +7,7 @@ keys, ports and resource names they share with the parts that find those objects
   through trainer.launch, retried on a saved notice (restartPolicy ExitCode) within the plan's
   grace;
 - `trainer_configmap_manifest`: the trainer's JSON config, mounted into every worker;
+- `nodegroup_record_manifest`: which node group the run's nodes are in after a fallback;
 - `etcd_manifests`: the etcd (v2 API) Deployment and Service torchrun's etcd rendezvous uses;
 - `trainjob_manifest`: the Kubeflow Trainer v2 TrainJob (trainer.kubeflow.org/v1alpha1) that
   references the project's ClusterTrainingRuntime and sets what the run decides;
@@ -26,7 +27,12 @@ from finetune.run_plan import plan_run
 from finetune.targets.base import TORCHRUN_ENV
 from finetune.trainer_config import trainer_config
 from finetune_contract.checkpoint_time import DEFAULT_GRACE_S, agent_shutdown_s, volume_mounts
-from finetune_contract.instance_types import GPU_RESOURCE, INSTANCE_TYPES, InstanceProfile
+from finetune_contract.instance_types import (
+    GPU_RESOURCE,
+    INSTANCE_TYPES,
+    InstanceProfile,
+    gpu_class,
+)
 from finetune_contract.parallel_dims import is_elastic
 from finetune_contract.run_history import PREEMPTED_EXIT_CODE
 
@@ -149,6 +155,22 @@ def rendezvous_host(cfg: RunConfig) -> tuple[str, int]:
     if cfg.rdzv_backend == "c10d":
         return f"{job_name(cfg)}-worker-0", C10D_PORT
     return f"{cfg.etcd_service}.{cfg.namespace}.svc", ETCD_PORT
+
+
+def nodegroup_record_name(cfg: RunConfig) -> str:
+    return f"{job_name(cfg)}-nodegroup"
+
+
+def nodegroup_record_manifest(cfg: RunConfig, nodegroup: str) -> dict[str, Any]:
+    """Where the run's nodes are once scale_up fell back to another node group
+    (capacity_fallback): the stages after it place their pods there."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": nodegroup_record_name(cfg), "namespace": cfg.namespace,
+                     "labels": run_labels(cfg)},
+        "data": {"nodegroup": nodegroup, "instead_of": cfg.nodegroup},
+    }
 
 
 def trainer_configmap_manifest(cfg: RunConfig) -> dict[str, Any]:
@@ -302,6 +324,27 @@ def prepare_job_manifest(cfg: RunConfig, image: str) -> dict[str, Any]:
     }
 
 
+def node_selector(cfg: RunConfig) -> dict[str, str]:
+    """The run's node group, and its instance type where only that type holds the pods (a
+    pod's requests are its instance type's; `gpu_class`: the types of the same GPUs with room
+    for them, any of which a spot node group may bring: `instance_type_affinity` then)."""
+    selector = {NODEGROUP_LABEL: cfg.nodegroup}
+    if gpu_class(cfg.instance_type) == (cfg.instance_type,):
+        selector[INSTANCE_TYPE_LABEL] = cfg.instance_type
+    return selector
+
+
+def instance_type_affinity(cfg: RunConfig) -> dict[str, Any] | None:
+    """Any instance type of the run's GPU class, where there are several (None: one, which
+    `node_selector` names)."""
+    types = gpu_class(cfg.instance_type)
+    if len(types) == 1:
+        return None
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [
+            {"key": INSTANCE_TYPE_LABEL, "operator": "In", "values": list(types)}]}]}}}
+
+
 def pod_grace_s(cfg: RunConfig) -> int:
     """The training pods' terminationGracePeriodSeconds: the plan's (finetune.run_plan), the
     step in progress and its save with room."""
@@ -391,7 +434,7 @@ def pytorchjob_manifest(cfg: RunConfig, image: str, *,
         run_policy["suspend"] = True
     pod_spec: dict[str, Any] = {
         "containers": [container],
-        "nodeSelector": {NODEGROUP_LABEL: cfg.nodegroup, INSTANCE_TYPE_LABEL: cfg.instance_type},
+        "nodeSelector": node_selector(cfg),
         "tolerations": tolerations,
         # A notice (a spot reclaim, a drain): the step in progress and its save.
         "terminationGracePeriodSeconds": grace,
@@ -404,6 +447,9 @@ def pytorchjob_manifest(cfg: RunConfig, image: str, *,
               for i, (claim, _) in enumerate(volumes)),
         ],
     }
+    affinity = instance_type_affinity(cfg)
+    if affinity:
+        pod_spec["affinity"] = affinity
     if cfg.service_account:
         pod_spec["serviceAccountName"] = cfg.service_account
     return {
@@ -564,7 +610,9 @@ def trainjob_manifest(cfg: RunConfig, image: str, runtime: str = TRAINING_RUNTIM
     volumes = parse_volumes(cfg.volumes)
     override: dict[str, Any] = {
         "targetJobs": [{"name": TRAINER_REPLICATED_JOB}],
-        "nodeSelector": {NODEGROUP_LABEL: cfg.nodegroup, INSTANCE_TYPE_LABEL: cfg.instance_type},
+        # No affinity in a TrainJob's overrides: with several types of the GPU class the node
+        # group alone places the pods (scale_up checked that all its types hold them).
+        "nodeSelector": node_selector(cfg),
         "volumes": [
             {"name": "trainer-config", "configMap": {"name": configmap_name(cfg)}},
             *({"name": f"data-{i}", "persistentVolumeClaim": {"claimName": claim}}
