@@ -6,8 +6,8 @@ stream the leader's log, report failures, delete) serves both:
   ClusterTrainingRuntime, run by JobSet.
 
 Each gives its manifest, its API coordinates, its state from its conditions (Succeeded, Failed
-or another), the label selectors of its pods and of its leader (rank 0), and its training
-container. Pure: no I/O.
+or another), the restarts one look at the job and its pods shows, the label selectors of its
+pods and of its leader (rank 0), and its training container. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from finetune.targets.eks.manifests import (
     trainjob_manifest,
 )
 from finetune_contract.parallel_dims import is_elastic
+from finetune_contract.run_history import PREEMPTED_EXIT_CODE
 
 TERMINAL = ("Succeeded", "Failed")
 
@@ -86,6 +87,24 @@ def trainjob_state(job: dict[str, Any]) -> tuple[str, str]:
     return "Created", ""
 
 
+def pytorchjob_restarts(job: dict[str, Any], pods: list[dict[str, Any]]) -> set[str]:
+    """The restart the PyTorchJob is in, by when its Restarting condition became true: the
+    operator sets it when it retries a worker (restartPolicy ExitCode: a saved notice's 138,
+    or 130, 137, 143) and clears it once the workers run again."""
+    return {f"Restarting since {c.get('lastTransitionTime') or c.get('lastUpdateTime')}"
+            for c in _true_conditions(job) if c.get("type") == "Restarting"}
+
+
+def trainjob_restarts(job: dict[str, Any], pods: list[dict[str, Any]]) -> set[str]:
+    """The TrainJob's pods replaced after they saved a notice's step (exit
+    PREEMPTED_EXIT_CODE, which the Job's podFailurePolicy ignores), by the minute they exited:
+    the pods of one round exit at the end of the same step."""
+    return {f"exit {PREEMPTED_EXIT_CODE} at {state['finishedAt'][:16]}"
+            for pod in pods for status in (pod.get("status") or {}).get("containerStatuses") or []
+            if (state := (status.get("state") or {}).get("terminated") or {})
+            and state.get("exitCode") == PREEMPTED_EXIT_CODE and state.get("finishedAt")}
+
+
 @dataclasses.dataclass(frozen=True)
 class Launcher:
     name: str  # the `launcher` param's value
@@ -98,6 +117,9 @@ class Launcher:
     # The evaluate stage's job: (cfg, image, champion model URI or "") -> its manifest.
     evaluation_manifest: Callable[..., dict[str, Any]]
     state: Callable[[dict[str, Any]], tuple[str, str]]
+    # What one look at the job and its pods shows of a restart after a notice, each restart
+    # one mark (what the train task counts where the trainer's history cannot be read).
+    restarts: Callable[[dict[str, Any], list[dict[str, Any]]], set[str]]
     pod_labels: Callable[[str], dict[str, str]]  # every pod of the job
     leader_labels: Callable[[str], dict[str, str]]  # rank 0's pod
     pod_regex: Callable[[str], str]  # RE2 for the pods' names (the GPU metrics' query)
@@ -126,6 +148,7 @@ PYTORCHJOB = Launcher(
     manifest=lambda cfg, image, program=TRAIN: pytorchjob_manifest(cfg, image, program=program),
     evaluation_manifest=evaluation_job_manifest,
     state=pytorchjob_state,
+    restarts=pytorchjob_restarts,
     pod_labels=lambda name: {LABEL_JOB_NAME: name},
     leader_labels=lambda name: {LABEL_JOB_NAME: name, LABEL_REPLICA_TYPE: "worker",
                                 LABEL_REPLICA_INDEX: "0"},
@@ -138,6 +161,7 @@ TRAINJOB = Launcher(
     manifest=lambda cfg, image, program=TRAIN: trainjob_manifest(cfg, image, program=program),
     evaluation_manifest=evaluation_trainjob_manifest,
     state=trainjob_state,
+    restarts=trainjob_restarts,
     pod_labels=lambda name: {LABEL_JOBSET_NAME: name},
     leader_labels=lambda name: {LABEL_JOBSET_NAME: name,
                                 LABEL_REPLICATED_JOB: TRAINER_REPLICATED_JOB,

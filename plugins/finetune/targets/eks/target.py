@@ -452,6 +452,7 @@ class EksTarget(Target):
                 "nodes back")
         if event["status"] == "running":
             job.fail_unschedulable(api, cfg, name, launcher)
+            state = self._follow_preemptions(cfg, api, name, state)
             state = node_health.move_off_xid_nodes(lambda: self._eks(cfg), api, cfg, name,
                                                    launcher, state)
             try:
@@ -463,7 +464,28 @@ class EksTarget(Target):
             report = job.failure_report(api, cfg.namespace, name, event["message"], launcher)
             raise TrainingFailed(job.first_failure(api, cfg, name, launcher,
                                                    lambda: self._s3(cfg)) + report)
-        return job.train_result(cfg, state["job"], state["image"], state["rendezvous"])
+        return {**job.train_result(cfg, state["job"], state["image"], state["rendezvous"]),
+                "preemptions": state.get("preemptions", 0)}
+
+    def _follow_preemptions(self, cfg: RunConfig, api: Any, name: str, state: dict) -> dict:
+        """A job preempted and retried (its pods saved the step and exited 138; the operator,
+        or the Job's podFailurePolicy, started them again) is the same job going on from the
+        saved step; past max_preemptions the run fails (teardown deletes the job)."""
+        launcher = launcher_for(cfg)
+        count, source, seen = job.count_preemptions(api, cfg, name, launcher,
+                                                    lambda: self._s3(cfg),
+                                                    state.get("restarts_seen", []))
+        if count > cfg.max_preemptions:
+            raise TrainingFailed(
+                f"{launcher.kind} {cfg.namespace}/{name} was preempted {count} times, more than "
+                f"max_preemptions {cfg.max_preemptions} (counted from {source}): each notice's "
+                "step was saved; the run stops here, and teardown deletes the job and gives the "
+                "nodes back")
+        if count > state.get("preemptions", 0):
+            log.warning("%s %s was preempted: %d of at most %d (max_preemptions; counted from "
+                        "%s); the same job goes on from the step each notice saved",
+                        launcher.kind, name, count, cfg.max_preemptions, source)
+        return {**state, "preemptions": count, "restarts_seen": seen}
 
     def _renew_reservation(self, cfg: RunConfig) -> None:
         """Heartbeat: a live run's reservation must not expire while it trains."""
