@@ -255,6 +255,8 @@ def test_shipped_etcd_yaml_is_what_the_function_builds():
     ({"capacity_fallback": "spot"}, "capacity_fallback", "fail, on-demand"),
     ({"capacity_wait_s": 10}, "capacity_wait_s", "60"),
     ({"capacity_fallback": "on-demand"}, "fallback_nodegroup", "is empty"),
+    ({"capacity_fallback": "on-demand", "fallback_nodegroup": "gpu-p4de"}, "fallback_nodegroup",
+     "the run's own node group"),
     ({"fallback_nodegroup": "gpu p4de"}, "fallback_nodegroup", "EKS node group name"),
     ({"max_preemptions": -1}, "max_preemptions", "0"),
     ({"node_wait_s": 0}, "node_wait_s", "1"),
