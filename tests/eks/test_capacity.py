@@ -38,7 +38,7 @@ def spot_config(**changes: Any) -> Any:
     """A spot run of 2 g5.12xlarge nodes on the spot group, waiting briefly for capacity."""
     return eks_config(**{"nodegroup": "gpu-spot", "instance_type": "g5.12xlarge",
                          "procs_per_node": 4, "nodes": 2, "capacity_type": "spot",
-                         "capacity_wait_s": 0.5, **changes})
+                         "capacity_wait_s": 0.3, **changes})
 
 
 @pytest.fixture
@@ -101,7 +101,7 @@ def test_capacity_that_does_not_come_fails_scale_up_saying_so_and_teardown_gives
         run_stage("scale_up", cfg)
     message = str(err.value)
     assert "the capacity did not come: only 1 of 2 node(s) of node group gpu-spot (spot)" in message
-    assert "capacity_wait_s 0.5" in message and "teardown gives back what came" in message
+    assert "capacity_wait_s 0.3" in message and "teardown gives back what came" in message
     assert scaling_of("gpu-spot")["desiredSize"] == 2  # asked for until teardown
     t.teardown(cfg, snap)
     assert scaling_of("gpu-spot") == SCALING
