@@ -92,10 +92,9 @@ log = logging.getLogger(__name__)
 class EksTarget(Target):
     """poll_interval: the triggers' pace; nodes_timeout: a cap on each wait for nodes (None:
     the run's capacity_wait_s alone; tests shorten it); devices_grace_s: how long a Ready node
-    may lack its GPUs or EFA before
-    scale_up names the device plugin; wake_after: how often train comes back to stream the
-    log; etcd_timeout: etcd's restart; update_retries: node group updates while another is in
-    progress."""
+    may lack its GPUs or EFA before scale_up names the device plugin; wake_after: how often
+    train comes back to stream the log; etcd_timeout: etcd's restart; update_retries: node
+    group updates while another is in progress."""
 
     name = "eks"
     paths_are_local = False
