@@ -1,5 +1,6 @@
 """A run's report where the trainer's outputs are not on this machine: an s3:// run directory, or
-a shared file system the Airflow worker may or may not mount.
+a shared file system the Airflow worker may or may not mount; and what the trainer records there
+while it runs (its failures, its history of rounds and preemptions).
 
 The trainer writes the same layout either way (trainer/storage.py): metrics.jsonl, summary.json,
 model/, checkpoints/. The report is built from downloaded copies of the first two and its
@@ -25,7 +26,7 @@ from finetune.report import (
 from finetune_contract.errors import ERRORS_DIR, failure_records
 from finetune_contract.fields import EVALUATION_FILE
 from finetune_contract.preflight_result import PREFLIGHT_FILE
-from finetune_contract.run_history import HISTORY_FILE
+from finetune_contract.run_history import HISTORY_FILE, parse_history
 
 
 class ReportUnavailable(RuntimeError):
@@ -176,6 +177,14 @@ def read_output(run_dir: str, name: str, s3_client: Callable[[], Any]) -> str | 
             return None
         raise
     return body.decode("utf-8", errors="replace")
+
+
+def run_history(run_dir: str, s3_client: Callable[[], Any]) -> list[dict] | None:
+    """The trainer's history of the run (finetune_contract.run_history), as far as written;
+    None where the run directory is a path this machine does not mount."""
+    if not run_dir.startswith("s3://") and not Path(run_dir).is_dir():
+        return None
+    return parse_history(read_output(run_dir, HISTORY_FILE, s3_client) or "")
 
 
 def add_report_sections(run_dir: str, s3_client: Callable[[], Any], **sections: Any) -> dict:

@@ -25,7 +25,7 @@ from typing import Any
 from finetune.config import ConfigError, RunConfig, run_output_dir
 from finetune.hub import GATED, NO_CONFIG, NOT_FOUND, hub_config
 from finetune.names import DNS_SUBDOMAIN, LABEL_VALUE, dns_label, run_dir_name
-from finetune.run_plan import capacity_problems, model_config_of, run_hardware
+from finetune.run_plan import capacity_problems, model_config_of, plan_run, run_hardware
 from finetune.targets import get_target
 from finetune.trainer_config import local_dir, run_tokenizer_dir, trainer_config
 from finetune_contract import data as contract_data
@@ -114,6 +114,8 @@ def validate_params(params: Mapping[str, Any], *, run_id: str, dag_id: str = "ll
     if not plan_only:
         errors += launcher_problems(cfg, target.launchers)
         errors += target.check(values)
+        if not errors:  # the planner needs a run the rules accept
+            errors += target.plan_problems(cfg, plan_run(cfg))
     if errors:
         raise ConfigError(errors)
     return cfg

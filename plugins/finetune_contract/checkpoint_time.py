@@ -11,7 +11,8 @@ H200's machine, bench/checkpoint.py), S3, or a mounted volume (FSx for Lustre, E
 A notice (SIGTERM: a spot reclaim, a drain) gives the pods `terminationGracePeriodSeconds` to
 finish the step in progress and save it (trainer/preemption.py); on spot the instance goes two
 minutes after EC2's notice, whatever the grace. `grace_period_s` is the grace a run's pods get,
-`notice_problems` refuses a spot run whose step and save do not fit the notice.
+`agent_shutdown_s` how long torchrun's agent waits in it for its workers to save before it kills
+them, `notice_problems` refuses a spot run whose step and save do not fit the notice.
 """
 
 from __future__ import annotations
@@ -108,6 +109,13 @@ def grace_period_s(step_s: float | None, save_s: float | None) -> int:
     if step_s is None or save_s is None:
         return DEFAULT_GRACE_S
     return math.ceil(GRACE_MARGIN * (step_s + save_s) + EXIT_S)
+
+
+def agent_shutdown_s(grace_s: int) -> int:
+    """torchrun's shutdown timeout (TORCH_ELASTIC_SHUTDOWN_TIMEOUT) in a grace of `grace_s`:
+    on SIGTERM its agent passes the signal to its workers and waits this long for them to save
+    before it kills them; the rest of the grace is the agent's and the launcher's own exit."""
+    return max(1, grace_s - EXIT_S)
 
 
 def notice_problems(capacity_type: str, step_s: float | None,

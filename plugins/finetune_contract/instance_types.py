@@ -9,7 +9,8 @@ Sources (each figure below names which):
           interfaces (network cards), and "RDMA read is supported on all instances with Nitro
           version 4 and later" (p4d/p4de: RDMA read is what GPUDirect RDMA over EFA started with).
 - [EKSCTL] eksctl's instance table (pkg/utils/instance/instance_types.go): EFASupported is true
-          for g5.12xlarge, g5.48xlarge, g6.12xlarge, g6.48xlarge, p4d, p4de, p5, p5e and p5en.
+          for g5.12xlarge, g5.24xlarge, g5.48xlarge, g6.12xlarge, g6.24xlarge, g6.48xlarge, p4d,
+          p4de, p5, p5e and p5en.
 - [AMI]   The EKS-optimized AMI's kubelet reservations: kube-reserved memory 255 MiB + 11 MiB
           per pod (max pods of the type), kube-reserved CPU 6% of the first core, 1% of the
           second, 0.5% of the next two, 0.25% of the rest; eviction at 100 MiB free.
@@ -163,8 +164,11 @@ def _sxm(name: str, model: str, gpu_memory_gib: int, vcpus: int, memory_gib: int
 
 INSTANCE_TYPES: dict[str, InstanceProfile] = {p.name: p for p in (
     _pcie("g5.12xlarge", 4, "NVIDIA A10G", 48, 192, network_gbps=40),
+    # The same 4 GPUs with twice the CPU and memory: a spot node group's second type.
+    _pcie("g5.24xlarge", 4, "NVIDIA A10G", 96, 384, network_gbps=50),
     _pcie("g5.48xlarge", 8, "NVIDIA A10G", 192, 768, network_gbps=100),
     _pcie("g6.12xlarge", 4, "NVIDIA L4", 48, 192, network_gbps=40, float8=True),
+    _pcie("g6.24xlarge", 4, "NVIDIA L4", 96, 384, network_gbps=50, float8=True),
     _pcie("g6.48xlarge", 8, "NVIDIA L4", 192, 768, network_gbps=100, float8=True),
     _sxm("p4d.24xlarge", "NVIDIA A100-SXM4-40GB", 40, 96, 1152, efa=4, network_gbps=400,
          nvlink4=False),
@@ -178,3 +182,22 @@ INSTANCE_TYPES: dict[str, InstanceProfile] = {p.name: p for p in (
     _sxm("p5en.48xlarge", "NVIDIA H200", 141, 192, 2048, efa=16, network_gbps=3200,
          nvlink4=True),
 )}
+
+
+def holds(node_type: str, pod_type: str) -> bool:
+    """Whether a node of `node_type` holds a training pod made for `pod_type`: the same GPU
+    model and count, and at least the CPU, memory (with the huge pages) and EFA devices the pod
+    requests."""
+    node, pod = INSTANCE_TYPES[node_type], INSTANCE_TYPES[pod_type]
+    return (node.gpu_model, node.gpus) == (pod.gpu_model, pod.gpus) \
+        and node.allocatable_cpu_m >= pod.cpu_request * 1000 + DAEMONSET_CPU_M \
+        and node.allocatable_memory_mib >= pod.memory_request_gib * 1024 + pod.hugepages_mib \
+        + DAEMONSET_MEMORY_MIB and node.efa >= pod.efa
+
+
+def gpu_class(pod_type: str) -> tuple[str, ...]:
+    """The instance types a training pod made for `pod_type` may run on (`holds`), itself
+    first: a node group of several types (spot's usual several pools) must be of these, with
+    `pod_type` the smallest."""
+    return (pod_type, *(name for name in INSTANCE_TYPES
+                        if name != pod_type and holds(name, pod_type)))

@@ -499,7 +499,8 @@ PARAMETERS: tuple[Parameter, ...] = (
       text=Text(63, EKS_NAME, "an EKS node group name " + EKS_NAME_WHAT), targets=EKS,
       trainer=False),
     P('instance_type', 'p4de.24xlarge', 'EKS', 'Instance type',
-      "The node group's instance type: GPUs, EFA interfaces, CPU and memory per node.",
+      "The node group's instance type: GPUs, EFA interfaces, CPU and memory per node. A spot "
+      'node group of several types of the same GPUs: the smallest, whose pods every node holds.',
       choices=tuple(INSTANCE_TYPES), targets=EKS, trainer=False),
     P('namespace', 'default', 'EKS', 'Namespace',
       'Kubernetes namespace of the PyTorchJob, its ConfigMap and the etcd service.',

@@ -344,9 +344,9 @@ def test_nodes_of_another_instance_type_are_not_counted_ready():
         "node.kubernetes.io/instance-type": "p5.48xlarge"}},
         "status": {"conditions": [{"type": "Ready", "status": "True"}],
                    "allocatable": {"nvidia.com/gpu": "8"}}}
-    ok, summary = node_readiness(node, gpus=8, efa=0, instance_type="p4de.24xlarge")
+    ok, summary = node_readiness(node, gpus=8, efa=0, instance_types=["p4de.24xlarge"])
     assert not ok and "instance type p5.48xlarge, not p4de.24xlarge" in summary
-    assert node_readiness(node, gpus=8, efa=0, instance_type="p5.48xlarge")[0]
+    assert node_readiness(node, gpus=8, efa=0, instance_types=["p5.48xlarge"])[0]
 
 
 class Flaky:
@@ -403,8 +403,8 @@ def test_a_node_lacking_devices_is_named_only_after_the_grace_time_from_its_read
     now = 1_800_000_000.0
     at = lambda seconds_ago: time.strftime(  # noqa: E731
         "%Y-%m-%dT%H:%M:%SZ", time.gmtime(now - seconds_ago))
-    assert missing_devices([node(at(100), 0)], 8, 4, "p4de.24xlarge", 300, now) is None
-    assert "EFA device plugin" in missing_devices([node(at(400), 0)], 8, 4, "p4de.24xlarge",
+    assert missing_devices([node(at(100), 0)], 8, 4, ["p4de.24xlarge"], 300, now) is None
+    assert "EFA device plugin" in missing_devices([node(at(400), 0)], 8, 4, ["p4de.24xlarge"],
                                                   300, now)
-    assert missing_devices([node(at(400), 4)], 8, 4, "p4de.24xlarge", 300, now) is None
-    assert missing_devices([node(at(400), 0)], 8, 0, "p4de.24xlarge", 300, now) is None
+    assert missing_devices([node(at(400), 4)], 8, 4, ["p4de.24xlarge"], 300, now) is None
+    assert missing_devices([node(at(400), 0)], 8, 0, ["p4de.24xlarge"], 300, now) is None

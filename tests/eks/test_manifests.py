@@ -11,10 +11,12 @@ import pytest
 import yaml
 
 from finetune.config import ConfigError
+from finetune.run_plan import plan_run
 from finetune.targets.eks.manifests import (
     ETCD_PORT,
     LABEL_RUN,
     etcd_manifests,
+    evaluation_job_manifest,
     job_name,
     pytorchjob_manifest,
     trainer_configmap_manifest,
@@ -143,6 +145,51 @@ def test_every_instance_type_eksctl_lists_as_efa_capable_gets_its_efa_and_rdma_o
         assert profile.busbw_source
 
 
+def _worker(manifest: dict) -> dict:
+    return manifest["spec"]["pytorchReplicaSpecs"]["Worker"]
+
+
+def test_a_spot_elastic_run_is_retried_on_a_saved_notice_within_the_plans_grace():
+    cfg = eks_config(nodes=4, min_nodes=2, max_restarts=2, node_wait_s=120,
+                     capacity_type="spot")
+    manifest = pytorchjob_manifest(cfg, "img:1")
+    assert_valid_pytorchjob(manifest)
+    elastic = manifest["spec"]["elasticPolicy"]
+    # torchrun --nnodes 2:4 (the operator's PET_NNODES), the survivors go on after node_wait_s
+    assert (elastic["minReplicas"], elastic["maxReplicas"], elastic["maxRestarts"]) == (2, 4, 2)
+    assert elastic["rdzvConf"] == [{"key": "last_call_timeout", "value": "120"}]
+    worker = _worker(manifest)
+    # 138 (a saved notice) is retried by the operator without counting against backoffLimit
+    assert worker["replicas"] == 4 and worker["restartPolicy"] == "ExitCode"
+    pod = worker["template"]["spec"]
+    grace = plan_run(cfg).grace_s
+    assert pod["terminationGracePeriodSeconds"] == grace
+    container = pod["containers"][0]
+    assert container["command"] == ["python", "-m", "trainer.launch"]  # exits 138 after a save
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    # torchrun's agent waits for its workers' save, and exits, within the grace
+    assert 0 < int(env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]) < grace
+
+
+def test_a_run_that_is_not_elastic_needs_all_its_nodes_and_its_checks_are_not_retried():
+    cfg = eks_config(nodes=3, min_nodes=3, max_restarts=1)
+    elastic = pytorchjob_manifest(cfg, "img:1")["spec"]["elasticPolicy"]
+    assert (elastic["minReplicas"], elastic["maxReplicas"]) == (3, 3)
+    assert "rdzvConf" not in elastic
+    elastic_cfg = eks_config(nodes=3, min_nodes=2, max_restarts=1)
+    preflight = pytorchjob_manifest(elastic_cfg, "img:1", program="preflight")
+    assert_valid_pytorchjob(preflight)
+    assert preflight["spec"]["elasticPolicy"]["minReplicas"] == 3
+    assert "rdzvConf" not in preflight["spec"]["elasticPolicy"]
+    assert _worker(preflight)["restartPolicy"] == "OnFailure"
+    evaluation = evaluation_job_manifest(elastic_cfg, "img:1")
+    assert_valid_pytorchjob(evaluation)
+    assert "rdzvConf" not in evaluation["spec"]["elasticPolicy"]
+    pod = _worker(evaluation)["template"]["spec"]
+    assert "terminationGracePeriodSeconds" not in pod  # plain python, nothing to save
+    assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in {e["name"] for e in pod["containers"][0]["env"]}
+
+
 def test_c10d_rendezvous_lives_on_worker_0():
     cfg = eks_config(rdzv_backend="c10d")
     elastic = pytorchjob_manifest(cfg, "img:1")["spec"]["elasticPolicy"]
@@ -202,6 +249,17 @@ def test_shipped_etcd_yaml_is_what_the_function_builds():
     ({"etcd_reset": "wipe"}, "etcd_reset", "keys, restart"),
     ({"instance_type": "m5.large"}, "instance_type", "p4de.24xlarge"),
     ({"hf_token_secret": "Bad_Name"}, "hf_token_secret", "give the Secret's name"),
+    ({"nodes": 2, "min_nodes": 1, "max_restarts": 1, "rdzv_backend": "c10d"}, "rdzv_backend",
+     "its store lives on worker 0"),
+    ({"capacity_type": "reserved"}, "capacity_type", "on-demand, spot, capacity-block"),
+    ({"capacity_fallback": "spot"}, "capacity_fallback", "fail, on-demand"),
+    ({"capacity_wait_s": 10}, "capacity_wait_s", "60"),
+    ({"capacity_fallback": "on-demand"}, "fallback_nodegroup", "is empty"),
+    ({"capacity_fallback": "on-demand", "fallback_nodegroup": "gpu-p4de"}, "fallback_nodegroup",
+     "the run's own node group"),
+    ({"fallback_nodegroup": "gpu p4de"}, "fallback_nodegroup", "EKS node group name"),
+    ({"max_preemptions": -1}, "max_preemptions", "0"),
+    ({"node_wait_s": 0}, "node_wait_s", "1"),
 ])
 def test_bad_eks_param_is_refused_naming_the_field(conf, field, needle):
     with pytest.raises(ConfigError) as err:

@@ -151,12 +151,14 @@ def test_every_aws_call_in_the_code_is_allowed_and_nothing_more():
     assert allowed - used == set(), "iam-policy.json allows actions the code never calls"
 
 
-def test_the_eksctl_example_has_p4de_and_p5_node_groups_with_efa_scaled_to_zero():
+def test_the_eksctl_example_has_gpu_node_groups_with_efa_scaled_to_zero():
     config = yaml.safe_load((K8S_DIR / "eksctl-cluster.yaml").read_text())
     assert config["kind"] == "ClusterConfig"
-    groups = {g["instanceType"]: g for g in config["managedNodeGroups"]}
-    for instance_type in ("p4de.24xlarge", "p5.48xlarge"):
-        group = groups[instance_type]
+    groups = {g["name"]: g for g in config["managedNodeGroups"]}
+    assert groups["gpu-p4de"]["instanceType"] == "p4de.24xlarge"
+    assert groups["gpu-p5"]["instanceType"] == "p5.48xlarge"
+    for name in ("gpu-p4de", "gpu-p5", "gpu-g5-spot", "gpu-g5-ondemand"):
+        group = groups[name]
         assert group["efaEnabled"] is True
         assert group["minSize"] == group["desiredCapacity"] == 0
         assert len(group["availabilityZones"]) == 1  # EFA: one placement group, one AZ
@@ -164,3 +166,16 @@ def test_the_eksctl_example_has_p4de_and_p5_node_groups_with_efa_scaled_to_zero(
                 "effect": "NoSchedule"} in group["taints"]
     entries = config["accessConfig"]["accessEntries"]
     assert any("llm-finetune-airflow" in e["kubernetesGroups"] for e in entries)
+
+
+def test_the_eksctl_spot_group_has_types_of_one_gpu_class_and_an_on_demand_fallback():
+    from finetune_contract.instance_types import gpu_class
+
+    groups = {g["name"]: g for g in yaml.safe_load(
+        (K8S_DIR / "eksctl-cluster.yaml").read_text())["managedNodeGroups"]}
+    spot, fallback = groups["gpu-g5-spot"], groups["gpu-g5-ondemand"]
+    assert spot["spot"] is True and "instanceType" not in spot
+    # several spot pools, every one holding the pods of the smallest (what a run names)
+    assert len(spot["instanceTypes"]) > 1
+    assert set(spot["instanceTypes"]) == set(gpu_class(spot["instanceTypes"][0]))
+    assert not fallback.get("spot") and fallback["instanceType"] == spot["instanceTypes"][0]

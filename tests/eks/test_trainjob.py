@@ -15,17 +15,20 @@ import yaml
 from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
 
 from finetune.config import ConfigError
+from finetune.run_plan import plan_run
 from finetune.targets.eks import job
 from finetune.targets.eks.launchers import TRAINJOB, trainjob_state
 from finetune.targets.eks.manifests import (
     JOBSET_MAX_RESTARTS,
     TRAINING_RUNTIME,
+    TRAINJOB_GRACE_S,
     job_name,
     training_runtime_manifest,
     trainjob_manifest,
 )
 from finetune.validate import validate_params
 from finetune_contract.instance_types import INSTANCE_TYPES
+from finetune_contract.run_history import PREEMPTED_EXIT_CODE
 from tests.support.deferral import reloaded, run_deferred
 from tests.support.eks import (
     IMAGE,
@@ -73,8 +76,16 @@ def test_shipped_runtime_is_what_the_builder_makes_and_validates_against_the_crd
         "trainer.kubeflow.org/trainjob-ancestor-step": "trainer"}
     job = node["template"]["spec"]
     assert job["backoffLimit"] == 0 and job["template"]["spec"]["restartPolicy"] == "Never"
+    # a pod that saved its step after a notice is replaced without counting as a failure
+    assert job["podFailurePolicy"] == {"rules": [{"action": "Ignore", "onExitCodes": {
+        "containerName": "node", "operator": "In", "values": [PREEMPTED_EXIT_CODE]}}]}
     pod = job["template"]["spec"]
     assert pod["containers"][0]["name"] == "node"
+    assert pod["containers"][0]["command"] == ["python", "-m", "trainer.launch"]
+    assert pod["terminationGracePeriodSeconds"] == TRAINJOB_GRACE_S
+    shutdown = next(e["value"] for e in pod["containers"][0]["env"]
+                    if e["name"] == "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+    assert 0 < int(shutdown) < TRAINJOB_GRACE_S
     assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
     env = {e["name"] for e in pod["containers"][0]["env"]}
     assert {"NCCL_DEBUG", "TORCH_NCCL_DUMP_ON_TIMEOUT"} <= env
@@ -164,6 +175,7 @@ def test_the_default_launcher_is_pytorchjob_and_trainjob_params_validate():
     ({"etcd_reset": "restart"}, "etcd_reset", "launcher trainjob"),
     ({"max_restarts": 2}, "max_restarts", "failurePolicy.maxRestarts"),
     ({"metrics_port": 9400}, "metrics_port", "launcher trainjob"),
+    ({"nodes": 2, "min_nodes": 1}, "min_nodes", "ElasticPolicy API was removed"),
     ({"target": "local", "output_dir": "runs"}, "launcher", "not a launcher of target local"),
 ])
 def test_combinations_the_trainjob_launcher_cannot_run_are_refused_naming_both_fields(
@@ -173,6 +185,20 @@ def test_combinations_the_trainjob_launcher_cannot_run_are_refused_naming_both_f
     messages = dict(err.value.errors)
     assert words in messages.get(field, ""), err.value.errors
     assert "launcher" in messages[field] and (field == "launcher" or field in messages)
+
+
+def test_a_trainjob_run_whose_step_and_save_need_more_than_the_runtimes_grace_is_refused(
+        monkeypatch):
+    import finetune.targets.eks.launchers as launchers
+
+    needed = plan_run(validate_params(TRAINJOB_PARAMS, run_id="r")).grace_s
+    monkeypatch.setattr(launchers, "TRAINJOB_GRACE_S", needed - 1)
+    with pytest.raises(ConfigError) as err:
+        validate_params(TRAINJOB_PARAMS, run_id="r")
+    message = dict(err.value.errors)["launcher"]
+    assert f"this run needs {needed} s" in message and "cannot set its own" in message
+    assert validate_params({**TRAINJOB_PARAMS, "launcher": "pytorchjob",
+                            "rdzv_backend": "etcd-v2"}, run_id="r")  # a PyTorchJob can
 
 
 # -- the stages on the emulated cluster ----------------------------------------------------------

@@ -8,6 +8,7 @@ import functools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import boto3
@@ -71,14 +72,23 @@ def target() -> EksTarget:
 
 class TrainingOperator(threading.Thread):
     """Plays the training operator: waits for the run's PyTorchJob, makes its pods, writes the
-    leader's log and moves the job to `outcome`."""
+    leader's log and moves the job to `outcome`.
+
+    `preemptions`: rounds in which every worker saved its step after a notice and exited 138,
+    the job Restarting for `hold_s`, then its pods made again and Running (restartPolicy
+    ExitCode); `on_preempted(n)` is called first in round n (the trainer's history record).
+    `lost_workers`: the last workers' nodes are gone, their pods Pending, unschedulable."""
 
     def __init__(self, cluster: Cluster, cfg: RunConfig, outcome: str = "Succeeded",
-                 oom_worker: int | None = None, unschedulable: str | None = None):
+                 oom_worker: int | None = None, unschedulable: str | None = None,
+                 preemptions: int = 0, on_preempted: Callable[[int], None] | None = None,
+                 lost_workers: int = 0, hold_s: float = 0.5):
         super().__init__(daemon=True)
         self.cluster, self.cfg, self.outcome, self.oom_worker = cluster, cfg, outcome, oom_worker
         # The scheduler's message for pods it cannot place (they stay Pending, the job Created).
         self.unschedulable = unschedulable
+        self.preemptions, self.on_preempted = preemptions, on_preempted
+        self.lost_workers, self.hold_s = lost_workers, hold_s
         self.created: list[str] = []
 
     def run(self) -> None:
@@ -96,18 +106,7 @@ class TrainingOperator(threading.Thread):
             return
         name = jobs[0]["metadata"]["name"]
         workers = jobs[0]["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"]
-        for i in range(workers):
-            pod = f"{name}-worker-{i}"
-            core.create_namespaced_pod(NS, {
-                "apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": pod, "namespace": NS, "labels": {
-                    LABEL_JOB_NAME: name, LABEL_REPLICA_TYPE: "worker",
-                    LABEL_REPLICA_INDEX: str(i)}},
-                # worker i on node ip-10-0-0-i (tests.support.kube.add_nodes) once placed
-                "spec": {"containers": [{"name": "pytorch", "image": "img"}],
-                         **({} if self.unschedulable else {"nodeName": f"ip-10-0-0-{i}"})},
-                "status": pod_status(self.unschedulable)})
-            self.created.append(pod)
+        self._make_pods(core, name, workers)
         if self.unschedulable:
             self._set(custom, name, "Created")
             return
@@ -118,6 +117,23 @@ class TrainingOperator(threading.Thread):
             logs[NS, f"{name}-worker-0"].append(
                 (f"2026-11-29T10:00:0{step}.000000000Z", f"step {step} loss {4 - step}.0"))
             time.sleep(0.15)
+        for round_ in range(1, self.preemptions + 1):
+            if self.on_preempted:
+                self.on_preempted(round_)
+            for i in range(workers):
+                core.patch_namespaced_pod_status(f"{name}-worker-{i}", NS, {"status": {
+                    "phase": "Failed", "containerStatuses": [{
+                        "name": "pytorch", "ready": False, "restartCount": 0, "image": "img",
+                        "imageID": "", "state": {"terminated": {
+                            "exitCode": 138, "reason": "Error",
+                            "finishedAt": f"2026-11-29T10:0{round_}:00Z"}}}]}})
+            self._set(custom, name, "Restarting", since=f"2026-11-29T10:0{round_}:00Z")
+            time.sleep(self.hold_s)
+            for i in range(workers):  # ExitCode: the operator deletes them and makes new ones
+                core.delete_namespaced_pod(f"{name}-worker-{i}", NS)
+            self._make_pods(core, name, workers)
+            self._set(custom, name, "Running")
+            time.sleep(self.hold_s)
         if self.oom_worker is not None:
             pod = f"{name}-worker-{self.oom_worker}"
             logs[NS, pod] = [("2026-11-29T10:00:05.000000000Z", "allocating activations")]
@@ -129,11 +145,29 @@ class TrainingOperator(threading.Thread):
         time.sleep(0.15)
         self._set(custom, name, self.outcome)
 
-    def _set(self, custom: Any, name: str, condition: str) -> None:
+    def _make_pods(self, core: Any, name: str, workers: int) -> None:
+        for i in range(workers):
+            pod = f"{name}-worker-{i}"
+            lost = i >= workers - self.lost_workers
+            placed = not self.unschedulable and not lost
+            core.create_namespaced_pod(NS, {
+                "apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": pod, "namespace": NS, "labels": {
+                    LABEL_JOB_NAME: name, LABEL_REPLICA_TYPE: "worker",
+                    LABEL_REPLICA_INDEX: str(i)}},
+                # worker i on node ip-10-0-0-i (tests.support.kube.add_nodes) once placed
+                "spec": {"containers": [{"name": "pytorch", "image": "img"}],
+                         **({"nodeName": f"ip-10-0-0-{i}"} if placed else {})},
+                "status": pod_status(self.unschedulable or (
+                    "0/2 nodes are available: 2 Insufficient nvidia.com/gpu" if lost else None))})
+            self.created.append(pod)
+
+    def _set(self, custom: Any, name: str, condition: str, since: str = "") -> None:
         custom.patch_namespaced_custom_object_status(
             PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, NS, PYTORCHJOB_PLURAL, name,
             {"status": {"conditions": [{"type": condition, "status": "True",
-                                        "message": f"PyTorchJob {name} is {condition}"}]}})
+                                        "message": f"PyTorchJob {name} is {condition}",
+                                        **({"lastTransitionTime": since} if since else {})}]}})
 
 
 def jobs_of_run(cluster: Cluster, cfg: RunConfig) -> list[dict]:

@@ -217,16 +217,18 @@ def pod_status(unschedulable: str | None = None) -> dict[str, Any]:
 
 
 def add_nodes(cluster: Cluster, count: int, ready: bool = True, gpus: int = 8, efa: int = 4,
-              ready_for: float = 0.0) -> None:
-    """`count` nodes of the p4de node group; `ready_for`: seconds since they became Ready."""
+              ready_for: float = 0.0, nodegroup: str = "gpu-p4de",
+              instance_type: str = "p4de.24xlarge", first: int = 0) -> None:
+    """`count` nodes of the node group (the p4de one unless named), ip-10-0-0-`first` on;
+    `ready_for`: seconds since they became Ready."""
     core = kubernetes.client.CoreV1Api(cluster.api())
     since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - ready_for))
-    for i in range(count):
+    for i in range(first, first + count):
         core.create_node({
             "apiVersion": "v1", "kind": "Node",
             "metadata": {"name": f"ip-10-0-0-{i}", "labels": {
-                "eks.amazonaws.com/nodegroup": "gpu-p4de",
-                "node.kubernetes.io/instance-type": "p4de.24xlarge"}},
+                "eks.amazonaws.com/nodegroup": nodegroup,
+                "node.kubernetes.io/instance-type": instance_type}},
             "status": {
                 "conditions": [{"type": "Ready", "status": "True" if ready else "False",
                                 "reason": "KubeletReady" if ready else "KubeletNotReady",

@@ -13,6 +13,8 @@ from finetune.config import RunConfig
 if TYPE_CHECKING:
     from airflow.triggers.base import BaseTrigger
 
+    from finetune.run_plan import RunPlan
+
 # torchrun's environment on every target. The etcd-v2 and c10d rendezvous otherwise hand every
 # restart round's workers the same TCPStore (the agent's, since torch 2.5), where the restarted
 # workers read the previous round's keys: their peers' dead gloo/NCCL addresses (pytorch#135712).
@@ -57,6 +59,11 @@ class Target(ABC):
     @abstractmethod
     def check(self, values: dict[str, Any]) -> list[tuple[str, str]]:
         """Validate-time checks of this target's constraints: (field, message) per problem."""
+
+    def plan_problems(self, cfg: RunConfig, plan: RunPlan) -> list[tuple[str, str]]:
+        """Validate-time: what this target cannot give the run as planned (finetune.run_plan),
+        such as its pods' grace on a notice; (field, message) per problem."""
+        return []
 
     def prepare_data(self, cfg: RunConfig) -> Outcome:
         """Encode the run's data set once before any node is up (or reuse an identical one):

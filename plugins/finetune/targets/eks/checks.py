@@ -1,8 +1,9 @@
 """What validate refuses for the eks target, before any cloud call, as (field, message) pairs:
-the cluster and node group missing, more nodes than max_nodes, more processes than the instance
-type's GPUs, float8 on GPUs without it, names Kubernetes would refuse, an output the pods cannot
-reach, a path only the Airflow worker has, the image fields (`image_build.image_param_errors`),
-the launcher's limits (`launchers.launcher_problems`) and prepare_on pod's needs.
+the cluster and node group missing, more nodes than max_nodes, a fallback node group that is the
+run's own, more processes than the instance type's GPUs, float8 on GPUs without it, names
+Kubernetes would refuse, an output the pods cannot reach, a path only the Airflow worker has,
+the image fields (`image_build.image_param_errors`), the launcher's limits
+(`launchers.launcher_problems`) and prepare_on pod's needs.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ def problems(values: dict[str, Any]) -> list[tuple[str, str]]:
     if not (out.startswith("s3://") or out.startswith("/")):
         errors.append(("output_dir", f"{quoted(out)}: on eks give s3://bucket/prefix or an "
                        "absolute path the pods mount (volumes)"))
+    if values["capacity_fallback"] == "on-demand" and \
+            values["fallback_nodegroup"] == values["nodegroup"]:
+        errors.append(("fallback_nodegroup", f"{quoted(values['fallback_nodegroup'])} is the "
+                       "run's own node group: name another, of on-demand nodes, to fall back to"))
     if values["rdzv_backend"] == "c10d" and values["metrics_port"] == C10D_PORT:
         errors.append(("metrics_port", f"{C10D_PORT} is the c10d rendezvous port on worker "
                        "0, where rank 0 serves its metrics; choose another port"))

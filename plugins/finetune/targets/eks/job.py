@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from finetune.config import RunConfig
-from finetune.outputs import trainer_failures, write_run_file
+from finetune.outputs import run_history, trainer_failures, write_run_file
 from finetune.targets.eks.clients import (
     adopt_or_create,
     create_or_replace,
@@ -49,6 +49,8 @@ from finetune_contract.errors import (
     death_record,
     failure_summary,
 )
+from finetune_contract.parallel_dims import is_elastic
+from finetune_contract.run_history import preemptions
 
 log = logging.getLogger(__name__)
 
@@ -307,16 +309,46 @@ def unschedulable_pods(api: Any, namespace: str, name: str,
 
 def fail_unschedulable(api: Any, cfg: RunConfig, name: str, launcher: Launcher) -> None:
     """Fail fast, with the scheduler's words, when a pod of the job has waited to be placed for
-    schedule_timeout_s or more (0: never)."""
-    stuck = [(pod, seconds, why) for pod, seconds, why in
-             unschedulable_pods(api, cfg.namespace, name, launcher)
+    schedule_timeout_s or more (0: never). An elastic run goes on while min_nodes of its pods
+    are placed: the others wait for their nodes, and join when one comes."""
+    pending = unschedulable_pods(api, cfg.namespace, name, launcher)
+    stuck = [(pod, seconds, why) for pod, seconds, why in pending
              if cfg.schedule_timeout_s and seconds >= cfg.schedule_timeout_s]
+    if stuck and is_elastic(cfg):
+        placed = len(job_pods(api, cfg.namespace, name, launcher)) - len(pending)
+        if placed >= cfg.min_nodes:
+            log.warning("%d pod(s) of %s %s wait for a node (%s): the training goes on with %d "
+                        "of %d nodes (min_nodes %d); they join when nodes come", len(pending),
+                        launcher.kind, name, pending[0][2], placed, cfg.nodes, cfg.min_nodes)
+            return
     if stuck:
         raise RuntimeError(
             f"{len(stuck)} pod(s) of {launcher.kind} {name} could not be scheduled for "
             f"{cfg.schedule_timeout_s} s or more (schedule_timeout_s); the scheduler "
             "says:\n" + "\n".join(f"{pod} ({seconds} s): {why}"
                                   for pod, seconds, why in stuck))
+
+
+def count_preemptions(api: Any, cfg: RunConfig, name: str, launcher: Launcher,
+                      s3_client: Callable[[], Any], seen: list[str]) -> tuple[int, str, list[str]]:
+    """(preemptions so far, what counted them, the restarts seen at the looks so far).
+
+    The trainer records each notice it saved in history.jsonl in the run's output (S3 or a
+    volume this worker mounts): that count, where it can be read. Else each restart the job
+    shows at a look (the launcher's `restarts`: a PyTorchJob's Restarting condition, a
+    TrainJob's pods that exited 138) counts once; a restart that begins and ends between two
+    looks is missed."""
+    marks = sorted(set(seen) | launcher.restarts(read_job(api, cfg.namespace, name, launcher),
+                                                 job_pods(api, cfg.namespace, name, launcher)))
+    try:
+        events = run_history(cfg.run_dir, s3_client)
+    except Exception as exc:  # S3 unreachable or refused: the job's own restarts say it
+        log.info("history.jsonl of %s cannot be read (%s): counting %s %s's restarts", cfg.run_dir,
+                 exc, launcher.kind, name)
+        events = None
+    if events is None:
+        return len(marks), f"the restarts of {launcher.kind} {name} seen", marks
+    return len(preemptions(events)), f"{cfg.run_dir}/history.jsonl", marks
 
 
 def _restart_attempt(pod: dict[str, Any]) -> int:

@@ -6,14 +6,15 @@ stream the leader's log, report failures, delete) serves both:
   ClusterTrainingRuntime, run by JobSet.
 
 Each gives its manifest, its API coordinates, its state from its conditions (Succeeded, Failed
-or another), the label selectors of its pods and of its leader (rank 0), and its training
-container. Pure: no I/O.
+or another), the restarts one look at the job and its pods shows, the label selectors of its
+pods and of its leader (rank 0), and its training container. Pure: no I/O.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 from finetune.config import RunConfig
@@ -34,12 +35,15 @@ from finetune.targets.eks.manifests import (
     TRAINER_GROUP,
     TRAINER_REPLICATED_JOB,
     TRAINER_VERSION,
+    TRAINJOB_GRACE_S,
     TRAINJOB_PLURAL,
     evaluation_job_manifest,
     evaluation_trainjob_manifest,
     pytorchjob_manifest,
     trainjob_manifest,
 )
+from finetune_contract.parallel_dims import is_elastic
+from finetune_contract.run_history import PREEMPTED_EXIT_CODE
 
 TERMINAL = ("Succeeded", "Failed")
 
@@ -83,6 +87,24 @@ def trainjob_state(job: dict[str, Any]) -> tuple[str, str]:
     return "Created", ""
 
 
+def pytorchjob_restarts(job: dict[str, Any], pods: list[dict[str, Any]]) -> set[str]:
+    """The restart the PyTorchJob is in, by when its Restarting condition became true: the
+    operator sets it when it retries a worker (restartPolicy ExitCode: a saved notice's 138,
+    or 130, 137, 143) and clears it once the workers run again."""
+    return {f"Restarting since {c.get('lastTransitionTime') or c.get('lastUpdateTime')}"
+            for c in _true_conditions(job) if c.get("type") == "Restarting"}
+
+
+def trainjob_restarts(job: dict[str, Any], pods: list[dict[str, Any]]) -> set[str]:
+    """The TrainJob's pods replaced after they saved a notice's step (exit
+    PREEMPTED_EXIT_CODE, which the Job's podFailurePolicy ignores), by the minute they exited:
+    the pods of one round exit at the end of the same step."""
+    return {f"exit {PREEMPTED_EXIT_CODE} at {state['finishedAt'][:16]}"
+            for pod in pods for status in (pod.get("status") or {}).get("containerStatuses") or []
+            if (state := (status.get("state") or {}).get("terminated") or {})
+            and state.get("exitCode") == PREEMPTED_EXIT_CODE and state.get("finishedAt")}
+
+
 @dataclasses.dataclass(frozen=True)
 class Launcher:
     name: str  # the `launcher` param's value
@@ -95,6 +117,9 @@ class Launcher:
     # The evaluate stage's job: (cfg, image, champion model URI or "") -> its manifest.
     evaluation_manifest: Callable[..., dict[str, Any]]
     state: Callable[[dict[str, Any]], tuple[str, str]]
+    # What one look at the job and its pods shows of a restart after a notice, each restart
+    # one mark (what the train task counts where the trainer's history cannot be read).
+    restarts: Callable[[dict[str, Any], list[dict[str, Any]]], set[str]]
     pod_labels: Callable[[str], dict[str, str]]  # every pod of the job
     leader_labels: Callable[[str], dict[str, str]]  # rank 0's pod
     pod_regex: Callable[[str], str]  # RE2 for the pods' names (the GPU metrics' query)
@@ -123,6 +148,7 @@ PYTORCHJOB = Launcher(
     manifest=lambda cfg, image, program=TRAIN: pytorchjob_manifest(cfg, image, program=program),
     evaluation_manifest=evaluation_job_manifest,
     state=pytorchjob_state,
+    restarts=pytorchjob_restarts,
     pod_labels=lambda name: {LABEL_JOB_NAME: name},
     leader_labels=lambda name: {LABEL_JOB_NAME: name, LABEL_REPLICA_TYPE: "worker",
                                 LABEL_REPLICA_INDEX: "0"},
@@ -135,6 +161,7 @@ TRAINJOB = Launcher(
     manifest=lambda cfg, image, program=TRAIN: trainjob_manifest(cfg, image, program=program),
     evaluation_manifest=evaluation_trainjob_manifest,
     state=trainjob_state,
+    restarts=trainjob_restarts,
     pod_labels=lambda name: {LABEL_JOBSET_NAME: name},
     leader_labels=lambda name: {LABEL_JOBSET_NAME: name,
                                 LABEL_REPLICATED_JOB: TRAINER_REPLICATED_JOB,
@@ -152,14 +179,27 @@ def launcher_for(cfg: RunConfig) -> Launcher:
 
 
 def launcher_problems(values: dict[str, Any]) -> list[tuple[str, str]]:
-    """Validate: combinations the trainjob launcher cannot run, naming the field and the
-    launcher. Kubeflow Trainer v2 gives torchrun a static c10d rendezvous on node 0 (no etcd,
-    no elastic policy) and restarts a run only as a whole group (JobSet's
-    failurePolicy.maxRestarts, in the ClusterTrainingRuntime)."""
+    """Validate: combinations a launcher cannot run, naming the field and the launcher.
+
+    PyTorchJob: an elastic run's rendezvous must outlive any one node, so not c10d, whose store
+    lives on worker 0. Kubeflow Trainer v2 gives torchrun a static c10d rendezvous on node 0 (no
+    etcd, no elastic policy: its ElasticPolicy API was removed) and restarts a run only as a
+    whole group (JobSet's failurePolicy.maxRestarts, in the ClusterTrainingRuntime)."""
+    elastic = is_elastic(SimpleNamespace(**values))
     if values["launcher"] != TRAINJOB.name:
+        if elastic and values["rdzv_backend"] == "c10d":
+            return [("rdzv_backend", f"c10d cannot serve an elastic run (min_nodes "
+                     f"{values['min_nodes']}): its store lives on worker 0, and a lost worker 0 "
+                     "takes the rendezvous of the nodes left with it; set rdzv_backend etcd-v2 "
+                     "(the etcd service)")]
         return []
     what = "launcher trainjob (Kubeflow Trainer v2)"
     errors = []
+    if elastic:
+        errors.append(("min_nodes", f"{values['min_nodes']}: {what} cannot go on with fewer "
+                       "nodes (its ElasticPolicy API was removed: torchrun gets a fixed node "
+                       "count and a static rendezvous on node 0); set min_nodes 0, or launcher "
+                       "pytorchjob"))
     if values["rdzv_backend"] != "c10d":
         errors.append(("rdzv_backend", f"{values['rdzv_backend']} cannot work with {what}: "
                        "torchrun gets a static c10d rendezvous on node 0 from the trainer; set "
@@ -177,3 +217,16 @@ def launcher_problems(values: dict[str, Any]) -> list[tuple[str, str]]:
                        "the scrape annotations to its pods (Trainer v2.0's TrainJob has no pod "
                        "metadata override); set metrics_port 0 or launcher pytorchjob"))
     return errors
+
+
+def launcher_plan_problems(cfg: RunConfig, grace_s: int) -> list[tuple[str, str]]:
+    """Validate: what a launcher cannot give the run as planned. A TrainJob cannot set its pods'
+    terminationGracePeriodSeconds (Trainer v2.0's podSpecOverrides has no such field): every
+    run gets the runtime's TRAINJOB_GRACE_S, which the plan's grace (its step and save after a
+    notice) must fit."""
+    if cfg.launcher != TRAINJOB.name or grace_s <= TRAINJOB_GRACE_S:
+        return []
+    return [("launcher", f"trainjob gives every run's pods {TRAINJOB_GRACE_S} s after a notice "
+             f"(the runtime's terminationGracePeriodSeconds: a TrainJob cannot set its own), but "
+             f"this run needs {grace_s} s to end its step and save it (the plan's grace); use "
+             "launcher pytorchjob, or more nodes or LoRA for a smaller save")]

@@ -1,9 +1,13 @@
-"""Kubernetes manifests of the eks target, built from the run config, and the label keys,
-ports and resource names they share with the parts that find those objects: pure, no I/O.
+"""Kubernetes manifests of the eks target, built from the run config and its plan, and the label
+keys, ports and resource names they share with the parts that find those objects: pure, no I/O
+(the plan's model shape is the one validate read).
 
 - `pytorchjob_manifest`: the Kubeflow PyTorchJob (kubeflow.org/v1) that runs the FSDP trainer
-  with torchrun on every node (elasticPolicy: the operator sets torchrun's PET_* variables);
+  with torchrun on every node (elasticPolicy: the operator sets torchrun's PET_* variables),
+  through trainer.launch, retried on a saved notice (restartPolicy ExitCode) within the plan's
+  grace;
 - `trainer_configmap_manifest`: the trainer's JSON config, mounted into every worker;
+- `nodegroup_record_manifest`: which node group the run's nodes are in after a fallback;
 - `etcd_manifests`: the etcd (v2 API) Deployment and Service torchrun's etcd rendezvous uses;
 - `trainjob_manifest`: the Kubeflow Trainer v2 TrainJob (trainer.kubeflow.org/v1alpha1) that
   references the project's ClusterTrainingRuntime and sets what the run decides;
@@ -19,10 +23,18 @@ from typing import Any
 
 from finetune.config import RunConfig
 from finetune.names import DNS_SUBDOMAIN, LABEL_VALUE, dns_label
+from finetune.run_plan import plan_run
 from finetune.targets.base import TORCHRUN_ENV
 from finetune.trainer_config import trainer_config
-from finetune_contract.checkpoint_time import volume_mounts
-from finetune_contract.instance_types import GPU_RESOURCE, INSTANCE_TYPES, InstanceProfile
+from finetune_contract.checkpoint_time import DEFAULT_GRACE_S, agent_shutdown_s, volume_mounts
+from finetune_contract.instance_types import (
+    GPU_RESOURCE,
+    INSTANCE_TYPES,
+    InstanceProfile,
+    gpu_class,
+)
+from finetune_contract.parallel_dims import is_elastic
+from finetune_contract.run_history import PREEMPTED_EXIT_CODE
 
 PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, PYTORCHJOB_PLURAL = "kubeflow.org", "v1", "pytorchjobs"
 PYTORCHJOB_API_VERSION = f"{PYTORCHJOB_GROUP}/{PYTORCHJOB_VERSION}"
@@ -39,6 +51,11 @@ TRAINER_ANCESTOR_LABEL = "trainer.kubeflow.org/trainjob-ancestor-step"
 # JobSet's whole-group restarts (failurePolicy.maxRestarts): each recreates every pod, which
 # resumes from the newest checkpoint.
 JOBSET_MAX_RESTARTS = 3
+# The grace every TrainJob's pods get: a TrainJob cannot set terminationGracePeriodSeconds
+# (Trainer v2.0's podSpecOverrides has no such field), so the runtime sets one for all runs, the
+# most a run planned here needs for its step and save (a 70B run on 4 p5 nodes: 563 s); validate
+# refuses a trainjob run that needs more (launchers.launcher_plan_problems).
+TRAINJOB_GRACE_S = 3 * DEFAULT_GRACE_S
 # Labels JobSet and the Job controller put on a TrainJob's pods (the JobSet is named after it).
 LABEL_JOBSET_NAME = "jobset.sigs.k8s.io/jobset-name"
 LABEL_REPLICATED_JOB = "jobset.sigs.k8s.io/replicatedjob-name"
@@ -69,6 +86,11 @@ INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
 HF_TOKEN_DEFAULT_KEY = "token"
 TTL_AFTER_FINISHED_S = 3600
 BACKOFF_LIMIT = 3
+# What the training containers run: torchrun, through the launcher that exits
+# PREEMPTED_EXIT_CODE once the workers saved the step a notice interrupted (trainer/launch.py).
+LAUNCH_COMMAND = ["python", "-m", "trainer.launch"]
+# torchrun's agent: how long it waits for its workers after a SIGTERM before SIGKILL.
+SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 
 # NCCL diagnostics and torch's NCCL flight recorder: a hang dumps each rank's last collectives.
 # What depends on the instance type (EFA, RDMA) is its profile's (`InstanceProfile.nccl_env`).
@@ -133,6 +155,22 @@ def rendezvous_host(cfg: RunConfig) -> tuple[str, int]:
     if cfg.rdzv_backend == "c10d":
         return f"{job_name(cfg)}-worker-0", C10D_PORT
     return f"{cfg.etcd_service}.{cfg.namespace}.svc", ETCD_PORT
+
+
+def nodegroup_record_name(cfg: RunConfig) -> str:
+    return f"{job_name(cfg)}-nodegroup"
+
+
+def nodegroup_record_manifest(cfg: RunConfig, nodegroup: str) -> dict[str, Any]:
+    """Where the run's nodes are once scale_up fell back to another node group
+    (capacity_fallback): the stages after it place their pods there."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": nodegroup_record_name(cfg), "namespace": cfg.namespace,
+                     "labels": run_labels(cfg)},
+        "data": {"nodegroup": nodegroup, "instead_of": cfg.nodegroup},
+    }
 
 
 def trainer_configmap_manifest(cfg: RunConfig) -> dict[str, Any]:
@@ -286,13 +324,61 @@ def prepare_job_manifest(cfg: RunConfig, image: str) -> dict[str, Any]:
     }
 
 
+def node_selector(cfg: RunConfig) -> dict[str, str]:
+    """The run's node group, and its instance type where only that type holds the pods (a
+    pod's requests are its instance type's; `gpu_class`: the types of the same GPUs with room
+    for them, any of which a spot node group may bring: `instance_type_affinity` then)."""
+    selector = {NODEGROUP_LABEL: cfg.nodegroup}
+    if gpu_class(cfg.instance_type) == (cfg.instance_type,):
+        selector[INSTANCE_TYPE_LABEL] = cfg.instance_type
+    return selector
+
+
+def instance_type_affinity(cfg: RunConfig) -> dict[str, Any] | None:
+    """Any instance type of the run's GPU class, where there are several (None: one, which
+    `node_selector` names)."""
+    types = gpu_class(cfg.instance_type)
+    if len(types) == 1:
+        return None
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [
+            {"key": INSTANCE_TYPE_LABEL, "operator": "In", "values": list(types)}]}]}}}
+
+
+def pod_grace_s(cfg: RunConfig) -> int:
+    """The training pods' terminationGracePeriodSeconds: the plan's (finetune.run_plan), the
+    step in progress and its save with room."""
+    return plan_run(cfg).grace_s
+
+
+def elastic_policy(cfg: RunConfig, program: str = TRAIN) -> dict[str, Any]:
+    """The node range and restarts of the PyTorchJob's torchrun (the operator's PET_NNODES
+    min:max, PET_MAX_RESTARTS, PET_RDZV_CONF): an elastic training (min_nodes) goes on with
+    min_nodes..nodes nodes once node_wait_s has passed without the others (torchrun's
+    last_call_timeout); anything else needs all its nodes."""
+    elastic = program == TRAIN and is_elastic(cfg)
+    policy: dict[str, Any] = {
+        "minReplicas": cfg.min_nodes if elastic else cfg.nodes,
+        "maxReplicas": cfg.nodes,
+        "maxRestarts": cfg.max_restarts if program == TRAIN else 0,
+    }
+    if elastic:
+        policy["rdzvConf"] = [{"key": "last_call_timeout", "value": str(cfg.node_wait_s)}]
+    return policy
+
+
 def pytorchjob_manifest(cfg: RunConfig, image: str, *,
                         ttl_after_finished_s: int = TTL_AFTER_FINISHED_S,
                         backoff_limit: int = BACKOFF_LIMIT,
                         program: str = TRAIN) -> dict[str, Any]:
     """The PyTorchJob for this run: one Worker per node, torchrun with nProcPerNode GPUs each.
-    `program` PREFLIGHT: the check of the nodes before training, a job of its own with its own
-    c10d rendezvous, no restarts and a short deadline."""
+
+    The training's workers are retried by the operator on a retryable exit (restartPolicy
+    ExitCode: 130, 137, 138, 143; a saved notice exits PREEMPTED_EXIT_CODE, 138) without
+    counting against backoffLimit (kubeflow/trainer#2045: ExitCode's retries never do, so the
+    train task counts the preemptions, max_preemptions), and fail the job on any other code;
+    a notice gives them the plan's grace. `program` PREFLIGHT: the check of the nodes before
+    training, a job of its own with its own c10d rendezvous, no restarts and a short deadline."""
     itype = INSTANCE_TYPES[cfg.instance_type]
     volumes = parse_volumes(cfg.volumes)
     host, port = rendezvous_host(cfg)
@@ -303,14 +389,16 @@ def pytorchjob_manifest(cfg: RunConfig, image: str, *,
         backoff_limit = 0
     efa = itype.efa > 0
     resources = itype.resources(cfg.procs_per_node)
+    grace = pod_grace_s(cfg)
     container = {
         "name": CONTAINER_NAME,
         "image": image,
         "imagePullPolicy": "IfNotPresent",
         # torchrun reads nodes, rendezvous and processes per node from the operator's PET_* env.
-        "command": ["python", "-m", "torch.distributed.run"],
+        "command": list(LAUNCH_COMMAND),
         "args": _program_args(cfg, program),
-        "env": _env(cfg, itype),
+        "env": [*_env(cfg, itype),
+                {"name": SHUTDOWN_TIMEOUT_ENV, "value": str(agent_shutdown_s(grace))}],
         "resources": resources,
         "volumeMounts": [
             {"name": "trainer-config", "mountPath": TRAINER_CONFIG_DIR, "readOnly": True},
@@ -346,8 +434,10 @@ def pytorchjob_manifest(cfg: RunConfig, image: str, *,
         run_policy["suspend"] = True
     pod_spec: dict[str, Any] = {
         "containers": [container],
-        "nodeSelector": {NODEGROUP_LABEL: cfg.nodegroup, INSTANCE_TYPE_LABEL: cfg.instance_type},
+        "nodeSelector": node_selector(cfg),
         "tolerations": tolerations,
+        # A notice (a spot reclaim, a drain): the step in progress and its save.
+        "terminationGracePeriodSeconds": grace,
         "securityContext": {"runAsNonRoot": True, "runAsUser": TRAINER_UID,
                             "runAsGroup": TRAINER_UID, "fsGroup": TRAINER_UID},
         "volumes": [
@@ -357,6 +447,9 @@ def pytorchjob_manifest(cfg: RunConfig, image: str, *,
               for i, (claim, _) in enumerate(volumes)),
         ],
     }
+    affinity = instance_type_affinity(cfg)
+    if affinity:
+        pod_spec["affinity"] = affinity
     if cfg.service_account:
         pod_spec["serviceAccountName"] = cfg.service_account
     return {
@@ -371,9 +464,7 @@ def pytorchjob_manifest(cfg: RunConfig, image: str, *,
                 "rdzvHost": host,
                 "rdzvPort": port,
                 "rdzvId": rdzv_id,
-                "minReplicas": cfg.nodes,
-                "maxReplicas": cfg.nodes,
-                "maxRestarts": 0 if program == PREFLIGHT else cfg.max_restarts,
+                **elastic_policy(cfg, program),
             },
             # Not elasticPolicy.nProcPerNode, deprecated since the operator's v1.7.
             "nprocPerNode": str(cfg.procs_per_node),
@@ -381,7 +472,8 @@ def pytorchjob_manifest(cfg: RunConfig, image: str, *,
             "pytorchReplicaSpecs": {
                 "Worker": {
                     "replicas": cfg.nodes,
-                    "restartPolicy": "OnFailure",
+                    # The preflight keeps its pods in place: it has no restarts to give.
+                    "restartPolicy": "ExitCode" if program == TRAIN else "OnFailure",
                     "template": {"metadata": template_metadata, "spec": pod_spec},
                 },
             },
@@ -438,8 +530,6 @@ def etcd_manifests(namespace: str, name: str = "etcd",
 
 # -- Kubeflow Trainer v2 ------------------------------------------------------------------------
 
-TRAINER_COMMAND = ["python", "-m", "torch.distributed.run"]
-
 
 def _trainer_args() -> list[str]:
     return ["-m", "trainer.train", "--config", f"{TRAINER_CONFIG_DIR}/{TRAINER_CONFIG_FILE}"]
@@ -454,13 +544,19 @@ def training_runtime_manifest(name: str = TRAINING_RUNTIME,
 
     A pod that fails fails its Job (backoffLimit 0, restartPolicy Never): a static rendezvous
     cannot take one restarted node back into a running group, so JobSet restarts the whole
-    group (failurePolicy.maxRestarts), and the trainer resumes from its newest checkpoint.
+    group (failurePolicy.maxRestarts), and the trainer resumes from its newest checkpoint. A
+    pod that saved its step after a notice (exit PREEMPTED_EXIT_CODE: every rank's does) is
+    replaced without counting (the Job's podFailurePolicy Ignore; JobSet's own failure rules,
+    RestartJobSetAndIgnoreMaxRestarts, are not in Trainer v2.0's JobSet), so the new pods meet
+    on a new rendezvous and resume from that step; the train task bounds them with
+    max_preemptions. Every run's pods get TRAINJOB_GRACE_S for a notice.
     """
     container = {
         "name": TRAINER_CONTAINER,
-        "command": list(TRAINER_COMMAND),
+        "command": list(LAUNCH_COMMAND),
         "args": _trainer_args(),
-        "env": [{"name": k, "value": v} for k, v in COMMON_ENV.items()],
+        "env": [{"name": k, "value": v} for k, v in {
+            **COMMON_ENV, SHUTDOWN_TIMEOUT_ENV: str(agent_shutdown_s(TRAINJOB_GRACE_S))}.items()],
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
         "securityContext": {"allowPrivilegeEscalation": False},
     }
@@ -472,6 +568,7 @@ def training_runtime_manifest(name: str = TRAINING_RUNTIME,
                         {"key": EFA_TAINT, "operator": "Exists", "effect": "NoSchedule"}],
         "securityContext": {"runAsNonRoot": True, "runAsUser": TRAINER_UID,
                             "runAsGroup": TRAINER_UID, "fsGroup": TRAINER_UID},
+        "terminationGracePeriodSeconds": TRAINJOB_GRACE_S,
         # No sizeLimit: one runtime serves every instance type; the pod's memory bounds it.
         "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}],
     }
@@ -488,7 +585,15 @@ def training_runtime_manifest(name: str = TRAINING_RUNTIME,
                     "name": TRAINER_REPLICATED_JOB,
                     "template": {
                         "metadata": {"labels": {TRAINER_ANCESTOR_LABEL: "trainer"}},
-                        "spec": {"backoffLimit": 0, "template": {"spec": pod_spec}},
+                        "spec": {
+                            "backoffLimit": 0,
+                            "podFailurePolicy": {"rules": [{
+                                "action": "Ignore",
+                                "onExitCodes": {"containerName": TRAINER_CONTAINER,
+                                                "operator": "In",
+                                                "values": [PREEMPTED_EXIT_CODE]}}]},
+                            "template": {"spec": pod_spec},
+                        },
                     },
                 }],
             }},
@@ -505,7 +610,9 @@ def trainjob_manifest(cfg: RunConfig, image: str, runtime: str = TRAINING_RUNTIM
     volumes = parse_volumes(cfg.volumes)
     override: dict[str, Any] = {
         "targetJobs": [{"name": TRAINER_REPLICATED_JOB}],
-        "nodeSelector": {NODEGROUP_LABEL: cfg.nodegroup, INSTANCE_TYPE_LABEL: cfg.instance_type},
+        # No affinity in a TrainJob's overrides: with several types of the GPU class the node
+        # group alone places the pods (scale_up checked that all its types hold them).
+        "nodeSelector": node_selector(cfg),
         "volumes": [
             {"name": "trainer-config", "configMap": {"name": configmap_name(cfg)}},
             *({"name": f"data-{i}", "persistentVolumeClaim": {"claimName": claim}}
@@ -525,7 +632,7 @@ def trainjob_manifest(cfg: RunConfig, image: str, runtime: str = TRAINING_RUNTIM
         "labels": run_labels(cfg),  # onto the JobSet and its Jobs
         "trainer": {
             "image": image,
-            "command": list(TRAINER_COMMAND),
+            "command": list(LAUNCH_COMMAND),
             "args": _program_args(cfg, program),
             "numNodes": cfg.nodes,
             "numProcPerNode": cfg.procs_per_node,
@@ -563,7 +670,7 @@ def _evaluation_container(cfg: RunConfig, champion_model: str) -> dict[str, Any]
         "args": ["--config", f"{TRAINER_CONFIG_DIR}/{TRAINER_CONFIG_FILE}",
                  *(["--champion", champion_model] if champion_model else [])],
         "resources": {"requests": requests, "limits": {GPU_RESOURCE: 1}},
-        "drop_env": set(profile.nccl_env),
+        "drop_env": {*profile.nccl_env, SHUTDOWN_TIMEOUT_ENV},
     }
 
 
@@ -585,10 +692,13 @@ def evaluation_job_manifest(cfg: RunConfig, image: str, champion_model: str = ""
     spec["elasticPolicy"].update(rdzvBackend="c10d", rdzvHost=f"{name}-worker-0",
                                  rdzvPort=C10D_PORT, rdzvId=f"{cfg.rdzv_id}-eval",
                                  minReplicas=1, maxReplicas=1, maxRestarts=0)
+    spec["elasticPolicy"].pop("rdzvConf", None)
     spec["nprocPerNode"] = "1"
     spec["runPolicy"].pop("suspend", None)
     worker = spec["pytorchReplicaSpecs"]["Worker"]
     worker.update(replicas=1, restartPolicy="Never")
+    # Plain python, no torchrun and nothing to save on a notice.
+    worker["template"]["spec"].pop("terminationGracePeriodSeconds")
     container = worker["template"]["spec"]["containers"][0]
     evaluation = _evaluation_container(cfg, champion_model)
     container.update(command=evaluation["command"], args=evaluation["args"],

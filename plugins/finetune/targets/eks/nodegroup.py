@@ -1,8 +1,9 @@
 """The run's EKS managed node group: its scaling config (read, sized from the reservations,
 updated one change at a time), the run's nodes reserved (`reserve_nodes`) and given back
-(`give_back_nodes`), its instance type (resolved from the node group, checked against the
-run's), which of its nodes are usable, and the Auto Scaling group's scale-in protection of the
-nodes other runs train on.
+(`give_back_nodes`), its capacity (`check_capacity`: its capacityType and instance types against
+the run's), which node group the run's nodes are in after a fallback (`record_run_nodegroup`,
+`run_nodegroup`), which of its nodes are usable, and the Auto Scaling group's scale-in
+protection of the nodes other runs train on.
 
 `node_readiness` and `usable_nodes` are pure; the trigger that waits for the nodes uses them.
 Bad nodes (cordoned, replaced) are `node_health`'s.
@@ -13,19 +14,21 @@ from __future__ import annotations
 import datetime
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import tenacity
 
 from finetune.config import RunConfig
-from finetune.targets.eks.clients import aws_session, retry_transient
+from finetune.targets.eks.clients import aws_session, create_or_replace, retry_transient
 from finetune.targets.eks.manifests import (
     APP,
     INSTANCE_TYPE_LABEL,
     LABEL_APP,
     LABEL_RUN,
     NODEGROUP_LABEL,
+    nodegroup_record_manifest,
+    nodegroup_record_name,
 )
 from finetune.targets.eks.reservations import (
     SCALING_KEYS,
@@ -36,7 +39,13 @@ from finetune.targets.eks.reservations import (
     reserve,
     wanted_scaling,
 )
-from finetune_contract.instance_types import EFA_RESOURCE, GPU_RESOURCE
+from finetune_contract.instance_types import (
+    EFA_RESOURCE,
+    GPU_RESOURCE,
+    INSTANCE_TYPES,
+    gpu_class,
+    holds,
+)
 
 log = logging.getLogger(__name__)
 
@@ -55,19 +64,50 @@ def current_scaling(eks: Any, cfg: RunConfig) -> dict[str, int]:
     return {k: scaling[k] for k in SCALING_KEYS}
 
 
-def resolve_instance_type(eks: Any, cfg: RunConfig) -> str:
-    """The node group's instance type, which the run's `instance_type` must be: a mismatch is
-    refused (the GPUs, EFA and node selector of the run would not fit the nodes)."""
-    types = describe_nodegroup(eks, cfg).get("instanceTypes") or []
+# The run's capacity_type in EKS's words (a managed node group's capacityType).
+EKS_CAPACITY_TYPES = {"on-demand": "ON_DEMAND", "spot": "SPOT", "capacity-block": "CAPACITY_BLOCK"}
+
+
+def check_capacity(eks: Any, cfg: RunConfig, capacity_type: str | None = None) -> list[str]:
+    """The node group's instance types, once it is known to be what the run asked for: its
+    capacityType the run's `capacity_type` (or `capacity_type`: a fallback's on-demand), and
+    each of its types one the run's pods fit (the same GPUs as `instance_type`, with room for
+    its requests: a spot group's several pools). A mismatch is refused, naming it."""
+    group = describe_nodegroup(eks, cfg)
+    where = f"node group {cfg.nodegroup} of cluster {cfg.cluster_name}"
+    wanted = capacity_type or cfg.capacity_type
+    have = group.get("capacityType") or "ON_DEMAND"  # EKS's default
+    if have != EKS_CAPACITY_TYPES[wanted]:
+        theirs = {v: k for k, v in EKS_CAPACITY_TYPES.items()}.get(have, have)
+        if capacity_type is None:
+            raise ValueError(f"capacity_type is {wanted}, but {where} has capacityType {have}: "
+                             f"set capacity_type to {theirs}, or name a node group of {wanted} "
+                             "nodes")
+        raise ValueError(f"fallback_nodegroup: capacity_fallback {capacity_type} needs "
+                         f"{capacity_type} nodes, but {where} has capacityType {have}: name "
+                         f"a node group of {capacity_type} nodes")
+    types = group.get("instanceTypes") or []
     if not types:  # set in a launch template: EKS does not say; the param is all we have
-        log.info("node group %s names no instance types: using instance_type %s",
-                 cfg.nodegroup, cfg.instance_type)
-        return cfg.instance_type
-    if cfg.instance_type not in types:
-        raise ValueError(f"instance_type is {cfg.instance_type}, but node group {cfg.nodegroup} "
-                         f"of cluster {cfg.cluster_name} has instanceTypes {', '.join(types)}: "
-                         "set instance_type to the node group's")
-    return cfg.instance_type
+        log.info("%s names no instance types: using instance_type %s", where, cfg.instance_type)
+        return [cfg.instance_type]
+    unknown = [t for t in types if t not in INSTANCE_TYPES]
+    misfits = [t for t in types if t in INSTANCE_TYPES and not holds(t, cfg.instance_type)]
+    if cfg.instance_type not in types or unknown or misfits:
+        fits = [t for t in types if t in gpu_class(cfg.instance_type)]
+        why = (f"{', '.join(unknown)} ha{'s' if len(unknown) == 1 else 've'} no instance "
+               "profile here" if unknown else
+               f"{', '.join(misfits)} cannot hold a pod made for {cfg.instance_type} (another "
+               "GPU, or less CPU, memory or EFA)" if misfits else
+               f"{cfg.instance_type} is not one of them")
+        smallest = [t for t in types if t in INSTANCE_TYPES
+                    and all(t2 not in INSTANCE_TYPES or holds(t2, t) for t2 in types)]
+        advice = f"set instance_type to {smallest[0]}, whose pods every node holds" if smallest \
+            else "give the run a node group whose types have the same GPUs"
+        raise ValueError(f"instance_type is {cfg.instance_type}, but {where} has instanceTypes "
+                         f"{', '.join(types)}: {why}; {advice}" +
+                         (f" (of these, {', '.join(fits)} hold its pods)" if fits and misfits
+                          else ""))
+    return list(types)
 
 
 def update_scaling(eks: Any, cfg: RunConfig, scaling: dict[str, int], attempts: int,
@@ -150,13 +190,40 @@ def give_back_nodes(eks: Any, kube: Callable[[], Any], cfg: RunConfig, snapshot:
     return reconcile_scaling(eks, cfg, reservations, attempts, wait_s)
 
 
+def record_run_nodegroup(api: Any, cfg: RunConfig, nodegroup: str) -> None:
+    """Record that the run's nodes are in `nodegroup` (a fallback's), for the stages after
+    scale_up; teardown deletes the record with the run's other ConfigMaps."""
+    import kubernetes
+
+    core = kubernetes.client.CoreV1Api(api)
+    create_or_replace(core.create_namespaced_config_map, core.replace_namespaced_config_map,
+                      nodegroup_record_manifest(cfg, nodegroup))
+
+
+@retry_transient
+def run_nodegroup(api: Any, cfg: RunConfig) -> str:
+    """The node group the run's nodes are in: the one scale_up fell back to, else its own."""
+    import kubernetes
+
+    if cfg.capacity_fallback != "on-demand":
+        return cfg.nodegroup
+    try:
+        record = kubernetes.client.CoreV1Api(api).read_namespaced_config_map(
+            nodegroup_record_name(cfg), cfg.namespace)
+    except kubernetes.client.ApiException as exc:
+        if exc.status == 404:
+            return cfg.nodegroup
+        raise
+    return (record.data or {}).get("nodegroup") or cfg.nodegroup
+
+
 # -- its nodes in Kubernetes (pure) ----------------------------------------------------------
 
 
 def node_readiness(node: dict[str, Any], gpus: int, efa: int,
-                   instance_type: str = "") -> tuple[bool, str]:
-    """(usable, summary): Ready, schedulable, of the instance type (when labelled), with the
-    GPUs (and EFA) a worker requests."""
+                   instance_types: Sequence[str] = ()) -> tuple[bool, str]:
+    """(usable, summary): Ready, schedulable, of one of the instance types (when labelled;
+    none given: any), with the GPUs (and EFA) a worker requests."""
     status = node.get("status") or {}
     conditions = {c.get("type"): c for c in status.get("conditions") or []}
     ready = conditions.get("Ready", {})
@@ -164,8 +231,8 @@ def node_readiness(node: dict[str, Any], gpus: int, efa: int,
     have_gpus = int(allocatable.get(GPU_RESOURCE, 0))
     have_efa = int(allocatable.get(EFA_RESOURCE, 0))
     labels = (node.get("metadata") or {}).get("labels") or {}
-    have_type = labels.get(INSTANCE_TYPE_LABEL, instance_type)
-    type_ok = not instance_type or have_type == instance_type
+    have_type = labels.get(INSTANCE_TYPE_LABEL)
+    type_ok = not instance_types or have_type is None or have_type in instance_types
     ok = (ready.get("status") == "True" and have_gpus >= gpus and have_efa >= efa and type_ok
           and not (node.get("spec") or {}).get("unschedulable"))
     name = (node.get("metadata") or {}).get("name")
@@ -174,14 +241,14 @@ def node_readiness(node: dict[str, Any], gpus: int, efa: int,
         detail += f" ({ready.get('reason', '')}: {ready.get('message', '')})"
     detail += f", {GPU_RESOURCE}={have_gpus}" + (f", {EFA_RESOURCE}={have_efa}" if efa else "")
     if not type_ok:
-        detail += f", instance type {have_type}, not {instance_type}"
+        detail += f", instance type {have_type}, not {' or '.join(instance_types)}"
     return ok, f"{name}: {detail}"
 
 
 def usable_nodes(nodes: list[dict[str, Any]], gpus: int, efa: int,
-                 instance_type: str = "") -> tuple[list[str], str]:
+                 instance_types: Sequence[str] = ()) -> tuple[list[str], str]:
     """(names of the usable nodes, a summary of every node's state) for a timeout message."""
-    states = [node_readiness(n, gpus, efa, instance_type) for n in nodes]
+    states = [node_readiness(n, gpus, efa, instance_types) for n in nodes]
     usable = [s.split(":", 1)[0] for ok, s in states if ok]
     return usable, "; ".join(s for _, s in states) or "no nodes registered"
 
@@ -195,8 +262,8 @@ DEVICE_PLUGINS = {
 }
 
 
-def missing_devices(nodes: list[dict[str, Any]], gpus: int, efa: int, instance_type: str,
-                    grace_s: float, now: float) -> str | None:
+def missing_devices(nodes: list[dict[str, Any]], gpus: int, efa: int,
+                    instance_types: Sequence[str], grace_s: float, now: float) -> str | None:
     """Why nodes Ready for `grace_s` or more still cannot take a worker: the GPUs or EFA they
     do not advertise, and the device plugin that should; None while none is like that. The
     time comes from the Ready condition's lastTransitionTime, so a restarted trigger agrees."""
@@ -206,8 +273,9 @@ def missing_devices(nodes: list[dict[str, Any]], gpus: int, efa: int, instance_t
         ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {})
         labels = (node.get("metadata") or {}).get("labels") or {}
         since = ready.get("lastTransitionTime")
+        have_type = labels.get(INSTANCE_TYPE_LABEL)
         if ready.get("status") != "True" or not since or \
-                labels.get(INSTANCE_TYPE_LABEL, instance_type) != instance_type:
+                (instance_types and have_type is not None and have_type not in instance_types):
             continue
         ready_for = now - datetime.datetime.fromisoformat(since.replace("Z", "+00:00")).timestamp()
         if ready_for < grace_s:

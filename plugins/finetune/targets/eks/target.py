@@ -8,11 +8,15 @@ deferred task stores.
 - prepare_data encodes the data set on the Airflow worker (prepare_on worker), or in a CPU pod
   of its own (prepare_on pod: `prepare_pod`, the trainer image built first when it is not in
   ECR);
-- snapshot records the node group's scaling config (and the shared baseline); scale_up
-  reserves the run's nodes and sizes the node group (`nodegroup`, `reservations`), then waits
-  for ACTIVE and for the nodes to be Ready with allocatable GPUs (and EFA); teardown deletes
-  what the run created (`job`, `prepare_pod`, `rendezvous`) and gives back only the nodes no
-  other live run reserved, whatever happened to the run;
+- snapshot records the node group's scaling config (and the shared baseline; the fallback
+  node group's too); scale_up checks the node group is the run's capacity (capacityType,
+  instance types), reserves the run's nodes and sizes the node group (`nodegroup`,
+  `reservations`), then waits up to capacity_wait_s for ACTIVE and for the nodes to be Ready
+  with allocatable GPUs (and EFA); when they do not come it fails, or (capacity_fallback
+  on-demand) scales the fallback node group instead, gives the first back and records where the
+  run's nodes are for the stages after it; teardown deletes what the run created (`job`,
+  `prepare_pod`, `rendezvous`) and gives back, on both node groups, only the nodes no other live
+  run reserved, whatever happened to the run;
 - build_image provides the trainer image (`image_build`);
 - rendezvous makes the rendezvous store clean (`rendezvous`);
 - preflight checks the run's nodes in a job of their own; bad ones are cordoned and replaced
@@ -27,6 +31,7 @@ deferred task stores.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -40,7 +45,7 @@ from finetune.preflight_verdict import (
     failure_message,
     summary_line,
 )
-from finetune.run_plan import plan_run
+from finetune.run_plan import RunPlan, plan_run
 from finetune.s3_dataset import check_s3_dataset
 from finetune.targets.base import Target, TrainingFailed, Wait
 from finetune.targets.eks import (
@@ -58,7 +63,7 @@ from finetune.targets.eks.clients import (
     kube_credentials,
 )
 from finetune.targets.eks.image_build import BUILD_TIMEOUT_S, finish_image, start_image
-from finetune.targets.eks.launchers import LAUNCHERS, launcher_for
+from finetune.targets.eks.launchers import LAUNCHERS, launcher_for, launcher_plan_problems
 from finetune.targets.eks.manifests import PREFLIGHT_DEADLINE_S, PREPARE_DEADLINE_S
 from finetune.targets.eks.rendezvous import delete_run_keys, reset_rendezvous
 from finetune.targets.eks.reservations import (
@@ -74,23 +79,28 @@ from finetune.targets.eks.triggers import (
     NodegroupActiveTrigger,
     NodesReadyTrigger,
 )
-from finetune_contract.instance_types import EFA_RESOURCE, GPU_RESOURCE, INSTANCE_TYPES
+from finetune_contract.instance_types import (
+    EFA_RESOURCE,
+    GPU_RESOURCE,
+    INSTANCE_TYPES,
+    gpu_class,
+)
 
 log = logging.getLogger(__name__)
 
 
 class EksTarget(Target):
-    """poll_interval: the triggers' pace; nodes_timeout: scale_up's limit per wait (ACTIVE,
-    then Ready); devices_grace_s: how long a Ready node may lack its GPUs or EFA before
-    scale_up names the device plugin; wake_after: how often train comes back to stream the
-    log; etcd_timeout: etcd's restart; update_retries: node group updates while another is in
-    progress."""
+    """poll_interval: the triggers' pace; nodes_timeout: a cap on each wait for nodes (None:
+    the run's capacity_wait_s alone; tests shorten it); devices_grace_s: how long a Ready node
+    may lack its GPUs or EFA before scale_up names the device plugin; wake_after: how often
+    train comes back to stream the log; etcd_timeout: etcd's restart; update_retries: node
+    group updates while another is in progress."""
 
     name = "eks"
     paths_are_local = False
     launchers = tuple(LAUNCHERS)
 
-    def __init__(self, poll_interval: float = 15.0, nodes_timeout: float = 1800.0,
+    def __init__(self, poll_interval: float = 15.0, nodes_timeout: float | None = None,
                  wake_after: float = 60.0, etcd_timeout: float = 300.0,
                  update_retries: int = 20, reservation_ttl: float = RESERVATION_TTL_S,
                  build_timeout: float = BUILD_TIMEOUT_S,
@@ -103,6 +113,9 @@ class EksTarget(Target):
 
     def check(self, values: dict[str, Any]) -> list[tuple[str, str]]:
         return checks.problems(values)
+
+    def plan_problems(self, cfg: RunConfig, plan: RunPlan) -> list[tuple[str, str]]:
+        return launcher_plan_problems(cfg, plan.grace_s)
 
     # -- clients and waits ------------------------------------------------------------------
 
@@ -134,16 +147,36 @@ class EksTarget(Target):
             refresh_interval=self.refresh_interval),
             resume=resume, deadline=deadline, state={"started": started})
 
-    def _wait_for_nodes(self, cfg: RunConfig, instance_type: str, state: dict,
-                        resume: str) -> Wait:
-        """Until the run's nodes of `instance_type` are Ready with GPUs (and state["efa"])."""
-        deadline = time.time() + self.nodes_timeout
+    def _capacity_deadline(self, cfg: RunConfig) -> float:
+        """When a wait for the run's nodes gives up: capacity_wait_s from now (wall-clock)."""
+        wait = cfg.capacity_wait_s if self.nodes_timeout is None else \
+            min(cfg.capacity_wait_s, self.nodes_timeout)
+        return time.time() + wait
+
+    def _wait_for_nodes(self, cfg: RunConfig, state: dict, resume: str) -> Wait:
+        """Until the run's nodes of state's node group and instance types are Ready with GPUs
+        (and state["efa"]), by state's deadline."""
+        deadline = state.get("deadline") or self._capacity_deadline(cfg)
         return Wait(NodesReadyTrigger(
-            credentials=kube_credentials(cfg), nodegroup=cfg.nodegroup, nodes=cfg.nodes,
-            gpus=cfg.procs_per_node, deadline=deadline, efa=state["efa"],
-            instance_type=instance_type, devices_grace_s=self.devices_grace_s,
-            poll_interval=self.poll_interval, refresh_interval=self.refresh_interval),
-            resume=resume, deadline=deadline, state=state)
+            credentials=kube_credentials(cfg), nodegroup=state.get("nodegroup", cfg.nodegroup),
+            nodes=cfg.nodes, gpus=cfg.procs_per_node, deadline=deadline, efa=state["efa"],
+            instance_types=state.get("instance_types") or [state.get("instance_type",
+                                                                     cfg.instance_type)],
+            devices_grace_s=self.devices_grace_s, poll_interval=self.poll_interval,
+            refresh_interval=self.refresh_interval),
+            resume=resume, deadline=deadline, state={**state, "deadline": deadline})
+
+    def _on_run_nodes(self, cfg: RunConfig) -> RunConfig:
+        """The run config with the node group the run's nodes are in: the fallback's once
+        scale_up fell back to it (nodegroup.run_nodegroup), else the run's own."""
+        if cfg.capacity_fallback != "on-demand":
+            return cfg
+        used = nodegroup.run_nodegroup(self._kube(cfg), cfg)
+        return cfg if used == cfg.nodegroup else dataclasses.replace(cfg, nodegroup=used)
+
+    @staticmethod
+    def _fallback(cfg: RunConfig) -> RunConfig:
+        return dataclasses.replace(cfg, nodegroup=cfg.fallback_nodegroup)
 
     def _job_trigger(self, cfg: RunConfig, name: str, deadline: float = 0.0) -> JobTrigger:
         """A wait on one of the run's jobs that comes back after wake_after at the latest."""
@@ -193,7 +226,23 @@ class EksTarget(Target):
     # -- snapshot ---------------------------------------------------------------------------
 
     def snapshot(self, cfg: RunConfig) -> dict:
+        """The node group's scaling config (and the shared baseline), and the fallback node
+        group's where capacity_fallback may scale it (best effort: scale_up names a fallback
+        that cannot be read)."""
         eks = self._eks(cfg)
+        scaling = self._record_scaling(eks, cfg)
+        snap = {"target": self.name, "cluster": cfg.cluster_name, "nodegroup": cfg.nodegroup,
+                "scaling_config": scaling}
+        if cfg.capacity_fallback == "on-demand":
+            try:
+                snap["fallback"] = {"nodegroup": cfg.fallback_nodegroup, "scaling_config":
+                                    self._record_scaling(eks, self._fallback(cfg))}
+            except Exception as exc:
+                log.warning("could not read fallback node group %s (scale_up checks it): %s",
+                            cfg.fallback_nodegroup, exc)
+        return snap
+
+    def _record_scaling(self, eks: Any, cfg: RunConfig) -> dict[str, int]:
         scaling = nodegroup.current_scaling(eks, cfg)
         log.info("node group %s/%s: scaling config %s recorded for teardown", cfg.cluster_name,
                  cfg.nodegroup, scaling)
@@ -203,50 +252,94 @@ class EksTarget(Target):
         except Exception as exc:
             log.warning("could not record the node group's baseline in the cluster (scale_up "
                         "records it): %s", exc)
-        return {"target": self.name, "cluster": cfg.cluster_name, "nodegroup": cfg.nodegroup,
-                "scaling_config": scaling}
+        return scaling
 
     # -- scale_up ---------------------------------------------------------------------------
 
     def scale_up(self, cfg: RunConfig) -> Wait:
-        """Reserve the run's nodes, size the node group, then wait for it to be ACTIVE.
+        """Reserve the run's nodes, size the node group, then wait for it to be ACTIVE and for
+        the nodes to be Ready, up to capacity_wait_s.
 
-        Refused before any node is asked for: an s3:// data set that is missing or empty, an
-        instance_type that is not the node group's.
+        Refused before any node is asked for: an s3:// data set that is missing or empty, a
+        node group whose capacityType is not the run's capacity_type or whose instance types
+        are not all of the run's GPUs with room for its pods (a fallback node group too).
         """
         if cfg.dataset.startswith("s3://"):
             check_s3_dataset(cfg.dataset, cfg.dataset_format, self._s3(cfg))
         eks = self._eks(cfg)
-        instance_type = nodegroup.resolve_instance_type(eks, cfg)
+        types = nodegroup.check_capacity(eks, cfg)
+        if cfg.capacity_fallback == "on-demand":
+            nodegroup.check_capacity(eks, self._fallback(cfg), "on-demand")
+        return self._scale(eks, cfg, types)
+
+    def _scale(self, eks: Any, cfg: RunConfig, types: list[str], **state: Any) -> Wait:
+        """Reserve the run's nodes on cfg's node group, size it, and wait for it to be ACTIVE;
+        the nodes' wait that follows ends at the same capacity deadline."""
+        before = nodegroup.current_scaling(eks, cfg)
         scaling = nodegroup.reserve_nodes(eks, cfg, self._reservations(cfg),
                                           self.reservation_ttl, self.update_retries,
                                           self.poll_interval)
-        deadline = time.time() + self.nodes_timeout
+        deadline = self._capacity_deadline(cfg)
         return Wait(NodegroupActiveTrigger(
             cluster_name=cfg.cluster_name, nodegroup=cfg.nodegroup, deadline=deadline,
             aws_conn_id=cfg.aws_conn_id, poll_interval=self.poll_interval),
             resume="nodegroup_active", deadline=deadline,
-            state={"scaling_config": scaling, "instance_type": instance_type,
-                   "efa": INSTANCE_TYPES[instance_type].efa or 0})
+            state={"scaling_config": scaling, "before": before, "nodegroup": cfg.nodegroup,
+                   "instance_types": types, "efa": INSTANCE_TYPES[cfg.instance_type].efa or 0,
+                   "deadline": deadline, "wait_s": deadline - time.time(), **state})
 
     def nodegroup_active(self, cfg: RunConfig, event: dict, state: dict) -> Wait:
         if event["status"] != "success":
             raise RuntimeError(event["message"])
-        return self._wait_for_nodes(cfg, state["instance_type"], state, resume="nodes_ready")
+        return self._wait_for_nodes(cfg, state, resume="nodes_ready")
 
-    def nodes_ready(self, cfg: RunConfig, event: dict, state: dict) -> dict:
+    def nodes_ready(self, cfg: RunConfig, event: dict, state: dict) -> dict | Wait:
+        """The run's nodes, or a fallback's wait (capacity_fallback on-demand) when the first
+        node group's did not come."""
+        if event["status"] not in ("success", "devices") and cfg.capacity_fallback == \
+                "on-demand" and state.get("nodegroup", cfg.nodegroup) == cfg.nodegroup:
+            return self._fall_back(cfg, event, state)
+        self._nodes_came(cfg, event, state)
+        log.info("%d node(s) Ready: %s", len(event["nodes"]), event["nodes"])
+        placed = state.get("nodegroup", cfg.nodegroup)
+        return {"nodegroup": placed, "scaling_config": state["scaling_config"],
+                "nodes": event["nodes"],
+                **({"instead_of": cfg.nodegroup} if placed != cfg.nodegroup else {})}
+
+    def _nodes_came(self, cfg: RunConfig, event: dict, state: dict) -> None:
+        """Fail, saying why, unless the wait for the run's nodes ended with them Ready."""
+        group = state.get("nodegroup", cfg.nodegroup)
         if event["status"] == "devices":
-            raise RuntimeError(f"node group {cfg.nodegroup}'s nodes are Ready but cannot take "
+            raise RuntimeError(f"node group {group}'s nodes are Ready but cannot take "
                                f"a worker: {event['message']}")
         if event["status"] != "success":
-            raise TimeoutError(
-                f"only {len(event['nodes'])} of {cfg.nodes} node(s) of node group "
-                f"{cfg.nodegroup} are Ready with {cfg.procs_per_node} allocatable "
+            raise TimeoutError(self._missing_nodes(cfg, event, state))
+
+    def _missing_nodes(self, cfg: RunConfig, event: dict, state: dict) -> str:
+        waited = state.get("wait_s") or cfg.capacity_wait_s
+        return (f"the capacity did not come: only {len(event['nodes'])} of {cfg.nodes} node(s) "
+                f"of node group {state.get('nodegroup', cfg.nodegroup)} "
+                f"({cfg.capacity_type if 'instead_of' not in state else 'on-demand'}) are Ready "
+                f"with {cfg.procs_per_node} allocatable "
                 f"{GPU_RESOURCE}{' and ' + EFA_RESOURCE if state['efa'] else ''} after "
-                f"{self.nodes_timeout:.0f}s: {event['summary']}")
-        log.info("%d node(s) Ready: %s", len(event["nodes"]), event["nodes"])
-        return {"nodegroup": cfg.nodegroup, "scaling_config": state["scaling_config"],
-                "nodes": event["nodes"]}
+                f"{waited:.0f} s (capacity_wait_s {cfg.capacity_wait_s}); teardown gives back "
+                f"what came: {event['summary']}")
+
+    def _fall_back(self, cfg: RunConfig, event: dict, state: dict) -> Wait:
+        """capacity_fallback on-demand: the fallback node group scaled for the run instead (its
+        nodes recorded as the run's), the first one given back, and the wait begins again."""
+        fallback = self._fallback(cfg)
+        log.warning("%s; capacity_fallback on-demand: scaling node group %s for the run "
+                    "instead and giving %s back", self._missing_nodes(cfg, event, state),
+                    fallback.nodegroup, cfg.nodegroup)
+        eks = self._eks(cfg)
+        types = nodegroup.check_capacity(eks, fallback, "on-demand")
+        nodegroup.record_run_nodegroup(self._kube(cfg), cfg, fallback.nodegroup)
+        wait = self._scale(eks, fallback, types, instead_of=cfg.nodegroup)
+        nodegroup.give_back_nodes(
+            eks, lambda: self._kube(cfg), cfg, {"scaling_config": state["before"]},
+            lambda: self._reservations(cfg), self.update_retries, self.poll_interval)
+        return wait
 
     # -- build_image ------------------------------------------------------------------------
 
@@ -281,7 +374,7 @@ class EksTarget(Target):
         again) with replace_bad_nodes."""
         if not cfg.preflight:
             return {"skipped": True}
-        return self._start_preflight(cfg, image["image"], tries=1)
+        return self._start_preflight(self._on_run_nodes(cfg), image["image"], tries=1)
 
     def _start_preflight(self, cfg: RunConfig, image: str, tries: int) -> Wait:
         name = job.start_preflight_job(self._kube(cfg), cfg, image)
@@ -294,6 +387,7 @@ class EksTarget(Target):
                     resume="preflight_wake", state=state, deadline=state["deadline"])
 
     def preflight_wake(self, cfg: RunConfig, event: dict, state: dict) -> dict | Wait:
+        cfg = self._on_run_nodes(cfg)
         name, api = state["job"], self._kube(cfg)
         if event["status"] == "running":
             job.fail_unschedulable(api, cfg, name, launcher_for(cfg))
@@ -309,24 +403,25 @@ class EksTarget(Target):
             replaced = node_health.replace_nodes(self._eks(cfg), api, cfg, bad)
             log.warning(failure_message(verdict, f"cordoned and replaced {', '.join(bad)} "
                         f"({', '.join(replaced)}); checking again when the new nodes are Ready"))
-            efa = INSTANCE_TYPES[cfg.instance_type].efa
-            return self._wait_for_nodes(cfg, cfg.instance_type,
-                                        {**state, "efa": efa, "scaling_config": {}},
-                                        resume="preflight_nodes_ready")
+            return self._wait_for_nodes(cfg, {
+                **state, "efa": INSTANCE_TYPES[cfg.instance_type].efa, "scaling_config": {},
+                "nodegroup": cfg.nodegroup, "instance_types": list(gpu_class(cfg.instance_type)),
+                "deadline": self._capacity_deadline(cfg)}, resume="preflight_nodes_ready")
         action = (f"cordoned {', '.join(bad)}" if bad else "no single node to blame") + (
             f"; {state['tries']} preflight(s), no more replacements" if cfg.replace_bad_nodes
             else "; set replace_bad_nodes to have them replaced")
         raise PreflightFailed(failure_message(verdict, action))
 
     def preflight_nodes_ready(self, cfg: RunConfig, event: dict, state: dict) -> Wait:
-        self.nodes_ready(cfg, event, state)  # fails as scale_up would
-        return self._start_preflight(cfg, state["image"], state["tries"] + 1)
+        self._nodes_came(cfg, event, state)  # fails as scale_up would
+        return self._start_preflight(self._on_run_nodes(cfg), state["image"], state["tries"] + 1)
 
     # -- train ------------------------------------------------------------------------------
 
     def train(self, cfg: RunConfig, image: dict, rendezvous: dict) -> Wait:
-        """Create (or adopt) the run's job and wait for it."""
-        started = job.start_job(self._kube(cfg), cfg, image["image"])
+        """Create (or adopt) the run's job, on the node group its nodes are in, and wait for
+        it."""
+        started = job.start_job(self._kube(cfg), self._on_run_nodes(cfg), image["image"])
         deadline = 0.0
         if not launcher_for(cfg).own_deadline and cfg.active_deadline_s:
             # From the job's creation (a retry keeps it); computed once, wall-clock.
@@ -343,6 +438,7 @@ class EksTarget(Target):
     def job_wake(self, cfg: RunConfig, event: dict, state: dict) -> dict | Wait:
         """Each wake-up: the leader's new log lines into the task log; then wait again (the
         reservation renewed), fail with the pods' reasons, or return the result."""
+        cfg = self._on_run_nodes(cfg)
         name, api, launcher = state["job"]["job"], self._kube(cfg), launcher_for(cfg)
         state = {**state, "after": job.stream_leader_log(api, cfg.namespace, name,
                                                          state["after"], launcher)}
@@ -355,6 +451,7 @@ class EksTarget(Target):
                 "nodes back")
         if event["status"] == "running":
             job.fail_unschedulable(api, cfg, name, launcher)
+            state = self._follow_preemptions(cfg, api, name, state)
             state = node_health.move_off_xid_nodes(lambda: self._eks(cfg), api, cfg, name,
                                                    launcher, state)
             try:
@@ -366,7 +463,28 @@ class EksTarget(Target):
             report = job.failure_report(api, cfg.namespace, name, event["message"], launcher)
             raise TrainingFailed(job.first_failure(api, cfg, name, launcher,
                                                    lambda: self._s3(cfg)) + report)
-        return job.train_result(cfg, state["job"], state["image"], state["rendezvous"])
+        return {**job.train_result(cfg, state["job"], state["image"], state["rendezvous"]),
+                "preemptions": state.get("preemptions", 0)}
+
+    def _follow_preemptions(self, cfg: RunConfig, api: Any, name: str, state: dict) -> dict:
+        """A job preempted and retried (its pods saved the step and exited 138; the operator,
+        or the Job's podFailurePolicy, started them again) is the same job going on from the
+        saved step; past max_preemptions the run fails (teardown deletes the job)."""
+        launcher = launcher_for(cfg)
+        count, source, seen = job.count_preemptions(api, cfg, name, launcher,
+                                                    lambda: self._s3(cfg),
+                                                    state.get("restarts_seen", []))
+        if count > cfg.max_preemptions:
+            raise TrainingFailed(
+                f"{launcher.kind} {cfg.namespace}/{name} was preempted {count} times, more than "
+                f"max_preemptions {cfg.max_preemptions} (counted from {source}): each notice's "
+                "step was saved; the run stops here, and teardown deletes the job and gives the "
+                "nodes back")
+        if count > state.get("preemptions", 0):
+            log.warning("%s %s was preempted: %d of at most %d (max_preemptions; counted from "
+                        "%s); the same job goes on from the step each notice saved",
+                        launcher.kind, name, count, cfg.max_preemptions, source)
+        return {**state, "preemptions": count, "restarts_seen": seen}
 
     def _renew_reservation(self, cfg: RunConfig) -> None:
         """Heartbeat: a live run's reservation must not expire while it trains."""
@@ -379,7 +497,8 @@ class EksTarget(Target):
         """trainer.evaluate as a one-GPU job of the run's launcher (PyTorchJob or TrainJob) on
         the run's nodes (created, or adopted by a retry), then wait for it as for the training;
         teardown deletes it with the run's other jobs."""
-        name = evaluation_job.start_evaluation_job(self._kube(cfg), cfg, image["image"],
+        name = evaluation_job.start_evaluation_job(self._kube(cfg), self._on_run_nodes(cfg),
+                                                   image["image"],
                                                    champion.get("model_uri") or "")
         return self._wait_for_evaluation(cfg, {"job": name, "after": "",
                                                "started": time.time()})
@@ -442,12 +561,19 @@ class EksTarget(Target):
             except Exception as exc:  # no etcd service: nothing was kept there
                 log.warning("could not delete rendezvous %s's keys on etcd service %s/%s: %s",
                             cfg.rdzv_id, cfg.namespace, cfg.etcd_service, exc)
-        try:
-            done["scaling_config"] = nodegroup.give_back_nodes(
-                self._eks(cfg), lambda: self._kube(cfg), cfg, snapshot,
-                lambda: self._reservations(cfg), self.update_retries, self.poll_interval)
-        except Exception as exc:
-            problems.append(f"restoring node group {cfg.nodegroup} failed: {exc}")
+        # Both node groups, when scale_up may have fallen back: each gives back only what no
+        # other live run reserved (nothing, where this run held none).
+        groups = [(cfg, snapshot, "scaling_config")]
+        if snapshot.get("fallback"):
+            groups.append((self._fallback(cfg), snapshot["fallback"], "fallback_scaling_config"))
+        for group, snap, key in groups:
+            try:
+                done[key] = nodegroup.give_back_nodes(
+                    self._eks(group), lambda group=group: self._kube(group), group, snap,
+                    lambda group=group: self._reservations(group), self.update_retries,
+                    self.poll_interval)
+            except Exception as exc:
+                problems.append(f"restoring node group {group.nodegroup} failed: {exc}")
         try:  # after the nodes are given back: the report is not worth an idle GPU
             report = self._failed_report(cfg)
             if report is not None:

@@ -153,13 +153,18 @@ class NodegroupActiveTrigger(PollingTrigger):
 
 
 class NodesReadyTrigger(PollingTrigger):
+    """`instance_types`: the node group's (a spot group has several); `instance_type`: the one
+    type a trigger stored before there could be several."""
+
     def __init__(self, *, credentials: dict[str, str], nodegroup: str, nodes: int, gpus: int,
                  deadline: float, efa: int = 0, instance_type: str = "",
                  devices_grace_s: float = 300.0, poll_interval: float = 15.0,
-                 refresh_interval: float = TOKEN_REFRESH_S):
+                 refresh_interval: float = TOKEN_REFRESH_S,
+                 instance_types: list[str] | None = None):
         super().__init__()
         self.credentials, self.nodegroup, self.nodes = credentials, nodegroup, nodes
         self.gpus, self.efa, self.instance_type = gpus, efa, instance_type
+        self.instance_types = list(instance_types or ([instance_type] if instance_type else []))
         self.devices_grace_s = devices_grace_s
         self.deadline, self.poll_interval = deadline, poll_interval
         self.refresh_interval = refresh_interval
@@ -174,17 +179,17 @@ class NodesReadyTrigger(PollingTrigger):
         return api.sanitize_for_serialization(listed)["items"]
 
     def done(self, nodes: list[dict[str, Any]]) -> dict[str, Any] | None:
-        usable, _ = usable_nodes(nodes, self.gpus, self.efa, self.instance_type)
+        usable, _ = usable_nodes(nodes, self.gpus, self.efa, self.instance_types)
         if len(usable) >= self.nodes:
             return {"status": "success", "nodes": usable}
-        missing = missing_devices(nodes, self.gpus, self.efa, self.instance_type,
+        missing = missing_devices(nodes, self.gpus, self.efa, self.instance_types,
                                   self.devices_grace_s, time.time())
         if missing:  # waiting on would only wait out the deadline
             return {"status": "devices", "nodes": usable, "message": missing}
         return None
 
     def timed_out(self, nodes: list[dict[str, Any]]) -> dict[str, Any]:
-        usable, summary = usable_nodes(nodes, self.gpus, self.efa, self.instance_type)
+        usable, summary = usable_nodes(nodes, self.gpus, self.efa, self.instance_types)
         return {"status": "timeout", "nodes": usable, "summary": summary}
 
 
