@@ -42,12 +42,12 @@ def goodput(history: list[dict[str, Any]], kept_steps: list[dict[str, Any]], *,
     spent["capacity_wait"] = capacity_wait_node_s
     spent["start_up"] += nodes * max(0.0, rounds[0]["start"]["started"] - held_from)
     interruptions = []
+    steps_of = _steps_by_round(rounds, kept_steps)
     for i, current in enumerate(rounds):
         start = current["start"]
         n = start.get("nodes") or nodes
         ended = current["ended"]
-        steps = [r for r in kept_steps if start["time"] - 1e-6 <= r["time"] <= ended + 1e-6]
-        productive = sum(r["step_time_s"] for r in steps)
+        productive = sum(r["step_time_s"] for r in steps_of[i])
         saves = sum(e["seconds"] for e in current["events"] if e["event"] == "save")
         preempted = next((e for e in current["events"] if e["event"] == "preempted"), None)
         if preempted:  # the save after the notice, finished (async) before the exit
@@ -101,7 +101,7 @@ def _rounds(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for event in history:
         if event["event"] == "start":
             continue
-        owners = [r for r in rounds if r["start"]["started"] <= event["time"]]
+        owners = [r for r in rounds if r["start"]["started"] < event["time"]]
         if owners:
             owners[-1]["events"].append(event)
             if "step" in event:
@@ -110,6 +110,19 @@ def _rounds(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
         current["ended"] = max([current["start"]["time"],
                                 *(e["time"] for e in current["events"])])
     return rounds
+
+
+def _steps_by_round(rounds: list[dict[str, Any]],
+                    kept_steps: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Each kept step in the round that trained it: the last one whose first step began no
+    later than this step began (a step's record is written at its end)."""
+    by_round: list[list[dict[str, Any]]] = [[] for _ in rounds]
+    for record in kept_steps:
+        began = record["time"] - record["step_time_s"]
+        owners = [i for i, r in enumerate(rounds) if r["start"]["time"] <= began + 1e-6]
+        if owners:
+            by_round[owners[-1]].append(record)
+    return by_round
 
 
 def _last_save(events: list[dict[str, Any]]) -> float:

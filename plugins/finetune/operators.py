@@ -48,8 +48,10 @@ class StageOperator(BaseOperator):
 
     def __init__(self, *, stage: str, run_config: Any, inputs: dict[str, Any] | None = None,
                  target_options: dict[str, Any] | None = None, **kwargs: Any):
+        from finetune.targets.base import Stage
+
         super().__init__(**kwargs)
-        self.stage, self.run_config = stage, run_config
+        self.stage, self.run_config = Stage(stage), run_config  # ValueError: not a long stage
         self.inputs, self.target_options = inputs or {}, target_options or {}
 
     def _target(self) -> tuple[Any, Any]:
@@ -60,13 +62,13 @@ class StageOperator(BaseOperator):
     def execute(self, context: Any) -> dict:
         target, cfg = self._target()
         with _no_retry_when_the_training_failed():
-            return self._result_or_defer(getattr(target, self.stage)(cfg, **self.inputs))
+            return self._result_or_defer(target.run_stage(self.stage, cfg, **self.inputs))
 
     def resume(self, context: Any, event: dict, resume: str, state: dict) -> dict:
         """Back from a trigger: the target's `resume` method takes its event."""
         target, cfg = self._target()
         with _no_retry_when_the_training_failed():
-            return self._result_or_defer(getattr(target, resume)(cfg, event, state))
+            return self._result_or_defer(target.resumer(resume)(cfg, event, state))
 
     def _result_or_defer(self, outcome: Any) -> dict:
         from finetune.targets.base import Wait
@@ -78,7 +80,7 @@ class StageOperator(BaseOperator):
             timeout = datetime.timedelta(
                 seconds=max(0.0, outcome.deadline - time.time()) + DEFERRAL_GRACE_S)
         self.defer(trigger=outcome.trigger, method_name="resume", timeout=timeout,
-                   kwargs={"resume": outcome.resume, "state": outcome.state})
+                   kwargs={"resume": outcome.resume_name, "state": outcome.state})
 
     def on_kill(self) -> None:
         """Killed on a worker: what the stage started is left as it is. A SIGTERM from a

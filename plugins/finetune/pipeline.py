@@ -14,6 +14,7 @@ from typing import Any
 from airflow.sdk import Asset, Variable, get_current_context, task
 
 from finetune.operators import StageOperator
+from finetune.targets.base import Stage
 
 log = logging.getLogger(__name__)
 
@@ -200,26 +201,26 @@ def finetune_pipeline(*, base_conf: Mapping[str, Any] | None = None,
     # identical one was; its statistics decide whether the run can go on. Its result is the run
     # config with the prepared set and the counted split sizes (the plan's steps). On eks it may
     # run as a pod of its own (prepare_on), which the task waits for deferred.
-    cfg = StageOperator(task_id="prepare_data", stage="prepare_data",
+    cfg = StageOperator(task_id="prepare_data", stage=Stage.PREPARE_DATA,
                         run_config=validate()).output
     snap = snapshot(cfg)
     # The long stages: a target that waits (eks) defers them, no worker slot held.
-    up = StageOperator(task_id="scale_up", stage="scale_up", run_config=cfg, **RESUMABLE)
+    up = StageOperator(task_id="scale_up", stage=Stage.SCALE_UP, run_config=cfg, **RESUMABLE)
     snap >> up
-    image = StageOperator(task_id="build_image", stage="build_image", run_config=cfg,
+    image = StageOperator(task_id="build_image", stage=Stage.BUILD_IMAGE, run_config=cfg,
                           **RESUMABLE)
     rendezvous = clean_rendezvous(cfg)
     up >> [image, rendezvous]
     # Every node checked before it trains; a bad one is named, cordoned or replaced.
-    checked = StageOperator(task_id="preflight", stage="preflight", run_config=cfg,
+    checked = StageOperator(task_id="preflight", stage=Stage.PREFLIGHT, run_config=cfg,
                             inputs={"image": image.output, "rendezvous": rendezvous},
                             **RESUMABLE)
-    trained = StageOperator(task_id="train", stage="train", run_config=cfg,
+    trained = StageOperator(task_id="train", stage=Stage.TRAIN, run_config=cfg,
                             inputs={"image": image.output, "rendezvous": rendezvous},
                             **RESUMABLE, **({"pool": pool} if pool else {}))
     checked >> trained
     champion_found = find_champion(cfg)
-    evaluated = StageOperator(task_id="evaluate", stage="evaluate", run_config=cfg,
+    evaluated = StageOperator(task_id="evaluate", stage=Stage.EVALUATE, run_config=cfg,
                               inputs={"trained": trained.output, "image": image.output,
                                       "champion": champion_found})
     metrics = collect_metrics(cfg, trained.output)

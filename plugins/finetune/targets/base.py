@@ -5,7 +5,9 @@ torchrun (`TORCHRUN_ENV`). Targets import this module; `finetune.targets` finds 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from finetune.config import RunConfig
@@ -22,19 +24,47 @@ if TYPE_CHECKING:
 TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
+class Stage(enum.StrEnum):
+    """The long stages the one deferrable operator runs (finetune.operators.StageOperator); the
+    others are tasks of their own in finetune.pipeline."""
+
+    PREPARE_DATA = "prepare_data"
+    SCALE_UP = "scale_up"
+    BUILD_IMAGE = "build_image"
+    PREFLIGHT = "preflight"
+    TRAIN = "train"
+    EVALUATE = "evaluate"
+
+
+def resumes(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a target's method as one a deferred stage resumes with, `method(cfg, event,
+    state)`: a Wait may name it, and only such a method is called back (Target.resumer)."""
+    method.__resumes__ = True
+    return method
+
+
 @dataclasses.dataclass(frozen=True)
 class Wait:
-    """A stage that is not done yet: defer on `trigger`, then call the target's method named
-    `resume` as `resume(cfg, event, state)`; it returns the stage's result or another Wait.
+    """A stage that is not done yet: defer on `trigger`, then call `resume` (a target's method
+    marked @resumes) as `resume(cfg, event, state)`; it returns the stage's result or another
+    Wait. The deferred task stores its name, and the target finds it again by that name.
 
     `state` is JSON-able (it is stored with the deferred task); `deadline` (epoch seconds, the
     trigger's own) lets the operator give the framework a timeout too.
     """
 
     trigger: BaseTrigger
-    resume: str
+    resume: Callable[..., Outcome]
     state: dict[str, Any]
     deadline: float | None = None
+
+    def __post_init__(self) -> None:
+        if not getattr(self.resume, "__resumes__", False):
+            raise TypeError(f"{self.resume!r} is not a method marked @resumes")
+
+    @property
+    def resume_name(self) -> str:
+        return self.resume.__name__
 
 
 Outcome = dict | Wait
@@ -48,6 +78,28 @@ class TrainingFailed(RuntimeError):
 
 class Target(ABC):
     name: str
+    # The methods a deferred stage may resume with (@resumes), by name: each class's own.
+    RESUMERS: frozenset[str] = frozenset()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.RESUMERS = frozenset(name for klass in cls.__mro__ for name, member in
+                                 vars(klass).items() if getattr(member, "__resumes__", False))
+
+    def run_stage(self, stage: Stage, cfg: RunConfig, **inputs: Any) -> Outcome:
+        """The stage's method with the results of the tasks it follows."""
+        method = {Stage.PREPARE_DATA: self.prepare_data, Stage.SCALE_UP: self.scale_up,
+                  Stage.BUILD_IMAGE: self.build_image, Stage.PREFLIGHT: self.preflight,
+                  Stage.TRAIN: self.train, Stage.EVALUATE: self.evaluate}[stage]
+        return method(cfg, **inputs)
+
+    def resumer(self, name: str) -> Callable[..., Outcome]:
+        """The @resumes method a deferred stage named; ValueError for any other name (a task
+        deferred by a version of the target that had a method this one has not)."""
+        if name not in self.RESUMERS:
+            raise ValueError(f"target {self.name} has no stage to resume named {name!r}; "
+                             f"it resumes with: {', '.join(sorted(self.RESUMERS))}")
+        return getattr(self, name)
     # Whether this machine (the Airflow worker) sees the paths the trainer reads, so validate
     # can read the model, tokenizer and data: yes locally; on a cluster absolute paths are the
     # pods' (mounted volumes).

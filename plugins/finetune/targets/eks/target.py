@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from finetune.config import RunConfig
@@ -47,7 +48,7 @@ from finetune.preflight_verdict import (
 )
 from finetune.run_plan import RunPlan, plan_run
 from finetune.s3_dataset import check_s3_dataset
-from finetune.targets.base import Target, TrainingFailed, Wait
+from finetune.targets.base import Outcome, Target, TrainingFailed, Wait, resumes
 from finetune.targets.eks import (
     checks,
     evaluation_job,
@@ -137,7 +138,8 @@ class EksTarget(Target):
     def s3_client(self, cfg: RunConfig) -> Any:
         return self._s3(cfg)
 
-    def _wait_for_build(self, cfg: RunConfig, started: dict, resume: str) -> Wait:
+    def _wait_for_build(self, cfg: RunConfig, started: dict,
+                        resume: Callable[..., Outcome]) -> Wait:
         pending = started["pending"]
         deadline = time.time() + self.build_timeout
         return Wait(ImageBuildTrigger(
@@ -153,7 +155,8 @@ class EksTarget(Target):
             min(cfg.capacity_wait_s, self.nodes_timeout)
         return time.time() + wait
 
-    def _wait_for_nodes(self, cfg: RunConfig, state: dict, resume: str) -> Wait:
+    def _wait_for_nodes(self, cfg: RunConfig, state: dict,
+                        resume: Callable[..., Outcome]) -> Wait:
         """Until the run's nodes of state's node group and instance types are Ready with GPUs
         (and state["efa"]), by state's deadline."""
         deadline = state.get("deadline") or self._capacity_deadline(cfg)
@@ -201,8 +204,9 @@ class EksTarget(Target):
             return self._start_prepare(cfg, image["image"])
         log.info("prepare_data: building the trainer image %s for its pod first",
                  started["image"])
-        return self._wait_for_build(cfg, started, resume="prepare_image_built")
+        return self._wait_for_build(cfg, started, resume=self.prepare_image_built)
 
+    @resumes
     def prepare_image_built(self, cfg: RunConfig, event: dict, state: dict) -> Wait:
         return self._start_prepare(cfg, self.build_done(cfg, event, state)["image"])
 
@@ -213,8 +217,9 @@ class EksTarget(Target):
             credentials=kube_credentials(cfg), namespace=cfg.namespace, name=name,
             deadline=deadline, poll_interval=self.poll_interval,
             refresh_interval=self.refresh_interval),
-            resume="prepare_job_done", deadline=deadline, state={"job": name, "image": image})
+            resume=self.prepare_job_done, deadline=deadline, state={"job": name, "image": image})
 
+    @resumes
     def prepare_job_done(self, cfg: RunConfig, event: dict, state: dict) -> dict:
         """The pod's record (the statistics) decides the run, as the worker's would."""
         from finetune.prepare_stage import accept_prepared, stage_result
@@ -283,16 +288,18 @@ class EksTarget(Target):
         return Wait(NodegroupActiveTrigger(
             cluster_name=cfg.cluster_name, nodegroup=cfg.nodegroup, deadline=deadline,
             aws_conn_id=cfg.aws_conn_id, poll_interval=self.poll_interval),
-            resume="nodegroup_active", deadline=deadline,
+            resume=self.nodegroup_active, deadline=deadline,
             state={"scaling_config": scaling, "before": before, "nodegroup": cfg.nodegroup,
                    "instance_types": types, "efa": INSTANCE_TYPES[cfg.instance_type].efa or 0,
                    "deadline": deadline, "wait_s": deadline - time.time(), **state})
 
+    @resumes
     def nodegroup_active(self, cfg: RunConfig, event: dict, state: dict) -> Wait:
         if event["status"] != "success":
             raise RuntimeError(event["message"])
-        return self._wait_for_nodes(cfg, state, resume="nodes_ready")
+        return self._wait_for_nodes(cfg, state, resume=self.nodes_ready)
 
+    @resumes
     def nodes_ready(self, cfg: RunConfig, event: dict, state: dict) -> dict | Wait:
         """The run's nodes, or a fallback's wait (capacity_fallback on-demand) when the first
         node group's did not come."""
@@ -353,8 +360,9 @@ class EksTarget(Target):
             return finish_image(cfg, session, lambda: self._kube(cfg), started, "Complete", "")
         log.info("waiting deferred for the %s build of %s", started["pending"]["builder"],
                  started["image"])
-        return self._wait_for_build(cfg, started, resume="build_done")
+        return self._wait_for_build(cfg, started, resume=self.build_done)
 
+    @resumes
     def build_done(self, cfg: RunConfig, event: dict, state: dict) -> dict:
         """After the build's wait: clean up, report a failure, verify the tag in ECR."""
         return finish_image(cfg, aws_session(cfg.aws_conn_id), lambda: self._kube(cfg),
@@ -384,8 +392,9 @@ class EksTarget(Target):
 
     def _wait_for_preflight(self, cfg: RunConfig, state: dict) -> Wait:
         return Wait(self._job_trigger(cfg, state["job"], deadline=state["deadline"]),
-                    resume="preflight_wake", state=state, deadline=state["deadline"])
+                    resume=self.preflight_wake, state=state, deadline=state["deadline"])
 
+    @resumes
     def preflight_wake(self, cfg: RunConfig, event: dict, state: dict) -> dict | Wait:
         cfg = self._on_run_nodes(cfg)
         name, api = state["job"], self._kube(cfg)
@@ -406,12 +415,13 @@ class EksTarget(Target):
             return self._wait_for_nodes(cfg, {
                 **state, "efa": INSTANCE_TYPES[cfg.instance_type].efa, "scaling_config": {},
                 "nodegroup": cfg.nodegroup, "instance_types": list(gpu_class(cfg.instance_type)),
-                "deadline": self._capacity_deadline(cfg)}, resume="preflight_nodes_ready")
+                "deadline": self._capacity_deadline(cfg)}, resume=self.preflight_nodes_ready)
         action = (f"cordoned {', '.join(bad)}" if bad else "no single node to blame") + (
             f"; {state['tries']} preflight(s), no more replacements" if cfg.replace_bad_nodes
             else "; set replace_bad_nodes to have them replaced")
         raise PreflightFailed(failure_message(verdict, action))
 
+    @resumes
     def preflight_nodes_ready(self, cfg: RunConfig, event: dict, state: dict) -> Wait:
         self._nodes_came(cfg, event, state)  # fails as scale_up would
         return self._start_preflight(self._on_run_nodes(cfg), state["image"], state["tries"] + 1)
@@ -433,8 +443,9 @@ class EksTarget(Target):
 
     def _wait_for_job(self, cfg: RunConfig, state: dict) -> Wait:
         return Wait(self._job_trigger(cfg, state["job"]["job"], state.get("deadline", 0.0)),
-                    resume="job_wake", state=state)
+                    resume=self.job_wake, state=state)
 
+    @resumes
     def job_wake(self, cfg: RunConfig, event: dict, state: dict) -> dict | Wait:
         """Each wake-up: the leader's new log lines into the task log; then wait again (the
         reservation renewed), fail with the pods' reasons, or return the result."""
@@ -504,8 +515,9 @@ class EksTarget(Target):
                                                "started": time.time()})
 
     def _wait_for_evaluation(self, cfg: RunConfig, state: dict) -> Wait:
-        return Wait(self._job_trigger(cfg, state["job"]), resume="evaluation_wake", state=state)
+        return Wait(self._job_trigger(cfg, state["job"]), resume=self.evaluation_wake, state=state)
 
+    @resumes
     def evaluation_wake(self, cfg: RunConfig, event: dict, state: dict) -> dict | Wait:
         name, api = state["job"], self._kube(cfg)
         state = {**state, "after": job.stream_leader_log(api, cfg.namespace, name,
