@@ -7,12 +7,19 @@ itself (trainer/errors.py); one killed by a signal (SIGKILL from the kernel's OO
 that exited with a code could not: this writes its record (finetune_contract.errors.death_record)
 into errors/rank_<N>.json under the run directory (FINETUNE_ERROR_DIR), so the first failure by
 time is that rank, not the collective errors of the ranks that survived it.
+
+A SIGTERM to this process is a notice (trainer/preemption.py): it marks it for its workers
+before torchrun's agent passes the signal on (torchrun sends its workers SIGTERM for its own
+restarts too, which are not notices). After a notice whose step the workers saved, it exits with
+PREEMPTED_EXIT_CODE (138), whichever way torchrun ended (its agent stopped by the signal, or its
+workers' exits): the code the job's restart policy retries without counting a failure.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -20,7 +27,7 @@ from pathlib import Path
 
 from finetune_contract.errors import ERROR_DIR_ENV, NODE_NAME_ENV, death_record, error_file
 from finetune_contract.run_history import PREEMPTED_EXIT_CODE
-from trainer.preemption import SAVED_MARKER_ENV
+from trainer.preemption import NOTICE_MARKER_ENV, SAVED_MARKER_ENV
 
 # The agent polls its workers this often (torchrun's --monitor-interval default, 0.1 s) and its
 # failure times are whole seconds: a death is at most this long before the agent's time.
@@ -41,17 +48,38 @@ def record_deaths(run_dir: Path, failures: dict, node: str) -> list[int]:
     return recorded
 
 
+def mark_notices(path: Path) -> None:
+    """torchrun's agent raises on SIGTERM from the handler it installs when it starts its
+    workers (torch.distributed.elastic.multiprocessing.api._terminate_process_handler, looked
+    up when installed): that handler, wrapped, marks the notice first."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    raise_signal = api._terminate_process_handler
+
+    def marked(signum: int, frame: object) -> None:
+        if signum == signal.SIGTERM:
+            path.touch()
+        raise_signal(signum, frame)
+
+    api._terminate_process_handler = marked
+
+
 def main(argv: list[str]) -> None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
     marker = Path(tempfile.gettempdir()) / f"finetune-preempted-{os.getpid()}"
-    marker.unlink(missing_ok=True)
-    os.environ[SAVED_MARKER_ENV] = str(marker)  # the workers inherit it
+    notice = Path(tempfile.gettempdir()) / f"finetune-notice-{os.getpid()}"
+    for path in (marker, notice):
+        path.unlink(missing_ok=True)
+    os.environ[SAVED_MARKER_ENV] = str(marker)  # the workers inherit them
+    os.environ[NOTICE_MARKER_ENV] = str(notice)
+    mark_notices(notice)
     try:
         torchrun(argv)
     except (SignalException, ChildFailedError) as ended:
+        notice.unlink(missing_ok=True)
         if marker.exists():
             marker.unlink()
             print(f"the workers saved their step after a notice: exit {PREEMPTED_EXIT_CODE} "

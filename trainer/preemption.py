@@ -1,13 +1,17 @@
 """A notice to stop (SIGTERM: Kubernetes evicting the pod, a spot reclaim's two minutes, a node
 drained, torchrun passing its own on): nothing is lost but the step in progress.
 
-The rank that gets the signal only notes when. Every step ends with an all-gather the ranks make
-anyway (their step times): the notes travel with it, so every rank learns of a notice at the end
-of the same step. Then every rank saves that step (the checkpoint it would have written at its
-interval), rank 0 records the preemption in the run's history, and each rank tells its torchrun
-agent to stop as for a signal (the agent restarts no worker, counts no failure and leaves the
-rendezvous open for the next round) and exits with PREEMPTED_EXIT_CODE, which the job's restart
-policy (or the local target) retries without spending max_restarts.
+A notice reaches a node's torchrun agent (trainer.launch), which marks it in a file its workers
+know (NOTICE_MARKER_ENV) before passing the signal on; a SIGTERM without that mark is torchrun
+stopping its workers for a restart of its own (a peer failed, a node joined), which ends the
+worker at once, as before. The rank that gets a notice only notes when. Every step ends with an
+all-gather the ranks make anyway (their step times): the notes travel with it, so every rank
+learns of a notice at the end of the same step. Then every rank saves that step (the checkpoint
+it would have written at its interval), rank 0 records the preemption in the run's history, and
+each rank tells its torchrun agent to stop as for a signal (the agent restarts no worker, counts
+no failure and leaves the rendezvous open for the next round) and exits with
+PREEMPTED_EXIT_CODE, which the job's restart policy (or the local target) retries without
+spending max_restarts.
 
 A notice before the first step ends the process at once: nothing was trained to save.
 """
@@ -21,7 +25,9 @@ from types import FrameType
 
 from finetune_contract.run_history import PREEMPTED_EXIT_CODE
 
-# A file trainer.launch names for its workers: one of them writes it once a notice's step is saved.
+# Files trainer.launch names for its workers: the agent writes the first when a notice reaches it,
+# one of them the second once the notice's step is saved.
+NOTICE_MARKER_ENV = "FINETUNE_NOTICE_MARKER"
 SAVED_MARKER_ENV = "FINETUNE_PREEMPTED_MARKER"
 
 
@@ -47,11 +53,22 @@ class Notice:
     def _note(self, signum: int, frame: FrameType | None) -> None:
         if self.at:
             return  # the agent passing the signal on, or a second notice: noted already
+        if not is_a_notice():  # torchrun stopping its workers for a restart: go now
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
         self.at = time.time()
         if not self.training:
             mark_saved()  # nothing trained yet: nothing to save
             stop_agent()
             raise Preempted(0)
+
+
+def is_a_notice() -> bool:
+    """Whether a SIGTERM here is a notice: this process's agent marked one, or there is no
+    agent to tell (the trainer run alone, or by a launcher that marks nothing)."""
+    marker = os.environ.get(NOTICE_MARKER_ENV)
+    return marker is None or os.path.exists(marker)
 
 
 def mark_saved() -> None:

@@ -111,6 +111,10 @@ def grace_period_s(step_s: float | None, save_s: float | None) -> int:
     return math.ceil(GRACE_MARGIN * (step_s + save_s) + EXIT_S)
 
 
+# What torchrun reads its agent's shutdown timeout from (its default: 30 s).
+SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+
+
 def agent_shutdown_s(grace_s: int) -> int:
     """torchrun's shutdown timeout (TORCH_ELASTIC_SHUTDOWN_TIMEOUT) in a grace of `grace_s`:
     on SIGTERM its agent passes the signal to its workers and waits this long for them to save

@@ -73,6 +73,24 @@ def test_a_run_preempted_more_than_max_preemptions_fails_naming_it_and_teardown_
     assert jobs_of_run(cluster, cfg) == []
 
 
+def test_restarts_no_notice_explains_count_against_max_restarts(nodegroup, cluster, s3):
+    """ExitCode retries a pod killed by a signal (an OOM kill: 137) as it retries a saved
+    notice, without end: restarts the history has no notice for are failures."""
+    cfg = s3_run(s3, nodes=2, max_restarts=1)
+    client, bucket = s3
+    key = f"{cfg.run_dir.removeprefix(f's3://{bucket}/')}/{HISTORY_FILE}"
+    client.put_object(Bucket=bucket, Key=key, Body=json.dumps(
+        {"event": "start", "time": 1.0, "nodes": 2}) + "\n")
+    add_nodes(cluster, 2)
+    operator = TrainingOperator(cluster, cfg, preemptions=2, outcome="Running", hold_s=0.25)
+    operator.start()
+    with pytest.raises(AirflowFailException) as err:
+        run_deferred(train_operator(cfg))
+    operator.join(5)
+    assert "was restarted 2 times without a notice's step saved" in str(err.value)
+    assert "more than max_restarts 1" in str(err.value)
+
+
 def test_without_a_readable_history_the_jobs_restarts_are_counted(nodegroup, cluster):
     # an output on a volume the pods mount and this worker does not
     cfg = eks_config(nodes=2, max_preemptions=1, output_dir="/fsx/runs",

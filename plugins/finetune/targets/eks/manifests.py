@@ -26,7 +26,12 @@ from finetune.names import DNS_SUBDOMAIN, LABEL_VALUE, dns_label
 from finetune.run_plan import plan_run
 from finetune.targets.base import TORCHRUN_ENV
 from finetune.trainer_config import trainer_config
-from finetune_contract.checkpoint_time import DEFAULT_GRACE_S, agent_shutdown_s, volume_mounts
+from finetune_contract.checkpoint_time import (
+    DEFAULT_GRACE_S,
+    SHUTDOWN_TIMEOUT_ENV,
+    agent_shutdown_s,
+    volume_mounts,
+)
 from finetune_contract.instance_types import (
     GPU_RESOURCE,
     INSTANCE_TYPES,
@@ -89,8 +94,6 @@ BACKOFF_LIMIT = 3
 # What the training containers run: torchrun, through the launcher that exits
 # PREEMPTED_EXIT_CODE once the workers saved the step a notice interrupted (trainer/launch.py).
 LAUNCH_COMMAND = ["python", "-m", "trainer.launch"]
-# torchrun's agent: how long it waits for its workers after a SIGTERM before SIGKILL.
-SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 
 # NCCL diagnostics and torch's NCCL flight recorder: a hang dumps each rank's last collectives.
 # What depends on the instance type (EFA, RDMA) is its profile's (`InstanceProfile.nccl_env`).

@@ -491,6 +491,15 @@ class EksTarget(Target):
                 f"max_preemptions {cfg.max_preemptions} (counted from {source}): each notice's "
                 "step was saved; the run stops here, and teardown deletes the job and gives the "
                 "nodes back")
+        # ExitCode retries a pod killed by a signal (137, 143) as it retries a saved notice, and
+        # without end: restarts the history explains by no notice count as failures.
+        failures = len(seen) - count if source.endswith("history.jsonl") else 0
+        if failures > cfg.max_restarts:
+            raise TrainingFailed(
+                f"{launcher.kind} {cfg.namespace}/{name} was restarted {failures} times without "
+                f"a notice's step saved (a pod killed: OOM, a node lost), more than "
+                f"max_restarts {cfg.max_restarts}; teardown deletes the job and gives the nodes "
+                "back")
         if count > state.get("preemptions", 0):
             log.warning("%s %s was preempted: %d of at most %d (max_preemptions; counted from "
                         "%s); the same job goes on from the step each notice saved",

@@ -17,6 +17,11 @@ from finetune import REPO_ROOT
 from finetune.config import RunConfig, resolve_path
 from finetune.image import IMAGE_CONTEXT
 from finetune.targets.base import TORCHRUN_ENV
+from finetune_contract.checkpoint_time import (
+    SHUTDOWN_TIMEOUT_ENV,
+    agent_shutdown_s,
+    grace_period_s,
+)
 from finetune_contract.errors import ERROR_DIR_ENV
 from finetune_contract.fields import quoted
 
@@ -95,6 +100,9 @@ def torchrun_env(cfg: RunConfig, res: dict, gpus: range) -> dict[str, str]:
     env = python_env(res["threads_per_process"])
     env[ERROR_DIR_ENV] = cfg.run_dir  # a config the trainer refuses is recorded there too
     env.update(TORCHRUN_ENV)  # in-place worker restarts get a clean store
+    # After a notice the agent waits this long for its workers to save (torchrun's own: 30 s);
+    # the local target knows no step time or save estimate: the planner's default grace.
+    env.setdefault(SHUTDOWN_TIMEOUT_ENV, str(agent_shutdown_s(grace_period_s(None, None))))
     if res["device"] == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in gpus)
         env.setdefault("NCCL_NVLS_ENABLE", "0")
