@@ -438,8 +438,15 @@ def test_a_notice_to_one_node_saves_the_step_it_interrupts_and_loses_nothing(
     kept = sum(r["step_time_s"] for r in train_records(run_dir))
     assert good["node_s"]["productive"] == pytest.approx(2 * kept, abs=0.2)
     assert kept >= RUN["max_steps"] * STEP_DELAY_S
+    # saves and loads: each save the training waited for (the injected delay within it, the
+    # notice's own save to its end) and the resumed round's load, on both nodes
+    waited = sum(e["seconds"] for e in saves)
+    assert waited >= len(saves) * SAVE_DELAY_S
+    loads = sum(e.get("load_s") or 0 for e in events if e["event"] == "start")
+    notice_save = preempted["save_s"] - next(
+        e["seconds"] for e in saves if e["step"] == preempted["step"])
     assert good["node_s"]["saves_and_loads"] == pytest.approx(
-        2 * len(saves) * SAVE_DELAY_S, abs=2 * 1.0)
+        2 * (waited + loads + max(0.0, notice_save)), abs=0.2)
     assert sum(good["node_s"].values()) == pytest.approx(good["paid_node_s"], abs=0.5)
 
 
