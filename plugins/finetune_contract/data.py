@@ -380,11 +380,21 @@ def _marked_turns(tokenizer: Any, messages: list[dict[str, Any]],
     return input_ids, labels
 
 
+def _token_ids(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """Each text's ids, no special token added: through a fast tokenizer's own backend where it
+    has one (the same ids, without the Python wrapper's cost, which was half a conversation's
+    tokenizing: 108 against 48 us for four spans, 2026-12-06), else the tokenizer."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return [encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=False)]
+
+
 def _cut_turns(tokenizer: Any, messages: list[dict[str, Any]],
                tools: list[dict[str, Any]] | None
                ) -> tuple[list[int], list[int], tuple[str, str] | None]:
     spans = chat_turns(tokenizer, messages, tools)
-    pieces = tokenizer([text for text, _ in spans], add_special_tokens=False)["input_ids"]
+    pieces = _token_ids(tokenizer, [text for text, _ in spans])
     replies = iter(message for message in messages if message["role"] == "assistant")
     input_ids: list[int] = []
     labels: list[int] = []

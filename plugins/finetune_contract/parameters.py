@@ -281,8 +281,9 @@ PARAMETERS: tuple[Parameter, ...] = (
       'Pack examples into full sequences; no token attends to another example.'),
     P('bad_rows', 'skip', 'Data', 'Bad rows',
       'Rows that are not JSON, miss a field, hold a non-string or empty one, or are longer than '
-      'seq_len tokens: `skip` skips them and counts them by reason in the report; `error` fails '
-      'the run at the first one, naming its file and line.',
+      'seq_len tokens (a conversation is skipped whole, never cut at a turn), or a conversation '
+      'the chat template cannot render: `skip` skips them and counts them by reason in the '
+      'report; `error` fails the run at the first one, naming its file and line.',
       choices=BAD_ROWS),
     P('eval_fraction', EVAL_FRACTION, 'Data', 'Eval fraction',
       'The share of the usable rows held out for the eval loss (at least micro_batch rows).',
