@@ -33,7 +33,8 @@ def drawn_rows(available: int, count: int, seed: int, index: int) -> list[int]:
 
 
 def with_source(rows: datasets.Dataset, index: int) -> datasets.Dataset:
-    """The rows, each labelled with its source's index."""
+    """The rows, each labelled with its source's index. Labelled before they are split: a
+    column added to rows selected from a table copies them (their indices are flattened)."""
     import datasets
 
     return rows.add_column(SOURCE_COLUMN, [index] * len(rows),
@@ -42,23 +43,22 @@ def with_source(rows: datasets.Dataset, index: int) -> datasets.Dataset:
 
 def mixed_train(trains: list[datasets.Dataset], counts: list[int],
                 seed: int) -> datasets.Dataset:
-    """The training split of a mixture: from each source's training rows, its count of them
-    (drawn_rows), labelled with its source and shuffled together with the run's seed."""
+    """The training split of a mixture: from each source's training rows (labelled with it),
+    its count of them (drawn_rows), shuffled together with the run's seed."""
     import datasets
 
-    parts = [with_source(train.select(drawn_rows(len(train), count, seed, index)), index)
+    parts = [train.select(drawn_rows(len(train), count, seed, index))
              for index, (train, count) in enumerate(zip(trains, counts, strict=True))
              if count]
     return datasets.concatenate_datasets(parts).shuffle(seed=seed)
 
 
 def held_out_by_source(held_outs: list[datasets.Dataset]) -> datasets.Dataset:
-    """The held-out split of a mixture: each source's held-out rows, labelled with it, one
-    source after the other (so each source's rows are one contiguous range)."""
+    """The held-out split of a mixture: each source's held-out rows (labelled with it), one
+    source after the other, so each source's rows are one contiguous range."""
     import datasets
 
-    return datasets.concatenate_datasets(
-        [with_source(rows, index) for index, rows in enumerate(held_outs)])
+    return datasets.concatenate_datasets(held_outs)
 
 
 def source_ranges(rows: datasets.Dataset) -> dict[int, range]:

@@ -672,8 +672,10 @@ def _held_out_split(part: EncodedSource, config: TrainConfig
             if skipped else "")
         raise (SourceError(part.source, message) if part.source else ValueError(message)) \
             from None
-    split = part.encoded.remove_columns(_TOKENS).train_test_split(
-        test_size=n_eval, shuffle=True, seed=config.seed)
+    rows = part.encoded.remove_columns(_TOKENS)
+    if part.source is not None:  # a mixture's: each row labelled with its source
+        rows = with_source(rows, part.source.index)
+    split = rows.train_test_split(test_size=n_eval, shuffle=True, seed=config.seed)
     return split["train"], split["test"]
 
 
@@ -712,8 +714,9 @@ def _prepare_into(out: Path, config: TrainConfig, local_paths: list[Path | None]
         held_out.save_to_disk(str(out / EVAL_EXAMPLES_SPLIT))
         train = pack(train, config.seq_len)
         held_out = pack(held_out, config.seq_len) if not config.mixture else \
-            datasets.concatenate_datasets([with_source(pack(rows, config.seq_len), index)
-                                           for index, rows in enumerate(held_outs)])
+            datasets.concatenate_datasets([
+            with_source(pack(rows, config.seq_len), index)  # pack keeps its columns only
+            for index, rows in enumerate(held_outs)])
     train.save_to_disk(str(out / TRAIN_SPLIT))
     held_out.save_to_disk(str(out / EVAL_SPLIT))
     evaluated = eval_dataset_config(config)
@@ -731,7 +734,7 @@ def _prepare_into(out: Path, config: TrainConfig, local_paths: list[Path | None]
     return {
         "eval_dataset": eval_stats,
         "dataset": config.dataset if not config.mixture else _what(config),
-        **({"row_format": parts[0].counts()["row_format"]} if not config.mixture else {}),
+        **({"row_format": row_kind(parts[0].read_as)} if not config.mixture else {}),
         "rows_read": sum(len(part.raw.rows) for part in parts),
         "rows_kept": sum(len(part.encoded) for part in parts),
         "skipped_rows": sum(skipped.values()),
