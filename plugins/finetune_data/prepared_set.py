@@ -46,6 +46,7 @@ from finetune_contract.data import (
     encode_row,
     field_problem,
     missing_columns,
+    other_method_problem,
     read_rows,
     row_columns,
     row_format,
@@ -101,6 +102,12 @@ class RawRows:
     files: list[str]  # the data files read, in order; empty for a hub data set
     starts: list[int]  # index of each file's first row (files not read line by line)
     name: str = ""  # the hub data set and split
+    # The data's columns (jsonl: those of its first rows; the rows keep the needed ones only).
+    seen_columns: list[str] | None = None
+
+    @property
+    def columns(self) -> list[str]:
+        return self.seen_columns if self.seen_columns is not None else self.rows.column_names
 
     def where(self, index: int, row: dict[str, Any]) -> str:
         if row.get(_LINE) is not None:
@@ -289,7 +296,8 @@ def load_rows(config: TrainConfig, local_path: Path | None) -> RawRows:
         read_as = row_format(config, seen.columns if seen else [])
         optional = (TOOLS_COLUMN,) if read_as.messages_field and seen and \
             TOOLS_COLUMN in seen.columns else ()
-        return RawRows(read_jsonl(files, row_columns(read_as), optional), files, [])
+        return RawRows(read_jsonl(files, row_columns(read_as), optional), files, [],
+                       seen_columns=seen.columns if seen else None)
     builder = builder_name(files[0], config.dataset_format)
     parts, starts = [], []
     for file in files:  # one at a time, to tell which file a bad row is in
@@ -649,7 +657,10 @@ def encode_source(source: Source | None, read_as: TrainConfig, local_path: Path 
     """One data set read and encoded; a mixture's source names itself in any error."""
     try:
         raw = load_rows(read_as, local_path)
-        read_as = row_format(read_as, raw.rows.column_names)
+        read_as = row_format(read_as, raw.columns)
+        other_method = source is not None and other_method_problem(read_as, raw.columns)
+        if other_method:
+            raise ValueError(f"dataset {read_as.dataset} {other_method}")
         encoded, skipped, longest = tokenize(raw, tokenizer, read_as, num_proc)
     except ValueError as error:
         if source is None:

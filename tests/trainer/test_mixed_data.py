@@ -139,6 +139,16 @@ def test_each_source_is_counted_apart_and_a_source_that_fails_is_named(tmp_path,
                      tmp_path / "f")
 
 
+def test_a_source_of_the_other_method_fails_the_prepare_naming_it(tmp_path, sources):
+    """What validate cannot read (an s3:// or hub source) prepare_data refuses in its words."""
+    mixture = [{"dataset": str(sources["instructions"])}, {"dataset": str(DEMO_PREFERENCES)}]
+    with pytest.raises(ValueError, match=r"mixture\[1\] \(preferences\): dataset .* holds "
+                       "preference pairs") as err:
+        prep.prepare(mixture_config(tmp_path, mixture), tmp_path / "p", num_proc=1)
+    assert err.value.field == "mixture[1].dataset"
+    assert not list((tmp_path / "p").glob("*"))  # nothing half-written is left
+
+
 def test_packed_mixtures_pack_the_held_out_split_per_source(tmp_path, sources):
     config = mixture_config(tmp_path, three(sources), packing=True)
     stats = prep.prepare(config, tmp_path / "p", num_proc=1)
