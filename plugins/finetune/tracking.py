@@ -1,7 +1,9 @@
 """MLflow tracking and registry, and promotion: the Airflow side's only MLflow calls.
 
 Every run is an MLflow run in the experiment named after its DAG: the validated config as
-params, the per-step metrics, the evaluation, the report and the model's URI. The champion is the
+params, the per-step metrics, the evaluation, the report and the model's URI; a mixture's sources
+as params (mixture/<name>), what each gave as metrics (data/<name>/...) and its eval loss per
+source (eval_loss/<name>, per step). The champion is the
 version of the registered model named after the DAG that the alias `champion` points at; a run
 whose model beats it on `promotion_metric` by more than `promotion_margin` (both measured on this
 run's eval set) becomes a new version and gets the alias.
@@ -273,6 +275,28 @@ def goodput_metrics(goodput: dict | None) -> dict[str, float]:
     return {key: value for key, value in metrics.items() if value is not None}
 
 
+def source_params(data: dict | None) -> dict[str, str]:
+    """A mixture's sources as MLflow params: mixture/<name> -> its data set and weight or rows."""
+    return {f"mixture/{s['name']}": f"{s['dataset']} ("
+            + (f"weight {s['weight']:g}" if s.get("weight") is not None else f"rows {s['rows']}")
+            + ")" for s in (data or {}).get("sources") or []}
+
+
+def source_metrics(data: dict | None, evaluation: dict | None) -> dict[str, float]:
+    """What each source of a mixture gave, as MLflow metrics: data/<name>/<figure> (rows read,
+    kept and skipped, training examples and their share, held-out examples), and the evaluate
+    stage's loss on its held-out rows (eval/loss/<name>)."""
+    out: dict[str, float] = {}
+    for s in (data or {}).get("sources") or []:
+        out |= {f"data/{s['name']}/{key}": s[key] for key in (
+            "rows_read", "rows_kept", "skipped_rows", "train_examples", "share",
+            "eval_examples") if isinstance(s.get(key), int | float)}
+    out |= {f"eval/loss/{name}": loss for name, loss in
+            ((evaluation or {}).get("loss_by_source") or {}).items()
+            if isinstance(loss, int | float)}
+    return out
+
+
 def _metric_key(metric: str) -> str:
     return f"eval/{'loss' if metric == 'eval_loss' else metric}"
 
@@ -306,6 +330,14 @@ def _track(uri: str, cfg: RunConfig, model_name: str, report: dict, evaluation: 
                     for key, value in _evaluation_metrics(evaluation).items()]
         metrics += [Metric(key, float(value), now, 0)
                     for key, value in goodput_metrics(report.get("goodput")).items()]
+        metrics += [Metric(f"eval_loss/{name}", float(loss), now, int(point["step"]))
+                    for point in report.get("series", {}).get("eval", [])
+                    for name, loss in (point.get("eval_loss_by_source") or {}).items()
+                    if loss is not None]
+        metrics += [Metric(key, float(value), now, 0)
+                    for key, value in source_metrics(report.get("data"), evaluation).items()]
+        params += [Param(key, value[:MAX_PARAM_CHARS])
+                   for key, value in source_params(report.get("data")).items()]
         for start in range(0, max(len(params), len(metrics)), 100):  # MLflow's batch limits
             client.log_batch(run_id, metrics=metrics[start:start + 100],
                              params=params[start:start + 100])
