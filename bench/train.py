@@ -52,7 +52,13 @@ from trainer.lora import apply_lora
 from trainer.loss import LOSS_METHOD, add_loss_method
 from trainer.master_weights import GradIntoLinear, compute_weights
 from trainer.metrics import peak_flops
-from trainer.model import build_model, builtin_config, materialize_weights, model_on_meta
+from trainer.model import (
+    build_model,
+    builtin_config,
+    materialize_weights,
+    model_on_meta,
+    stretch_positions,
+)
 from trainer.optim import build_optimizer, optimizer_step
 from trainer.parallel import DistEnv, apply_parallelism, init_distributed, quantize_dtype
 from trainer.qlora import nf4_bytes
@@ -90,6 +96,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="nf4: QLoRA (ours: torchao NF4; HF: bitsandbytes 4-bit NF4)")
     parser.add_argument("--ac", choices=["none", "full", "selective"], default="none")
     parser.add_argument("--selective-ac", default="op", help="op, or k: every k-th block")
+    parser.add_argument("--activation-offload", action="store_true",
+                        help="saved activations in CPU memory (with --ac full: each block's "
+                             "input, the MLP tiled; trainer/offload.py)")
     # One GPU: resharding after forward saves memory (8B needs it) but gathers again in backward.
     parser.add_argument("--strategy", default="SHARD_GRAD_OP", help="FULL_SHARD for 8B")
     parser.add_argument("--shard-group-size", type=int, default=0, help="HYBRID_SHARD group")
@@ -214,12 +223,15 @@ def bench_config(name: str) -> PretrainedConfig:
     return config
 
 
-def build_bench_model(name: str, attention: str) -> torch.nn.Module:
+def build_bench_model(name: str, attention: str, seq_len: int | None = None) -> torch.nn.Module:
     """The model on the meta device, as trainer.model.build_model builds it (its attention:
-    eager where the family soft-caps the scores)."""
+    eager where the family soft-caps the scores; positions stretched to seq_len)."""
     if name in BUILTIN_MODELS:
-        return build_model(name, attention=attention)
-    return model_on_meta(bench_config(name), attention)
+        return build_model(name, attention=attention, seq_len=seq_len)
+    config = bench_config(name)
+    if seq_len is not None:
+        stretch_positions(config, seq_len)
+    return model_on_meta(config, attention)
 
 
 def materialize_bench_model(model: torch.nn.Module, name: str, config: TrainConfig,
@@ -246,6 +258,7 @@ def run_trainer(
         shard_group_size=args.shard_group_size,
         mixed_precision="bf16",
         activation_checkpointing=args.ac,
+        activation_offload=args.activation_offload,
         selective_ac=args.selective_ac if args.ac == "selective" else "op",
         compile=args.compile,
         float8=args.float8,
@@ -257,7 +270,7 @@ def run_trainer(
     )
     if args.float8:
         check_float8_device(env.device)
-    model = build_bench_model(name, attention)
+    model = build_bench_model(name, attention, args.seq_len)
     model_config = model.config
     adapter_params = apply_lora(model, config) if args.lora_rank else None
     apply_parallelism(model, config, env)
@@ -301,6 +314,7 @@ def run_trainer(
         "mixed_precision": "bf16 (fp32 master, "
         + ("fp32 reduce)" if env.world_size > args.tp_degree else "no reduce)"),
         "ac": args.ac if args.ac != "selective" else f"selective:{args.selective_ac}",
+        "activation_offload": args.activation_offload,
         "compile": args.compile,
         "float8": args.float8,
         "float8_recipe": args.float8_recipe if args.float8 else None,

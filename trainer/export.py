@@ -129,7 +129,7 @@ def export_checkpoint(
         )
     train_config = load_config(config_path)
     tokenizer = AutoTokenizer.from_pretrained(train_config.tokenizer)
-    model = build_model(train_config.model, tokenizer)
+    model = build_model(train_config.model, tokenizer, seq_len=train_config.seq_len)
     if train_config.lora_rank:
         apply_lora(model, train_config)
     lora = bool(train_config.lora_rank)

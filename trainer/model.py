@@ -17,12 +17,13 @@ from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 
 from finetune_contract.families import attention_kernel, family_of
-from finetune_contract.models import BUILTIN_MODELS
+from finetune_contract.models import BUILTIN_MODELS, extended_rope
 from trainer.attention import attn_implementation
 from trainer.lora import init_adapter_weights, is_adapter_param
 from trainer.qlora import defer_quantized, pending_shape, quantize_into
@@ -48,9 +49,10 @@ def builtin_config(name: str, tokenizer: PreTrainedTokenizerBase | None = None) 
 
 
 def build_model(model: str, tokenizer: PreTrainedTokenizerBase | None = None,
-                attention: str = "sdpa") -> PreTrainedModel:
+                attention: str = "sdpa", seq_len: int | None = None) -> PreTrainedModel:
     """The model's modules on the meta device, fp32 and without storage; `attention` the
-    contract's kernel (trainer/attention.py).
+    contract's kernel (trainer/attention.py); `seq_len` beyond the model's positions stretches
+    its rotary embedding (`stretch_positions`), which the export's config.json then holds.
 
     Shard it first, then `materialize_weights` allocates each rank's shards and fills them, so no
     process ever holds the whole model.
@@ -59,7 +61,19 @@ def build_model(model: str, tokenizer: PreTrainedTokenizerBase | None = None,
         config = builtin_config(model, tokenizer)
     else:
         config = AutoConfig.from_pretrained(pretrained_dir(model))
+    if seq_len is not None:
+        stretch_positions(config, seq_len)
     return model_on_meta(config, attention)
+
+
+def stretch_positions(config: PretrainedConfig, seq_len: int) -> None:
+    """A config whose max_position_embeddings is below seq_len: its rope parameters stretched
+    to seq_len (finetune_contract.models.extended_rope) and its positions raised to it."""
+    rope = extended_rope(getattr(config, "rope_parameters", None), config.max_position_embeddings,
+                         seq_len)
+    if rope is not None:
+        config.rope_parameters = rope
+        config.max_position_embeddings = seq_len
 
 
 def model_on_meta(config: Any, attention: str = "sdpa") -> PreTrainedModel:

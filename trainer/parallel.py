@@ -18,15 +18,22 @@ from torch.distributed.fsdp import (
 )
 from transformers import PretrainedConfig
 
+from finetune_contract.families import family_of
 from finetune_contract.fields import ContractError
 from finetune_contract.models import ModelShape
 from finetune_contract.parallel_dims import TP_DIM, ParallelDims
-from finetune_contract.rules import config_problems, device_problems
+from finetune_contract.rules import (
+    MLP_TILE_TOKENS,
+    config_problems,
+    device_problems,
+    offloads_blocks,
+)
 from trainer.activations import checkpoint_activations, offload_activations
 from trainer.blocks import decoder_blocks
 from trainer.config import TrainConfig
 from trainer.float8 import convert_to_float8
 from trainer.master_weights import use_master_weights
+from trainer.offload import offload_blocks
 from trainer.qlora import quantized_params
 from trainer.tensor_parallel import apply_tensor_parallel
 
@@ -163,9 +170,13 @@ def compile_blocks(blocks: torch.nn.ModuleList) -> None:
     TRAINER_COMPILE_BACKEND picks another backend (tests on CPU use aot_eager: same graphs, no
     minutes of C++ code generation).
     """
-    backend = os.environ.get("TRAINER_COMPILE_BACKEND", "inductor")
+    backend = compile_backend()
     for i, block in enumerate(blocks):
         blocks[i] = torch.compile(block, backend=backend, fullgraph=True)
+
+
+def compile_backend() -> str:
+    return os.environ.get("TRAINER_COMPILE_BACKEND", "inductor")
 
 
 def apply_parallelism(
@@ -186,11 +197,16 @@ def apply_parallelism(
     blocks = decoder_blocks(model)
     if config.float8:  # before checkpoint wrapping and compile, as torchtitan converts
         convert_to_float8(blocks, sharded=dims.shard_degree > 1, recipe=config.float8_recipe)
-    checkpoint_activations(blocks, config.activation_checkpointing, config.selective_ac)
-    if config.compile:
-        compile_blocks(blocks)
-    if config.activation_offload:
-        offload_activations(blocks, env.device)
+    if offloads_blocks(config):
+        offload_blocks(blocks, env.device, tile_tokens=MLP_TILE_TOKENS,
+                       output_unread=family_of(model.config).mlp_output_unread,
+                       compile_backend=compile_backend() if config.compile else None)
+    else:
+        checkpoint_activations(blocks, config.activation_checkpointing, config.selective_ac)
+        if config.compile:
+            compile_blocks(blocks)
+        if config.activation_offload:
+            offload_activations(blocks, env.device)
     if not dims.needs_fsdp(config.cpu_offload):
         # Nothing to shard, gather or reduce: FSDP would only copy (trainer/master_weights.py).
         if config.mixed_precision != "fp32":

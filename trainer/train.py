@@ -228,7 +228,7 @@ class Trainer:
         if env.rank == 0:
             print_data(splits, max_steps)
 
-        model = build_model(config.model, tokenizer, config.attention)
+        model = build_model(config.model, tokenizer, config.attention, config.seq_len)
         # LoRA: adapters in the blocks before any wrapping; the base weights are frozen.
         adapter_params = apply_lora(model, config) if config.lora_rank else None
         model_config = model.config
@@ -246,7 +246,7 @@ class Trainer:
                                                 pad_id)
             batches = TrainBatches(splits.train, sampler, pad_id, pad_to)
         elif config.method == "dpo" and not config.lora_rank:  # LoRA: the adapters disabled
-            reference = build_model(config.model, tokenizer, config.attention)
+            reference = build_model(config.model, tokenizer, config.attention, config.seq_len)
             apply_parallelism(reference, config, env, mesh)
             materialize_weights(reference, config.model, config.seed, param_device,
                                 quantize_dtype(config))

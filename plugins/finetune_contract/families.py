@@ -88,6 +88,12 @@ class Family:
     # memory over micro-batch on one H200 (docs/trainer.md "Model families").
     activation_extra: str = ""
 
+    @property
+    def mlp_output_unread(self) -> bool:
+        """The block adds its MLP's output to the residual and reads it nowhere else (no norm
+        after the MLP): a recompute for backward alone may skip computing it (trainer/offload)."""
+        return "post_feedforward_layernorm" not in self.norms
+
 
 def _attention(bias: str = NO_BIAS, o_bias: str = NO_BIAS) -> tuple[Linear, ...]:
     return (Linear("self_attn.q_proj", "hidden", "q", bias),

@@ -125,6 +125,7 @@ class ModelShape:
     model_type: str = BUILTIN_MODEL_TYPE  # config.json's: its row of finetune_contract.families
     architecture_problem: str | None = None  # why the trainer cannot run it (not in the table)
     head_dim: int | None = None  # config head_dim, else hidden_size / num_attention_heads
+    rope_type: str = "default"  # its rotary embedding's: how far extended_rope can stretch it
 
     @classmethod
     def from_config(cls, name: str, config: Any) -> ModelShape:
@@ -140,7 +141,41 @@ class ModelShape:
         head_dim = number("head_dim") or (hidden // heads if hidden and heads else None)
         return cls(name, heads, number("num_key_value_heads") or heads,
                    number("intermediate_size"), number("max_position_embeddings"),
-                   model_type_of(config), architecture_problem(config), head_dim)
+                   model_type_of(config), architecture_problem(config), head_dim,
+                   rope_type_of(get("rope_parameters") or get("rope_scaling")))
+
+
+# Rotary embeddings the trainer stretches to a seq_len beyond max_position_embeddings: default
+# and linear by position interpolation (a linear factor), llama3 by its own factor.
+STRETCHED_ROPE = ("default", "linear", "llama3")
+
+
+def rope_type_of(rope: Any) -> str:
+    """config.json's rope_parameters (transformers 5) or rope_scaling (older): its type."""
+    if not isinstance(rope, dict):
+        return "default"
+    return str(rope.get("rope_type") or rope.get("type") or "default")
+
+
+def extended_rope(rope: dict[str, Any] | None, max_positions: int, seq_len: int
+                  ) -> dict[str, Any] | None:
+    """The rope parameters that let a model of `max_positions` positions train on `seq_len`
+    tokens: positions interpolated by seq_len / max_positions (default and linear: a linear
+    factor; llama3: its factor times that), as Unsloth and position interpolation (Chen et al.,
+    2023) stretch them. None: no change needed. A type not in STRETCHED_ROPE raises ValueError
+    (the rules refuse it first)."""
+    if seq_len <= max_positions:
+        return None
+    stretch = seq_len / max_positions
+    rope = dict(rope or {})
+    kind = rope_type_of(rope)
+    if kind not in STRETCHED_ROPE:
+        raise ValueError(f"rope type {kind!r} is not one the trainer stretches "
+                         f"({', '.join(STRETCHED_ROPE)})")
+    rope.pop("type", None)
+    if kind == "default":
+        return {**rope, "rope_type": "linear", "factor": stretch}
+    return {**rope, "rope_type": kind, "factor": float(rope.get("factor", 1.0)) * stretch}
 
 
 def model_config(model: str, model_dir: Path | None = None) -> dict[str, Any] | None:

@@ -421,7 +421,7 @@ PARAMETERS: tuple[Parameter, ...] = (
       'Tokens per sequence. An example longer than this is never truncated: bad_rows decides '
       '(skip: skipped and counted in the report; error: the run fails at validate naming its '
       'line).',
-      bounds=Bounds(minimum=8, maximum=131072)),
+      bounds=Bounds(minimum=8, maximum=1_048_576)),
     P('micro_batch', 8, 'Training', 'Micro-batch',
       'Sequences per process per forward pass.',
       bounds=Bounds(minimum=1, maximum=4096)),

@@ -32,7 +32,7 @@ from finetune_contract.families import attention_flops as attention_work
 from finetune_contract.families import head_dim as family_head_dim
 from finetune_contract.models import BUILTIN_MODELS
 from finetune_contract.parallel_dims import ParallelDims
-from finetune_contract.rules import selective_every
+from finetune_contract.rules import MLP_TILE_TOKENS, offloads_blocks, selective_every
 from finetune_contract.throughput import (
     LOGITS_PER_CHUNK,
     PEAK_FLOPS_BY_DEVICE,
@@ -72,6 +72,9 @@ FLOAT8_ACTIVATION_FACTOR = 0.70
 OVERHEAD_GIB = 1.0
 # FSDP prefetches the next block while one runs: two blocks gathered at once.
 GATHERED_BLOCKS = 2
+# Offloaded block inputs on the GPU at once (trainer/offload.py): the one copying out while the
+# next block runs, in backward the one in use and the one fetched ahead.
+OFFLOAD_IN_FLIGHT = 2
 # Fractions of the dense bf16 peak the kernels reach on the H200 (docs/trainer.md "Where the
 # time goes":
 # GEMMs 707 TFLOP/s; cuDNN attention 365 at head dim 128, 286 at 64, real causal FLOPs, which
@@ -233,9 +236,29 @@ def activation_bytes_per_token(cfg: TrainConfig, config: Any) -> tuple[float, fl
         saved, recompute = checkpointed * boundary + (layers - checkpointed) * block, block
     else:
         saved, recompute = layers * block, 0.0
-    if cfg.activation_offload:  # saved tensors wait in CPU memory; a block's are in flight
+    if offloads_blocks(cfg):  # trainer/offload.py: the inputs in CPU memory, the MLP tiled
+        tokens = cfg.micro_batch * cfg.seq_len
+        tiled = elem * ACT_MLP * mlp * (1 - min(1.0, MLP_TILE_TOKENS / tokens))
+        saved, recompute = OFFLOAD_IN_FLIGHT * boundary, recompute - tiled
+    elif cfg.activation_offload:  # saved tensors wait in CPU memory; a block's are in flight
         saved = min(saved, GATHERED_BLOCKS * saved / layers)
     return saved, recompute
+
+
+def host_offload_bytes(cfg: TrainConfig, config: Any) -> float:
+    """CPU memory the offloaded block inputs take per GPU (trainer/offload.py), 0 otherwise."""
+    if not offloads_blocks(cfg):
+        return 0.0
+    elem = 4 if cfg.mixed_precision == "fp32" else 2
+    return (config.num_hidden_layers * elem * config.hidden_size * cfg.micro_batch
+            * cfg.seq_len)
+
+
+def packed_mask_bytes(cfg: TrainConfig) -> float:
+    """Packed rows under sdpa: transformers' block-diagonal causal mask, a byte per query and
+    key of each row (a quadratic term: 17 GB at 131,072 tokens); 0 otherwise."""
+    return float(cfg.micro_batch * cfg.seq_len ** 2) if cfg.packing and cfg.attention == "sdpa" \
+        else 0.0
 
 
 def dequantized_blocks_kept(cfg: TrainConfig, layers: int) -> int:
@@ -305,6 +328,7 @@ def estimate(cfg: TrainConfig, *, world_size: int, local_world_size: int, hardwa
     if quantized and cfg.compile:  # and one block's while backward recomputes it
         kept = max(1, dequantized_blocks_kept(cfg, layers))
         activations += compute_bytes * quantized / layers * kept
+    activations += packed_mask_bytes(cfg)
     chunk = min(tokens // tp or 1, max(1, LOGITS_PER_CHUNK // config.vocab_size))
     loss = 4 * chunk * config.vocab_size  # the chunk's logits and their gradient, bf16
     state_forward = (masters + optimizer + (grads if cfg.grad_accum > 1 else 0)) / sharded
@@ -315,6 +339,9 @@ def estimate(cfg: TrainConfig, *, world_size: int, local_world_size: int, hardwa
              "gradients": grads / sharded / GIB, "compute_copies": copies / GIB,
              "activations": activations / GIB, "loss_chunk": loss / GIB,
              "overhead": OVERHEAD_GIB}
+    host = host_offload_bytes(cfg, config)
+    if host:  # CPU memory, not in the GPU's peak
+        parts["host_offload"] = host / GIB
     peak = max(forward_end, backward_end, start) / GIB + OVERHEAD_GIB
     step, comm, exposed = _step_time(cfg, config, hardware, layout, no_fsdp, params, trained,
                                      lora, quantized)
@@ -496,7 +523,8 @@ def memory_problems(cfg: TrainConfig, *, world_size: int, local_world_size: int,
         return []
     found = search(cfg, world_size=world_size, local_world_size=local_world_size,
                    hardware=hardware, config=config)
-    largest = max(est.parts_gib, key=lambda k: est.parts_gib[k] if k != "overhead" else 0)
+    largest = max(est.parts_gib, key=lambda k: 0 if k in ("overhead", "host_offload")
+                  else est.parts_gib[k])
     message = (f"estimated peak {est.peak_gib:g} GiB per GPU exceeds the {hardware.name}'s "
                f"{hardware.gpu_memory_gib:g} GiB (largest part: {largest} "
                f"{est.parts_gib[largest]:g} GiB); change micro_batch, grad_accum, "

@@ -13,7 +13,7 @@ import re
 from finetune_contract.families import FAMILIES, lora_target_problem
 from finetune_contract.fields import FA4_CAPABILITIES, FA4_HEAD_DIMS, PRINTABLE, quoted
 from finetune_contract.mixture import parse_mixture, source_config
-from finetune_contract.models import ModelShape
+from finetune_contract.models import STRETCHED_ROPE, ModelShape
 from finetune_contract.parallel_dims import ParallelDims, elastic_problems
 from finetune_contract.parameters import BY_NAME, TRAINER_PARAMETERS
 from finetune_contract.train_config import TrainConfig
@@ -26,6 +26,25 @@ _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _BUCKET_PREFIXES = ("xn--", "sthree-", "amzn-s3-demo-")
 _BUCKET_SUFFIXES = ("-s3alias", "--ol-s3", ".mrap", "--x-s3", "--table-s3")
 _MODULE_NAME = re.compile(r"^[A-Za-z_]\w*$")
+
+
+# Offloaded blocks (activation_offload with full checkpointing, trainer/offload.py) run their MLP
+# over slices of at most this many tokens: 8B's four MLP-wide tensors are then 3.8 GB at most
+# however long the sequence (at 400k tokens, whole: 47 GB).
+MLP_TILE_TOKENS = 32768
+
+
+def mlp_tiles(tokens: int, tile_tokens: int = MLP_TILE_TOKENS) -> int:
+    """How many slices an offloaded block's MLP runs over for `tokens` tokens (at least one)."""
+    return max(1, -(-tokens // tile_tokens))
+
+
+def offloads_blocks(cfg: TrainConfig) -> bool:
+    """activation_offload with full checkpointing at tensor-parallel degree 1: each block's input
+    waits in CPU memory and its MLP is tiled (trainer/offload.py); otherwise activation_offload
+    moves what each block saves (trainer/activations.py)."""
+    return (cfg.activation_offload and cfg.activation_checkpointing == "full"
+            and cfg.tp_degree == 1)
 
 
 def selective_every(selective_ac: str) -> int | None:
@@ -121,10 +140,13 @@ def config_problems(cfg: TrainConfig, *, world_size: int, local_world_size: int,
     problems += _preference(cfg)
     problems += _parallelism(cfg, world_size, local_world_size, shape)
     problems += _architecture(cfg, shape)
-    if shape and shape.max_position_embeddings and cfg.seq_len > shape.max_position_embeddings:
+    if (shape and shape.max_position_embeddings and cfg.seq_len > shape.max_position_embeddings
+            and shape.rope_type not in STRETCHED_ROPE):
         problems.append(("seq_len", f"{cfg.seq_len} exceeds model {_name(shape)}'s "
-                         f"max_position_embeddings ({shape.max_position_embeddings}): lower "
-                         "seq_len or choose a model with more positions"))
+                         f"max_position_embeddings ({shape.max_position_embeddings}) and its "
+                         f"rope type {shape.rope_type!r} is not one the trainer stretches "
+                         f"({', '.join(STRETCHED_ROPE)}): lower seq_len or choose a model "
+                         "with more positions"))
     if cfg.prompt_template == "chat" and cfg.text_field:
         problems.append(("prompt_template", f"chat needs prompt and response fields, but "
                          f"text_field={quoted(cfg.text_field)} makes every row plain text: "

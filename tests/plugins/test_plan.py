@@ -150,3 +150,36 @@ def test_with_max_steps_0_the_plan_counts_the_steps_the_trainer_will_run(conf, t
     steps = optimizer_steps(train, sampler.batches_per_epoch)
     assert (plan.train_rows, plan.steps) == (len(splits.train), steps)
     assert f"{plan.steps} steps ({conf['epochs']:g} epochs of" in plan_text(cfg, plan)
+
+
+LONG_8B_QLORA = {**EKS_SITE, "instance_type": "p5e.48xlarge", "nodes": 1, "procs_per_node": 1,
+                 "model": "llama-8b", "mixed_precision": "bf16", "micro_batch": 1,
+                 "lora_rank": 16, "quantize_base": "nf4", "compile": True, "max_steps": 10,
+                 "activation_checkpointing": "full"}
+
+
+def test_an_8b_qlora_at_400k_tokens_fits_one_h200_only_with_its_block_inputs_offloaded():
+    """Beyond the model's 131,072 positions (its RoPE stretched), the planner's answer decides:
+    kept on the GPU the block inputs do not fit, and the refusal names the setting that does;
+    offloaded they sit in CPU memory (a part of the plan, not of the GPU's peak)."""
+    conf = {**LONG_8B_QLORA, "seq_len": 409_600}
+    with pytest.raises(ConfigError) as err:
+        validate_params(conf, run_id="r")
+    (message,) = [m for _, m in err.value.errors if "estimated peak" in m]
+    assert "activation_offload=True" in message.split("fits: ")[1]
+    config = validate_params({**conf, "activation_offload": True}, run_id="r")
+    assert config.seq_len == 409_600
+    est = estimate(TrainConfig(**{k: v for k, v in conf.items() if k in TrainConfig.__annotations__
+                                  and k not in ("nodes", "procs_per_node")},
+                               activation_offload=True),
+                   world_size=1, local_world_size=1, hardware=H200)
+    assert est.fits and est.parts_gib["host_offload"] == pytest.approx(100.0)  # 32 x 3.1 GiB
+
+
+def test_packed_rows_under_sdpa_count_their_quadratic_mask():
+    base = TrainConfig(model="llama-8b", seq_len=65_536, micro_batch=1, lora_rank=16,
+                       activation_checkpointing="full", activation_offload=True)
+    plain, packed = (estimate(TrainConfig(**{**base.__dict__, "packing": p}), world_size=1,
+                              local_world_size=1, hardware=H200) for p in (False, True))
+    assert packed.parts_gib["activations"] - plain.parts_gib["activations"] == pytest.approx(
+        65_536 ** 2 / 2 ** 30, abs=0.01)  # 4 GiB of mask at 65,536 tokens

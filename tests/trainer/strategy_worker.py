@@ -25,6 +25,8 @@ PRECISION_AND_MEMORY_SETUPS = {
     "selective_op": {"activation_checkpointing": "selective", "selective_ac": "op"},
     "selective_every_2": {"activation_checkpointing": "selective", "selective_ac": "2"},
     "offloaded": {"activation_offload": True, "cpu_offload": True},
+    # each block's input in CPU memory, its MLP tiled (trainer/offload.py), under FSDP
+    "offloaded_blocks": {"activation_checkpointing": "full", "activation_offload": True},
     "fp16_all_memory_options": {
         "mixed_precision": "fp16",
         "activation_checkpointing": "selective",

@@ -223,3 +223,42 @@ def test_the_weight_gradient_gemm_adds_into_the_fp32_gradient_in_place_on_cuda()
     assert grad.data_ptr() == pointer
     error = ((grad.double() - exact).norm() / exact.norm()).item()
     assert error < 1e-5 < ((cast.double() - exact).norm() / exact.norm()).item()
+
+
+def _offloaded_and_plain(env, monkeypatch, **options):
+    monkeypatch.setenv("TRAINER_COMPILE_BACKEND", "aot_eager")
+    monkeypatch.setattr("trainer.parallel.MLP_TILE_TOKENS", 24)  # 64 tokens: 3 slices
+    setup = {"strategy": "SHARD_GRAD_OP", "activation_checkpointing": "full", **options}
+    return train(env, activation_offload=True, **setup), train(env, **setup)
+
+
+def test_offloaded_blocks_train_to_the_losses_of_full_checkpointing(world_of_one, monkeypatch):
+    """activation_offload with full checkpointing (trainer/offload.py: block inputs in CPU
+    memory, MLPs in 3 slices, each block part compiled) on one rank: in fp32 the losses, grad
+    norms and eval loss of full checkpointing."""
+    offloaded, plain = _offloaded_and_plain(world_of_one, monkeypatch, mixed_precision="fp32",
+                                            lora_rank=4, compile=True)
+    for mine, theirs in zip(offloaded[:3], plain[:3], strict=True):
+        assert mine == pytest.approx(theirs, rel=1e-5)
+
+
+def test_offloaded_blocks_in_bf16_give_the_gradients_of_full_checkpointing(world_of_one,
+                                                                           monkeypatch):
+    """bf16 compute on fp32 masters, a full fine-tune whose weight gradients land in the GEMM
+    (grad_accum 2: GradIntoLinear): one step's fp32 gradients equal to the fp32 sums' order
+    (the tiles add the slices' GEMMs; 1e-7 here). Later steps part as any two bf16 runs whose
+    masters differ in the last bits."""
+    monkeypatch.setattr("trainer.parallel.MLP_TILE_TOKENS", 24)  # 64 tokens: 3 slices
+    grads = []
+    for offload in (True, False):
+        model, _, _ = build(world_of_one, strategy="SHARD_GRAD_OP", mixed_precision="bf16",
+                            activation_checkpointing="full", grad_accum=2,
+                            activation_offload=offload)
+        assert any(isinstance(m, GradIntoLinear) for m in model.modules())
+        train_step(model, batches(model.config.vocab_size, 2), world_of_one)
+        grads.append({n.replace("_checkpoint_wrapped_module.", ""): p.grad
+                      for n, p in model.named_parameters()})
+    assert grads[0].keys() == grads[1].keys()
+    for name, grad in grads[1].items():
+        assert grads[0][name].dtype == torch.float32
+        torch.testing.assert_close(grads[0][name], grad, rtol=1e-5, atol=1e-8, msg=name)

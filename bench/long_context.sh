@@ -1,0 +1,23 @@
+#!/bin/bash
+# Long context on one GPU, ours beside Unsloth (docs/trainer.md "Long context"): an 8B QLoRA
+# (and LoRA) with every block's input in CPU memory (ours: --ac full --activation-offload;
+# Unsloth: its offloaded gradient checkpointing), then ours alone at the longest sequence.
+# Unsloth runs from its own site directory, first on its child's path (bench/unsloth.py).
+# Usage: bench/long_context.sh OUT_DIR PART   (PART: peers | longest)
+set -u
+out=$1
+part=$2
+run() {  # one bench run, its JSON lines appended to $out/long_context.jsonl
+    echo "# python -m bench.train $*" | tee -a "$out/long_context.jsonl"
+    python -m bench.train --models 8b --micro-batch 1 --lora-rank 16 --ac full --compile \
+        --no-hf "$@" 2>"$out/stderr-$(date +%s).txt" | tee -a "$out/long_context.jsonl"
+}
+case $part in
+peers)
+    run --seq-len 32768 --quantize-base nf4 --activation-offload --peers unsloth --steps 3 --warmup 1
+    run --seq-len 131072 --quantize-base nf4 --activation-offload --peers unsloth --steps 1 --warmup 1
+    ;;
+longest)
+    run --seq-len "${SEQ:-409600}" --quantize-base nf4 --activation-offload --peers "" --steps 1 --warmup 0
+    ;;
+esac

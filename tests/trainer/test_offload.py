@@ -1,0 +1,144 @@
+"""Offloaded blocks and tiled MLPs (trainer/offload.py) give the gradients of the plain model."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from finetune_contract.families import FAMILIES, family_of
+from finetune_contract.rules import mlp_tiles
+from tests.trainer.test_families import family_config
+from trainer.blocks import decoder_blocks
+from trainer.offload import HostBuffers, HostOffloader, offload_blocks
+
+
+def _grads(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                           if p.grad is not None}
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+@pytest.mark.parametrize("tile_tokens", [5, 4096])
+def test_offloaded_tiled_blocks_give_the_plain_models_loss_and_gradients(model_type, tile_tokens):
+    """Every family: the same loss and every parameter's gradient, with the MLP in several
+    slices (5 tokens: 24 rows in 5) and in one; for families whose MLP output feeds a norm
+    (Gemma, OLMo 2) the recompute must compute it, for the others it may skip it."""
+    torch.manual_seed(0)
+    config = family_config(model_type)
+    plain = AutoModelForCausalLM.from_config(config).float()
+    offloaded = AutoModelForCausalLM.from_config(config).float()
+    offloaded.load_state_dict(plain.state_dict())
+    names = [n for n, _ in offloaded.named_parameters()]
+    offload_blocks(decoder_blocks(offloaded), torch.device("cpu"), tile_tokens=tile_tokens,
+                   output_unread=family_of(config).mlp_output_unread)
+    assert [n for n, _ in offloaded.named_parameters()] == names  # checkpoints see the same
+    ids = torch.randint(0, config.vocab_size, (2, 12))
+    loss, grads = _grads(plain, ids)
+    offloaded_loss, offloaded_grads = _grads(offloaded, ids)
+    torch.testing.assert_close(offloaded_loss, loss)
+    assert offloaded_grads.keys() == grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(offloaded_grads[name], grad, rtol=1e-4, atol=1e-6,
+                                   msg=name)
+
+
+def test_a_family_whose_mlp_output_feeds_a_norm_may_not_skip_it():
+    assert not FAMILIES["gemma2"].mlp_output_unread
+    assert not FAMILIES["olmo2"].mlp_output_unread
+    assert FAMILIES["llama"].mlp_output_unread
+
+
+def test_skipping_the_mlp_where_a_norm_reads_it_would_change_the_gradients():
+    """The test above can fail: Gemma 2 told its MLP output is unread gets other gradients."""
+    torch.manual_seed(0)
+    config = family_config("gemma2")
+    plain = AutoModelForCausalLM.from_config(config).float()
+    wrong = AutoModelForCausalLM.from_config(config).float()
+    wrong.load_state_dict(plain.state_dict())
+    offload_blocks(decoder_blocks(wrong), torch.device("cpu"), tile_tokens=5,
+                   output_unread=True)
+    ids = torch.randint(0, config.vocab_size, (2, 12))
+    _, grads = _grads(plain, ids)
+    _, wrong_grads = _grads(wrong, ids)
+    assert any(not torch.allclose(wrong_grads[n], g, rtol=1e-3, atol=1e-5)
+               for n, g in grads.items())
+
+
+def test_evaluation_without_gradients_stores_nothing():
+    config = family_config("llama")
+    model = AutoModelForCausalLM.from_config(config)
+    offloader = offload_blocks(decoder_blocks(model), torch.device("cpu"), tile_tokens=4,
+                               output_unread=True)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, config.vocab_size, (1, 8)))
+    assert offloader.live == [] and offloader.buffers.free == []
+
+
+def test_each_step_reuses_the_host_buffers_of_the_last():
+    config = family_config("llama")
+    model = AutoModelForCausalLM.from_config(config)
+    offloader = offload_blocks(decoder_blocks(model), torch.device("cpu"), tile_tokens=4,
+                               output_unread=True)
+    ids = torch.randint(0, config.vocab_size, (1, 8))
+    for _ in range(3):
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        assert offloader.live == []
+        # one buffer per block, each block input's size (8 tokens x 32 x fp32)
+        assert sorted(b.numel() for b in offloader.buffers.free) == [8 * 32 * 4] * 2
+
+
+def test_two_forwards_before_one_backward_keep_their_inputs_apart():
+    """DPO's chosen and rejected halves, or any two forwards: each block input has a buffer."""
+    torch.manual_seed(0)
+    config = family_config("llama")
+    plain = AutoModelForCausalLM.from_config(config).float()
+    offloaded = AutoModelForCausalLM.from_config(config).float()
+    offloaded.load_state_dict(plain.state_dict())
+    offload_blocks(decoder_blocks(offloaded), torch.device("cpu"), tile_tokens=3,
+                   output_unread=True)
+    a, b = (torch.randint(0, config.vocab_size, (1, 10)) for _ in range(2))
+    grads = []
+    for model in (plain, offloaded):
+        model.zero_grad(set_to_none=True)
+        (model(input_ids=a, labels=a, use_cache=False).loss
+         + 2 * model(input_ids=b, labels=b, use_cache=False).loss).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_host_buffers_are_taken_at_their_size_and_given_back():
+    buffers = HostBuffers(pin=False)
+    big, small = buffers.take(1000), buffers.take(800)
+    assert (big.numel(), small.numel()) == (1000, 800)  # not rounded up to a power of two
+    buffers.give_back(big)
+    buffers.give_back(small)
+    assert buffers.take(600) is small  # the smallest free one that holds it
+    assert buffers.take(900) is big
+    assert buffers.take(600).numel() == 600  # none free: a new one
+
+
+def test_an_offloader_copies_out_and_back_on_a_cpu_device():
+    offloader = HostOffloader(torch.device("cpu"))
+    x = torch.randn(3, 4)
+    stored = offloader.store(x)
+    x.add_(1)  # the stored copy is the value at store time
+    back = offloader.fetch(stored)
+    torch.testing.assert_close(back, x - 1)
+    assert offloader.live == []
+
+
+@pytest.mark.parametrize("tokens,tiles", [(1, 1), (32768, 1), (32769, 2), (409_600, 13)])
+def test_mlp_tiles_is_the_ceiling_of_tokens_over_the_tile(tokens, tiles):
+    assert mlp_tiles(tokens) == tiles
+
+
+def test_an_offloaded_block_refuses_a_kv_cache():
+    config = family_config("llama")
+    model = AutoModelForCausalLM.from_config(config)
+    offload_blocks(decoder_blocks(model), torch.device("cpu"), tile_tokens=4, output_unread=True)
+    ids = torch.randint(0, config.vocab_size, (1, 8))
+    with pytest.raises(ValueError, match="use_cache=False"):
+        model(input_ids=ids, labels=ids, use_cache=True)
