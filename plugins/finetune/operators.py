@@ -103,9 +103,10 @@ class TrialOperator(StageOperator):
       StageOperator's are, and fails the trial on the last try.
 
     The outcome is recorded in the sweep's directory (finetune.sweep.records) before it is
-    returned: a retry of the task or of the whole sweep adopts it instead of training again.
-    The rendezvous is recorded too, so a retry that reattaches to a running training does not
-    clear the store that training uses. inputs: {"image": build_image's result}.
+    returned: a retry of the task or of the whole sweep adopts a completed or stopped trial
+    instead of training it again (a failed one is tried again). The rendezvous is recorded
+    too, so a retry that reattaches to a running training does not clear the store that
+    training uses; the sweep's teardown forgets it. inputs: {"image": build_image's result}.
     """
 
     def __init__(self, *, run_config: Any, inputs: dict[str, Any] | None = None,
@@ -118,10 +119,13 @@ class TrialOperator(StageOperator):
         target, cfg = self._target()
         records = self._records(target, cfg)
         ended = records.outcome(cfg.sweep_trial)
-        if ended is not None:
+        if ended is not None and ended["outcome"] != "failed":
             log.info("trial %d ended before this try (%s): its outcome is taken as it is",
                      cfg.sweep_trial, ended["outcome"])
             return ended
+        if ended is not None:
+            log.info("trial %d failed before this try (%s): it is tried again",
+                     cfg.sweep_trial, ended["reason"])
         try:
             rendezvous = records.rendezvous(cfg.sweep_trial)
             if rendezvous is None:

@@ -265,6 +265,8 @@ def sweep_pipeline(*, model_asset: Asset | None = None, pool: str | None = None)
         """Every trial released (its processes or jobs, its rendezvous; a failed report where
         it has none), then the sweep's own teardown: its nodes given back once. Every step is
         tried; a step that failed fails the task after the others."""
+        from finetune.sweep.records import SweepRecords
+
         target, sweep = _target(sweep_config)
         done: dict[str, Any] = {"trials": {}}
         problems = []
@@ -272,6 +274,8 @@ def sweep_pipeline(*, model_asset: Asset | None = None, pool: str | None = None)
             _, cfg = _target(trial)
             try:
                 done["trials"][cfg.sweep_trial] = target.release(cfg)
+                SweepRecords(cfg.sweep_dir, lambda cfg=cfg: target.s3_client(cfg)) \
+                    .forget_rendezvous(cfg.sweep_trial)
             except Exception as exc:
                 problems.append(f"trial {cfg.sweep_trial}: {exc}")
         try:

@@ -95,3 +95,12 @@ class SweepRecords:
 
     def record_rendezvous(self, trial: int, rendezvous: dict) -> None:
         self.write(f"{TRIALS_DIR}/trial-{trial}-rendezvous.json", rendezvous)
+
+    def forget_rendezvous(self, trial: int) -> None:
+        """After the trial's rendezvous is gone (teardown): a later try starts a new one."""
+        name = f"{TRIALS_DIR}/trial-{trial}-rendezvous.json"
+        if not self.sweep_dir.startswith("s3://"):
+            (Path(self.sweep_dir) / name).unlink(missing_ok=True)
+            return
+        bucket, prefix = split_s3(self.sweep_dir)
+        self.s3_client().delete_object(Bucket=bucket, Key=f"{prefix}/{name}")

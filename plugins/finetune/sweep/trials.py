@@ -24,7 +24,7 @@ from finetune.sweep.early_stop import first_rung, trial_rungs
 from finetune.sweep.space import expand_space
 from finetune.targets import get_target
 from finetune.validate import validate_params
-from finetune_contract.parameters import FORM_PARAMETERS, SWEEP_PARAMETERS
+from finetune_contract.parameters import BY_NAME, FORM_PARAMETERS, SWEEP_PARAMETERS
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,11 @@ def validate_sweep(params: Mapping[str, Any], *, run_id: str, dag_id: str,
     at_once = min(settings["sweep_parallel"], len(trials))
     nodes = at_once * max(cfg.nodes for cfg in trials)
     errors += _nodes_problems(trials[0], nodes, at_once)
+    if at_once > 1 and trials[0].etcd_reset == "restart" \
+            and trials[0].target in BY_NAME["etcd_reset"].targets:
+        errors.append(("etcd_reset", "restart with sweep_parallel above 1: each trial's "
+                       "rendezvous would restart the etcd the trials training beside it use; "
+                       "use keys (each trial's own keys deleted)"))
     if errors:
         raise ConfigError(errors)
     run_name = run_dir_name(run_id)
