@@ -675,7 +675,7 @@ PARAMETERS: tuple[Parameter, ...] = (
       '{"int_uniform": [0, 20]}, "lora_rank": {"choice": [8, 16]}}} (sweep_max_trials samples '
       'drawn with sweep_seed; uniform, log_uniform, int_uniform or choice). A trial is the '
       "form's other fields with its values; every trial is validated before anything starts.",
-      text=Text(16384, PRINTABLE, "a JSON object"), trainer=False, sweep=True),
+      text=Text(4096, PRINTABLE, "a JSON object"), trainer=False, sweep=True),
     P('sweep_max_trials', 8, 'Sweep', 'Trial budget',
       'The most trials the sweep runs: the samples of a random space; a grid or list with more '
       'is refused.',
