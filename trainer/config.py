@@ -17,6 +17,7 @@ from typing import Any
 from finetune_contract.data import dataset_source
 from finetune_contract.fields import DEMO_DATASET as DEFAULT_DATASET
 from finetune_contract.fields import DEMO_PREFERENCES as DEFAULT_PREFERENCES
+from finetune_contract.mixture import with_source_datasets
 from finetune_contract.models import BUILTIN_MODELS
 from finetune_contract.rules import split_s3
 from finetune_contract.train_config import TrainConfig, field_names
@@ -47,8 +48,8 @@ def resolve(config: TrainConfig) -> TrainConfig:
     """Make paths absolute (relative to the working dir) and fill in the tokenizer.
 
     The resolved config is saved and read from other working dirs, so it holds no relative path.
-    A model, tokenizer or data set that is not a local path stays as given: a Hugging Face hub id
-    (or, for the data set, an s3:// URI); so does an s3:// output_dir.
+    A model, tokenizer or data set (a mixture's sources' too) that is not a local path stays as
+    given: a Hugging Face hub id (or, for the data set, an s3:// URI); so does an s3:// output_dir.
     """
     if is_s3(config.output_dir):
         try:
@@ -63,8 +64,14 @@ def resolve(config: TrainConfig) -> TrainConfig:
     # from elsewhere.
     demo_data = {DEFAULT_DATASET: DEMO_DATASET, DEFAULT_PREFERENCES: DEMO_PREFERENCES}
     dataset = str(demo_data.get(config.dataset, config.dataset))
+
+    def local(path: str) -> str:
+        path = str(demo_data.get(path, path))
+        return _absolute(path) if dataset_source(path) == "local" else path
+
     return dataclasses.replace(
         config,
+        mixture=with_source_datasets(config.mixture, local) if config.mixture else None,
         model=model,
         tokenizer=_absolute_if_local(tokenizer),
         dataset=_absolute(dataset) if dataset_source(dataset) == "local" else dataset,

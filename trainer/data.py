@@ -1,4 +1,5 @@
-"""Data: the prepared splits loaded memory-mapped, collated into batches, sampled per rank.
+"""Data: the prepared splits loaded memory-mapped, collated into batches, sampled per rank, and a
+mixture's held-out split taken apart by source (for the eval loss per source).
 
 The data set is read, encoded, packed and split by the prepare_data stage
 (finetune_data.prepared_set, the one encoding); the trainer loads its Arrow files on every rank
@@ -19,6 +20,7 @@ from typing import Any
 import datasets
 import torch
 import torch.distributed as dist
+from finetune_data.mixing import source_ranges
 from finetune_data.prepared_set import (
     PREPARED_DIR,
     REJECTED_IDS,
@@ -50,6 +52,13 @@ class Splits:
     @property
     def skipped_rows(self) -> int:
         return sum(self.skipped.values())
+
+    def eval_by_source(self) -> dict[str, datasets.Dataset]:
+        """A mixture's held-out rows by source name (each source's contiguous range, so nothing
+        is written beside the memory-mapped split); {} for one data set."""
+        names = [source["name"] for source in self.stats.get("sources") or []]
+        return {names[index]: self.eval.select(rows)
+                for index, rows in source_ranges(self.eval).items()} if names else {}
 
 
 @contextmanager

@@ -4,7 +4,8 @@ benchmark tasks through lm-evaluation-harness. One process, after training, wher
 python -m trainer.evaluate --config RUN/trainer_config.json [--champion MODEL_DIR_OR_URI]
 
 The eval set is `eval_dataset` when set, else the training data's held-out split (the same rows
-the trainer's eval loss used: same data, seed and eval_fraction). With --champion, that model is
+the trainer's eval loss used: same data, seed and eval_fraction; a mixture's measured per source
+too). With --champion, that model is
 measured on the same eval set and tasks, so promotion compares like with like. Writes
 evaluation.json beside model/ in the run's output (a directory or s3://).
 """
@@ -126,12 +127,15 @@ def load_model(location: str, work: Path, dtype: torch.dtype,
     return model, AutoTokenizer.from_pretrained(location)
 
 
+def pad_id_of(tokenizer: PreTrainedTokenizerBase) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None \
+        else tokenizer.eos_token_id
+
+
 def measure(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, rows: datasets.Dataset,
             config: TrainConfig, device: torch.device) -> dict[str, Any]:
     """Loss, perplexity and task scores of one model on the eval set."""
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None \
-        else tokenizer.eos_token_id
-    loss = loss_on(model, rows, config.micro_batch, pad_id, device)
+    loss = loss_on(model, rows, config.micro_batch, pad_id_of(tokenizer), device)
     tasks, better = task_scores(model, tokenizer, eval_task_names(config.eval_tasks),
                                 config.micro_batch, device)
     return {"loss": loss, "perplexity": perplexity(loss), "tasks": tasks,
@@ -153,6 +157,11 @@ def evaluate(config: TrainConfig, champion: str | None = None) -> dict[str, Any]
         model, tokenizer = load_model(model_location, work, dtype, device)
         rows = eval_rows(config)
         result = measure(model, tokenizer, rows, config, device)
+        by_source = {} if config.eval_dataset else \
+            build_splits(config, unpacked_eval=True).eval_by_source()
+        result["loss_by_source"] = {
+            name: loss_on(model, held_out, config.micro_batch, pad_id_of(tokenizer), device)
+            for name, held_out in by_source.items()} or None
         result["samples"] = samples(model, tokenizer, rows, config.sample_prompts,
                                     config.max_new_tokens, device)
         del model

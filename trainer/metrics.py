@@ -157,12 +157,17 @@ class MetricsLog:
         if self.endpoint is not None:
             self.endpoint.update_data(train_rows, eval_rows, skipped)
 
-    def log_eval(self, step: int, eval_loss: float) -> None:
-        self._write({"type": "eval", "step": step, "eval_loss": eval_loss, "time": time.time()})
+    def log_eval(self, step: int, eval_loss: float,
+                 by_source: dict[str, float] | None = None) -> None:
+        """The eval loss at `step`; a mixture's per source too (eval_loss_by_source)."""
+        sources = {"eval_loss_by_source": by_source} if by_source else {}
+        self._write({"type": "eval", "step": step, "eval_loss": eval_loss, **sources,
+                     "time": time.time()})
         if self.endpoint is not None:
             self.endpoint.update_eval(eval_loss)
         if self.rank == 0:
-            print(f"step {step}/{self.max_steps} eval_loss {eval_loss:.4f}", flush=True)
+            print(f"step {step}/{self.max_steps} eval_loss {eval_loss:.4f}" + "".join(
+                f" | {name} {loss:.4f}" for name, loss in (by_source or {}).items()), flush=True)
 
     def throughput_summary(self) -> dict[str, float | int | None]:
         """This run's throughput (finetune_contract.throughput: total tokens over total step

@@ -120,6 +120,9 @@ class TrainState:
     skipped_steps: int = 0  # steps the fp16 grad scaler skipped on inf/NaN gradients
     eval_loss: float | None = None
     last_eval_step: int | None = None
+    # A mixture's eval loss per source (name -> loss), at the first eval and the last.
+    initial_eval_loss_by_source: dict[str, float] | None = None
+    eval_loss_by_source: dict[str, float] | None = None
 
 
 @dataclass
@@ -137,6 +140,8 @@ class Trainer:
     batches: Iterator[Batch]
     evals: Iterable[Batch]
     max_steps: int
+    # A mixture's held-out batches by source (the eval loss per source); {} for one data set.
+    source_evals: dict[str, Iterable[Batch]]
     model: torch.nn.Module
     model_config: PretrainedConfig
     token_flops: float
@@ -197,9 +202,14 @@ class Trainer:
         evals: Iterable[Batch] = EvalBatches(
             splits.eval, config.micro_batch, dp_rank, dp_size, pad_id, pad_to
         )
+        source_evals: dict[str, Iterable[Batch]] = {
+            name: EvalBatches(rows, config.micro_batch, dp_rank, dp_size, pad_id, pad_to)
+            for name, rows in splits.eval_by_source().items()}
         if config.tp_degree > 1:
             batches = SequenceParallelBatches(batches, config.tp_degree, pad_id)
             evals = SequenceParallelBatches(evals, config.tp_degree, pad_id)
+            source_evals = {name: SequenceParallelBatches(rows, config.tp_degree, pad_id)
+                            for name, rows in source_evals.items()}
         # An elastic run in a smaller world than planned keeps its global batch (more
         # micro-batches a step) and its schedule: the steps are the planned world's.
         grad_accum = elastic_grad_accum(config, mesh.dims)
@@ -259,6 +269,7 @@ class Trainer:
         return cls(
             config=config, env=env, mesh=mesh, started=started, output=output, tokenizer=tokenizer,
             splits=splits, sampler=sampler, batches=batches, evals=evals, max_steps=max_steps,
+            source_evals=source_evals,
             model=model, model_config=model_config, token_flops=token_flops, optimizer=optimizer,
             scaler=scaler, scheduler=scheduler, checkpointer=checkpointer,
             compute_dtype=compute_dtype, peak=peak, peak_source=peak_source, reference=reference,
@@ -293,6 +304,7 @@ class Trainer:
         if state.initial_eval_loss is None:
             self.eval_and_log(state)
             state.initial_eval_loss = state.eval_loss
+            state.initial_eval_loss_by_source = state.eval_loss_by_source
         self.model.train()
         return state
 
@@ -429,11 +441,19 @@ class Trainer:
         return summary
 
     def eval_and_log(self, state: TrainState) -> None:
-        """The eval loss at this step, logged."""
+        """The eval loss at this step (a mixture's per source too, over the same rows), logged."""
         evaluating = time.perf_counter()
-        state.eval_loss = evaluate(self.model, self.evals, self.env.device)
+        if self.source_evals:
+            sums = {name: eval_sums(self.model, rows, self.env.device)
+                    for name, rows in self.source_evals.items()}
+            state.eval_loss_by_source = {name: (loss / tokens).item()
+                                         for name, (loss, tokens) in sums.items()}
+            total = sum(sums.values())
+            state.eval_loss = (total[0] / total[1]).item()
+        else:
+            state.eval_loss = evaluate(self.model, self.evals, self.env.device)
         state.last_eval_step = state.step
-        self.log.log_eval(state.step, state.eval_loss)
+        self.log.log_eval(state.step, state.eval_loss, state.eval_loss_by_source)
         self.history.append("eval", step=state.step, seconds=time.perf_counter() - evaluating)
         self.progressed(state)
 
@@ -448,6 +468,7 @@ class Trainer:
             "sampler": self.sampler.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "initial_eval_loss": state.initial_eval_loss,
+            "initial_eval_loss_by_source": state.initial_eval_loss_by_source,
             "skipped_steps": state.skipped_steps,
             **({"grad_scaler": self.scaler.state_dict()} if self.scaler else {}),
         }
@@ -467,6 +488,7 @@ class Trainer:
         return TrainState(
             step=saved["step"],
             initial_eval_loss=saved["initial_eval_loss"],
+            initial_eval_loss_by_source=saved.get("initial_eval_loss_by_source"),
             resumed_from_step=saved["step"],
             skipped_steps=saved.get("skipped_steps", 0),
         )
@@ -494,6 +516,9 @@ class Trainer:
             ),
             "train_rows": len(splits.train),
             "eval_rows": len(splits.eval),
+            **({"initial_eval_loss_by_source": state.initial_eval_loss_by_source,
+                "final_eval_loss_by_source": state.eval_loss_by_source}
+               if self.source_evals else {}),
             "flops_per_token": self.token_flops,
             "peak_flops": self.peak,
             "peak_flops_source": self.peak_source,
@@ -536,10 +561,13 @@ def config_line(config: TrainConfig, env: DistEnv, saved_at: str) -> str:
 
 def print_data(splits: Splits, max_steps: int) -> None:
     reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(splits.skipped.items()))
+    sources = ", ".join(f"{s['name']} {s['share']:.1%} ({s['train_examples']} examples, "
+                        f"{s['eval_examples']} held out)"
+                        for s in splits.stats.get("sources") or [])
     print(
         f"data: {len(splits.train)} train rows, {len(splits.eval)} eval rows, skipped "
         f"{splits.skipped_rows} bad rows{f' ({reasons})' if reasons else ''}; "
-        f"{max_steps} steps",
+        f"{max_steps} steps" + (f"; mixture: {sources}" if sources else ""),
         flush=True,
     )
 
@@ -607,9 +635,16 @@ def gather_floats(values: list[float], env: DistEnv) -> list[list[float]]:
     return [t.tolist() for t in every]
 
 
-@torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: Iterable[Batch], device: torch.device) -> float:
     """Mean loss per labelled token over the whole eval split, all ranks together."""
+    loss, tokens = eval_sums(model, batches, device)
+    return (loss / tokens).item()
+
+
+@torch.no_grad()
+def eval_sums(model: torch.nn.Module, batches: Iterable[Batch],
+              device: torch.device) -> torch.Tensor:
+    """(summed loss, labelled tokens) over the batches, all ranks together."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     with compute_weights(model):
@@ -619,7 +654,7 @@ def evaluate(model: torch.nn.Module, batches: Iterable[Batch], device: torch.dev
             totals[1] += (batch.labels[:, 1:] != IGNORE_INDEX).sum()
     dist.all_reduce(totals)
     model.train()
-    return (totals[0] / totals[1]).item()
+    return totals
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ The prepared set lives under <output_dir>/prepared_data/<key>, beside the runs, 
 the same data, tokenizer and encoding reuses it. On an s3:// output_dir the set is encoded in a
 temporary directory here and uploaded, stats.json last (a prefix without it is not a set). Its
 statistics then decide what validate could not know without encoding every row: enough rows for
-a step and for the eval split, and a share of skipped rows no larger than max_skipped_fraction.
+a step and for the eval split, and a share of skipped rows no larger than max_skipped_fraction
+(of each source, for a mixture).
 The run's record of it (statistics, time, cache hit) is <run_dir>/prepare_data.json.
 """
 
@@ -45,7 +46,8 @@ def prepare_run_data(cfg: RunConfig, s3_client: Callable[[], Any] | None = None,
         else:
             stats = prepared_set.prepare(train, prepared_root(cfg), num_proc, log=log.info)
     except ValueError as exc:  # the data: a bad row (file and line), too few usable rows
-        raise ConfigError([("dataset", str(exc))]) from None
+        # a mixture's source is named as validate names it (mixture[1].dataset)
+        raise ConfigError([(getattr(exc, "field", "dataset"), str(exc))]) from None
     record = {**stats, "run_id": cfg.run_id}
     _write_record(cfg, record, s3_client)
     return accept_prepared(cfg, record), record
@@ -118,16 +120,21 @@ def stage_result(cfg: RunConfig, record: dict[str, Any]) -> dict[str, Any]:
 
 
 def data_problems(cfg: RunConfig, stats: dict[str, Any]) -> list[tuple[str, str]]:
-    """What the prepared statistics forbid: too many rows skipped, too few for one step."""
+    """What the prepared statistics forbid: too many rows skipped (of a mixture, of any one
+    source), too few for one step."""
     problems = []
-    read, skipped = stats["rows_read"], stats["skipped_rows"]
-    if read and skipped / read > cfg.max_skipped_fraction:
+    for counted, what in [(stats, cfg.dataset)] if not stats.get("sources") else [
+            (source, f"mixture[{source['index']}] ({source['name']}, {source['dataset']})")
+            for source in stats["sources"]]:
+        read, skipped = counted["rows_read"], counted["skipped_rows"]
+        if not read or skipped / read <= cfg.max_skipped_fraction:
+            continue
         reasons = ", ".join(f"{n} {reason}" for reason, n in
-                            sorted(stats["skipped_rows_by_reason"].items()))
+                            sorted(counted["skipped_rows_by_reason"].items()))
         longest = "; ".join(f"{row['where']} ({row['tokens']} tokens, {row['reason']})"
-                            for row in stats["longest_skipped_rows"])
+                            for row in counted["longest_skipped_rows"])
         problems.append(("max_skipped_fraction", (
-            f"{skipped} of {read} rows of {cfg.dataset} ({skipped / read:.1%}) would be skipped "
+            f"{skipped} of {read} rows of {what} ({skipped / read:.1%}) would be skipped "
             f"({reasons}), more than max_skipped_fraction {cfg.max_skipped_fraction:g}; longest: "
             f"{longest or 'none'}. Raise seq_len, fix the rows, or raise max_skipped_fraction")))
     try:

@@ -1,6 +1,7 @@
 """The "Fine-tuning runs" page: every run directory under the output dirs (local directories or
-s3:// prefixes, as eks runs write them), with its status and headline figures from report.json,
-and a link to its report.html.
+s3:// prefixes, as eks runs write them), with its status and headline figures from report.json
+(a mixture's sources with their shares and eval losses among them), and a link to its
+report.html.
 
 Pure functions (list_runs, render_runs_page) plus the FastAPI app the Airflow plugin mounts
 (plugins/finetune_runs_plugin.py). No torch: the standard library, Jinja2 for the page
@@ -94,7 +95,7 @@ def _row(name: str, run_dir: str, report: dict | None, has_report: bool, mtime: 
             "gpu": report.get("gpu"), "has_report": has_report, "mtime": mtime,
             "error": report.get("error"), "progress": None,
             "tracking": report.get("tracking"), "promotion": report.get("promotion"),
-            "data": report.get("data")}
+            "data": report.get("data"), "eval_loss_by_source": report.get("eval_loss_by_source")}
 
 
 def run_progress(metrics_lines: list[str], finished_training: bool,
@@ -308,15 +309,22 @@ def _progress_view(progress: dict) -> dict:
     }
 
 
-def _data_view(data: dict | None) -> dict | None:
-    """The prepare_data stage's figures: rows kept of read, skipped, its time and cache hit."""
+def _data_view(data: dict | None, eval_by_source: dict | None = None) -> dict | None:
+    """The prepare_data stage's figures: rows kept of read, skipped, its time and cache hit; a
+    mixture's sources, each with its share of the training examples and its eval loss."""
     if not data:
         return None
     how = "cache hit" if data.get("cache_hit") else "prepared"
+    losses = eval_by_source or {}
     return {"rows": f'{fmt(data.get("rows_kept"), ",.0f")} of '
                     f'{fmt(data.get("rows_read"), ",.0f")} rows',
             "how": f'{fmt(data.get("skipped_rows"), ",.0f")} skipped; {how} in '
-                   f'{fmt_duration(data.get("seconds"))}'}
+                   f'{fmt_duration(data.get("seconds"))}',
+            "sources": [
+                f'{s["name"]}: {s["share"]:.0%} of training, {fmt(s["skipped_rows"], ",.0f")} '
+                f'skipped, eval loss {fmt((losses.get(s["name"]) or {}).get("initial"), ".3f")}'
+                f' → {fmt((losses.get(s["name"]) or {}).get("final"), ".3f")}'
+                for s in data.get("sources") or []]}
 
 
 def _when(row: dict[str, Any]) -> str:
@@ -354,7 +362,7 @@ def _row_view(row: dict[str, Any]) -> dict[str, Any]:
         "what": " · ".join(str(cfg[k]) for k in ("target", "model") if cfg.get(k)) or "n/a",
         "size": (f"{cfg['nodes']} x {cfg['procs_per_node']} procs"
                  if "nodes" in cfg and "procs_per_node" in cfg else ""),
-        "data": _data_view(row.get("data")),
+        "data": _data_view(row.get("data"), row.get("eval_loss_by_source")),
         "figures": [
             fmt(m.get("tokens_per_s"), ",.0f"), fmt(m.get("tflops_per_device"), ".4g"),
             mfu_text(m), fmt_duration(m.get("wall_time_s")), _goodput_text(m),

@@ -1,7 +1,9 @@
 """MLflow tracking and registry, and promotion: the Airflow side's only MLflow calls.
 
 Every run is an MLflow run in the experiment named after its DAG: the validated config as
-params, the per-step metrics, the evaluation, the report and the model's URI. The champion is the
+params, the per-step metrics, the evaluation, the report and the model's URI; a mixture's sources
+as params (mixture/<name>), what each gave as metrics (data/<name>/...) and its eval loss per
+source (eval_loss/<name>, per step). The champion is the
 version of the registered model named after the DAG that the alias `champion` points at; a run
 whose model beats it on `promotion_metric` by more than `promotion_margin` (both measured on this
 run's eval set) becomes a new version and gets the alias.
@@ -276,6 +278,28 @@ def goodput_metrics(goodput: dict | None) -> dict[str, float]:
     return {key: value for key, value in metrics.items() if value is not None}
 
 
+def source_params(data: dict | None) -> dict[str, str]:
+    """A mixture's sources as MLflow params: mixture/<name> -> its data set and weight or rows."""
+    return {f"mixture/{s['name']}": f"{s['dataset']} ("
+            + (f"weight {s['weight']:g}" if s.get("weight") is not None else f"rows {s['rows']}")
+            + ")" for s in (data or {}).get("sources") or []}
+
+
+def source_metrics(data: dict | None, evaluation: dict | None) -> dict[str, float]:
+    """What each source of a mixture gave, as MLflow metrics: data/<name>/<figure> (rows read,
+    kept and skipped, training examples and their share, held-out examples), and the evaluate
+    stage's loss on its held-out rows (eval/loss/<name>)."""
+    out: dict[str, float] = {}
+    for s in (data or {}).get("sources") or []:
+        out |= {f"data/{s['name']}/{key}": s[key] for key in (
+            "rows_read", "rows_kept", "skipped_rows", "train_examples", "share",
+            "eval_examples") if isinstance(s.get(key), int | float)}
+    out |= {f"eval/loss/{name}": loss for name, loss in
+            ((evaluation or {}).get("loss_by_source") or {}).items()
+            if isinstance(loss, int | float)}
+    return out
+
+
 def _metric_key(metric: str) -> str:
     return f"eval/{'loss' if metric == 'eval_loss' else metric}"
 
@@ -288,16 +312,19 @@ def _experiment_id(client: Any, model_name: str, uri: str) -> str:
     return client.create_experiment(model_name, artifact_location=_artifacts_beside(uri))
 
 
-def _run_params(cfg: RunConfig) -> list[Any]:
-    """The run config as MLflow params (no secret)."""
+def _run_params(cfg: RunConfig, report: dict) -> list[Any]:
+    """The run config as MLflow params (no secret), and a mixture's sources (mixture/<name>)."""
     from mlflow.entities import Param
 
-    return [Param(key, str(value)[:MAX_PARAM_CHARS])
-            for key, value in sorted(cfg.to_dict().items()) if key not in SECRET_NAMES]
+    params = [Param(key, str(value)[:MAX_PARAM_CHARS])
+              for key, value in sorted(cfg.to_dict().items()) if key not in SECRET_NAMES]
+    return params + [Param(key, value[:MAX_PARAM_CHARS])
+                     for key, value in source_params(report.get("data")).items()]
 
 
 def _step_metrics(report: dict, now: int) -> list[Any]:
-    """The report's per-step series as MLflow metrics: the training's and the eval loss."""
+    """The report's per-step series as MLflow metrics: the training's, the eval loss and a
+    mixture's eval loss per source (eval_loss/<name>)."""
     from mlflow.entities import Metric
 
     metrics = [Metric(key, float(point[key]), now, int(point["step"]))
@@ -306,6 +333,10 @@ def _step_metrics(report: dict, now: int) -> list[Any]:
     metrics += [Metric("eval_loss", float(point["eval_loss"]), now, int(point["step"]))
                 for point in report.get("series", {}).get("eval", [])
                 if point.get("eval_loss") is not None]
+    metrics += [Metric(f"eval_loss/{name}", float(loss), now, int(point["step"]))
+                for point in report.get("series", {}).get("eval", [])
+                for name, loss in (point.get("eval_loss_by_source") or {}).items()
+                if loss is not None]
     return metrics
 
 
@@ -325,11 +356,13 @@ def _track(uri: str, cfg: RunConfig, model_name: str, report: dict, evaluation: 
                 "airflow.dag_id": model_name, "airflow.run_id": cfg.run_id,
                 "model_uri": model_uri, "target": cfg.target})
             run_id = run.info.run_id
-            params, metrics = _run_params(cfg), _step_metrics(report, now)
+            params, metrics = _run_params(cfg, report), _step_metrics(report, now)
         metrics += [Metric(key, float(value), now, 0)
                     for key, value in _evaluation_metrics(evaluation).items()]
         metrics += [Metric(key, float(value), now, 0)
                     for key, value in goodput_metrics(report.get("goodput")).items()]
+        metrics += [Metric(key, float(value), now, 0)
+                    for key, value in source_metrics(report.get("data"), evaluation).items()]
         _log_batches(client, run_id, params, metrics)
         client.log_batch(run_id, tags=[RunTag("promotion", promotion["decision"])])
         _log_files(client, run_id, cfg.run_dir, (EVALUATION_FILE,), Path(tmp), s3_client)
@@ -398,7 +431,7 @@ def track_sweep(sweep: RunConfig, model_name: str, trials: list[dict[str, Any]],
                     PARENT_TAG: parent, "airflow.dag_id": model_name,
                     "airflow.run_id": cfg.run_id, "target": cfg.target,
                     "sweep.trial": str(cfg.sweep_trial)}).info.run_id
-                _log_batches(client, child, _run_params(cfg),
+                _log_batches(client, child, _run_params(cfg, trial.get("report") or {}),
                              _step_metrics(trial.get("report") or {}, now))
             tags = [RunTag("sweep.outcome", outcome["outcome"])]
             if outcome.get("reason"):

@@ -8,6 +8,7 @@ from typing import Any
 
 from finetune.config import RunConfig, resolve_path
 from finetune_contract.data import dataset_source
+from finetune_contract.mixture import with_source_datasets
 from finetune_contract.models import BUILTIN_MODELS
 from finetune_contract.parameters import TRAINER_PARAMETERS
 from finetune_contract.train_config import method_dataset
@@ -18,9 +19,9 @@ def trainer_config(cfg: RunConfig, *, local_paths: bool = True) -> dict[str, Any
     every trainer parameter with the run's value (an optional text left empty as null), the
     output directory the run's own.
 
-    local_paths: resolve paths on this machine (local target). Off for a cluster: paths are read
-    in the trainer's container (relative ones from its working dir, which holds trainer/), or
-    are s3:// or hub ids.
+    local_paths: resolve paths on this machine (local target), a mixture's sources' too. Off
+    for a cluster: paths are read in the trainer's container (relative ones from its working
+    dir, which holds trainer/), or are s3:// or hub ids.
     """
     values = {p.name: (getattr(cfg, p.name) or None) if p.optional else getattr(cfg, p.name)
               for p in TRAINER_PARAMETERS}
@@ -33,6 +34,8 @@ def trainer_config(cfg: RunConfig, *, local_paths: bool = True) -> dict[str, Any
             values["tokenizer"] = str(resolve_path(cfg.tokenizer))
         values["dataset"] = _dataset_here(values["dataset"])
         values["eval_dataset"] = _dataset_here(cfg.eval_dataset) or None
+        if cfg.mixture:
+            values["mixture"] = with_source_datasets(cfg.mixture, _dataset_here)
     return values
 
 

@@ -30,9 +30,11 @@ from finetune.targets import get_target
 from finetune.trainer_config import local_dir, run_tokenizer_dir, trainer_config
 from finetune_contract import data as contract_data
 from finetune_contract.fields import LOWER_IS_BETTER, ContractError, hub_id_problem, quoted
+from finetune_contract.mixture import SOURCE_FIELDS, Source, mixture_sources, source_config
 from finetune_contract.models import BUILTIN_MODELS, HUB_MODEL_CONFIGS, ModelShape
 from finetune_contract.parallel_dims import is_elastic
 from finetune_contract.parameters import (
+    BY_NAME,
     FORM_PARAMETERS,
     SECRET_NAMES,
     Parameter,
@@ -185,8 +187,10 @@ def evaluation_problems(cfg: RunConfig, train: TrainConfig, in_pod: bool) -> Pro
     if rows is not None and not rows.rows:
         return errors + [("eval_dataset", f"{quoted(cfg.eval_dataset)} has no usable rows")]
     if rows is not None:
+        evaluated = contract_data.row_format(dataclasses.replace(train, mixture=None),
+                                             rows.columns)
         errors += [("eval_dataset", message) for _, message in
-                   contract_data.missing_columns(train, rows.columns, cfg.eval_dataset)]
+                   contract_data.missing_columns(evaluated, rows.columns, cfg.eval_dataset)]
     return errors
 
 
@@ -237,6 +241,10 @@ def _hub_model_problems(cfg: RunConfig) -> Problems:
 def _field_problems(cfg: RunConfig) -> Problems:
     """Fields with a form of their own: endpoints, secrets' names, labels, ports."""
     errors: Problems = []
+    if cfg.mixture and cfg.dataset != BY_NAME["dataset"].default:
+        errors.append(("dataset", f"{quoted(cfg.dataset)} is set beside a mixture, whose "
+                       "sources are the run's data: make it one of the mixture's sources, or "
+                       "leave dataset at its default"))
     if is_elastic(cfg) and not cfg.max_restarts:
         errors.append(("max_restarts", f"0 with min_nodes {cfg.min_nodes} below nodes "
                        f"{cfg.nodes}: a lost node is a restart of the others' workers in a "
@@ -328,7 +336,8 @@ class DataSize:
 def _checked_data(cfg: RunConfig, train: TrainConfig, in_pod: bool
                   ) -> tuple[Problems, DataSize | None]:
     """The data set and tokenizer as the trainer will read them, where they are visible here;
-    and the training split's size where it was counted."""
+    and the training split's size where it was counted (one data set: a mixture's is counted
+    by prepare_data, once its sources are drawn)."""
     errors: Problems = []
     tokenizer_dir = run_tokenizer_dir(cfg, in_pod)
     if tokenizer_dir is not None:
@@ -336,11 +345,40 @@ def _checked_data(cfg: RunConfig, train: TrainConfig, in_pod: bool
             tokenizer_dir, "tokenizer" if cfg.tokenizer else "model", train)
     elif cfg.tokenizer and not (in_pod and cfg.tokenizer.startswith("/")):
         errors.append(("tokenizer", f"directory {quoted(cfg.tokenizer)} does not exist"))
+    if cfg.mixture:
+        for source in mixture_sources(cfg.mixture):
+            problems, _ = _data_set_problems(
+                dataclasses.replace(cfg, mixture="", **source.fields),
+                source_config(train, source), in_pod, tokenizer_dir, errors, source)
+            errors += problems
+        return errors, None
     if not cfg.dataset:
         return errors + [("dataset", "is empty; give a data file, directory, s3:// URI or hub "
                           "name")], None
-    source = contract_data.dataset_source(train.dataset)
-    if source in ("s3", "hub") or (in_pod and cfg.dataset.startswith("/")):
+    problems, size = _data_set_problems(cfg, train, in_pod, tokenizer_dir, errors)
+    return errors + problems, size
+
+
+def _data_set_problems(cfg: RunConfig, train: TrainConfig, in_pod: bool,
+                       tokenizer_dir: Path | None, before: Problems,
+                       source: Source | None = None) -> tuple[Problems, DataSize | None]:
+    """One data set (the run's, or a mixture's `source`, whose problems name it by its index
+    and key: mixture[1].response_field) as the trainer will read it: its files, columns,
+    kind of rows and, unless `before` holds problems, a sample of its rows encoded."""
+    problems, size = _read_data_set(cfg, train, in_pod, tokenizer_dir, before, source)
+    if source is None:
+        return problems, size
+    return [(f"{source.where}.{field}", message) if field in SOURCE_FIELDS else
+            (field, f"{source.where} ({source.name}): {message}")
+            for field, message in problems], None
+
+
+def _read_data_set(cfg: RunConfig, train: TrainConfig, in_pod: bool,
+                   tokenizer_dir: Path | None, before: Problems, source: Source | None
+                   ) -> tuple[Problems, DataSize | None]:
+    errors: Problems = []
+    source_kind = contract_data.dataset_source(train.dataset)
+    if source_kind in ("s3", "hub") or (in_pod and cfg.dataset.startswith("/")):
         return errors, None  # read where the trainer runs (an s3:// one is checked at scale_up)
     path = Path(train.dataset)
     try:
@@ -358,21 +396,30 @@ def _checked_data(cfg: RunConfig, train: TrainConfig, in_pod: bool
     if not rows.rows and not rows.malformed:
         return errors + [("dataset", f"{quoted(cfg.dataset)} has no rows")], None
     if rows.rows:
+        train = contract_data.row_format(train, rows.columns)  # conversations found by themselves
+        other_method = source is not None and \
+            contract_data.other_method_problem(train, rows.columns)
+        if other_method:
+            return errors + [("dataset", f"{quoted(cfg.dataset)} {other_method}")], None
         errors += contract_data.missing_columns(train, rows.columns, cfg.dataset)
+        template = tokenizer_dir and contract_data.chat_template_problem(tokenizer_dir, train)
+        if template:
+            errors.append(("messages_field", template))
     if rows.malformed and cfg.bad_rows == "error":
         place, what = rows.malformed[0]
         errors.append(("dataset", contract_data.bad_row_error(train, place, what)))
-    if errors or tokenizer_dir is None:
+    if before or errors or tokenizer_dir is None:
         return errors, None
-    problems, size = _row_problems(cfg, train, rows, tokenizer_dir, files)
-    return errors + problems, size
+    return _row_problems(cfg, train, rows, tokenizer_dir, files, whole_run=source is None)
 
 
 def _row_problems(cfg: RunConfig, train: TrainConfig, rows: contract_data.FileRows,
-                  tokenizer_dir: Path, files: list[str]) -> tuple[Problems, DataSize | None]:
+                  tokenizer_dir: Path, files: list[str], whole_run: bool = True
+                  ) -> tuple[Problems, DataSize | None]:
     """Encode a sample of the rows as prepare_data will (the template and tokenizer work on this
     data; bad_rows=error and a bad row in it); a data set no larger than the sample is checked
-    whole: rows too long or empty, enough for a step, the training split's size."""
+    whole: rows too long or empty, enough for a step, the training split's size. A mixture's
+    source (not whole_run) is held to its own held-out split only: the step is the mixture's."""
     if importlib.util.find_spec("transformers") is None:
         # an Airflow without transformers (MWAA): prepare_data encodes, where it runs
         log.info("transformers is not installed here: rows are encoded by prepare_data")
@@ -389,6 +436,13 @@ def _row_problems(cfg: RunConfig, train: TrainConfig, rows: contract_data.FileRo
         return [("prompt_template", str(exc))], None
     if first_bad is not None and cfg.bad_rows == "error":
         return [("dataset", contract_data.bad_row_error(train, *first_bad))], None
+    if not whole_run:
+        if whole or len(rows.rows) + len(rows.malformed) < MAX_ROWS_CHECKED:
+            try:
+                contract_data.split_sizes(len(lengths) if whole else len(rows.rows), train)
+            except ValueError as exc:
+                return [("dataset", str(exc))], None
+        return [], None
     data_parallel = cfg.parallel_dims.dp_degree
     if not whole:
         # Counted unencoded, every row as if usable: too few even so is too few.
@@ -431,8 +485,9 @@ def _stamp(path: Path) -> tuple[int, int]:
 
 def _encoding_fields(train: TrainConfig) -> tuple:
     """What an example's encoding depends on, besides the rows and the tokenizer."""
-    return (train.text_field, train.prompt_field, train.response_field, train.prompt_template,
-            train.seq_len, train.method, train.chosen_field, train.rejected_field)
+    return (train.text_field, train.prompt_field, train.response_field, train.messages_field,
+            train.prompt_template, train.seq_len, train.method, train.chosen_field,
+            train.rejected_field)
 
 
 class _Rows:
@@ -460,8 +515,8 @@ def _encoded_cached(rows: _Rows, tokenizer_stamp: tuple, tokenizer_dir: str, fie
     encoded as prepare_data will. Cached: validate runs often on one data set (tests, retries)."""
     from finetune_contract.transformers_import import AutoTokenizer
 
-    names = ("text_field", "prompt_field", "response_field", "prompt_template", "seq_len",
-             "method", "chosen_field", "rejected_field")
+    names = ("text_field", "prompt_field", "response_field", "messages_field",
+             "prompt_template", "seq_len", "method", "chosen_field", "rejected_field")
     train = TrainConfig(**dict(zip(names, fields, strict=True)))
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     lengths: list[int] = []

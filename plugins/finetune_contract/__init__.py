@@ -20,8 +20,11 @@ A rule lives here once; `validate` runs it before anything is paid for, the trai
   and whether a spot notice leaves the time.
 - `throughput`: FLOPs per token, the GPUs' peaks, a run's tokens/s and MFU.
 - `stragglers`: ranks slower than the median by more than a threshold.
-- `data`: what a data set and a tokenizer must be, and the encoding of one example (the one
-  encoding: finetune_data.prepared_set encodes every row with it).
+- `data`: what a data set and a tokenizer must be, and the encoding of one example, a
+  conversation's among them (the one encoding: finetune_data.prepared_set encodes every row
+  with it).
+- `mixture`: several data sets in one run: the `mixture` parameter's sources, each one's config,
+  and the training examples each gives.
 - `errors`: the record of a failed training's first cause, per rank.
 - `run_history`: each round of a run's training and what happened in it (saves, evals, a
   preemption), and the exit code of a preempted rank.

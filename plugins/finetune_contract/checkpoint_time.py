@@ -23,21 +23,27 @@ from dataclasses import dataclass
 GB = 1e9
 # fp32 master weight and AdamW's exp_avg and exp_avg_sq: what a checkpoint keeps of a parameter.
 STATE_BYTES_PER_PARAM = 12
-# DCP's fixed cost of a save or load (planning collectives, metadata, the rename, small files);
-# fitted to the small rows of bench/checkpoint.py.
-SAVE_FIXED_S = 1.5
-LOAD_FIXED_S = 1.5
-# A rank's shard to host memory and back: bytes per second per GPU (H200 over PCIe Gen5).
-DEVICE_TO_HOST_BYTES_PER_S = 10 * GB
+# DCP's fixed cost of a save or load (planning collectives, metadata, the rename, small files).
+SAVE_FIXED_S = 2.0
+LOAD_FIXED_S = 1.9
+# A rank's shard to host memory and through DCP's writer (pageable copies, serialization, one
+# thread), and back at a load: bytes per second per GPU.
+DEVICE_TO_HOST_BYTES_PER_S = 2.7 * GB
 HOST_TO_DEVICE_BYTES_PER_S = 10 * GB
 # Where the checkpoint goes: bytes per second a node writes and reads there.
-# - local: the node's disk (the H200 machine's, bench/checkpoint.py, 2026-12-06)
+# - local: the node's disk; the machine measured (bench/checkpoint.py, one H100 machine,
+#   2026-12-06: docs/notes/2026-12-06-h100-checkpoint.log) wrote 1.08 GB/s with fsync and read
+#   a checkpoint back at about 2.75 GB/s right after its save (partly from the page cache, as
+#   a resume on the same node reads it). With the fixed costs and the staging rate above, the
+#   1B, 3B and 8B LoRA saves come within 13% of what was measured, the loads within 20% (two
+#   loads of the same 1B checkpoint took 10.9 and 7.4 s). A p5's own NVMe disks are faster;
+#   an instance's disk goes with it when spot takes it back.
 # - s3: boto3's multipart upload from a node's staging disk: an assumption (a few parallel
 #   streams of about 100 MB/s each, well below an instance's network), not measured here
 # - volume: FSx for Lustre or EFS mounted on every node: an assumption (a client's share of a
 #   file system of a few TiB at 1,000 MB/s per TiB), not measured here
-WRITE_BYTES_PER_S = {"local": 2.0 * GB, "s3": 1.0 * GB, "volume": 1.0 * GB}
-READ_BYTES_PER_S = {"local": 3.0 * GB, "s3": 1.0 * GB, "volume": 1.0 * GB}
+WRITE_BYTES_PER_S = {"local": 1.08 * GB, "s3": 1.0 * GB, "volume": 1.0 * GB}
+READ_BYTES_PER_S = {"local": 2.75 * GB, "s3": 1.0 * GB, "volume": 1.0 * GB}
 # An s3:// checkpoint is written to the node's disk first, then uploaded (trainer/checkpoint.py).
 STAGED = {"s3": "local"}
 # EC2 interrupts a spot instance two minutes after its notice; the node group's drain (EKS

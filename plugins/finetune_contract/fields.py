@@ -125,6 +125,7 @@ CONN_ID_TEXT = Text(CONN_ID_MAX_LEN, CONN_ID, "an Airflow connection id (letters
 PATH_TEXT = Text(PATH_MAX, PRINTABLE, "a path, s3:// URI or hub id without control characters "
              "(NUL, newline, tab)")
 COLUMN_TEXT = Text(256, PRINTABLE, "a column name without control characters")
+JSON_TEXT = Text(PATH_MAX, PRINTABLE, "JSON on one line, without control characters")
 NAME_TEXT = Text(253, _DNS_SUBDOMAIN, "a Kubernetes name (lowercase letters, digits, '-' and '.')")
 LABEL_TEXT = Text(63, _DNS_LABEL, "a DNS label (lowercase letters, digits and '-', starting and "
               "ending with a letter or digit)")

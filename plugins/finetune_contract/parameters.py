@@ -36,6 +36,7 @@ from finetune_contract.fields import (
     FLOAT8_RECIPES,
     HANG_TIMEOUT_S,
     IMAGE_REFERENCE,
+    JSON_TEXT,
     LABEL_TEXT,
     LORA_TARGETS_DEFAULT,
     METHODS,
@@ -73,7 +74,7 @@ PREPARE_ON = ("worker", "pod")
 CAPACITY_TYPES = ("on-demand", "spot", "capacity-block")
 CAPACITY_FALLBACKS = ("fail", "on-demand")
 EKS, LOCAL = ("eks",), ("local",)
-DPO = ("dpo",)
+DPO, SFT = ("dpo",), ("sft",)
 # EKS's cluster and node group name rules.
 EKS_NAME = r"[0-9A-Za-z][A-Za-z0-9_-]*"
 EKS_NAME_WHAT = "(letters, digits, '-' and '_', starting with a letter or digit)"
@@ -238,7 +239,9 @@ PARAMETERS: tuple[Parameter, ...] = (
       'repository root), an s3://bucket/key URI (file or prefix), or a hub name (org/name).',
       text=PATH_TEXT),
     P('dataset_format', 'auto', 'Data', 'Data set format',
-      '`auto` picks the format from the file extension.',
+      '`auto` picks the file format from the extension. Whatever the format, rows holding a '
+      'conversation (a messages or conversations column) are found by themselves: see '
+      'messages_field.',
       choices=DATASET_FORMATS),
     P('dataset_split', 'train', 'Data', 'Split',
       'Split of a Hugging Face hub data set (files and s3:// use all their rows).',
@@ -253,16 +256,37 @@ PARAMETERS: tuple[Parameter, ...] = (
     P('response_field', 'response', 'Data', 'Response field',
       'Field holding the answer the model learns to give.',
       text=COLUMN_TEXT),
+    P('messages_field', '', 'Data', 'Messages field',
+      "Field holding each row's conversation: a list of messages, OpenAI's {role, content} "
+      "(assistant tool_calls and tool results kept, a row's `tools` passed on) or ShareGPT's "
+      "{from, value}. It is rendered with the tokenizer's chat template (which it needs), the "
+      'loss on every assistant turn and only there. Empty: a messages or conversations column '
+      'is used when the rows lack the prompt or the response field. A conversation longer '
+      'than seq_len is a bad row (bad_rows: skipped whole and counted, or the run fails '
+      'naming its line), never cut at a turn.',
+      text=COLUMN_TEXT, methods=SFT),
     P('prompt_template', 'instruction', 'Data', 'Prompt template',
       "instruction: '### Instruction: ... ### Response:'; chat: the tokenizer's chat template "
       '(user = prompt, assistant = response).',
       choices=PROMPT_TEMPLATES),
+    P('mixture', '', 'Data', 'Mixture',
+      'Several data sets in one run: a JSON list of sources, each an object with its `dataset` '
+      'and a `weight` (its share of the training examples; 1 when neither is given) or `rows` '
+      '(exactly that many training examples, repeated when the source has fewer), and, where '
+      'they differ from the fields above, `name`, `dataset_format`, `dataset_split`, '
+      '`text_field`, `prompt_field`, `response_field`, `messages_field`, `prompt_template`, '
+      '`chosen_field` and `rejected_field`. E.g. [{"dataset": "ours.jsonl", "weight": 3}, '
+      '{"dataset": "org/chat", "weight": 1}]. Weighted sources are drawn without repeating a '
+      'row until the first runs out; the draw follows seed. Each source keeps its own held-out '
+      'split (eval loss per source). JSON on one line. Empty: the data set above alone.',
+      text=JSON_TEXT),
     P('packing', False, 'Data', 'Packing',
       'Pack examples into full sequences; no token attends to another example.'),
     P('bad_rows', 'skip', 'Data', 'Bad rows',
       'Rows that are not JSON, miss a field, hold a non-string or empty one, or are longer than '
-      'seq_len tokens: `skip` skips them and counts them by reason in the report; `error` fails '
-      'the run at the first one, naming its file and line.',
+      'seq_len tokens (a conversation is skipped whole, never cut at a turn), or a conversation '
+      'the chat template cannot render: `skip` skips them and counts them by reason in the '
+      'report; `error` fails the run at the first one, naming its file and line.',
       choices=BAD_ROWS),
     P('eval_fraction', EVAL_FRACTION, 'Data', 'Eval fraction',
       'The share of the usable rows held out for the eval loss (at least micro_batch rows).',

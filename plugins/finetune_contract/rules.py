@@ -12,9 +12,10 @@ import re
 
 from finetune_contract.families import FAMILIES, lora_target_problem
 from finetune_contract.fields import FA4_CAPABILITIES, FA4_HEAD_DIMS, PRINTABLE, quoted
+from finetune_contract.mixture import parse_mixture, source_config
 from finetune_contract.models import ModelShape
 from finetune_contract.parallel_dims import ParallelDims, elastic_problems
-from finetune_contract.parameters import TRAINER_PARAMETERS
+from finetune_contract.parameters import BY_NAME, TRAINER_PARAMETERS
 from finetune_contract.train_config import TrainConfig
 
 Problems = list[tuple[str, str]]
@@ -132,6 +133,33 @@ def config_problems(cfg: TrainConfig, *, world_size: int, local_world_size: int,
         value = getattr(cfg, field)
         if value and (field == "output_dir" or value.startswith(("/", ".", "~", S3_SCHEME))):
             problems += location_problems(field, value)
+    problems += _mixture(cfg)
+    return problems
+
+
+def _mixture(cfg: TrainConfig) -> Problems:
+    """The mixture's sources (finetune_contract.mixture), each held to the rules the run's own
+    data fields are: its fields' methods, chat with plain text, its data set's location."""
+    sources, problems = parse_mixture(cfg.mixture)
+    for source in sources:
+        where = source.where
+        for key, value in source.fields.items():
+            parameter = BY_NAME[key]
+            if cfg.method not in parameter.methods and value != parameter.default:
+                problems.append((f"{where}.{key}", f"{quoted(value)} applies to method "
+                                 f"{' or '.join(parameter.methods)} only (method is "
+                                 f"{cfg.method}): a mixture is of {cfg.method} sources only"))
+        own = source_config(cfg, source)
+        if own.prompt_template == "chat" and own.text_field:
+            problems.append((f"{where}.prompt_template", "chat needs prompt and response "
+                             f"fields, but text_field={quoted(own.text_field)} makes every "
+                             "row plain text: unset one of them"))
+        if own.method == "dpo" and own.text_field:
+            problems.append((f"{where}.text_field", f"{quoted(own.text_field)} with method = "
+                             "dpo: DPO rows need prompt, chosen and rejected fields"))
+        if own.dataset.startswith(("/", ".", "~", S3_SCHEME)):
+            problems += [(f"{where}.dataset", message)
+                         for _, message in location_problems("dataset", own.dataset)]
     return problems
 
 
@@ -252,7 +280,8 @@ def _preference(cfg: TrainConfig) -> Problems:
     problems: Problems = []
     for parameter in TRAINER_PARAMETERS:
         value = getattr(cfg, parameter.name)
-        if cfg.method not in parameter.methods and value != parameter.default:
+        if cfg.method not in parameter.methods and value != parameter.default and \
+                not (parameter.optional and value is None):  # an optional text left unset
             problems.append((parameter.name, f"{quoted(value)} applies to method "
                              f"{' or '.join(parameter.methods)} only (method is {cfg.method}): "
                              f"set method to {parameter.methods[0]} or {parameter.name} to "

@@ -1,12 +1,16 @@
 """The prepare_data stage: a data set read, encoded with the run's tokenizer and template (the
-contract's `encode_row`/`encode_pair`, the one encoding), packed when asked, split train/eval with
-the run's seed and written as Arrow files with its statistics, once, before any GPU is up.
+contract's `encode_row`/`encode_pair`, the one encoding: texts, prompts and responses,
+conversations), packed when asked, split train/eval with the run's seed and written as Arrow
+files with its statistics, once, before any GPU is up. A mixture of data sets (`mixture`) is read
+and encoded source by source, each split into its own training and held-out rows, and its
+training examples drawn by weight (finetune_data.mixing); its statistics count each source apart.
 
-Content-addressed: the prepared set's directory is named by a key of the source's version (files'
-sizes and mtimes, S3 ETags, the hub data set's revision), the tokenizer's files and every field
-the encoding depends on. A key that exists is reused; a set is written to a temporary directory
-and renamed into place whole, so two runs preparing one key never leave a half-written set (the
-first rename wins, the other run reuses it), and a failure leaves nothing a later run would read.
+Content-addressed: the prepared set's directory is named by a key of the sources' versions
+(files' sizes and mtimes, S3 ETags, the hub data set's revision), the tokenizer's files and every
+field the encoding depends on (a mixture's sources, weights and fields among them). A key that
+exists is reused; a set is written to a temporary directory and renamed into place whole, so two
+runs preparing one key never leave a half-written set (the first rename wins, the other run
+reuses it), and a failure leaves nothing a later run would read.
 
 The trainer loads the result memory-mapped (`load_prepared`) and never tokenizes. Needs `datasets`
 and `transformers` (imported on use: the Airflow plugin loader imports this file).
@@ -33,6 +37,7 @@ from finetune_contract.data import (
     IGNORE_INDEX,
     MALFORMED,
     TOO_LONG,
+    TOOLS_COLUMN,
     bad_row_error,
     builder_name,
     data_files,
@@ -41,16 +46,23 @@ from finetune_contract.data import (
     encode_row,
     field_problem,
     missing_columns,
+    other_method_problem,
+    read_rows,
     row_columns,
+    row_format,
+    row_kind,
     split_sizes,
 )
+from finetune_contract.mixture import Source, mixture_counts, mixture_sources, source_config
 from finetune_contract.train_config import TrainConfig
+from finetune_data.mixing import held_out_by_source, mixed_train, with_source
 
 if TYPE_CHECKING:
     import datasets
 
 # Bump when the prepared layout or the encoding changes: old sets are then not reused.
-PREPARE_VERSION = 2  # 2: the eval_dataset encoded too, in the key
+# 2: the eval_dataset encoded too, in the key; 3: conversations found by themselves, mixtures.
+PREPARE_VERSION = 3
 PREPARED_DIR = "prepared_data"  # under output_dir: one directory per key
 STATS_FILE = "stats.json"  # written last: a directory with it is complete
 TRAIN_SPLIT, EVAL_SPLIT = "train", "eval"
@@ -66,9 +78,11 @@ ROWS_PER_PROCESS = 1000
 S3_CACHE_DIR = "dataset_cache"  # under output_dir: where s3:// data sets are downloaded
 # What an example's encoding and the split depend on, besides the rows and the tokenizer.
 ENCODING_FIELDS = ("dataset_format", "dataset_split", "text_field", "prompt_field",
-                   "response_field", "prompt_template", "seq_len", "method", "chosen_field",
-                   "rejected_field", "packing", "bad_rows", "seed", "eval_fraction",
-                   "micro_batch")
+                   "response_field", "messages_field", "prompt_template", "seq_len", "method",
+                   "chosen_field", "rejected_field", "packing", "bad_rows", "seed",
+                   "eval_fraction", "micro_batch")
+# Rows read from the start of jsonl files to see their columns (a conversation's, say).
+COLUMNS_SEEN_ROWS = 1000
 # DPO rows: input_ids/labels hold the chosen example (what the eval loss is taken on), these the
 # rejected one.
 REJECTED_IDS, REJECTED_LABELS = "rejected_input_ids", "rejected_labels"
@@ -80,12 +94,6 @@ _TOKENS, _INDEX = "_tokens", "_index"  # per encoded row: its length, its index 
 _TOO_LONG_TOKENS = re.compile(r"(\d+) tokens, more than seq_len")
 
 
-
-
-# Columns the loader adds to the rows it reads itself (jsonl): the problem and where the row is.
-_PROBLEM, _DETAIL, _FILE, _LINE = "_problem", "_detail", "_file", "_line"
-
-
 @dataclass
 class RawRows:
     """A data set's rows and where each came from, to name a bad one."""
@@ -94,6 +102,12 @@ class RawRows:
     files: list[str]  # the data files read, in order; empty for a hub data set
     starts: list[int]  # index of each file's first row (files not read line by line)
     name: str = ""  # the hub data set and split
+    # The data's columns (jsonl: those of its first rows; the rows keep the needed ones only).
+    seen_columns: list[str] | None = None
+
+    @property
+    def columns(self) -> list[str]:
+        return self.seen_columns if self.seen_columns is not None else self.rows.column_names
 
     def where(self, index: int, row: dict[str, Any]) -> str:
         if row.get(_LINE) is not None:
@@ -192,12 +206,15 @@ def is_jsonl(path: str, dataset_format: str) -> bool:
         dataset_format == "auto" and Path(path).suffix.lower() == ".jsonl")
 
 
-def _jsonl_rows(files: list[str], columns: dict[str, str],
+def _jsonl_rows(files: list[str], columns: dict[str, str], optional: tuple[str, ...],
                 stamps: list[tuple[int, int]]) -> Iterator[dict[str, Any]]:
-    """Every non-blank line of the files as a row of the needed columns, its problem, its place.
+    """Every non-blank line of the files as a row of the needed columns (and the optional ones
+    where a row has them), its problem, its place. A conversation (a list) or a row's tools are
+    kept as their JSON text.
 
     Read here rather than by `datasets`, whose json loader fails on a whole file for one bad
-    line. stamps (size, mtime) make a changed file a new cache entry.
+    line (and would need one Arrow type for every row's messages). stamps (size, mtime) make a
+    changed file a new cache entry.
     """
     del stamps
     for file_index, path in enumerate(files):
@@ -216,8 +233,7 @@ def _jsonl_rows(files: list[str], columns: dict[str, str],
                     else:
                         problem = (MALFORMED, f"a JSON {type(parsed).__name__}, not an object")
                 yield {
-                    **{c: v if isinstance(v := row.get(c), str) else None
-                       for c in columns.values()},
+                    **{c: _as_text(row.get(c)) for c in [*columns.values(), *optional]},
                     _PROBLEM: problem[0] if problem else None,
                     _DETAIL: problem[1] if problem else None,
                     _FILE: file_index,
@@ -225,17 +241,25 @@ def _jsonl_rows(files: list[str], columns: dict[str, str],
                 }
 
 
+def _as_text(value: Any) -> str | None:
+    """A field as the jsonl rows keep it: a string, a list or object as its JSON text."""
+    if isinstance(value, str):
+        return value
+    return json.dumps(value) if isinstance(value, list | dict) else None
+
+
 def _has_a_line(path: str) -> bool:
     with open(path, "rb") as f:
         return any(line.strip() for line in f)  # stops at the first
 
 
-def read_jsonl(files: list[str], columns: dict[str, str]) -> datasets.Dataset:
+def read_jsonl(files: list[str], columns: dict[str, str],
+               optional: tuple[str, ...] = ()) -> datasets.Dataset:
     """The jsonl files' rows (see _jsonl_rows), written to the `datasets` cache."""
     import datasets
 
     features = datasets.Features({
-        **{c: datasets.Value("string") for c in columns.values()},
+        **{c: datasets.Value("string") for c in [*columns.values(), *optional]},
         _PROBLEM: datasets.Value("string"),
         _DETAIL: datasets.Value("string"),
         _FILE: datasets.Value("int32"),
@@ -244,7 +268,9 @@ def read_jsonl(files: list[str], columns: dict[str, str]) -> datasets.Dataset:
     stamps = [(os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
     return datasets.Dataset.from_generator(
         _jsonl_rows, features=features,
-        gen_kwargs={"files": files, "columns": columns, "stamps": stamps})
+        # a tuple: `datasets` takes each list of gen_kwargs as shards of one length
+        gen_kwargs={"files": files, "columns": columns, "optional": tuple(optional),
+                    "stamps": stamps})
 
 
 def load_rows(config: TrainConfig, local_path: Path | None) -> RawRows:
@@ -265,7 +291,13 @@ def load_rows(config: TrainConfig, local_path: Path | None) -> RawRows:
         if not any(_has_a_line(file) for file in files):
             raise ValueError(f"dataset {config.dataset} has no rows: its jsonl files are empty "
                              "or blank")
-        return RawRows(read_jsonl(files, row_columns(config)), files, [])
+        # Only the columns the rows need are kept: which they are, the first rows say.
+        seen = read_rows(files, config.dataset_format, COLUMNS_SEEN_ROWS)
+        read_as = row_format(config, seen.columns if seen else [])
+        optional = (TOOLS_COLUMN,) if read_as.messages_field and seen and \
+            TOOLS_COLUMN in seen.columns else ()
+        return RawRows(read_jsonl(files, row_columns(read_as), optional), files, [],
+                       seen_columns=seen.columns if seen else None)
     builder = builder_name(files[0], config.dataset_format)
     parts, starts = [], []
     for file in files:  # one at a time, to tell which file a bad row is in
@@ -295,9 +327,11 @@ def tokenize(raw: RawRows, tokenizer: Any, config: TrainConfig, num_proc: int = 
     """
     rows = raw.rows
     dpo = config.method == "dpo"  # a row is a pair: the chosen example and the rejected one
+    config = row_format(config, rows.column_names)  # conversations found by themselves
     missing = missing_columns(config, rows.column_names, config.dataset)
     if missing:
         raise ValueError("; ".join(message for _, message in missing))
+    check_template(config, tokenizer)
 
     def encode_batch(batch: dict[str, list[Any]], indices: list[int]) -> dict[str, list[Any]]:
         out: dict[str, list[Any]] = {"input_ids": [], "labels": [], _PROBLEM: [], _TOKENS: [],
@@ -422,7 +456,21 @@ def eval_dataset_config(config: TrainConfig) -> TrainConfig | None:
     packed); None without one."""
     if not config.eval_dataset:
         return None
-    return replace(config, dataset=config.eval_dataset, packing=False)
+    return replace(config, dataset=config.eval_dataset, packing=False, mixture=None)
+
+
+def sources_of(config: TrainConfig) -> list[tuple[Source | None, TrainConfig]]:
+    """The data sets a run reads, each with the config it is read and encoded with: the
+    mixture's sources (finetune_contract.mixture), or the one data set (no Source)."""
+    if not config.mixture:
+        return [(None, config)]
+    return [(source, source_config(config, source)) for source in
+            mixture_sources(config.mixture)]
+
+
+def local_datasets(config: TrainConfig) -> list[Path | None]:
+    """local_dataset of each data set the run reads (sources_of)."""
+    return [local_dataset(read_as) for _, read_as in sources_of(config)]
 
 
 def local_eval_dataset(config: TrainConfig) -> Path | None:
@@ -431,14 +479,18 @@ def local_eval_dataset(config: TrainConfig) -> Path | None:
     return local_dataset(evaluated) if evaluated else None
 
 
-def prepare_key(config: TrainConfig, local_path: Path | None,
+def prepare_key(config: TrainConfig, local_paths: list[Path | None],
                 eval_path: Path | None = None) -> str:
-    """The prepared set's content address (24 hex digits): the training data's version and the
-    eval_dataset's (read from `eval_path`), the tokenizer's and the encoding fields."""
+    """The prepared set's content address (24 hex digits): the training data's version (each
+    source's, for a mixture, with its name, fields and weight or rows) and the eval_dataset's
+    (read from `eval_path`), the tokenizer's and the encoding fields."""
     evaluated = eval_dataset_config(config)
+    sources = sources_of(config)
     material = {
         "version": PREPARE_VERSION,
-        "source": source_version(config, local_path),
+        "source": source_version(config, local_paths[0]) if not config.mixture else [
+            [source.to_dict(), source_version(read_as, path)]
+            for (source, read_as), path in zip(sources, local_paths, strict=True)],
         "eval_dataset": source_version(evaluated, eval_path) if evaluated else None,
         "tokenizer": tokenizer_version(str(config.tokenizer)),
         "encoding": {name: getattr(config, name) for name in ENCODING_FIELDS},
@@ -495,8 +547,8 @@ def prepare(config: TrainConfig, root: str | Path, num_proc: int | None = None,
         from finetune_contract.transformers_import import AutoTokenizer
 
         check_template(config, AutoTokenizer.from_pretrained(config.tokenizer))
-    local_path, eval_path = local_dataset(config), local_eval_dataset(config)
-    key = prepare_key(config, local_path, eval_path)
+    local_paths, eval_path = local_datasets(config), local_eval_dataset(config)
+    key = prepare_key(config, local_paths, eval_path)
     final = root / key
     if (final / STATS_FILE).is_file():
         log(f"prepare_data: cache hit: {final} holds this data set, tokenizer and encoding "
@@ -506,12 +558,12 @@ def prepare(config: TrainConfig, root: str | Path, num_proc: int | None = None,
     partial = root / f".{key}.{uuid.uuid4().hex}.partial"
     try:
         num_proc = num_proc or cpu_count()
-        log(f"prepare_data: encoding {config.dataset} with up to {num_proc} processes, one per "
+        log(f"prepare_data: encoding {_what(config)} with up to {num_proc} processes, one per "
             f"{ROWS_PER_PROCESS:,} rows (key {key})")
-        stats = _prepare_into(partial, config, local_path, num_proc, eval_path)
-        if prepare_key(config, local_path, eval_path) != key:
-            changed = config.dataset + (f" or eval_dataset {config.eval_dataset}"
-                                        if config.eval_dataset else "")
+        stats = _prepare_into(partial, config, local_paths, num_proc, eval_path)
+        if prepare_key(config, local_paths, eval_path) != key:
+            changed = _what(config) + (f" or eval_dataset {config.eval_dataset}"
+                                       if config.eval_dataset else "")
             raise ValueError(f"dataset {changed} changed while it was prepared (its files' "
                              "sizes, mtimes or ETags moved): nothing was kept; run again once "
                              "it is written")
@@ -548,7 +600,7 @@ def prepare_to_s3(config: TrainConfig, root_uri: str, s3: Any, num_proc: int | N
     started = time.perf_counter()
     bucket, _, base = root_uri.removeprefix("s3://").partition("/")
     base = base.strip("/")
-    key = prepare_key(config, local_dataset(config), local_eval_dataset(config))
+    key = prepare_key(config, local_datasets(config), local_eval_dataset(config))
     uri = f"s3://{bucket}/{base}/{key}"
     try:
         stats = json.loads(s3.get_object(Bucket=bucket, Key=f"{base}/{key}/{STATS_FILE}")
@@ -575,8 +627,83 @@ def _stats_of(path: Path, cache_hit: bool, seconds: float) -> dict[str, Any]:
     return {**stats, "path": str(path), "cache_hit": cache_hit, "seconds": round(seconds, 3)}
 
 
-def _prepare_into(out: Path, config: TrainConfig, local_path: Path | None, num_proc: int,
-                  eval_path: Path | None = None) -> dict[str, Any]:
+def _what(config: TrainConfig) -> str:
+    """The data a run reads, as a log line names it."""
+    if not config.mixture:
+        return config.dataset
+    return "mixture of " + ", ".join(f"{source.name} ({read_as.dataset})"
+                                     for source, read_as in sources_of(config))
+
+
+class SourceError(ValueError):
+    """A mixture's source that cannot be read, encoded or split; `field` names it as validate
+    would (mixture[1].dataset)."""
+
+    def __init__(self, source: Source, message: str):
+        self.field = f"{source.where}.dataset"
+        super().__init__(f"{source.where} ({source.name}): {message}")
+
+
+@dataclass
+class EncodedSource:
+    """A data set read and encoded: its usable examples (with their lengths, _TOKENS) and what
+    was skipped; `read_as` is the config it was read with (its row format found)."""
+
+    source: Source | None
+    read_as: TrainConfig
+    raw: RawRows
+    encoded: datasets.Dataset
+    skipped: dict[str, int]
+    longest: list[dict[str, Any]]
+
+    def counts(self) -> dict[str, Any]:
+        """Its rows read, kept and skipped (by reason, the longest named)."""
+        return {"dataset": self.read_as.dataset, "row_format": row_kind(self.read_as),
+                "rows_read": len(self.raw.rows), "rows_kept": len(self.encoded),
+                "skipped_rows": sum(self.skipped.values()),
+                "skipped_rows_by_reason": self.skipped, "longest_skipped_rows": self.longest}
+
+
+def encode_source(source: Source | None, read_as: TrainConfig, local_path: Path | None,
+                  tokenizer: Any, num_proc: int) -> EncodedSource:
+    """One data set read and encoded; a mixture's source names itself in any error."""
+    try:
+        raw = load_rows(read_as, local_path)
+        read_as = row_format(read_as, raw.columns)
+        other_method = source is not None and other_method_problem(read_as, raw.columns)
+        if other_method:
+            raise ValueError(f"dataset {read_as.dataset} {other_method}")
+        encoded, skipped, longest = tokenize(raw, tokenizer, read_as, num_proc)
+    except ValueError as error:
+        if source is None:
+            raise
+        raise SourceError(source, str(error)) from error
+    return EncodedSource(source, read_as, raw, encoded, skipped, longest)
+
+
+def _held_out_split(part: EncodedSource, config: TrainConfig
+                    ) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """(training rows, held-out rows) of one data set, split with the run's seed; ValueError
+    when it has too few usable rows, with its skipped rows and the first bad one."""
+    try:
+        _, n_eval = split_sizes(len(part.encoded), part.read_as)
+    except ValueError as error:
+        skipped = part.skipped
+        reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(skipped.items()))
+        message = str(error) + (
+            f"; skipped rows: {reasons} ({_first_problem(part.raw, part.read_as)})"
+            if skipped else "")
+        raise (SourceError(part.source, message) if part.source else ValueError(message)) \
+            from None
+    rows = part.encoded.remove_columns(_TOKENS)
+    if part.source is not None:  # a mixture's: each row labelled with its source
+        rows = with_source(rows, part.source.index)
+    split = rows.train_test_split(test_size=n_eval, shuffle=True, seed=config.seed)
+    return split["train"], split["test"]
+
+
+def _prepare_into(out: Path, config: TrainConfig, local_paths: list[Path | None],
+                  num_proc: int, eval_path: Path | None = None) -> dict[str, Any]:
     import datasets
 
     from finetune_contract.transformers_import import AutoTokenizer
@@ -584,28 +711,35 @@ def _prepare_into(out: Path, config: TrainConfig, local_path: Path | None, num_p
     datasets.disable_progress_bars()
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
     check_template(config, tokenizer)
-    raw = load_rows(config, local_path)
-    encoded, skipped, longest = tokenize(raw, tokenizer, config, num_proc)
-    usable = len(encoded)
-    try:
-        _, n_eval = split_sizes(usable, config)
-    except ValueError as error:
-        reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(skipped.items()))
-        raise ValueError(str(error) + (f"; skipped rows: {reasons} ({_first_problem(raw, config)})"
-                                       if skipped else "")) from None
-    lengths = encoded[_TOKENS]
-    split = encoded.remove_columns(_TOKENS).train_test_split(
-        test_size=n_eval, shuffle=True, seed=config.seed)
-    train, held_out = split["train"], split["test"]
+    parts = [encode_source(source, read_as, path, tokenizer, num_proc)
+             for (source, read_as), path in zip(sources_of(config), local_paths, strict=True)]
+    splits = [_held_out_split(part, config) for part in parts]
+    sources: list[dict[str, Any]] | None = None
+    if config.mixture:
+        counts = mixture_counts([len(train) for train, _ in splits],
+                                [part.source for part in parts])
+        train = mixed_train([train for train, _ in splits], counts, config.seed)
+        held_outs = [held_out for _, held_out in splits]
+        held_out = held_out_by_source(held_outs)
+        sources = [_source_stats(part, len(available), count, held, len(train))
+                   for part, (available, held), count in zip(parts, splits, counts, strict=True)]
+    else:
+        (train, held_out), held_outs = splits[0], [splits[0][1]]
     examples = {"train": len(train), "eval": len(held_out)}
     if REJECTED_IDS in held_out.column_names:
         # DPO: the eval loss is the chosen responses' (a held-out SFT loss on what is preferred).
         held_out = held_out.remove_columns([REJECTED_IDS, REJECTED_LABELS])
+        held_outs = [rows.remove_columns([REJECTED_IDS, REJECTED_LABELS]) for rows in held_outs]
     out.mkdir(parents=True)
     if config.packing:
-        # Split before packing: the eval split holds the same examples with packing on or off.
+        # Split before packing: the eval split holds the same examples with packing on or off;
+        # a mixture's is packed per source, so each packed row is one source's.
         held_out.save_to_disk(str(out / EVAL_EXAMPLES_SPLIT))
-        train, held_out = pack(train, config.seq_len), pack(held_out, config.seq_len)
+        train = pack(train, config.seq_len)
+        held_out = pack(held_out, config.seq_len) if not config.mixture else \
+            datasets.concatenate_datasets([
+            with_source(pack(rows, config.seq_len), index)  # pack keeps its columns only
+            for index, rows in enumerate(held_outs)])
     train.save_to_disk(str(out / TRAIN_SPLIT))
     held_out.save_to_disk(str(out / EVAL_SPLIT))
     evaluated = eval_dataset_config(config)
@@ -613,11 +747,19 @@ def _prepare_into(out: Path, config: TrainConfig, local_path: Path | None, num_p
     if evaluated is not None:
         eval_stats = _encode_eval_dataset(out / EVAL_DATASET_SPLIT, evaluated, eval_path,
                                           tokenizer, num_proc)
+    lengths = [length for part in parts for length in part.encoded[_TOKENS]]
+    skipped: dict[str, int] = {}
+    for part in parts:
+        for reason, count in part.skipped.items():
+            skipped[reason] = skipped.get(reason, 0) + count
+    longest = sorted((row for part in parts for row in part.longest),
+                     key=lambda row: row["tokens"], reverse=True)[:LONGEST_SKIPPED]
     return {
         "eval_dataset": eval_stats,
-        "dataset": config.dataset,
-        "rows_read": len(raw.rows),
-        "rows_kept": usable,
+        "dataset": config.dataset if not config.mixture else _what(config),
+        **({"row_format": row_kind(parts[0].read_as)} if not config.mixture else {}),
+        "rows_read": sum(len(part.raw.rows) for part in parts),
+        "rows_kept": sum(len(part.encoded) for part in parts),
         "skipped_rows": sum(skipped.values()),
         "skipped_rows_by_reason": skipped,
         "longest_skipped_rows": longest,
@@ -631,6 +773,21 @@ def _prepare_into(out: Path, config: TrainConfig, local_path: Path | None, num_p
                    "longest_example": max(lengths, default=0)},
         "tokens_per_epoch": _tokens(train),
         "length_histogram": length_histogram(lengths, config.seq_len),
+        **({"sources": sources} if sources is not None else {}),
+    }
+
+
+def _source_stats(part: EncodedSource, available: int, drawn: int, held_out: datasets.Dataset,
+                  train_examples: int) -> dict[str, Any]:
+    """A mixture's source in the statistics: what it asked (weight or rows), its rows read,
+    kept and skipped, the training rows it had, the examples drawn and their share."""
+    source = part.source
+    return {
+        "name": source.name, "index": source.index, "weight": source.weight,
+        "rows": source.rows, **part.counts(),
+        "train_rows_available": available, "train_examples": drawn,
+        "repeated": drawn > available, "share": drawn / train_examples if train_examples else 0,
+        "eval_examples": len(held_out), "tokens_eval": _tokens(held_out),
     }
 
 
@@ -653,7 +810,13 @@ def _encode_eval_dataset(out: Path, config: TrainConfig, local_path: Path | None
 
 
 def check_template(config: TrainConfig, tokenizer: Any) -> None:
-    """prompt_template=chat needs a tokenizer with a chat template."""
+    """Conversations (messages_field, as row_format found it) and prompt_template=chat need a
+    tokenizer with a chat template."""
+    if config.messages_field and not tokenizer.chat_template:
+        raise ValueError(
+            f"dataset {config.dataset} holds conversations (column {config.messages_field!r}), "
+            f"rendered with the tokenizer's chat template, and tokenizer {config.tokenizer} has "
+            "none: give a tokenizer with a chat template")
     if config.prompt_template == "chat" and not tokenizer.chat_template:
         raise ValueError(
             f"prompt_template=chat but tokenizer {config.tokenizer} has no chat template: use "
@@ -661,10 +824,17 @@ def check_template(config: TrainConfig, tokenizer: Any) -> None:
 
 
 def _tokens(ds: datasets.Dataset) -> int:
+    """The tokens of a split's rows. A split taken by train_test_split or select is its table
+    and a mapping of the rows it keeps (`_indices`, which `datasets` keeps in that private
+    field): the lengths are taken through it, not over the whole table (which counted every
+    row of the data set in both splits), without copying the token lists."""
     import pyarrow.compute as pc
 
-    column = ds.data.column("input_ids")
-    return int(pc.sum(pc.list_value_length(column)).as_py() or 0)
+    lengths = pc.list_value_length(ds.data.column("input_ids"))
+    indices = getattr(ds, "_indices", None)
+    if indices is not None:
+        lengths = lengths.take(indices.column(0))
+    return int(pc.sum(lengths).as_py() or 0)
 
 
 def length_histogram(lengths: list[int], seq_len: int) -> dict[str, int]:

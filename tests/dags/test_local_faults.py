@@ -78,9 +78,12 @@ def children(pid: int) -> list[int]:
         return []
 
 
-def train_during(target: LocalTarget, cfg, rdzv: dict, fault) -> dict:
-    """target.train with `fault()` running beside it; nothing of the run is left afterwards, and
-    the fault itself raised nothing."""
+def train_during(target: LocalTarget, cfg, rdzv: dict, fault, fails: bool = False):
+    """target.train with `fault()` running beside it: its result, or with `fails` the
+    TrainingFailed it raised; nothing of the run is left afterwards, and the fault itself raised
+    nothing."""
+    from finetune.targets.base import TrainingFailed
+
     errors: list[BaseException] = []
 
     def run() -> None:
@@ -92,7 +95,12 @@ def train_during(target: LocalTarget, cfg, rdzv: dict, fault) -> dict:
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     try:
-        result = target.train(cfg, IMAGE, rdzv)
+        if fails:
+            with pytest.raises(TrainingFailed) as err:
+                target.train(cfg, IMAGE, rdzv)
+            result = err.value
+        else:
+            result = target.train(cfg, IMAGE, rdzv)
     finally:
         thread.join(5)
         assert_nothing_left(target, cfg)
@@ -144,8 +152,6 @@ def test_a_rank_killed_by_sigkill_is_named_as_the_first_failure_before_its_conse
         tmp_path):
     """As the kernel's OOM killer does: the task's error and the failed report name rank 1, its
     node and SIGKILL with what it usually means, not rank 0's broken collective after it."""
-    from finetune.targets.base import TrainingFailed
-
     target, cfg, rdzv = start(tmp_path, "sigkilled-rank", max_restarts=0,
                               active_deadline_s=240)
     run_dir = Path(cfg.run_dir)
@@ -154,18 +160,7 @@ def test_a_rank_killed_by_sigkill_is_named_as_the_first_failure_before_its_conse
         wait_for_step(run_dir, 3)
         os.kill(workers(cfg)[1], signal.SIGKILL)
 
-    errors: list[BaseException] = []
-    thread = threading.Thread(target=lambda: errors.extend(
-        [exc for exc in [_raised(kill_rank_1)] if exc]), daemon=True)
-    thread.start()
-    try:
-        with pytest.raises(TrainingFailed) as err:
-            target.train(cfg, IMAGE, rdzv)
-    finally:
-        thread.join(5)
-        assert_nothing_left(target, cfg)
-    assert not errors, errors
-    message = str(err.value)
+    message = str(train_during(target, cfg, rdzv, kill_rank_1, fails=True))
     first = message.splitlines()[0]
     assert first.startswith("training failed: first failure: rank 1 killed by SIGKILL"), message
     assert "on node 0 (" in first and "OOM killer" in first, first
@@ -174,14 +169,6 @@ def test_a_rank_killed_by_sigkill_is_named_as_the_first_failure_before_its_conse
     assert report["status"] == "failed"
     assert report["error"]["rank"] == 1 and report["error"]["type"] == "SIGKILL", report["error"]
     assert "OOM killer" in report["error"]["message"]
-
-
-def _raised(fault) -> BaseException | None:
-    try:
-        fault()
-    except BaseException as exc:  # surfaced by the test
-        return exc
-    return None
 
 
 @pytest.mark.slow
@@ -418,8 +405,15 @@ def test_a_notice_to_one_node_saves_the_step_it_interrupts_and_loses_nothing(
     kept = sum(r["step_time_s"] for r in train_records(run_dir))
     assert good["node_s"]["productive"] == pytest.approx(2 * kept, abs=0.2)
     assert kept >= RUN["max_steps"] * STEP_DELAY_S
+    # saves and loads: each save the training waited for (the injected delay within it, the
+    # notice's own save to its end) and the resumed round's load, on both nodes
+    waited = sum(e["seconds"] for e in saves)
+    assert waited >= len(saves) * SAVE_DELAY_S
+    loads = sum(e.get("load_s") or 0 for e in events if e["event"] == "start")
+    notice_save = preempted["save_s"] - next(
+        e["seconds"] for e in saves if e["step"] == preempted["step"])
     assert good["node_s"]["saves_and_loads"] == pytest.approx(
-        2 * len(saves) * SAVE_DELAY_S, abs=2 * 1.0)
+        2 * (waited + loads + max(0.0, notice_save)), abs=0.2)
     assert sum(good["node_s"].values()) == pytest.approx(good["paid_node_s"], abs=0.5)
 
 
@@ -460,7 +454,6 @@ def test_a_node_lost_for_good_leaves_an_elastic_run_on_the_other_with_the_same_g
 
 @pytest.mark.slow
 def test_a_run_noticed_more_often_than_max_preemptions_fails_saying_so(tmp_path):
-    from finetune.targets.base import TrainingFailed
 
     target, cfg, rdzv = start(tmp_path, "noticed", nodes=2, procs_per_node=1,
                               max_preemptions=0, active_deadline_s=240)
@@ -471,13 +464,6 @@ def test_a_run_noticed_more_often_than_max_preemptions_fails_saying_so(tmp_path)
         agent = json.loads((run_dir / "state" / "train.json").read_text())["agents"][0]
         os.kill(agent, signal.SIGTERM)
 
-    thread = threading.Thread(target=notice, daemon=True)
-    thread.start()
-    try:
-        with pytest.raises(TrainingFailed) as err:
-            target.train(cfg, IMAGE, rdzv)
-    finally:
-        thread.join(5)
-        assert_nothing_left(target, cfg)
-    assert "was preempted 1 times, more than max_preemptions (0)" in str(err.value)
+    failed = train_during(target, cfg, rdzv, notice, fails=True)
+    assert "was preempted 1 times, more than max_preemptions (0)" in str(failed)
     assert [e["event"] for e in history(run_dir)].count("preempted") == 1

@@ -18,6 +18,10 @@ from tests.support.deferral import run_deferred
 from tests.support.eks import TrainingOperator, eks_config, jobs_of_run, target, train_operator
 from tests.support.kube import add_nodes
 
+# Whole training rounds played by the test as the operator would, each restart shown for a
+# second so the stage's looks see it on a busy machine: several seconds a test.
+pytestmark = pytest.mark.slow
+
 
 def s3_run(s3: tuple[Any, str], **changes: Any) -> Any:
     """A run whose output is in the test's bucket, where the trainer's history goes."""
@@ -44,7 +48,8 @@ def test_a_preempted_job_is_retried_and_the_same_job_goes_on_with_the_preemption
         nodegroup, cluster, s3, task_log):
     cfg = s3_run(s3, nodes=2, max_preemptions=2)
     add_nodes(cluster, 2)
-    operator = TrainingOperator(cluster, cfg, preemptions=1, on_preempted=recorder(s3, cfg))
+    operator = TrainingOperator(cluster, cfg, preemptions=1, on_preempted=recorder(s3, cfg),
+                                hold_s=1.0)
     operator.start()
     trained, events = run_deferred(train_operator(cfg))
     operator.join(5)
@@ -62,7 +67,7 @@ def test_a_run_preempted_more_than_max_preemptions_fails_naming_it_and_teardown_
     snap = t.snapshot(cfg)
     add_nodes(cluster, 2)
     operator = TrainingOperator(cluster, cfg, preemptions=2, on_preempted=recorder(s3, cfg),
-                                outcome="Running", hold_s=0.25)
+                                outcome="Running", hold_s=1.0)
     operator.start()
     with pytest.raises(AirflowFailException) as err:
         run_deferred(train_operator(cfg))
@@ -82,7 +87,8 @@ def test_restarts_no_notice_explains_count_against_max_restarts(nodegroup, clust
     client.put_object(Bucket=bucket, Key=key, Body=json.dumps(
         {"event": "start", "time": 1.0, "nodes": 2}) + "\n")
     add_nodes(cluster, 2)
-    operator = TrainingOperator(cluster, cfg, preemptions=2, outcome="Running", hold_s=0.25)
+    # each restart shown long enough for the stage's looks to see it on a busy machine
+    operator = TrainingOperator(cluster, cfg, preemptions=2, outcome="Running", hold_s=1.0)
     operator.start()
     with pytest.raises(AirflowFailException) as err:
         run_deferred(train_operator(cfg))
@@ -96,7 +102,7 @@ def test_without_a_readable_history_the_jobs_restarts_are_counted(nodegroup, clu
     cfg = eks_config(nodes=2, max_preemptions=1, output_dir="/fsx/runs",
                      run_dir="/fsx/runs/manual", volumes="fsx:/fsx")
     add_nodes(cluster, 2)
-    operator = TrainingOperator(cluster, cfg, preemptions=2, outcome="Running")
+    operator = TrainingOperator(cluster, cfg, preemptions=2, outcome="Running", hold_s=1.0)
     operator.start()
     with pytest.raises(AirflowFailException) as err:
         run_deferred(train_operator(cfg))

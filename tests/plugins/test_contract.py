@@ -26,6 +26,7 @@ from finetune_contract.models import BUILTIN_MODELS, ModelShape, model_shape
 from finetune_contract.parameters import PARAMETERS
 from finetune_contract.rules import config_problems, path_problem, split_s3
 from finetune_contract.train_config import TrainConfig
+from tests.support.chat_tokenizers import without_chat_template
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONTRACT = REPO_ROOT / "plugins" / "finetune_contract"
@@ -213,7 +214,12 @@ def test_a_tokenizer_directory_needs_tokenizer_files_and_chat_needs_a_template(t
         "has no tokenizer files (one of tokenizer.json, tokenizer.model, vocab.json, "
         "vocab.txt, spiece.model)")
     chat = TrainConfig(prompt_template="chat")
-    assert tokenizer_problems(demo, "tokenizer", chat)[0][0] == "prompt_template"
+    # The demo tokenizer has a chat template (conversations render with it); a copy without.
+    assert tokenizer_problems(demo, "tokenizer", chat) == []
+    plain = without_chat_template(tmp_path / "plain")
+    assert tokenizer_problems(plain, "tokenizer", chat)[0][0] == "prompt_template"
+    assert tokenizer_problems(plain, "tokenizer", TrainConfig(messages_field="messages"))[0][0] \
+        == "messages_field"
 
 
 def test_the_eval_split_and_packing_bounds_are_the_trainers():

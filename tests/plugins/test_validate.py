@@ -9,6 +9,7 @@ import pytest
 
 from finetune.config import ConfigError
 from finetune.validate import validate_params
+from tests.support.chat_tokenizers import without_chat_template
 
 DEMO_TOKENIZER = "trainer/demo/tokenizer"
 
@@ -48,7 +49,9 @@ def test_data_files_with_other_columns_are_refused(tmp_path):
 
 
 def test_chat_template_with_a_tokenizer_that_has_none_is_refused(tmp_path):
-    errors = refused({"dataset": jsonl(tmp_path / "d.jsonl", ROWS), "prompt_template": "chat"})
+    plain = without_chat_template(tmp_path / "plain")  # the demo tokenizer has a template
+    errors = refused({"dataset": jsonl(tmp_path / "d.jsonl", ROWS), "prompt_template": "chat",
+                      "tokenizer": str(plain)})
     assert named(errors, "prompt_template", "has no chat template"), errors
 
 

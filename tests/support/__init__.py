@@ -27,6 +27,9 @@ never imported from another test module):
 - `preflight`: what the preflight program measures, made to order (`measured`).
 - `training`: torchrun, demo rows and metrics files for the trainer tests, the ranks of
   torchrun's workers (`torchrun_workers`); fixture `world_of_one`.
+- `chat_tokenizers`: tokenizers the tests make with the chat templates of three families (the
+  demo's, Qwen-style with generation marks, Llama 3-style without), and the demo tokenizer
+  without its template.
 
 Fixtures reach the tests through conftest.py files: tests/conftest.py lists the light modules in
 `pytest_plugins`; the folders that need the heavy ones (Airflow, kmock) import their fixtures.

@@ -12,6 +12,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 from finetune_contract.data import IGNORE_INDEX, PROMPT_TEMPLATE, encode_example
 from finetune_contract.models import BUILTIN_MODELS
+from tests.support.chat_tokenizers import without_chat_template
 from tests.support.training import demo_rows, read_metrics, write_jsonl
 from trainer.config import load_config
 from trainer.data import (
@@ -270,9 +271,12 @@ def test_prompt_template_chat_tokenizes_every_row_with_the_chat_template(
 def test_prompt_template_chat_without_a_chat_template_fails_at_start_naming_both(
     tmp_path, tokenizer
 ):
-    # The data set does not exist: the template is checked before any data is read.
+    # The data set does not exist: the template is checked before any data is read. (The demo
+    # tokenizer has a chat template: a copy without it.)
+    plain = without_chat_template(tmp_path / "plain")
     config = load_config(
-        None, {"dataset": str(tmp_path / "missing.jsonl"), "prompt_template": "chat"}
+        None, {"dataset": str(tmp_path / "missing.jsonl"), "prompt_template": "chat",
+               "tokenizer": str(plain)}
     )
     expected = f"prompt_template=chat.*tokenizer {re.escape(config.tokenizer)} has no chat"
     with pytest.raises(ValueError, match=expected):

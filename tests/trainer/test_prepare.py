@@ -218,8 +218,8 @@ def test_evaluate_measures_on_the_prepared_eval_sets_and_never_encodes(tmp_path,
 # worker and in its pod), validate's sample of rows, the benchmark, and the trainer started by
 # hand without a prepared set (trainer.data, with the stage's own function). Nothing that runs
 # after prepare_data (the trainer's start, evaluate, the report) is here.
-ENCODING_NAMES = {"encode_row", "encode_pair", "encode_example", "tokenize", "load_rows",
-                  "prepare", "prepare_to_s3"}
+ENCODING_NAMES = {"encode_row", "encode_pair", "encode_example", "encode_conversation",
+                  "chat_turns", "tokenize", "load_rows", "prepare", "prepare_to_s3"}
 TOKENIZER_CALLS = {"encode", "encode_plus", "batch_encode_plus", "apply_chat_template"}
 MAY_ENCODE = {"finetune.prepare_stage", "finetune.validate", "bench.prepare_data",
               "trainer.prepare_data", "trainer.data"}

@@ -3,6 +3,7 @@
 python -m trainer.demo.make_data [--rows 3000] [--seed 0] [--out FILE]
 python -m trainer.demo.make_data --eval-task   # the demo's multiple-choice benchmark task
 python -m trainer.demo.make_data --preferences # the DPO demo's (prompt, chosen, rejected) rows
+python -m trainer.demo.make_data --conversations # multi-turn conversations, some calling a tool
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
-from trainer.demo import DEMO_DATASET, DEMO_EVAL_TASK_DATA, DEMO_PREFERENCES
+from trainer.demo import DEMO_CONVERSATIONS, DEMO_DATASET, DEMO_EVAL_TASK_DATA, DEMO_PREFERENCES
 
 WORDS = (
     "apple bird boat book cake car cat cloud corn cup desk dog door drum egg fish flag fox frog "
@@ -115,6 +116,40 @@ def make_preference_rows(rows: int, seed: int) -> list[dict[str, str]]:
     return pairs
 
 
+SYSTEM_PROMPT = "Be brief."
+
+
+def make_conversation_rows(rows: int, seed: int) -> list[dict]:
+    """Conversations in OpenAI's shape ({"messages": [{"role", "content"}, ...]}) of the same
+    tasks: two or three questions, each answered by the assistant, a quarter of them after a
+    system prompt; every fifth instead asks a sum, which the assistant leaves to a calculator tool
+    (its tool call, the tool's result, then its answer), as tool-calling data sets do.
+    Each fits the demo's seq_len (128 tokens) with the demo tokenizer's chat template."""
+    rng = random.Random(seed)
+    conversations = []
+    for i in range(rows):
+        messages: list[dict] = []
+        if i % 4 == 0:
+            messages.append({"role": "system", "content": SYSTEM_PROMPT})
+        questions = 2 + i % 2
+        if i % 5 == 0:
+            a, b = rng.randint(0, 9), rng.randint(0, 9)
+            call = {"type": "function", "function": {
+                "name": "add", "arguments": json.dumps({"a": a, "b": b})}}
+            messages += [{"role": "user", "content": f"What is {a} plus {b}?"},
+                         {"role": "assistant", "content": None, "tool_calls": [call]},
+                         {"role": "tool", "content": str(a + b)},
+                         {"role": "assistant", "content": str(a + b)}]
+            questions = 0
+        for turn in range(questions):
+            prompt, response = TASKS[(i + turn) % len(TASKS)](rng)
+            messages += [{"role": "user", "content": prompt},
+                         {"role": "assistant", "content": response}]
+        conversations.append({"messages": messages})
+    rng.shuffle(conversations)
+    return conversations
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=3000)
@@ -124,8 +159,14 @@ def main(argv: list[str] | None = None) -> None:
                         help="write the benchmark task's items (42 rows, seed 1) instead")
     parser.add_argument("--preferences", action="store_true",
                         help="write the DPO demo's preference pairs (1000 rows, seed 2) instead")
+    parser.add_argument("--conversations", action="store_true",
+                        help="write the demo's multi-turn conversations (1000 rows, seed 3) "
+                        "instead")
     args = parser.parse_args(argv)
-    if args.preferences:
+    if args.conversations:
+        write_jsonl(args.out or DEMO_CONVERSATIONS, make_conversation_rows(1000, 3),
+                    "conversations")
+    elif args.preferences:
         write_jsonl(args.out or DEMO_PREFERENCES, make_preference_rows(1000, 2), "pairs")
     elif args.eval_task:
         write_jsonl(args.out or DEMO_EVAL_TASK_DATA, make_choice_rows(42, 1), "items")

@@ -1,4 +1,5 @@
-"""Train the demo byte-level BPE tokenizer on the demo data set and save it for AutoTokenizer.
+"""Train the demo byte-level BPE tokenizer on the demo data set and save it for AutoTokenizer, with
+its chat template (conversations, multi-turn and with tool calls, render with it).
 
 python -m trainer.demo.make_tokenizer [--data FILE] [--vocab 1024] [--out DIR]
 """
@@ -18,6 +19,22 @@ from trainer.demo import DEMO_DATASET, DEMO_TOKENIZER
 BOS, EOS, PAD, UNK = "<s>", "</s>", "<pad>", "<unk>"
 # The prompt template lives in trainer.data; it is repeated here only as training text.
 TEMPLATE_TEXT = "### Instruction:\n\n\n### Response:\n"
+# The demo's chat template: each message as <|role|>, a line break and its content (an
+# assistant's tool calls as <call>name {"argument": ...}</call>), the assistant's turn
+# ended by </s>; the tools a row offers first. No generation marks: the prepare_data stage cuts
+# the assistant's turns from renderings up to each (finetune_contract.data.chat_turns).
+# (Hugging Face renders templates with trim_blocks: a line break after a block tag is dropped.)
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools %}<|tools|>\n{{ tools | tojson }}\n{% endif %}"
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{% set call = call['function'] if call['function'] is defined else call %}"
+    "<call>{{ call['name'] }} {{ call['arguments'] | tojson }}</call>"
+    "{% endfor %}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 
 def training_texts(data: Path) -> Iterator[str]:
@@ -45,9 +62,11 @@ def train_tokenizer(data: Path, vocab_size: int) -> PreTrainedTokenizerFast:
         pair=f"{BOS} $A {BOS} $B",
         special_tokens=[(BOS, tokenizer.token_to_id(BOS))],
     )
-    return PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK
     )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -25,6 +25,13 @@ def render_html(report: dict) -> str:
                        "Throughput", "step", "tokens/s"),
         svg_line_chart({"lr": _points(train, "step", "lr")}, "Learning rate", "step", "lr"),
     ]
+    by_source = [r for r in evals if r.get("eval_loss_by_source")]
+    if by_source:  # a mixture
+        names = list(dict.fromkeys(name for r in by_source for name in r["eval_loss_by_source"]))
+        charts.append(svg_line_chart(
+            {name: [(r["step"], r["eval_loss_by_source"][name]) for r in by_source
+                    if r["eval_loss_by_source"].get(name) is not None] for name in names},
+            "Eval loss per source", "step", "loss"))
     if any(r.get("reward_accuracy") is not None for r in train):  # a dpo run
         charts.append(svg_line_chart(
             {"reward accuracy": _points(train, "step", "reward_accuracy"),
@@ -42,7 +49,7 @@ def render_html(report: dict) -> str:
         config=_flatten(report["config"]),
         evaluation=_evaluation_view(report.get("evaluation"), report.get("promotion"),
                                     report.get("tracking")),
-        data=_data_view(report.get("data")),
+        data=_data_view(report.get("data"), report.get("eval_loss_by_source")),
         cost=cost and {"nodes": cost["nodes"], "price": f"{cost['node_hourly_price_usd']:g}",
                        "hours": f"{cost['hours']:.2f}", "usd": f"{cost['usd']:,.2f}"},
         gpu=_gpu_view(report.get("gpu")),
@@ -151,6 +158,8 @@ def _evaluation_view(evaluation: dict | None, promotion: dict | None,
     rows = [("eval set", f"{evaluation.get('eval_set')} ({evaluation.get('eval_rows')} rows)"),
             ("loss", fmt(evaluation.get("loss"), ".4f")
              + (f" (champion {fmt(champion.get('loss'), '.4f')})" if champion else "")),
+            *[(f"loss on {name}", fmt(loss, ".4f"))
+              for name, loss in (evaluation.get("loss_by_source") or {}).items()],
             ("perplexity", fmt(evaluation.get("perplexity"), ".3f")
              + (f" (champion {fmt(champion.get('perplexity'), '.3f')})" if champion else ""))]
     for task, scores in (evaluation.get("tasks") or {}).items():
@@ -235,13 +244,19 @@ def _host_view(host: dict | None) -> dict | None:
     }
 
 
-def _data_view(data: dict | None) -> dict | None:
-    """The Data section's rows: the prepared set, its counts, lengths and longest skipped rows."""
+_SOURCE_COLUMNS = ("source", "data set", "rows of", "asked", "read", "kept", "skipped",
+                   "training examples", "held out", "eval loss")
+
+
+def _data_view(data: dict | None, eval_by_source: dict | None = None) -> dict | None:
+    """The Data section's rows: the prepared set, its counts, lengths and longest skipped rows;
+    a mixture's sources as a table of their own (what each asked and gave, its eval loss)."""
     if not data:
         return None
     how = "reused (cache hit)" if data.get("cache_hit") else "prepared by this run"
     took = fmt(data.get("seconds"), ".1f", " s")
     rows = [("prepared set", f"{data.get('path')}: {how} in {took}"),
+            *[(key, str(data[key])) for key in ("row_format",) if data.get(key)],
             *[(key, str(data.get(key))) for key in (
                 "rows_read", "rows_kept", "skipped_rows", "skipped_rows_by_reason", "train_rows",
                 "eval_rows", "tokens_per_epoch")]]
@@ -254,7 +269,19 @@ def _data_view(data: dict | None) -> dict | None:
     rows += [(f"examples of {bin_} tokens", str(n)) for bin_, n in histogram.items()]
     rows += [(f"skipped: {r['where']}", f"{r['tokens']} tokens, {r['reason']}")
              for r in data.get("longest_skipped_rows") or []]
-    return {"rows": rows}
+    losses = eval_by_source or {}
+    sources = [[
+        s["name"], s["dataset"], s.get("row_format") or "",
+        f"weight {s['weight']:g}" if s.get("weight") is not None else f"{s['rows']:,} rows",
+        fmt(s["rows_read"], ",.0f"), fmt(s["rows_kept"], ",.0f"),
+        f"{fmt(s['skipped_rows'], ',.0f')} {s['skipped_rows_by_reason'] or ''}".strip(),
+        f"{fmt(s['train_examples'], ',.0f')} ({s['share']:.1%}"
+        + (f", {s['train_rows_available']:,} rows repeated" if s.get("repeated") else "") + ")",
+        fmt(s["eval_examples"], ",.0f"),
+        "{} → {}".format(*(fmt((losses.get(s["name"]) or {}).get(k), ".4f")
+                           for k in ("initial", "final")))]
+        for s in data.get("sources") or []]
+    return {"rows": rows, "sources": sources, "source_columns": _SOURCE_COLUMNS}
 
 
 def _preflight_view(preflight: dict | None) -> dict | None:

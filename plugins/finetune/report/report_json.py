@@ -1,7 +1,8 @@
 """The report as data: a run directory -> `report.json` (the headline metrics, the series, cost,
 the planner's estimate beside what was measured, stragglers, hangs, preflight, evaluation, the
-prepared data, the error of a failed run, warnings), written with its `report.html` beside it;
-and the sections the promote stage adds later.
+prepared data and a mixture's sources with their eval loss each, the error of a failed run,
+warnings), written with its `report.html` beside it; and the sections the promote stage adds
+later.
 """
 
 from __future__ import annotations
@@ -151,6 +152,7 @@ def write_report(
         "preflight": preflight,
         "evaluation": evaluation,
         "data": data_section(data),
+        "eval_loss_by_source": eval_loss_by_source(evals, summary),
         "promotion": None,  # the promote stage's (add_sections)
         "tracking": None,
     }
@@ -212,12 +214,31 @@ def summarize(train: list[dict], evals: list[dict], summary: dict | None) -> dic
     return metrics
 
 
+def eval_loss_by_source(evals: list[dict], summary: dict | None) -> dict | None:
+    """A mixture's eval loss per source: {name: {"initial", "final"}}, from the summary where
+    it has them, else the first and last eval records; None for one data set."""
+    first = (summary or {}).get("initial_eval_loss_by_source") or \
+        (evals[0].get("eval_loss_by_source") if evals else None)
+    last = (summary or {}).get("final_eval_loss_by_source") or \
+        (evals[-1].get("eval_loss_by_source") if evals else None)
+    if not isinstance(first, dict) and not isinstance(last, dict):
+        return None
+    first, last = first if isinstance(first, dict) else {}, last if isinstance(last, dict) else {}
+    return {name: {"initial": finite(first.get(name)), "final": finite(last.get(name))}
+            for name in dict.fromkeys([*first, *last])}
+
+
 def _series(train: list[dict], evals: list[dict]) -> dict[str, list[dict]]:
     return {
         # a dpo run's records also hold its rewards
         "train": [{key: finite(r.get(key)) for key in TRAIN_SERIES_KEYS
                    + tuple(k for k in DPO_METRICS if k in r)} for r in train],
-        "eval": [{"step": r["step"], "eval_loss": finite(r.get("eval_loss"))} for r in evals],
+        # a mixture's also hold the eval loss per source
+        "eval": [{"step": r["step"], "eval_loss": finite(r.get("eval_loss")),
+                  **({"eval_loss_by_source": {name: finite(loss) for name, loss in
+                                              r["eval_loss_by_source"].items()}}
+                     if isinstance(r.get("eval_loss_by_source"), dict) else {})}
+                 for r in evals],
     }
 
 
@@ -253,10 +274,10 @@ def data_section(record: dict | None) -> dict | None:
     """The prepare_data stage's record (finetune.prepare_stage) as the report shows it."""
     if not record:
         return None
-    keys = ("path", "cache_hit", "seconds", "num_proc", "rows_read", "rows_kept",
-            "skipped_rows", "skipped_rows_by_reason", "longest_skipped_rows", "train_rows",
-            "eval_rows", "train_examples", "eval_examples", "packing", "seq_len", "tokens",
-            "tokens_per_epoch", "length_histogram", "eval_dataset")
+    keys = ("path", "cache_hit", "seconds", "num_proc", "dataset", "row_format", "rows_read",
+            "rows_kept", "skipped_rows", "skipped_rows_by_reason", "longest_skipped_rows",
+            "train_rows", "eval_rows", "train_examples", "eval_examples", "packing", "seq_len",
+            "tokens", "tokens_per_epoch", "length_histogram", "eval_dataset", "sources")
     return {key: record.get(key) for key in keys}
 
 

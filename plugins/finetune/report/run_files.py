@@ -110,8 +110,8 @@ def load_evaluation(path: Path) -> tuple[dict | None, str | None]:
     data, problem = read_object(path)
     if data is None:
         return None, problem
-    keep = ("loss", "perplexity", "samples", "tasks", "higher_is_better", "champion",
-            "eval_set", "eval_rows", "wall_time_s")
+    keep = ("loss", "perplexity", "loss_by_source", "samples", "tasks", "higher_is_better",
+            "champion", "eval_set", "eval_rows", "wall_time_s")
     return {key: data.get(key) for key in keep}, None
 
 

@@ -390,7 +390,6 @@ def failed_pods(api: Any, namespace: str, name: str,
 def failure_report(api: Any, namespace: str, name: str, message: str,
                    launcher: Launcher = PYTORCHJOB) -> str:
     """The job's failure with each failed pod's reason and the tail of its log."""
-    import kubernetes
 
     _, core = _apis(api)
     parts = [f"{launcher.kind} {namespace}/{name} failed: {message}"]
@@ -401,15 +400,25 @@ def failure_report(api: Any, namespace: str, name: str, message: str,
             continue
         pod_name = pod["metadata"]["name"]
         parts.append(f"pod {pod_name}: {reason}")
-        try:
-            tail = pod_log(core, pod_name, namespace, launcher.container,
-                           tail_lines=LOG_TAIL_LINES)
-        except kubernetes.client.ApiException:
-            tail = ""
-        if tail.strip():
-            parts.append(f"  last lines of {pod_name}:\n" + "\n".join(
-                "    " + line for line in tail.splitlines()[-LOG_TAIL_LINES:]))
+        tail = log_tail(core, pod_name, namespace, launcher.container)
+        if tail:
+            parts.append(tail)
     return "\n".join(parts)
+
+
+def log_tail(core: Any, pod: str, namespace: str, container: str = PYTORCHJOB.container) -> str:
+    """A pod's last LOG_TAIL_LINES log lines, indented under its name, for a failure's message;
+    "" when it has none or they cannot be read."""
+    import kubernetes
+
+    try:
+        text = pod_log(core, pod, namespace, container, tail_lines=LOG_TAIL_LINES)
+    except kubernetes.client.ApiException:
+        return ""
+    if not text.strip():
+        return ""
+    return f"  last lines of {pod}:\n" + "\n".join(
+        "    " + line for line in text.splitlines()[-LOG_TAIL_LINES:])
 
 
 def first_failure(api: Any, cfg: RunConfig, name: str, launcher: Launcher,

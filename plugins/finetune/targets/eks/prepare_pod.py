@@ -19,7 +19,7 @@ from finetune.targets.eks.image_build import (
     create_or_adopt_batch_job,
     delete_batch_job,
 )
-from finetune.targets.eks.job import LOG_TAIL_LINES, list_pods, pod_death, pod_failure, pod_log
+from finetune.targets.eks.job import list_pods, log_tail, pod_death, pod_failure
 from finetune.targets.eks.manifests import (
     LABEL_PROGRAM,
     PREPARE,
@@ -83,13 +83,9 @@ def prepare_failure(api: Any, cfg: RunConfig, name: str, message: str) -> str:
         pod_name = pod["metadata"]["name"]
         phase = (pod.get("status") or {}).get("phase")
         parts.append(f"pod {pod_name}: {pod_failure(pod) or phase}")
-        try:
-            tail = pod_log(core, pod_name, cfg.namespace, tail_lines=LOG_TAIL_LINES)
-        except kubernetes.client.ApiException:
-            tail = ""
-        if tail.strip():
-            parts.append(f"  last lines of {pod_name}:\n" + "\n".join(
-                "    " + line for line in tail.splitlines()[-LOG_TAIL_LINES:]))
+        tail = log_tail(core, pod_name, cfg.namespace)
+        if tail:
+            parts.append(tail)
     return "\n".join(parts)
 
 
