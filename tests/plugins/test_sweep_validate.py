@@ -58,6 +58,15 @@ def test_trials_that_differ_only_in_training_fields_share_a_prepared_data_group(
     assert [t["sweep_trial"] for t in sweep.to_dict()["prepare"]] == [0, 2]
 
 
+def test_trials_with_different_mixtures_prepare_apart():
+    mixtures = [json.dumps([{"dataset": "trainer/demo/instructions.jsonl", "weight": w},
+                            {"dataset": "trainer/demo/conversations.jsonl", "weight": 1}])
+                for w in (1, 3)]
+    mixed = validate_sweep(conf([{"mixture": m} for m in [*mixtures, mixtures[0]]]),
+                           run_id="manual__m", dag_id="llm_finetune_sweep")
+    assert mixed.groups == (0, 1, 0)
+
+
 def test_a_sweep_with_a_bad_trial_is_refused_naming_the_trial_and_the_field():
     errors = refused(conf([{}, {"micro_batch": 4000}, {"tp_degree": 3}]))
     assert sorted({field for field, _ in errors}) == ["trial 1: micro_batch",
