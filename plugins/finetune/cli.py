@@ -201,12 +201,15 @@ def follow(client: AirflowClient, dag_id: str, run_id: str, *, poll_s: float = 5
             for ti in sorted(tis.get("task_instances", []),
                              key=lambda t: (t.get("start_date") or "~", t["task_id"])):
                 state = ti.get("state") or "none"
-                if seen.get(ti["task_id"]) != state:
-                    seen[ti["task_id"]] = state
+                # a mapped task's instances (a sweep's trials) each by their index
+                index = ti.get("map_index")
+                name = ti["task_id"] + (f"[{index}]" if index is not None and index >= 0
+                                        else "")
+                if seen.get(name) != state:
+                    seen[name] = state
                     elapsed = time.monotonic() - start
                     note = f" (try {ti['try_number']})" if ti.get("try_number", 1) > 1 else ""
-                    print(f"{elapsed:7.0f}s  {ti['task_id']:16s} {state}{note}", file=out,
-                          flush=True)
+                    print(f"{elapsed:7.0f}s  {name:16s} {state}{note}", file=out, flush=True)
         return run
 
     def gave_up(attempt: tenacity.RetryCallState) -> NoReturn:

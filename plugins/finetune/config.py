@@ -61,6 +61,13 @@ _RUN_FIELDS: tuple[tuple[str, type, dataclasses.Field], ...] = (
     # rows (packed: about how many sequences) and micro-batches per data-parallel rank per epoch.
     ("counted_train_rows", int, dataclasses.field(default=0)),
     ("counted_batches_per_epoch", int, dataclasses.field(default=0)),
+    # A sweep's trial (finetune.sweep): the sweep's directory (its rung records, its trials'
+    # records) and the trial's index there; "" and -1 for a run of its own.
+    ("sweep_dir", str, dataclasses.field(default="")),
+    ("sweep_trial", int, dataclasses.field(default=-1)),
+    # The rendezvous id whose node reservation holds the run's nodes (a sweep's, for its
+    # trials); "": the run's own.
+    ("node_reservation", str, dataclasses.field(default="")),
 )
 RunConfig = dataclasses.make_dataclass(
     "RunConfig", [*_RUN_FIELDS, *((p.name, p.type, dataclasses.field(default=p.default))

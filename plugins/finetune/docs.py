@@ -31,9 +31,10 @@ HEADER = """\
      plugins/finetune_contract/parameters.py. Do not edit: change the table and run
      `make docs`. -->
 
-Every parameter of `llm_finetune` and `llm_finetune_scheduled`, by the trigger form's sections,
-with the form's own title and description. The same names are the keys of a run's conf (REST
-API, `make run ... ARGS='--set name=value'`, `make demo CONF='{...}'`): see
+Every parameter of `llm_finetune`, `llm_finetune_scheduled` and `llm_finetune_sweep`, by the
+trigger form's sections, with the form's own title and description (the Sweep section is the
+sweep DAG's alone: [the user guide](user-guide.md#sweeps)). The same names are the keys of a
+run's conf (REST API, `make run ... ARGS='--set name=value'`, `make demo CONF='{...}'`): see
 [the user guide](user-guide.md#parameters). `validate` checks every bound and choice below, and
 the rules across fields, before anything starts; a bad value fails the run naming the field.
 """
@@ -93,6 +94,8 @@ def _applies(p: Parameter) -> str:
         parts.append("target " + " or ".join(p.targets))
     if p.methods != METHODS:
         parts.append("method " + " or ".join(p.methods))
+    if p.sweep:
+        parts.append("`llm_finetune_sweep` only")
     return ", ".join(parts) or "all"
 
 

@@ -8,14 +8,21 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from finetune_contract.parameters import FORM_PARAMETERS, Parameter, defaults
+from finetune_contract.parameters import (
+    FORM_PARAMETERS,
+    SWEEP_PARAMETERS,
+    Parameter,
+    defaults,
+)
 from finetune_contract.presets import PRESETS
 
 
-def dag_params() -> dict[str, Any]:
+def dag_params(sweep: bool = False) -> dict[str, Any]:
+    """The trigger form's Params; sweep: the sweep DAG's, the sweep's own fields first."""
     from airflow.sdk import Param
 
-    return {p.name: Param(p.default, **param_schema(p)) for p in FORM_PARAMETERS}
+    shown = (*SWEEP_PARAMETERS, *FORM_PARAMETERS) if sweep else FORM_PARAMETERS
+    return {p.name: Param(p.default, **param_schema(p)) for p in shown}
 
 
 def param_schema(p: Parameter) -> dict[str, Any]:

@@ -118,6 +118,57 @@ def variable_conf(name: str) -> dict[str, Any]:
     return value
 
 
+# -- the stages' work as tasks run it, shared by every DAG (finetune.sweep.pipeline too) -------
+
+
+def find_champion_of(run_config: dict) -> dict:
+    """The DAG's champion in the MLflow registry ({} when none), for evaluate to measure."""
+    from finetune.config import RunConfig
+    from finetune.tracking import champion
+
+    return champion(RunConfig.from_dict(run_config), get_current_context()["dag"].dag_id)
+
+
+def collect_run_metrics(run_config: dict, trained: dict) -> dict:
+    """collect_metrics: the run's report (report.json and report.html) beside its model."""
+    target, cfg = _target(run_config)
+    return target.collect_metrics(cfg, trained)
+
+
+def promote_model(run_config: dict, summary: dict, champion_found: dict,
+                  model_asset: Asset | None, event_extra: dict | None = None,
+                  mlflow_run: dict | None = None) -> dict:
+    """Track the run in MLflow and promote its model when it beats the champion; only a
+    promotion adds the model asset event (`event_extra` added to its extra); a rejection skips
+    the task. mlflow_run: the MLflow run to track it in (a sweep's trial's child run)."""
+    from airflow.sdk.exceptions import AirflowSkipException
+
+    from finetune.assets import model_asset_uri, model_event_extra
+    from finetune.config import RunConfig
+    from finetune.tracking import promote_run
+
+    cfg = RunConfig.from_dict(run_config)
+    result = promote_run(cfg, get_current_context()["dag"].dag_id, summary, champion_found,
+                         model_asset_uri(cfg), s3_client=lambda: _s3_client(cfg),
+                         **({"mlflow_run": mlflow_run} if mlflow_run else {}))
+    promotion = result["promotion"]
+    if promotion["decision"] == "rejected":
+        raise AirflowSkipException(f"not promoted: {promotion['reason'] or ''} "
+                                   f"({promotion['metric']} {promotion['challenger']} vs "
+                                   f"champion {promotion['champion']})")
+    if model_asset is not None:
+        events = get_current_context()["outlet_events"]
+        events[model_asset].extra.update({**model_event_extra(cfg, summary), **result,
+                                          **(event_extra or {})})
+    return result
+
+
+def tear_down(run_config: dict, snapshot_result: dict) -> dict:
+    """teardown: what the run started stopped and deleted, its nodes given back."""
+    target, cfg = _target(run_config)
+    return target.teardown(cfg, snapshot_result)
+
+
 def finetune_pipeline(*, base_conf: Mapping[str, Any] | None = None,
                       conf_variable: str | None = None, pool: str | None = None,
                       model_asset: Asset | None = None) -> None:
@@ -159,43 +210,21 @@ def finetune_pipeline(*, base_conf: Mapping[str, Any] | None = None,
     @task
     def find_champion(run_config: dict) -> dict:
         """The DAG's champion in the MLflow registry ({} when none), for evaluate to measure."""
-        from finetune.config import RunConfig
-        from finetune.tracking import champion
-
-        return champion(RunConfig.from_dict(run_config), get_current_context()["dag"].dag_id)
+        return find_champion_of(run_config)
 
     @task(**RESUMABLE)
     def collect_metrics(run_config: dict, trained: dict) -> dict:
-        target, cfg = _target(run_config)
-        return target.collect_metrics(cfg, trained)
+        return collect_run_metrics(run_config, trained)
 
     @task(outlets=[model_asset] if model_asset is not None else [])
     def promote(run_config: dict, summary: dict, champion_found: dict) -> dict:
         """Track the run in MLflow and promote its model when it beats the champion; only a
         promotion adds the model asset event (a rejection skips this task)."""
-        from airflow.sdk.exceptions import AirflowSkipException
-
-        from finetune.assets import model_asset_uri, model_event_extra
-        from finetune.config import RunConfig
-        from finetune.tracking import promote_run
-
-        cfg = RunConfig.from_dict(run_config)
-        result = promote_run(cfg, get_current_context()["dag"].dag_id, summary, champion_found,
-                             model_asset_uri(cfg), s3_client=lambda: _s3_client(cfg))
-        promotion = result["promotion"]
-        if promotion["decision"] == "rejected":
-            raise AirflowSkipException(f"not promoted: {promotion['reason'] or ''} "
-                                       f"({promotion['metric']} {promotion['challenger']} vs "
-                                       f"champion {promotion['champion']})")
-        if model_asset is not None:
-            events = get_current_context()["outlet_events"]
-            events[model_asset].extra.update({**model_event_extra(cfg, summary), **result})
-        return result
+        return promote_model(run_config, summary, champion_found, model_asset)
 
     @task(**RESUMABLE)
     def teardown(run_config: dict, snapshot_result: dict) -> dict:
-        target, cfg = _target(run_config)
-        return target.teardown(cfg, snapshot_result)
+        return tear_down(run_config, snapshot_result)
 
     # The data set encoded once (packed, split) before any GPU node is up, or reused when an
     # identical one was; its statistics decide whether the run can go on. Its result is the run

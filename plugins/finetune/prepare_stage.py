@@ -37,11 +37,7 @@ def prepare_run_data(cfg: RunConfig, s3_client: Callable[[], Any] | None = None,
     cannot make the run the user asked."""
     from finetune_data import prepared_set
 
-    values = trainer_config(cfg, local_paths=True)
-    found = run_tokenizer_dir(cfg, in_pod=False)  # a built-in model's: the demo tokenizer
-    # as the trainer resolves it (trainer.config.resolve): a hub model's own tokenizer
-    tokenizer = str(found) if found else values["tokenizer"] or values["model"]
-    train = TrainConfig(**{**values, "tokenizer": tokenizer, "output_dir": _local_run_dir(cfg)})
+    train = _prepare_config(cfg)
     try:
         if cfg.output_dir.startswith("s3://"):
             s3 = s3_client() if s3_client else _boto3_s3()
@@ -55,6 +51,33 @@ def prepare_run_data(cfg: RunConfig, s3_client: Callable[[], Any] | None = None,
     record = {**stats, "run_id": cfg.run_id}
     _write_record(cfg, record, s3_client)
     return accept_prepared(cfg, record), record
+
+
+def _prepare_config(cfg: RunConfig) -> TrainConfig:
+    """The trainer config the data is prepared with, its tokenizer resolved here."""
+    values = trainer_config(cfg, local_paths=True)
+    found = run_tokenizer_dir(cfg, in_pod=False)  # a built-in model's: the demo tokenizer
+    # as the trainer resolves it (trainer.config.resolve): a hub model's own tokenizer
+    tokenizer = str(found) if found else values["tokenizer"] or values["model"]
+    return TrainConfig(**{**values, "tokenizer": tokenizer, "output_dir": _local_run_dir(cfg)})
+
+
+def prepare_group(cfg: RunConfig) -> str:
+    """The run's prepared-data group (finetune_data.prepared_set.group_key): runs of one group
+    prepared together share one prepared set."""
+    from finetune_data.prepared_set import group_key
+
+    return group_key(_prepare_config(cfg))
+
+
+def share_prepared(cfg: RunConfig, record: dict[str, Any],
+                   s3_client: Callable[[], Any] | None = None) -> RunConfig:
+    """The run config of a run that uses the set another run of its group prepared (`record`,
+    that run's): the record written in this run's directory too, for its report; ConfigError
+    when the set's statistics forbid this run (accept_prepared)."""
+    accepted = accept_prepared(cfg, record)
+    _write_record(cfg, record, s3_client)
+    return accepted
 
 
 def prepared_root(cfg: RunConfig) -> str:

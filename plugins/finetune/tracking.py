@@ -197,9 +197,12 @@ def champion(cfg: RunConfig, model_name: str) -> dict[str, Any]:
 
 
 def promote_run(cfg: RunConfig, model_name: str, summary: dict, champion_found: dict,
-                model_uri: str, s3_client: Callable[[], Any]) -> dict[str, Any]:
+                model_uri: str, s3_client: Callable[[], Any],
+                mlflow_run: dict | None = None) -> dict[str, Any]:
     """Track the run in MLflow, decide the promotion, register and alias a promoted model, and
-    add `promotion` and `tracking` to the report; returns both sections."""
+    add `promotion` and `tracking` to the report; returns both sections. mlflow_run: an MLflow
+    run that already holds the run's params and steps ({"run_id": ...}: a sweep's trial's
+    child run, `track_sweep`), tracked into instead of a new one."""
     from finetune.outputs import add_report_sections, read_output
 
     report = json.loads(read_output(cfg.run_dir, REPORT_JSON, s3_client) or "{}")
@@ -225,7 +228,7 @@ def promote_run(cfg: RunConfig, model_name: str, summary: dict, champion_found: 
     if uri and not problem:
         try:
             tracking, promotion["version"] = _track(uri, cfg, model_name, report, evaluation,
-                                                    promotion, model_uri, s3_client)
+                                                    promotion, model_uri, s3_client, mlflow_run)
         except Exception as exc:  # the run's outcome stands without its tracking
             log.warning("MLflow tracking failed: %s", exc)
             warnings.append(f"MLflow tracking at {shown_uri(uri)} failed: {exc}")
@@ -301,46 +304,66 @@ def _metric_key(metric: str) -> str:
     return f"eval/{'loss' if metric == 'eval_loss' else metric}"
 
 
+def _experiment_id(client: Any, model_name: str, uri: str) -> str:
+    """The experiment named after the DAG, made when it is not there."""
+    experiment = client.get_experiment_by_name(model_name)
+    if experiment is not None:
+        return experiment.experiment_id
+    return client.create_experiment(model_name, artifact_location=_artifacts_beside(uri))
+
+
+def _run_params(cfg: RunConfig, report: dict) -> list[Any]:
+    """The run config as MLflow params (no secret), and a mixture's sources (mixture/<name>)."""
+    from mlflow.entities import Param
+
+    params = [Param(key, str(value)[:MAX_PARAM_CHARS])
+              for key, value in sorted(cfg.to_dict().items()) if key not in SECRET_NAMES]
+    return params + [Param(key, value[:MAX_PARAM_CHARS])
+                     for key, value in source_params(report.get("data")).items()]
+
+
+def _step_metrics(report: dict, now: int) -> list[Any]:
+    """The report's per-step series as MLflow metrics: the training's, the eval loss and a
+    mixture's eval loss per source (eval_loss/<name>)."""
+    from mlflow.entities import Metric
+
+    metrics = [Metric(key, float(point[key]), now, int(point["step"]))
+               for point in report.get("series", {}).get("train", [])
+               for key in STEP_METRICS if point.get(key) is not None]
+    metrics += [Metric("eval_loss", float(point["eval_loss"]), now, int(point["step"]))
+                for point in report.get("series", {}).get("eval", [])
+                if point.get("eval_loss") is not None]
+    metrics += [Metric(f"eval_loss/{name}", float(loss), now, int(point["step"]))
+                for point in report.get("series", {}).get("eval", [])
+                for name, loss in (point.get("eval_loss_by_source") or {}).items()
+                if loss is not None]
+    return metrics
+
+
 def _track(uri: str, cfg: RunConfig, model_name: str, report: dict, evaluation: dict,
-           promotion: dict, model_uri: str,
-           s3_client: Callable[[], Any]) -> tuple[dict[str, Any], str | None]:
-    from mlflow.entities import Metric, Param, RunTag
+           promotion: dict, model_uri: str, s3_client: Callable[[], Any],
+           mlflow_run: dict | None = None) -> tuple[dict[str, Any], str | None]:
+    from mlflow.entities import Metric, RunTag
 
     with _client(uri) as client, tempfile.TemporaryDirectory() as tmp:
-        experiment = client.get_experiment_by_name(model_name)
-        if experiment is not None:
-            experiment_id = experiment.experiment_id
-        else:
-            experiment_id = client.create_experiment(model_name,
-                                                     artifact_location=_artifacts_beside(uri))
-        run = client.create_run(experiment_id, run_name=cfg.run_id, tags={
-            "airflow.dag_id": model_name, "airflow.run_id": cfg.run_id,
-            "model_uri": model_uri, "target": cfg.target})
-        run_id = run.info.run_id
-        params = [Param(key, str(value)[:MAX_PARAM_CHARS])
-                  for key, value in sorted(cfg.to_dict().items()) if key not in SECRET_NAMES]
+        experiment_id = _experiment_id(client, model_name, uri)
         now = int(time.time() * 1000)
-        metrics = [Metric(key, float(point[key]), now, int(point["step"]))
-                   for point in report.get("series", {}).get("train", [])
-                   for key in STEP_METRICS if point.get(key) is not None]
-        metrics += [Metric("eval_loss", float(point["eval_loss"]), now, int(point["step"]))
-                    for point in report.get("series", {}).get("eval", [])
-                    if point.get("eval_loss") is not None]
+        if mlflow_run:  # its params and steps are there: what the evaluation adds
+            run_id, params, metrics = mlflow_run["run_id"], [], []
+            client.set_tag(run_id, "model_uri", model_uri)
+        else:
+            run = client.create_run(experiment_id, run_name=cfg.run_id, tags={
+                "airflow.dag_id": model_name, "airflow.run_id": cfg.run_id,
+                "model_uri": model_uri, "target": cfg.target})
+            run_id = run.info.run_id
+            params, metrics = _run_params(cfg, report), _step_metrics(report, now)
         metrics += [Metric(key, float(value), now, 0)
                     for key, value in _evaluation_metrics(evaluation).items()]
         metrics += [Metric(key, float(value), now, 0)
                     for key, value in goodput_metrics(report.get("goodput")).items()]
-        metrics += [Metric(f"eval_loss/{name}", float(loss), now, int(point["step"]))
-                    for point in report.get("series", {}).get("eval", [])
-                    for name, loss in (point.get("eval_loss_by_source") or {}).items()
-                    if loss is not None]
         metrics += [Metric(key, float(value), now, 0)
                     for key, value in source_metrics(report.get("data"), evaluation).items()]
-        params += [Param(key, value[:MAX_PARAM_CHARS])
-                   for key, value in source_params(report.get("data")).items()]
-        for start in range(0, max(len(params), len(metrics)), 100):  # MLflow's batch limits
-            client.log_batch(run_id, metrics=metrics[start:start + 100],
-                             params=params[start:start + 100])
+        _log_batches(client, run_id, params, metrics)
         client.log_batch(run_id, tags=[RunTag("promotion", promotion["decision"])])
         _log_files(client, run_id, cfg.run_dir, (EVALUATION_FILE,), Path(tmp), s3_client)
         version = None
@@ -358,6 +381,91 @@ def _track(uri: str, cfg: RunConfig, model_name: str, report: dict, evaluation: 
             client.set_registered_model_alias(model_name, CHAMPION_ALIAS, created.version)
             version = created.version
     return {"uri": shown_uri(uri), "experiment_id": experiment_id, "run_id": run_id}, version
+
+
+def _log_batches(client: Any, run_id: str, params: list[Any], metrics: list[Any]) -> None:
+    for start in range(0, max(len(params), len(metrics)), 100):  # MLflow's batch limits
+        client.log_batch(run_id, metrics=metrics[start:start + 100],
+                         params=params[start:start + 100])
+
+
+# --- a sweep: a parent run and a child run per trial -----------------------------------------
+
+PARENT_TAG = "mlflow.parentRunId"  # MLflow's own: the UI nests a child run under its parent
+# How a trial's outcome ends its child run (MLflow's run statuses).
+OUTCOME_STATUS = {"completed": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}
+
+
+def track_sweep(sweep: RunConfig, model_name: str, trials: list[dict[str, Any]],
+                winner: int | None, settings: dict[str, Any],
+                final: bool = False) -> dict[str, Any]:
+    """The sweep in MLflow: a parent run (the sweep's settings, its winner) and a child run per
+    trial (its params, steps, outcome and stop reason), found again by their Airflow run ids on
+    a retry. `trials`: {"cfg": RunConfig, "outcome": dict, "report": report.json or None} per
+    trial. Returns where they are ({"parent_run_id", "children": {trial: run id}, "url"}), or
+    {"warning": why} when MLflow cannot be used; the sweep goes on either way. The winner's
+    child run ends with its promotion (promote_run), or with the sweep (final)."""
+    uri = tracking_uri(sweep)
+    if uri is None:
+        return {"warning": "no MLflow tracking URI is configured: the sweep is not tracked"}
+    problem = unreachable(uri)
+    if problem:
+        return {"warning": f"MLflow: {problem}; the sweep is not tracked"}
+    from mlflow.entities import Metric, Param, RunTag
+
+    now = int(time.time() * 1000)
+    with _client(uri) as client:
+        experiment_id = _experiment_id(client, model_name, uri)
+        parent = _run_of(client, experiment_id, sweep.run_id) or client.create_run(
+            experiment_id, run_name=sweep.run_id, tags={
+                "airflow.dag_id": model_name, "airflow.run_id": sweep.run_id,
+                "target": sweep.target, "sweep": "parent"}).info.run_id
+        _log_batches(client, parent, [Param(k, str(v)[:MAX_PARAM_CHARS])
+                                      for k, v in sorted(settings.items())], [])
+        children: dict[int, str] = {}
+        for trial in trials:
+            cfg, outcome = trial["cfg"], trial["outcome"]
+            child = _run_of(client, experiment_id, cfg.run_id)
+            if child is None:
+                child = client.create_run(experiment_id, run_name=cfg.run_id, tags={
+                    PARENT_TAG: parent, "airflow.dag_id": model_name,
+                    "airflow.run_id": cfg.run_id, "target": cfg.target,
+                    "sweep.trial": str(cfg.sweep_trial)}).info.run_id
+                _log_batches(client, child, _run_params(cfg, trial.get("report") or {}),
+                             _step_metrics(trial.get("report") or {}, now))
+            tags = [RunTag("sweep.outcome", outcome["outcome"])]
+            if outcome.get("reason"):
+                tags.append(RunTag("sweep.reason", outcome["reason"][:5000]))
+            client.log_batch(child, tags=tags)
+            if cfg.sweep_trial != winner or final:
+                client.set_terminated(child, OUTCOME_STATUS.get(outcome["outcome"], "FAILED"))
+            children[cfg.sweep_trial] = child
+        best = [t["outcome"].get("final_eval_loss") for t in trials
+                if t["cfg"].sweep_trial == winner]
+        client.log_batch(parent, tags=[RunTag("sweep.winner", str(winner))], metrics=[
+            Metric("best_eval_loss", float(best[0]), now, 0)] if best and best[0] else [])
+    return {"uri": shown_uri(uri), "experiment_id": experiment_id, "parent_run_id": parent,
+            "children": children, "url": ui_link(uri, experiment_id, parent)}
+
+
+def end_sweep_run(sweep: RunConfig, tracked: dict[str, Any], files: dict[str, str]) -> None:
+    """The parent run ended, the sweep's report (`files`: name -> text) beside it."""
+    uri = tracking_uri(sweep)
+    if not uri or not tracked.get("parent_run_id"):
+        return
+    with _client(uri) as client, tempfile.TemporaryDirectory() as tmp:
+        for name, text in files.items():
+            (Path(tmp) / name).write_text(text, encoding="utf-8")
+            client.log_artifact(tracked["parent_run_id"], str(Path(tmp) / name))
+        client.set_terminated(tracked["parent_run_id"])
+
+
+def _run_of(client: Any, experiment_id: str, airflow_run_id: str) -> str | None:
+    """The MLflow run an earlier try made for this Airflow run id, if any."""
+    quoted_id = airflow_run_id.replace("'", "\\'")
+    found = client.search_runs([experiment_id], max_results=1,
+                               filter_string=f"tags.`airflow.run_id` = '{quoted_id}'")
+    return found[0].info.run_id if found else None
 
 
 def _artifacts_beside(uri: str) -> str | None:

@@ -102,6 +102,9 @@ class Parameter:
     methods: tuple[str, ...] = METHODS
     trainer: bool = True  # a field of the trainer's TrainConfig
     form: bool = True  # set by the run's conf; False: by a stage (prepared_data)
+    # A sweep's own (llm_finetune_sweep): only the sweep DAG's form shows it, and a trial's conf
+    # cannot set it (finetune.sweep); a single run keeps its default.
+    sweep: bool = False
     rule: Callable[[Any], str | None] | None = None  # what the text rule cannot say
 
     def __post_init__(self) -> None:
@@ -688,6 +691,36 @@ PARAMETERS: tuple[Parameter, ...] = (
     P('node_hourly_price', 0.0, 'Metrics', 'Price per node-hour (USD)',
       "For the report's cost estimate: nodes x price x training wall time. 0: no estimate.",
       bounds=Bounds(minimum=0, maximum=10000), trainer=False),
+    # -- a sweep's own (the llm_finetune_sweep DAG's form only; docs/user-guide.md, Sweeps) --
+    P('sweep_space', '', 'Sweep', 'Search space',
+      'The fields to vary, as a JSON object: {"grid": {"lr": [0.001, 0.003], "lora_rank": [8, '
+      '16]}} (every combination), {"trials": [{"lr": 0.001}, {"seq_len": 256}]} (a list of '
+      'confs), or {"random": {"lr": {"log_uniform": [0.0001, 0.01]}, "warmup_steps": '
+      '{"int_uniform": [0, 20]}, "lora_rank": {"choice": [8, 16]}}} (sweep_max_trials samples '
+      'drawn with sweep_seed; uniform, log_uniform, int_uniform or choice). A trial is the '
+      "form's other fields with its values; every trial is validated before anything starts.",
+      text=Text(4096, PRINTABLE, "a JSON object"), trainer=False, sweep=True),
+    P('sweep_max_trials', 8, 'Sweep', 'Trial budget',
+      'The most trials the sweep runs: the samples of a random space; a grid or list with more '
+      'is refused.',
+      bounds=Bounds(minimum=1, maximum=256), trainer=False, sweep=True),
+    P('sweep_parallel', 2, 'Sweep', 'Trials at once',
+      'Trials that train at the same time: the node group is scaled once for this many trials '
+      "(x a trial's nodes); when one ends (done, stopped or failed) the next takes its nodes.",
+      bounds=Bounds(minimum=1, maximum=64), trainer=False, sweep=True),
+    P('sweep_seed', 0, 'Sweep', 'Sampling seed',
+      "The seed of a random space's samples: the same seed draws the same trials.",
+      bounds=Bounds(minimum=0, maximum=2**31 - 1), trainer=False, sweep=True),
+    P('sweep_first_rung', 0, 'Sweep', 'First rung (steps)',
+      'Early stopping (successive halving, ASHA): the step at which the trials are first '
+      'compared on their eval loss, a multiple of eval_interval; the next rungs are this times '
+      'sweep_reduction_factor, squared, ... below the last step. 0: the first eval_interval.',
+      bounds=Bounds(minimum=0, maximum=10_000_000), trainer=False, sweep=True),
+    P('sweep_reduction_factor', 3, 'Sweep', 'Reduction factor',
+      'At each rung a trial goes on when its eval loss is in the best 1/factor of the trials '
+      'that have reached the rung (itself included, once at least factor of them have), and is '
+      'stopped otherwise, its nodes going to the next trial. 1: no trial is stopped.',
+      bounds=Bounds(minimum=1, maximum=16), trainer=False, sweep=True),
 )
 BY_NAME: Mapping[str, Parameter] = MappingProxyType({p.name: p for p in PARAMETERS})
 if len(BY_NAME) != len(PARAMETERS):
@@ -695,7 +728,9 @@ if len(BY_NAME) != len(PARAMETERS):
 # The trainer's fields (TrainConfig), in the table's order.
 TRAINER_PARAMETERS = tuple(p for p in PARAMETERS if p.trainer)
 # What a run's conf may set (the trigger form's fields).
-FORM_PARAMETERS = tuple(p for p in PARAMETERS if p.form)
+FORM_PARAMETERS = tuple(p for p in PARAMETERS if p.form and not p.sweep)
+# What a sweep's conf sets besides (the sweep DAG's form: FORM_PARAMETERS and these).
+SWEEP_PARAMETERS = tuple(p for p in PARAMETERS if p.sweep)
 SECRET_NAMES = frozenset(p.name for p in PARAMETERS if p.secret)
 
 

@@ -499,6 +499,19 @@ def prepare_key(config: TrainConfig, local_paths: list[Path | None],
     return hashlib.sha256(blob).hexdigest()[:24]
 
 
+def group_key(config: TrainConfig) -> str:
+    """What decides a prepared set besides the versions of the data and the tokenizer's files:
+    the data set (or mixture), eval data set and tokenizer named, and the encoding fields. Runs
+    with the same group key prepared at the same time get the same `prepare_key`: a sweep
+    prepares once per group (trials that differ only in training fields share one set)."""
+    material = {"version": PREPARE_VERSION, "dataset": config.dataset,
+                "mixture": config.mixture,
+                "eval_dataset": config.eval_dataset, "tokenizer": str(config.tokenizer),
+                "encoding": {name: getattr(config, name) for name in ENCODING_FIELDS}}
+    blob = json.dumps(material, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:24]
+
+
 @contextmanager
 def _environ_kept() -> Iterator[None]:
     """`datasets`' map with processes (4.x) puts a copy in place of `os.environ` and leaves it

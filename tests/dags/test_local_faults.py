@@ -23,7 +23,7 @@ from finetune.targets.local.processes import is_agent, is_alive, trainer_process
 from finetune.targets.local.target import LocalTarget
 from finetune.targets.local.training import training_finished
 from finetune.validate import validate_params
-from tests.support.training import torchrun_workers
+from tests.support.training import slow_trainer, torchrun_workers
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # 12 short steps, a checkpoint every 4: a kill after step 5 resumes from step 4.
@@ -342,35 +342,15 @@ def test_a_retry_starts_again_a_training_that_ended_unfinished_on_a_fresh_rendez
 
 # -- capacity taken away: a notice, a node lost for good ------------------------------------------
 
-# Injected into the trainer processes (a sitecustomize on their PYTHONPATH): each optimizer step
+# Injected into the trainer processes (tests.support.training.slow_trainer): each optimizer step
 # and each checkpoint save takes this much longer, so the goodput's figures can be held to them.
 STEP_DELAY_S, SAVE_DELAY_S = 0.25, 1.0
-DELAYS = """
-import os, time
-if os.environ.get("FINETUNE_TEST_DELAYS"):
-    step_s, save_s = map(float, os.environ["FINETUNE_TEST_DELAYS"].split(","))
-    import torch.optim
-    from trainer.checkpoint import Checkpointer
-    step, save = torch.optim.AdamW.step, Checkpointer.save
-    def slow_step(self, *args, **kwargs):
-        time.sleep(step_s)
-        return step(self, *args, **kwargs)
-    def slow_save(self, *args, **kwargs):
-        time.sleep(save_s)
-        return save(self, *args, **kwargs)
-    torch.optim.AdamW.step, Checkpointer.save = slow_step, slow_save
-"""
 
 
 @pytest.fixture
 def delays(tmp_path, monkeypatch):
     """Every trainer process this test starts steps STEP_DELAY_S and saves SAVE_DELAY_S slower."""
-    hook = tmp_path / "delays"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(DELAYS)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        [str(hook), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
-    monkeypatch.setenv("FINETUNE_TEST_DELAYS", f"{STEP_DELAY_S},{SAVE_DELAY_S}")
+    slow_trainer(tmp_path / "delays", monkeypatch, STEP_DELAY_S, SAVE_DELAY_S)
 
 
 def history(run_dir: Path) -> list[dict]:

@@ -102,6 +102,21 @@ def test_follow_prints_each_task_state_change_once_and_returns_the_runs_end(caps
     assert [line.split()[-1] for line in lines] == ["queued", "running", "success"]
 
 
+def test_follow_prints_each_mapped_task_instance_by_its_index(capsys):
+    class Trials(RunStates):
+        def call(self, method: str, path: str, body: object = None) -> tuple[int, dict]:
+            if path.endswith("/taskInstances?limit=100"):
+                return 200, {"task_instances": [
+                    {"task_id": "trial.train", "map_index": i, "state": state}
+                    for i, state in enumerate(("success", "running"))]}
+            return super().call(method, path, body)
+
+    assert follow(Trials(["running", "success"]), "dag", "run", poll_s=0.01) == "success"
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[1:] for line in lines] == [["trial.train[0]", "success"],
+                                                     ["trial.train[1]", "running"]]
+
+
 def test_follow_gives_up_after_its_timeout_saying_the_run_goes_on():
     with pytest.raises(CliError, match=r"run r still running after 0 s \(it goes on in Airflow"):
         follow(RunStates(["running"]), "dag", "r", poll_s=0.01, timeout_s=0.05)

@@ -1,5 +1,6 @@
 """The trainer tests' helpers: torchrun in the repo root, demo rows and JSONL files, the metrics a
-run wrote, the ranks of torchrun's workers; fixture `world_of_one`."""
+run wrote, the ranks of torchrun's workers, steps and saves made slower in the trainer processes
+a test starts (`slow_trainer`); fixture `world_of_one`."""
 
 from __future__ import annotations
 
@@ -103,3 +104,32 @@ def world_of_one():
     env = init_distributed()
     yield env
     dist.destroy_process_group()
+
+
+# Injected into the trainer processes (a sitecustomize on their PYTHONPATH): each optimizer step
+# and each checkpoint save takes this much longer (FINETUNE_TEST_DELAYS="step_s,save_s").
+DELAYS = """
+import os, time
+if os.environ.get("FINETUNE_TEST_DELAYS"):
+    step_s, save_s = map(float, os.environ["FINETUNE_TEST_DELAYS"].split(","))
+    import torch.optim
+    from trainer.checkpoint import Checkpointer
+    step, save = torch.optim.AdamW.step, Checkpointer.save
+    def slow_step(self, *args, **kwargs):
+        time.sleep(step_s)
+        return step(self, *args, **kwargs)
+    def slow_save(self, *args, **kwargs):
+        time.sleep(save_s)
+        return save(self, *args, **kwargs)
+    torch.optim.AdamW.step, Checkpointer.save = slow_step, slow_save
+"""
+
+
+def slow_trainer(hook_dir: Path, env: pytest.MonkeyPatch, step_s: float, save_s: float) -> None:
+    """Every trainer process started with `env` (torchrun's workers inherit it) steps `step_s`
+    and saves `save_s` slower: a sitecustomize in `hook_dir`, first on PYTHONPATH."""
+    hook_dir.mkdir(parents=True, exist_ok=True)
+    (hook_dir / "sitecustomize.py").write_text(DELAYS)
+    env.setenv("PYTHONPATH", os.pathsep.join(
+        [str(hook_dir), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
+    env.setenv("FINETUNE_TEST_DELAYS", f"{step_s},{save_s}")

@@ -41,7 +41,7 @@ from finetune_contract.stragglers import RANK_STEP_TIMES, rank_medians, straggle
 from finetune_contract.throughput import run_throughput
 
 SCHEMA_VERSION = 1
-STATUSES = ("success", "failed")
+STATUSES = ("success", "failed", "stopped")  # stopped: a sweep's trial its rule stopped
 
 TRAIN_SERIES_KEYS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu")
 MAX_ERROR_CHARS = 2000

@@ -170,3 +170,10 @@ class Target(ABC):
     @abstractmethod
     def teardown(self, cfg: RunConfig, snapshot: dict) -> dict:
         """Stop and delete what the run started, give the nodes back. Runs after any failure."""
+
+    @abstractmethod
+    def release(self, cfg: RunConfig) -> dict:
+        """What teardown does for the run itself, the nodes aside: stop and delete what it
+        started (its processes or jobs, its rendezvous) and, when it failed before its report,
+        leave a failed one. A sweep's teardown releases each trial, then gives the sweep's
+        nodes back once."""

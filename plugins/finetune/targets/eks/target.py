@@ -23,8 +23,9 @@ deferred task stores.
   (`node_health`);
 - train creates (or, on a retry, adopts) the run's job and waits for it (`job`), waking up to
   stream the leader's log, move off nodes with XID errors (`node_health`) and renew the
-  reservation; a TrainJob past active_deadline_s is deleted by the task (Trainer v2.0 has no
-  activeDeadlineSeconds);
+  reservation (a sweep's trial: the sweep's, on whose nodes it runs; and the sweep's rule,
+  which may stop it: its job deleted, its pods saving their step); a TrainJob past
+  active_deadline_s is deleted by the task (Trainer v2.0 has no activeDeadlineSeconds);
 - evaluate runs trainer.evaluate in a job of its own (`evaluation_job`); collect_metrics
   writes the report with the job's GPU metrics from Prometheus.
 """
@@ -48,6 +49,7 @@ from finetune.preflight_verdict import (
 )
 from finetune.run_plan import RunPlan, plan_run
 from finetune.s3_dataset import check_s3_dataset
+from finetune.sweep.early_stop import RungWatch, is_trial, stop_reason
 from finetune.targets.base import Outcome, Target, TrainingFailed, Wait, resumes
 from finetune.targets.eks import (
     checks,
@@ -174,8 +176,16 @@ class EksTarget(Target):
         scale_up fell back to it (nodegroup.run_nodegroup), else the run's own."""
         if cfg.capacity_fallback != "on-demand":
             return cfg
-        used = nodegroup.run_nodegroup(self._kube(cfg), cfg)
+        used = nodegroup.run_nodegroup(self._kube(cfg), self._node_holder(cfg))
         return cfg if used == cfg.nodegroup else dataclasses.replace(cfg, nodegroup=used)
+
+    @staticmethod
+    def _node_holder(cfg: RunConfig) -> RunConfig:
+        """The run whose reservation holds the run's nodes (and records where they are): a
+        sweep's, for its trials (RunConfig.node_reservation), else the run itself."""
+        if not cfg.node_reservation:
+            return cfg
+        return dataclasses.replace(cfg, rdzv_id=cfg.node_reservation)
 
     @staticmethod
     def _fallback(cfg: RunConfig) -> RunConfig:
@@ -461,6 +471,14 @@ class EksTarget(Target):
                 f"{cfg.active_deadline_s} s (from its creation): deleted it; teardown gives the "
                 "nodes back")
         if event["status"] == "running":
+            stop = RungWatch(cfg, lambda: self._s3(cfg)).poll() if is_trial(cfg) else None
+            if stop is not None:  # a sweep's rule: the job deleted, its pods save and exit
+                job.delete_job(api, cfg.namespace, name, launcher=launcher)
+                return {**job.train_result(cfg, state["job"], state["image"],
+                                           state["rendezvous"]),
+                        "preemptions": state.get("preemptions", 0), "model_dir": None,
+                        "stopped": {**stop, "stopped_at": None,
+                                    "reason": stop_reason(stop, None)}}
             job.fail_unschedulable(api, cfg, name, launcher)
             state = self._follow_preemptions(cfg, api, name, state)
             state = node_health.move_off_xid_nodes(lambda: self._eks(cfg), api, cfg, name,
@@ -508,8 +526,9 @@ class EksTarget(Target):
 
     def _renew_reservation(self, cfg: RunConfig) -> None:
         """Heartbeat: a live run's reservation must not expire while it trains."""
+        holder = self._node_holder(cfg).rdzv_id
         self._reservations(cfg).update(
-            lambda state: renew(state, cfg.rdzv_id, time.time(), self.reservation_ttl))
+            lambda state: renew(state, holder, time.time(), self.reservation_ttl))
 
     # -- evaluate ---------------------------------------------------------------------------
 
@@ -567,21 +586,7 @@ class EksTarget(Target):
     def teardown(self, cfg: RunConfig, snapshot: dict) -> dict:
         """Delete the run's jobs, prepare_data pod and ConfigMaps, restore the node group;
         every step is tried."""
-        done: dict[str, Any] = {}
-        problems: list[str] = []
-        try:
-            api = self._kube(cfg)
-            done["deleted"] = (job.delete_run_jobs(api, cfg) +
-                               prepare_pod.delete_prepare_job(api, cfg) +
-                               job.delete_run_configmaps(api, cfg))
-        except Exception as exc:  # the node group must be restored even so
-            problems.append(f"deleting the run's Kubernetes objects failed: {exc}")
-        if cfg.rdzv_backend != "c10d":
-            try:  # the id is unique per run; still, leave no keys behind
-                done["rendezvous_keys"] = len(delete_run_keys(self._kube(cfg), cfg))
-            except Exception as exc:  # no etcd service: nothing was kept there
-                log.warning("could not delete rendezvous %s's keys on etcd service %s/%s: %s",
-                            cfg.rdzv_id, cfg.namespace, cfg.etcd_service, exc)
+        done, problems = self._delete_run_objects(cfg)
         # Both node groups, when scale_up may have fallen back: each gives back only what no
         # other live run reserved (nothing, where this run held none).
         groups = [(cfg, snapshot, "scaling_config")]
@@ -605,6 +610,41 @@ class EksTarget(Target):
         if problems:
             raise RuntimeError("teardown incomplete: " + "; ".join(problems))
         return done
+
+    def release(self, cfg: RunConfig) -> dict:
+        """A sweep's trial: its jobs, pods, ConfigMaps and rendezvous keys deleted, and a
+        failed report when it has none; the nodes are the sweep's, which its teardown gives
+        back."""
+        done, problems = self._delete_run_objects(cfg)
+        try:
+            report = self._failed_report(cfg)
+            if report is not None:
+                done["report"] = report
+        except Exception as exc:
+            log.warning("no failed-run report for %s: %s", cfg.run_dir, exc)
+        if problems:
+            raise RuntimeError("release incomplete: " + "; ".join(problems))
+        return done
+
+    def _delete_run_objects(self, cfg: RunConfig) -> tuple[dict[str, Any], list[str]]:
+        """The run's jobs, prepare_data pod and ConfigMaps deleted, its rendezvous keys too:
+        (what was done, what failed)."""
+        done: dict[str, Any] = {}
+        problems: list[str] = []
+        try:
+            api = self._kube(cfg)
+            done["deleted"] = (job.delete_run_jobs(api, cfg) +
+                               prepare_pod.delete_prepare_job(api, cfg) +
+                               job.delete_run_configmaps(api, cfg))
+        except Exception as exc:  # the node group must be restored even so
+            problems.append(f"deleting the run's Kubernetes objects failed: {exc}")
+        if cfg.rdzv_backend != "c10d":
+            try:  # the id is unique per run; still, leave no keys behind
+                done["rendezvous_keys"] = len(delete_run_keys(self._kube(cfg), cfg))
+            except Exception as exc:  # no etcd service: nothing was kept there
+                log.warning("could not delete rendezvous %s's keys on etcd service %s/%s: %s",
+                            cfg.rdzv_id, cfg.namespace, cfg.etcd_service, exc)
+        return done, problems
 
     def _failed_report(self, cfg: RunConfig) -> dict | None:
         """After a failed run: a failed report of what the trainer left, unless none is needed."""

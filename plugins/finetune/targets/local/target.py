@@ -47,6 +47,7 @@ from finetune.preflight_verdict import (
 from finetune.report import write_report
 from finetune.run_plan import plan_run
 from finetune.s3_dataset import check_s3_dataset
+from finetune.sweep.early_stop import LOCAL_POLL_S, RungWatch, is_trial, stop_reason
 from finetune.targets.base import Target, TrainingFailed
 from finetune.targets.local.machine import (
     local_resources,
@@ -67,6 +68,7 @@ from finetune.targets.local.training import (
     LogFollower,
     clear_earlier_training,
     follow_agents,
+    read_history,
     start_agent,
     stop_earlier_try,
     training_finished,
@@ -76,6 +78,7 @@ from finetune.trainer_config import trainer_config
 from finetune_contract.errors import failure_summary
 from finetune_contract.fields import EVALUATION_FILE
 from finetune_contract.rules import device_problems
+from finetune_contract.run_history import preemptions
 
 log = logging.getLogger(__name__)
 
@@ -218,9 +221,12 @@ class LocalTarget(Target):
                 write_train_state(cfg, agents, started, config_path)
         write_train_state(cfg, agents, started, config_path)  # this try follows it now
         follower = LogFollower(cfg, agents)
+        # A sweep's trial: the early-stopping rule, asked while it trains.
+        watch = RungWatch(cfg, _no_s3, LOCAL_POLL_S) if is_trial(cfg) else None
         with ResourceSampler(Path(cfg.run_dir)):
             # Killed or interrupted here, the training runs on (see above).
-            failed = follow_agents(cfg, agents, follower, res, rendezvous, config_path, started)
+            failed = follow_agents(cfg, agents, follower, res, rendezvous, config_path, started,
+                                   stop=watch.poll if watch is not None else None)
         follower.copy_new_lines()
         # Ended or failed: no torchrun agent or worker outlives it.
         stop_processes([a.pid for a in agents if a.alive()])
@@ -235,13 +241,20 @@ class LocalTarget(Target):
                                  f"{len(follower.tail)} lines of {follower.log_path}:\n"
                                  + "\n".join(follower.tail))
         ended = time.time()
-        return {"model_dir": str(run_dir / "model"), "train_log": str(follower.log_path),
-                "wall_time_s": round(ended - started, 1), "started": started, "ended": ended,
-                "nodes": cfg.nodes,
-                "image_tag": image["image_tag"],
-                "rendezvous": {k: rendezvous[k] for k in ("backend", "rdzv_id")},
-                "resources": res, "reattached": reattached,
-                "node_restarts": max(a.restarts for a in agents)}
+        result = {"model_dir": str(run_dir / "model"), "train_log": str(follower.log_path),
+                  "wall_time_s": round(ended - started, 1), "started": started, "ended": ended,
+                  "nodes": cfg.nodes,
+                  "image_tag": image["image_tag"],
+                  "rendezvous": {k: rendezvous[k] for k in ("backend", "rdzv_id")},
+                  "resources": res, "reattached": reattached,
+                  "node_restarts": max(a.restarts for a in agents)}
+        if watch is not None and watch.stop is not None and \
+                not training_finished(run_dir, started):
+            noticed = preemptions(read_history(cfg))
+            at = noticed[-1]["step"] if noticed else None
+            result.update(model_dir=None, stopped={**watch.stop, "stopped_at": at,
+                                                   "reason": stop_reason(watch.stop, at)})
+        return result
 
     def evaluate(self, cfg: RunConfig, trained: dict, image: dict, champion: dict) -> dict:
         """trainer.evaluate in one process on this machine, its output in the task log and in
@@ -285,6 +298,9 @@ class LocalTarget(Target):
         return _summary(cfg, report)
 
     def teardown(self, cfg: RunConfig, snapshot: dict) -> dict:
+        return self.release(cfg)  # this machine's nodes need no giving back
+
+    def release(self, cfg: RunConfig) -> dict:
         run_dir = Path(cfg.run_dir)
         stopped: dict[str, Any] = {}
         train_state = read_state(cfg, "train")

@@ -14,13 +14,16 @@ without counting as a restart.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from finetune import REPO_ROOT
@@ -140,8 +143,13 @@ def training_finished(run_dir: Path, started: float) -> bool:
 
 
 def follow_agents(cfg: RunConfig, agents: list[Agent], follower: LogFollower, res: dict,
-                  rendezvous: dict, config_path: Path, started: float) -> tuple[int, str] | None:
+                  rendezvous: dict, config_path: Path, started: float,
+                  stop: Callable[[], object] | None = None) -> tuple[int, str] | None:
     """Follow the agents to the end: (node, reason) of a failure, or None.
+
+    `stop` (a sweep trial's early-stopping rule, finetune.sweep.early_stop) is asked at each
+    look; once it answers, every agent gets a notice (SIGTERM: each rank saves the step it is
+    in and exits) and the training ends there: None, nothing started again.
 
     When a node's agent is killed (a lost node), the job is started again, up to
     max_restarts times, as the training operator restarts a job's pods: every agent
@@ -152,9 +160,17 @@ def follow_agents(cfg: RunConfig, agents: list[Agent], follower: LogFollower, re
     agent has exited with PREEMPTED_EXIT_CODE (a notice, the step saved), all are started
     again, up to max_preemptions times in the run.
     """
-    restarts = 0
+    restarts, stopping = 0, False
     while True:
         follower.copy_new_lines()
+        if stop is not None and not stopping and stop():
+            stopping = True
+            notify_agents(agents)
+        if stopping:  # no restart, no failure: each rank saves its step and exits
+            if any(a.alive() for a in agents if not a.gone):
+                time.sleep(0.5)
+                continue
+            return None
         if cfg.active_deadline_s and time.time() - started > cfg.active_deadline_s:
             # The cost guard the eks job's activeDeadlineSeconds is; the caller stops all.
             return 0, (f"was stopped: the training ran past active_deadline_s "
@@ -202,6 +218,15 @@ def follow_agents(cfg: RunConfig, agents: list[Agent], follower: LogFollower, re
             if code not in (None, 0) and not (code < 0 and restarts < cfg.max_restarts):
                 return agent.node, f"exited with code {code}"
         time.sleep(0.5)
+
+
+def notify_agents(agents: list[Agent]) -> None:
+    """A notice to every node's agent (SIGTERM, as Kubernetes sends one): trainer.launch marks
+    it for its workers, which save the step they are in and exit PREEMPTED_EXIT_CODE."""
+    for agent in agents:
+        if agent.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(agent.pid, signal.SIGTERM)
 
 
 def start_again(cfg: RunConfig, agents: list[Agent], follower: LogFollower, res: dict,
