@@ -62,7 +62,6 @@ BAD_CONFS = [
     ({"activation_checkpointing": "selective", "selective_ac": "every"}, "selective_ac",
      "positive integer"),
     ({"selective_ac": "2"}, "selective_ac", "applies only to activation_checkpointing selective"),
-    ({"seq_len": 1025}, "seq_len", "max_position_embeddings (1024)"),
     ({"compile": "yes"}, "compile", "true or false"),
     ({"packing": 1}, "packing", "true or false"),
     ({"prompt_template": "alpaca"}, "prompt_template", "instruction, chat"),
@@ -212,14 +211,23 @@ def test_bad_rows_reaches_the_trainer_and_only_skip_or_error_is_accepted():
         validate_params({"bad_rows": "drop"}, run_id="r")
 
 
-def test_seq_len_beyond_a_model_directorys_positions_is_refused(tmp_path):
-    (tmp_path / "config.json").write_text('{"max_position_embeddings": 64}')
+def test_seq_len_beyond_a_model_directorys_positions_is_refused_where_its_rope_cannot_stretch(
+        tmp_path):
+    """Default, linear and llama3 RoPE stretch to seq_len (trainer.model.stretch_positions);
+    another type is refused naming the positions, the type and the ones that stretch."""
     conf = {"model": str(tmp_path), "tokenizer": "trainer/demo/tokenizer"}
+    (tmp_path / "config.json").write_text(
+        '{"max_position_embeddings": 64, "rope_parameters": {"rope_type": "yarn", "factor": 2}}')
     with pytest.raises(ConfigError) as err:
         validate_params({**conf, "seq_len": 128}, run_id="manual__bad")
     assert dict(err.value.errors)["seq_len"].startswith(
-        f"128 exceeds model {tmp_path}'s max_position_embeddings (64)")
+        f"128 exceeds model {tmp_path}'s max_position_embeddings (64) and its rope type 'yarn' "
+        "is not one the trainer stretches (default, linear, llama3)")
     validate_params({**conf, "seq_len": 64}, run_id="manual__ok")
+    for rope in ({}, {"rope_parameters": {"rope_type": "llama3", "factor": 8.0}},
+                 {"rope_scaling": {"type": "linear", "factor": 2.0}}):
+        (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 64, **rope}))
+        assert validate_params({**conf, "seq_len": 128}, run_id="manual__ok").seq_len == 128
 
 
 def test_omp_num_threads_where_the_stage_runs_caps_each_processs_threads(monkeypatch):

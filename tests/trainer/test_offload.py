@@ -142,3 +142,19 @@ def test_an_offloaded_block_refuses_a_kv_cache():
     ids = torch.randint(0, config.vocab_size, (1, 8))
     with pytest.raises(ValueError, match="use_cache=False"):
         model(input_ids=ids, labels=ids, use_cache=True)
+
+
+def test_a_seq_len_beyond_the_models_positions_stretches_its_rope_linearly():
+    """tiny-llama has 1,024 positions: at 2,048 its RoPE interpolates positions by 2 (what
+    the export's config.json then holds); within them nothing changes."""
+    from finetune_contract.models import extended_rope
+    from trainer.model import build_model
+
+    assert build_model("tiny-llama", seq_len=1024).config.rope_parameters["rope_type"] == "default"
+    config = build_model("tiny-llama", seq_len=2048).config
+    assert config.rope_parameters["rope_type"] == "linear"
+    assert config.rope_parameters["factor"] == 2.0 and config.max_position_embeddings == 2048
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}
+    assert extended_rope(llama3, 131072, 393216) == {**llama3, "factor": 24.0}
+    with pytest.raises(ValueError, match="'yarn' is not one the trainer stretches"):
+        extended_rope({"rope_type": "yarn", "factor": 4.0}, 1024, 2048)
