@@ -9,15 +9,14 @@ out=$1
 part=$2
 run() {  # one bench run, its JSON lines appended to $out/long_context.jsonl
     echo "# python -m bench.train $*" | tee -a "$out/long_context.jsonl"
-    python -m bench.train --models 8b --micro-batch 1 --lora-rank 16 --ac full --compile \
-        --no-hf "$@" 2>"$out/stderr-$(date +%s).txt" | tee -a "$out/long_context.jsonl"
+    python -m bench.train --models 8b --micro-batch 1 --lora-rank 16 --ac full --compile "$@" 2>"$out/stderr-$(date +%s).txt" | tee -a "$out/long_context.jsonl"
 }
 case $part in
 peers)
-    run --seq-len 32768 --quantize-base nf4 --activation-offload --peers unsloth --steps 3 --warmup 1
+    run --seq-len 32768 --quantize-base nf4 --activation-offload --peers unsloth --steps 2 --warmup 1
     run --seq-len 131072 --quantize-base nf4 --activation-offload --peers unsloth --steps 1 --warmup 1
     ;;
 longest)
-    run --seq-len "${SEQ:-409600}" --quantize-base nf4 --activation-offload --peers "" --steps 1 --warmup 0
+    run --seq-len "${SEQ:-400000}" --quantize-base nf4 --activation-offload --peers "" --steps "${STEPS:-1}" --warmup 0
     ;;
 esac

@@ -22,6 +22,9 @@ TORCHRUN = "torchrun --nproc-per-node {gpus} -m bench.train --no-hf --compile"
 # The machine every row so far was measured on (finetune_contract.instance_types: its H200 types
 # have its GPU; the 2- and 4-GPU hosts joined their GPUs by NVLink, NCCL_NVLS_ENABLE=0).
 H200 = "NVIDIA H200"
+H100 = "NVIDIA H100 80GB HBM3"
+LONG = ("python -m bench.train --models 8b --micro-batch 1 --lora-rank 16 --quantize-base nf4 "
+        "--ac full --activation-offload --compile --peers unsloth")
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,15 @@ ROWS: tuple[Row, ...] = (
     Row("llama-8b", _mb(2, strategy=_FS, activation_checkpointing=_AC), 8_535, 0.444, 35.0,
         TORCHRUN.format(gpus=4) + " --models 8b --micro-batch 2 --ac full --strategy FULL_SHARD",
         UNDATED, gpus=4, note="the version before"),
+    # Offloaded blocks (trainer/offload.py), 8B QLoRA r16 at micro-batch 1, one H100 (the
+    # planner's peak FLOPs are the H200's, the same dense bf16 figure), 2026-12-06:
+    # bench/long_context.sh peers, docs/notes/2026-12-06-h100-long-context.log.
+    Row("llama-8b", _mb(1, seq_len=32768, activation_checkpointing=_AC, activation_offload=True,
+                        lora_rank=16, quantize_base="nf4"), 6_308, 0.522, 16.27,
+        f"{LONG} --seq-len 32768 --steps 2 --warmup 1", "2026-12-06", gpu=H100),
+    Row("llama-8b", _mb(1, seq_len=131072, activation_checkpointing=_AC, activation_offload=True,
+                        lora_rank=16, quantize_base="nf4"), 2_672, 0.639, 24.47,
+        f"{LONG} --seq-len 131072 --steps 1 --warmup 1", "2026-12-06", gpu=H100),
 )
 
 # Each family's saved activations (families.Family.activation_extra), one device call on one

@@ -240,11 +240,7 @@ class _TiledMLP(torch.autograd.Function):
         ctx.save_for_backward(x)
         if _recomputing() and tiles.output_unread:
             return torch.empty_like(x)  # backward alone reads this MLP (the module doc)
-        rows = x.reshape(-1, x.shape[-1])
-        out = torch.empty_like(rows)
-        for part in tiles.slices(rows.shape[0]):
-            out[part] = tiles.compute(rows[part])
-        return out.view_as(x)
+        return tiles.run(x)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
@@ -287,9 +283,19 @@ class _Tiles:
         mlp = self.mlp()
         return [] if mlp is None else [p for p in mlp.parameters() if p.requires_grad]
 
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP slice by slice, nothing kept for backward."""
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch.empty_like(rows)
+        for part in self.slices(rows.shape[0]):
+            out[part] = self.compute(rows[part])
+        return out.view_as(x)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # Without gradients (a checkpoint's forward, evaluation) still in slices: a whole
+        # sequence's MLP-wide tensors are what the tiles keep off the GPU.
         if not torch.is_grad_enabled():
-            return self.compute(x)
+            return self.run(x)
         return _TiledMLP.apply(x, self, *self.trained())
 
 

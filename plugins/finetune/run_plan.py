@@ -45,7 +45,8 @@ def hardware_of(profile: InstanceProfile) -> Hardware:
     """An instance profile's GPU and links, as the planner takes them."""
     return Hardware.of_gpu(profile.gpu_model, profile.gpu_memory_gib,
                            busbw_intra_gbps=profile.busbw_intra_gbps,
-                           busbw_inter_gbps=profile.busbw_inter_gbps)
+                           busbw_inter_gbps=profile.busbw_inter_gbps,
+                           node_memory_gib=profile.allocatable_memory_mib / 1024)
 
 
 def run_hardware(cfg: RunConfig) -> Hardware:

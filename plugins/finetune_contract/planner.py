@@ -75,6 +75,12 @@ GATHERED_BLOCKS = 2
 # Offloaded block inputs on the GPU at once (trainer/offload.py): the one copying out while the
 # next block runs, in backward the one in use and the one fetched ahead.
 OFFLOAD_IN_FLIGHT = 2
+# One offloaded block's recompute and backward, bf16 elements per token: hidden-wide tensors
+# (the attention's inputs, outputs and their gradients) and, over one MLP tile, MLP-wide ones
+# (gate, up, their product and gradients);
+# fitted to the two H100 rows of 2026-12-06 (8B QLoRA at 32k and 128k tokens, 16.27 and
+# 24.47 GiB: bench/plan_calibration.py).
+OFFLOAD_HIDDEN, OFFLOAD_MLP = 8.9, 5.0
 # Fractions of the dense bf16 peak the kernels reach on the H200 (docs/trainer.md "Where the
 # time goes":
 # GEMMs 707 TFLOP/s; cuDNN attention 365 at head dim 128, 286 at 64, real causal FLOPs, which
@@ -146,6 +152,7 @@ class Hardware:
     busbw_intra_gbps: float | None = None
     busbw_inter_gbps: float | None = None
     name: str = "GPU"
+    node_memory_gib: float | None = None  # CPU memory a node's pod may use (offloaded inputs)
 
     @classmethod
     def of_gpu(cls, gpu_model: str, gpu_memory_gib: float | None, **links: Any) -> Hardware:
@@ -238,8 +245,10 @@ def activation_bytes_per_token(cfg: TrainConfig, config: Any) -> tuple[float, fl
         saved, recompute = layers * block, 0.0
     if offloads_blocks(cfg):  # trainer/offload.py: the inputs in CPU memory, the MLP tiled
         tokens = cfg.micro_batch * cfg.seq_len
-        tiled = elem * ACT_MLP * mlp * (1 - min(1.0, MLP_TILE_TOKENS / tokens))
-        saved, recompute = OFFLOAD_IN_FLIGHT * boundary, recompute - tiled
+        tile = min(1.0, MLP_TILE_TOKENS / tokens)
+        recompute = block + elem * (OFFLOAD_HIDDEN - ACT_HIDDEN) * hidden \
+            - elem * (ACT_MLP - OFFLOAD_MLP * tile) * mlp
+        saved = OFFLOAD_IN_FLIGHT * boundary
     elif cfg.activation_offload:  # saved tensors wait in CPU memory; a block's are in flight
         saved = min(saved, GATHERED_BLOCKS * saved / layers)
     return saved, recompute
@@ -519,6 +528,13 @@ def memory_problems(cfg: TrainConfig, *, world_size: int, local_world_size: int,
                                    hardware=hardware, config=config)
     est = estimate(cfg, world_size=world_size, local_world_size=local_world_size,
                    hardware=hardware, config=config)
+    host = est.parts_gib.get("host_offload", 0.0) * local_world_size
+    if host and hardware.node_memory_gib and host > hardware.node_memory_gib:
+        return [("activation_offload",
+                 f"the offloaded block inputs take {host:g} GiB of CPU memory per node "
+                 f"({local_world_size} x {host / local_world_size:g}: layers x hidden x "
+                 f"seq_len x micro_batch, bf16), more than the {hardware.node_memory_gib:g} GiB "
+                 "a node's pod may use: lower seq_len or micro_batch, or use more nodes")]
     if est.fits is not False:
         return []
     found = search(cfg, world_size=world_size, local_world_size=local_world_size,

@@ -183,3 +183,15 @@ def test_packed_rows_under_sdpa_count_their_quadratic_mask():
                               local_world_size=1, hardware=H200) for p in (False, True))
     assert packed.parts_gib["activations"] - plain.parts_gib["activations"] == pytest.approx(
         65_536 ** 2 / 2 ** 30, abs=0.01)  # 4 GiB of mask at 65,536 tokens
+
+
+def test_offloaded_inputs_beyond_the_nodes_cpu_memory_are_refused_naming_the_figures():
+    """8 processes of an 8B QLoRA at 1M tokens would page-lock 8 x 256 GiB of block inputs on a
+    p5e node (2 TiB, less what the OS and kubelet keep): refused before any node is paid for."""
+    conf = {**LONG_8B_QLORA, "procs_per_node": 8, "seq_len": 1_048_576,
+            "activation_offload": True}
+    with pytest.raises(ConfigError) as err:
+        validate_params(conf, run_id="r")
+    message = dict(err.value.errors)["activation_offload"]
+    assert "2048 GiB of CPU memory per node (8 x 256" in message and "lower seq_len" in message
+    assert validate_params({**conf, "procs_per_node": 4}, run_id="r").seq_len == 1_048_576

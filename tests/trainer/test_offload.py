@@ -158,3 +158,21 @@ def test_a_seq_len_beyond_the_models_positions_stretches_its_rope_linearly():
     assert extended_rope(llama3, 131072, 393216) == {**llama3, "factor": 24.0}
     with pytest.raises(ValueError, match="'yarn' is not one the trainer stretches"):
         extended_rope({"rope_type": "yarn", "factor": 4.0}, 1024, 2048)
+
+
+def test_the_mlp_runs_in_slices_in_every_pass_never_whole():
+    """The checkpoint's forward runs without gradients: its MLP must be sliced too (at 400k
+    tokens a whole 8B MLP tensor is 10.7 GiB; an H100 ran out of memory on it)."""
+    config = family_config("llama")
+    model = AutoModelForCausalLM.from_config(config)
+    offload_blocks(decoder_blocks(model), torch.device("cpu"), tile_tokens=5, output_unread=True)
+    widest = []
+    for block in decoder_blocks(model):
+        tiles = block.mlp.forward
+        inner = tiles.compute
+        tiles.compute = lambda x, inner=inner: widest.append(x.shape[0]) or inner(x)
+    ids = torch.randint(0, config.vocab_size, (2, 12))
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    assert widest and max(widest) <= 5
