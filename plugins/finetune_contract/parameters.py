@@ -382,7 +382,9 @@ PARAMETERS: tuple[Parameter, ...] = (
       'number k checkpoints every k-th block.',
       text=Text(16, r"\w+", "op or a positive integer k")),
     P('activation_offload', False, 'Memory and speed', 'Offload activations',
-      'Keep saved activations in CPU memory until backward.'),
+      'Keep saved activations in CPU memory until backward. With full checkpointing (and '
+      'tp_degree 1) each block\'s input waits there and its MLP runs in 32,768-token slices: '
+      'the long-context setting (docs/trainer.md, Long context).'),
     P('cpu_offload', False, 'Memory and speed', 'Offload parameters',
       'Parameters, gradients and the optimizer step on the CPU (FSDP2 CPU offload).'),
     P('compile', False, 'Memory and speed', 'torch.compile',
@@ -423,7 +425,8 @@ PARAMETERS: tuple[Parameter, ...] = (
     P('seq_len', 128, 'Training', 'Sequence length',
       'Tokens per sequence. An example longer than this is never truncated: bad_rows decides '
       '(skip: skipped and counted in the report; error: the run fails at validate naming its '
-      'line).',
+      'line). Beyond the model\'s positions its RoPE is stretched (default, linear and llama3 '
+      'types); what fits the GPU is the planner\'s to say at validate.',
       bounds=Bounds(minimum=8, maximum=1_048_576)),
     P('micro_batch', 8, 'Training', 'Micro-batch',
       'Sequences per process per forward pass.',
