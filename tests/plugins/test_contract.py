@@ -103,7 +103,6 @@ CASES = [
     ({"strategy": "HYBRID_SHARD", "shard_group_size": 3}, 4, 4, "shard_group_size",
      "does not divide"),
     ({"shard_group_size": 2}, 2, 2, "shard_group_size", "HYBRID_SHARD only"),
-    ({"seq_len": 2048}, 2, 2, "seq_len", "tiny-llama's max_position_embeddings (1024)"),
     ({"prompt_template": "chat", "text_field": "text"}, 2, 2, "prompt_template", "text_field"),
     ({"output_dir": "s3://"}, 2, 2, "output_dir", "needs a bucket"),
     ({"output_dir": "s3://Bad_Bucket/runs"}, 2, 2, "output_dir", "not a valid S3 bucket"),

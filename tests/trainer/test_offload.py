@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM
 
 from finetune_contract.families import FAMILIES, family_of
 from finetune_contract.rules import mlp_tiles
-from tests.trainer.test_families import family_config
+from tests.support.families import family_config
 from trainer.blocks import decoder_blocks
 from trainer.offload import HostBuffers, HostOffloader, offload_blocks
 
