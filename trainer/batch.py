@@ -24,14 +24,33 @@ class Batch:
         return Batch(self.input_ids.to(device), self.labels.to(device), self.num_tokens, positions,
                      reference)
 
-    def model_inputs(self) -> dict[str, Any]:
+    def model_inputs(self, varlen: bool = False) -> dict[str, Any]:
         """The model's keyword arguments for this batch.
 
         From position_ids that restart, transformers builds the block-diagonal causal mask (sdpa,
-        eager, flex) or varlen attention (flash), so no token attends to another packed example;
-        it does so only without a KV cache: call the model with use_cache=False.
+        eager, flex), so no token attends to another packed example; it does so only without a
+        KV cache: call the model with use_cache=False. `varlen` (fa4, trainer/attention.py):
+        the documents' boundaries instead (`packed_documents`), and no mask.
         """
         inputs: dict[str, Any] = {"input_ids": self.input_ids}
         if self.position_ids is not None:
             inputs["position_ids"] = self.position_ids
+            if varlen:
+                inputs.update(packed_documents(self.position_ids))
         return inputs
+
+
+def packed_documents(position_ids: torch.Tensor) -> dict[str, Any]:
+    """Varlen attention's arguments for packed rows (transformers' FlashAttentionKwargs): each
+    document starts where its positions restart at 0 (a row's padding, whose positions restart
+    too, is a document of its own, attended by nothing else), bounded in the rows' tokens taken
+    as one sequence; the longest bounded by the row length. An all-true attention mask, so that
+    transformers builds no block-diagonal one (whose size is the row length squared)."""
+    flat = position_ids.reshape(-1)
+    starts = (flat == 0).nonzero().flatten()
+    end = torch.tensor([flat.numel()], device=flat.device)
+    bounds = torch.cat([starts, end]).to(torch.int32)
+    length = position_ids.shape[-1]
+    return {"attention_mask": torch.ones_like(position_ids, dtype=torch.bool),
+            "cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds,
+            "max_length_q": length, "max_length_k": length}

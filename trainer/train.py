@@ -29,6 +29,7 @@ from finetune_contract.parallel_dims import ParallelDims, elastic_grad_accum
 from finetune_contract.stragglers import RANK_STEP_TIMES, stragglers
 from finetune_contract.throughput import flops_per_token, mfu
 from trainer.activations import resolve_auto_checkpointing
+from trainer.attention import runs_varlen
 from trainer.checkpoint import Checkpointer
 from trainer.config import TrainConfig, parse_args
 from trainer.data import (
@@ -587,7 +588,8 @@ def warmup_cosine(warmup_steps: int, max_steps: int, min_lr_ratio: float) -> Cal
 def token_loss_sum(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """Summed cross entropy of every labelled next-token prediction in the batch."""
     loss_sum = getattr(model, LOSS_METHOD)  # the chunked head + loss of trainer.loss
-    return loss_sum(batch.labels, IGNORE_INDEX, **batch.model_inputs())
+    return loss_sum(batch.labels, IGNORE_INDEX,
+                    **batch.model_inputs(varlen=runs_varlen(model)))
 
 
 def train_step(

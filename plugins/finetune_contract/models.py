@@ -11,7 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune_contract.families import BUILTIN_MODEL_TYPE, architecture_problem, model_type_of
+from finetune_contract.families import (
+    BUILTIN_MODEL_TYPE,
+    architecture_problem,
+    attention_kernel,
+    attention_windows,
+    model_type_of,
+)
 
 _LLAMA3_ROPE = {"rope_type": "default", "rope_theta": 500000.0}
 
@@ -126,6 +132,9 @@ class ModelShape:
     architecture_problem: str | None = None  # why the trainer cannot run it (not in the table)
     head_dim: int | None = None  # config head_dim, else hidden_size / num_attention_heads
     rope_type: str = "default"  # its rotary embedding's: how far extended_rope can stretch it
+    # what FA4's kernel path hands to sdpa: a sliding window on some layer, soft-capped scores
+    windowed: bool = False
+    soft_capped: bool = False
 
     @classmethod
     def from_config(cls, name: str, config: Any) -> ModelShape:
@@ -139,10 +148,14 @@ class ModelShape:
         heads = number("num_attention_heads")
         hidden = number("hidden_size")
         head_dim = number("head_dim") or (hidden // heads if hidden and heads else None)
+        problem = architecture_problem(config)
+        known = problem is None and number("num_hidden_layers") is not None
         return cls(name, heads, number("num_key_value_heads") or heads,
                    number("intermediate_size"), number("max_position_embeddings"),
-                   model_type_of(config), architecture_problem(config), head_dim,
-                   rope_type_of(get("rope_parameters") or get("rope_scaling")))
+                   model_type_of(config), problem, head_dim,
+                   rope_type_of(get("rope_parameters") or get("rope_scaling")),
+                   windowed=known and any(w is not None for w in attention_windows(config)),
+                   soft_capped=known and attention_kernel(config) == "eager")
 
 
 # Rotary embeddings the trainer stretches to a seq_len beyond max_position_embeddings: default

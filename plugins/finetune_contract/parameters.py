@@ -392,7 +392,9 @@ PARAMETERS: tuple[Parameter, ...] = (
     P('attention', 'sdpa', 'Memory and speed', 'attention kernel',
       'sdpa: cuDNN flash attention through torch (any GPU, and CPUs); fa4: FlashAttention 4 '
       "(flash-attn-4's kernels, faster on H100/H200 and B200: compute capability 9.0 or 10.0), "
-      'with mixed precision bf16 or fp16, no packing and tp_degree 1.',
+      'with mixed precision bf16 or fp16 and tp_degree 1; packed rows run its varlen kernel '
+      '(each document attends only to itself, no mask), except on models with sliding windows '
+      'or soft-capped scores.',
       choices=ATTENTION),
     P('float8', False, 'Memory and speed', 'float8 matmuls',
       "The decoder blocks' Linear layers compute in float8 (torchao; weights all-gathered in "

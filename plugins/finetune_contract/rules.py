@@ -225,9 +225,12 @@ def _attention(cfg: TrainConfig, shape: ModelShape | None) -> Problems:
     if cfg.mixed_precision == "fp32":
         problems.append(("attention", "fa4 with mixed_precision fp32: its kernels take bf16 or "
                          "fp16; set mixed_precision to bf16 or attention to sdpa"))
+    if cfg.packing and shape is not None and (shape.windowed or shape.soft_capped):
+        what = "sliding windows" if shape.windowed else "soft-capped attention scores"
+        problems.append(("packing", f"packed rows with fa4 run FlashAttention 4's varlen "
+                         f"kernel, which model {_name(shape)}'s {what} do not take: set "
+                         "attention to sdpa or packing to false"))
     conflicts = (
-        ("packing", cfg.packing, "false",
-         "packed rows need a block-diagonal mask, which the fa4 path leaves to sdpa"),
         ("tp_degree", cfg.tp_degree > 1, "1",
          "sequence parallelism gathers attention's inputs through DTensor, which the fa4 "
          "kernels do not take"),

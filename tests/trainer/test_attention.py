@@ -105,7 +105,6 @@ def test_fa4_hands_masked_and_fp32_attention_to_sdpa():
 
 
 @pytest.mark.parametrize("overrides, wrong", [
-    ({"packing": True, "mixed_precision": "bf16"}, "packing"),
     ({"tp_degree": 2, "mixed_precision": "bf16"}, "tp_degree"),
     ({"mixed_precision": "fp32"}, "fp32"),
 ])
@@ -139,3 +138,95 @@ def test_the_trainer_refuses_fa4_at_start_on_a_cpu(world_of_one):
     config = load_config(None, {"attention": "fa4", "mixed_precision": "bf16"})
     with pytest.raises(ContractError, match="attention.*no CUDA GPU"):
         check_start(config, world_of_one)
+
+
+def test_fa4_varlen_ops_attend_within_each_document_as_separate_calls_would():
+    """Packed documents (varlen: all tokens in one sequence, bounded by cu_seqlens): each
+    document's output, log-sum-exp and gradients are those of its own causal call."""
+    lengths = [5, 11, 1, 16]
+    q, k, v = (t.detach()[0].requires_grad_(True) for t in qkv(batch=1, seq=sum(lengths)))
+    bounds = torch.tensor([0, 5, 16, 17, 33], dtype=torch.int32)
+    out, lse = attention.fa4_fwd(q, k, v, 0.25, True, bounds, max(lengths))
+    assert out.shape == q.shape and lse.shape == (q.shape[1], q.shape[0])
+    weights = torch.randn_like(out)
+    grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    for start, end in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+        part = [t.detach()[start:end][None].requires_grad_(True) for t in (q, k, v)]
+        alone, alone_lse = attention.fa4_fwd(*part, 0.25, True)
+        torch.testing.assert_close(out[start:end], alone[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(lse[:, start:end], alone_lse[0], rtol=1e-5, atol=1e-6)
+        alone_grads = torch.autograd.grad((alone[0] * weights[start:end]).sum(), part)
+        for got, want in zip(grads, alone_grads, strict=True):
+            torch.testing.assert_close(got[start:end], want[0], rtol=1e-5, atol=1e-6)
+
+
+def test_fa4_varlen_ops_pass_torch_library_opcheck():
+    q, k, v = (t.detach()[0] for t in qkv(batch=1, dtype=torch.float32))
+    bounds = torch.tensor([0, 7, 33], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.trainer.fa4_fwd.default, (q, k, v, 0.25, True, bounds, 26))
+    out, lse = attention.fa4_fwd(q, k, v, 0.25, True, bounds, 26)
+    torch.library.opcheck(torch.ops.trainer.fa4_bwd.default,
+                          (torch.randn_like(out), q, k, v, out, lse, 0.25, True, bounds, 26))
+
+
+def test_packed_rows_under_fa4_give_sdpas_masked_losses_and_gradients_without_a_mask(
+        monkeypatch):
+    """Two rows of packed documents (and a row's padding): fa4's varlen path against sdpa's
+    block-diagonal mask, bf16, the same loss and gradients; the fa4 attention got no mask and
+    ran the varlen op."""
+    from trainer.batch import Batch
+    from trainer.train import token_loss_sum
+
+    masks, varlen_calls = [], []
+    forward = attention.fa4_attention_forward
+
+    def spy(module, query, key, value, attention_mask, *args, **kwargs):
+        masks.append(attention_mask)
+        varlen_calls.append(kwargs.get("cu_seq_lens_q") is not None)
+        return forward(module, query, key, value, attention_mask, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "fa4_attention_forward", spy)
+    attention.register.cache_clear()
+    config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
+                              [0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2, 0, 1, 2, 3]])  # 2nd: padding
+    ids = torch.randint(1, 256, positions.shape, generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[1, 12:] = -100  # the padding's labels
+    batch = Batch(ids, labels, int((labels != -100).sum()), positions)
+    results = []
+    for implementation in ("sdpa", attention.attn_implementation("fa4")):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM._from_config(config, attn_implementation=implementation)
+        model.to(torch.bfloat16)
+        from trainer.loss import add_loss_method
+        add_loss_method(model)
+        loss = token_loss_sum(model, batch)
+        loss.backward()
+        results.append((loss.detach().float(), {n: p.grad.float() for n, p in
+                                                 model.named_parameters()}))
+    try:
+        assert varlen_calls and all(varlen_calls) and all(m is None for m in masks)
+        (sdpa_loss, sdpa_grads), (fa4_loss, fa4_grads) = results
+        torch.testing.assert_close(fa4_loss, sdpa_loss, rtol=1e-2, atol=0)
+        for name, grad in sdpa_grads.items():
+            assert torch.nn.functional.cosine_similarity(
+                fa4_grads[name].flatten(), grad.flatten(), dim=0) > 0.99, name
+    finally:
+        monkeypatch.undo()
+        attention.register.cache_clear()
+        attention.register()
+
+
+def test_fa4_with_packing_is_refused_only_where_a_layer_would_leave_the_kernel():
+    packed = TrainConfig(attention="fa4", packing=True, mixed_precision="bf16")
+    llama = ModelShape("llama", 32, 8, 14336, 131072, head_dim=128)
+    assert config_problems(packed, world_size=1, local_world_size=1, shape=llama) == []
+    for shape, what in ((ModelShape("mistral", 32, 8, 14336, 32768, "mistral", head_dim=128,
+                                    windowed=True), "sliding windows"),
+                        (ModelShape("gemma2", 8, 4, 9216, 8192, "gemma2", head_dim=128,
+                                    soft_capped=True), "soft-capped")):
+        (field, message), = config_problems(packed, world_size=1, local_world_size=1,
+                                            shape=shape)
+        assert field == "packing" and what in message and "sdpa" in message
