@@ -169,12 +169,14 @@ def test_fa4_varlen_ops_pass_torch_library_opcheck():
                           (torch.randn_like(out), q, k, v, out, lse, 0.25, True, bounds, 26))
 
 
+@pytest.mark.parametrize("compile", [False, True])
 def test_packed_rows_under_fa4_give_sdpas_masked_losses_and_gradients_without_a_mask(
-        monkeypatch):
+        monkeypatch, compile):
     """Two rows of packed documents (and a row's padding): fa4's varlen path against sdpa's
     block-diagonal mask, bf16, the same loss and gradients; the fa4 attention got no mask and
-    ran the varlen op."""
+    ran the varlen op (compiled: the decoder blocks, as trainer/parallel.py compiles them)."""
     from trainer.batch import Batch
+    from trainer.loss import add_loss_method
     from trainer.train import token_loss_sum
 
     masks, varlen_calls = [], []
@@ -200,7 +202,10 @@ def test_packed_rows_under_fa4_give_sdpas_masked_losses_and_gradients_without_a_
         torch.manual_seed(0)
         model = LlamaForCausalLM._from_config(config, attn_implementation=implementation)
         model.to(torch.bfloat16)
-        from trainer.loss import add_loss_method
+        if compile:
+            torch._dynamo.reset()
+            for layer in model.model.layers:
+                layer.compile(backend="aot_eager", fullgraph=True)
         add_loss_method(model)
         loss = token_loss_sum(model, batch)
         loss.backward()
