@@ -142,6 +142,12 @@ class HostOffloader:
             stored.arrived = self.in_stream.record_event()
         stored.fetched = gpu
 
+    def forget(self, stored: _Stored) -> None:
+        """A stored input whose backward will never come: its buffer back, if still held."""
+        if any(entry is stored for entry in self.live):
+            self.live.remove(stored)
+            self.buffers.give_back(stored.buffer)  # type: ignore[attr-defined]
+
     def fetch(self, stored: _Stored) -> torch.Tensor:
         """The input on the GPU again; starts fetching the input stored before it."""
         self._start_fetch(stored)
@@ -173,6 +179,9 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         ctx.rng = _rng_state(hidden.device)
         out = run.forward(hidden, *args, **kwargs)
         ctx.stored = run.offloader.store(hidden)
+        # A graph freed without its backward (an error, a loss not backpropagated) gives the
+        # buffer back: nothing piles up in page-locked memory.
+        weakref.finalize(ctx, run.offloader.forget, ctx.stored)
         return out
 
     @staticmethod

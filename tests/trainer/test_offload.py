@@ -176,3 +176,15 @@ def test_the_mlp_runs_in_slices_in_every_pass_never_whole():
     with torch.no_grad():
         model(input_ids=ids, use_cache=False)
     assert widest and max(widest) <= 5
+
+
+def test_a_forward_whose_backward_never_comes_gives_its_buffers_back():
+    config = family_config("llama")
+    model = AutoModelForCausalLM.from_config(config)
+    offloader = offload_blocks(decoder_blocks(model), torch.device("cpu"), tile_tokens=4,
+                               output_unread=True)
+    ids = torch.randint(0, config.vocab_size, (1, 8))
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    assert len(offloader.live) == 2 and offloader.buffers.free == []
+    del loss  # the graph goes, its backward never ran
+    assert offloader.live == [] and len(offloader.buffers.free) == 2
