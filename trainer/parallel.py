@@ -7,6 +7,7 @@ import os
 import warnings
 from dataclasses import dataclass
 
+import psutil
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -22,6 +23,8 @@ from finetune_contract.families import family_of
 from finetune_contract.fields import ContractError
 from finetune_contract.models import ModelShape
 from finetune_contract.parallel_dims import TP_DIM, ParallelDims
+from finetune_contract.planner import host_offload_bytes
+from finetune_contract.planner import model_config as planner_config
 from finetune_contract.rules import (
     MLP_TILE_TOKENS,
     config_problems,
@@ -144,6 +147,8 @@ def check_start(
                                 gpu=env.device.type == "cuda" or quantize_emulated(),
                                 attention=config.attention,
                                 capability=_capability(env.device))
+    if model_config is not None:
+        problems += host_memory_problems(config, env, model_config)
     if problems:
         raise ContractError(problems, "the run config cannot run here")
     if env.device.type == "cpu" and model_config is None:
@@ -154,6 +159,25 @@ def check_start(
                     f"{name} saves no memory on device cpu: everything already is in CPU memory",
                     stacklevel=2,
                 )
+
+
+def host_memory_problems(config: TrainConfig, env: DistEnv,
+                         model_config: PretrainedConfig) -> list[tuple[str, str]]:
+    """Offloaded block inputs (trainer/offload.py) that this machine's free memory cannot hold,
+    for all its processes: the local target's counterpart of validate's node-memory rule."""
+    shape = planner_config(config.model, model_config)
+    per_process = host_offload_bytes(config, shape) if shape is not None else 0
+    if not per_process:
+        return []
+    needed = per_process * env.local_world_size
+    available = psutil.virtual_memory().available
+    if needed <= available:
+        return []
+    gib = 1 << 30
+    return [("activation_offload",
+             f"the offloaded block inputs take {needed / gib:.1f} GiB of CPU memory on this "
+             f"machine ({env.local_world_size} x {per_process / gib:.1f}), more than the "
+             f"{available / gib:.1f} GiB available: lower seq_len or micro_batch")]
 
 
 def quantize_dtype(config: TrainConfig) -> torch.dtype | None:

@@ -188,3 +188,25 @@ def test_a_forward_whose_backward_never_comes_gives_its_buffers_back():
     assert len(offloader.live) == 2 and offloader.buffers.free == []
     del loss  # the graph goes, its backward never ran
     assert offloader.live == [] and len(offloader.buffers.free) == 2
+
+
+def test_the_trainer_refuses_offloaded_inputs_beyond_the_machines_free_memory(monkeypatch):
+    """The local target's check at start: 2 processes of 8B at 1M tokens would page-lock
+    2 x 256 GiB; refused naming the figures, before any weight is made."""
+    from types import SimpleNamespace
+
+    from finetune_contract.fields import ContractError
+    from trainer.config import TrainConfig
+    from trainer.model import builtin_config
+    from trainer.parallel import DistEnv, check_start
+
+    monkeypatch.setattr("psutil.virtual_memory", lambda: SimpleNamespace(available=64 << 30))
+    env = DistEnv(0, 2, 0, 2, torch.device("cpu"))
+    config = TrainConfig(model="llama-8b", seq_len=1_048_576, micro_batch=1, mixed_precision="bf16",
+                         activation_checkpointing="full", activation_offload=True)
+    with pytest.raises(ContractError, match=r"512\.0 GiB of CPU memory on this machine "
+                                            r"\(2 x 256\.0\), more than the 64\.0 GiB"):
+        check_start(config, env, builtin_config("llama-8b"))
+    check_start(TrainConfig(model="llama-8b", seq_len=65_536, micro_batch=1, mixed_precision="bf16",
+                            activation_checkpointing="full", activation_offload=True),
+                env, builtin_config("llama-8b"))  # 2 x 16 GiB: fits
