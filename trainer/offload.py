@@ -2,7 +2,8 @@
 
 With `activation_checkpointing: full` a block keeps only its input for backward; at long
 sequences those inputs are what grows (8B, 400k tokens: 3.3 GB a block, 105 GB for 32). With
-`activation_offload` each block runs as `OffloadedBlock`:
+`activation_offload` each block's forward is replaced (`offload_blocks`; the modules and their
+parameter names stay as they were):
 
 - forward runs the block without saving anything and copies its input to pinned CPU memory on a
   side stream, overlapping the next block's compute (`HostOffloader`); its GPU copy is freed
@@ -11,12 +12,13 @@ sequences those inputs are what grows (8B, 400k tokens: 3.3 GB a block, 105 GB f
   this one computes), runs the block again with gradients and backpropagates through it: a
   reentrant checkpoint whose saved input lives in CPU memory.
 
-The recomputed MLP is the other large part (8B: four 14,336-wide tensors a token): `TiledMLP`
-runs it over slices of at most `MLP_TILE_TOKENS` tokens, keeps only its input, and in backward
-runs each slice again with gradients, one slice at a time. Where a family's block adds the MLP's
-output to the residual and reads it nowhere else (`Family.mlp_output_unread`), the block's own
-recompute skips the MLP altogether (its values are never read; only its backward is): the MLP
-runs twice a step, as under plain full checkpointing.
+The recomputed MLP is the other large part (8B: four 14,336-wide tensors a token): its
+forward (`_Tiles`) runs it over slices of at most `MLP_TILE_TOKENS` tokens, keeps only its
+input, and in backward runs each slice again with gradients, one slice at a time; without
+gradients (the checkpoint's forward, evaluation) it runs in slices too. Where a family's block
+adds the MLP's output to the residual and reads it nowhere else (`Family.mlp_output_unread`),
+the block's own recompute skips the MLP altogether (its values are never read; only its
+backward is): the MLP runs twice a step, as under plain full checkpointing.
 
 The block's modules are compiled one by one (`offload_blocks`' compile_backend): the checkpoint
 and the tiles are Python around them, which a whole-block graph cannot hold.
