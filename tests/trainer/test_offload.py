@@ -19,20 +19,37 @@ def _grads(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dic
                            if p.grad is not None}
 
 
+def _offloaded(model: torch.nn.Module, tile_tokens: int, output_unread: bool = True
+               ) -> HostOffloader:
+    return offload_blocks(decoder_blocks(model), torch.device("cpu"), tile_tokens=tile_tokens,
+                          output_unread=output_unread)
+
+
+def _twins(model_type: str) -> tuple[torch.nn.Module, torch.nn.Module, object]:
+    """(plain, a second model with the same weights, config) of a family, fp32, seeded."""
+    torch.manual_seed(0)
+    config = family_config(model_type)
+    plain = AutoModelForCausalLM.from_config(config).float()
+    other = AutoModelForCausalLM.from_config(config).float()
+    other.load_state_dict(plain.state_dict())
+    return plain, other, config
+
+
+def _llama_offloaded(tile_tokens: int = 4) -> tuple[torch.nn.Module, HostOffloader, object]:
+    config = family_config("llama")
+    model = AutoModelForCausalLM.from_config(config)
+    return model, _offloaded(model, tile_tokens), config
+
+
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
 @pytest.mark.parametrize("tile_tokens", [5, 4096])
 def test_offloaded_tiled_blocks_give_the_plain_models_loss_and_gradients(model_type, tile_tokens):
     """Every family: the same loss and every parameter's gradient, with the MLP in several
     slices (5 tokens: 24 rows in 5) and in one; for families whose MLP output feeds a norm
     (Gemma, OLMo 2) the recompute must compute it, for the others it may skip it."""
-    torch.manual_seed(0)
-    config = family_config(model_type)
-    plain = AutoModelForCausalLM.from_config(config).float()
-    offloaded = AutoModelForCausalLM.from_config(config).float()
-    offloaded.load_state_dict(plain.state_dict())
+    plain, offloaded, config = _twins(model_type)
     names = [n for n, _ in offloaded.named_parameters()]
-    offload_blocks(decoder_blocks(offloaded), torch.device("cpu"), tile_tokens=tile_tokens,
-                   output_unread=family_of(config).mlp_output_unread)
+    _offloaded(offloaded, tile_tokens, family_of(config).mlp_output_unread)
     assert [n for n, _ in offloaded.named_parameters()] == names  # checkpoints see the same
     ids = torch.randint(0, config.vocab_size, (2, 12))
     loss, grads = _grads(plain, ids)
@@ -52,13 +69,8 @@ def test_a_family_whose_mlp_output_feeds_a_norm_may_not_skip_it():
 
 def test_skipping_the_mlp_where_a_norm_reads_it_would_change_the_gradients():
     """The test above can fail: Gemma 2 told its MLP output is unread gets other gradients."""
-    torch.manual_seed(0)
-    config = family_config("gemma2")
-    plain = AutoModelForCausalLM.from_config(config).float()
-    wrong = AutoModelForCausalLM.from_config(config).float()
-    wrong.load_state_dict(plain.state_dict())
-    offload_blocks(decoder_blocks(wrong), torch.device("cpu"), tile_tokens=5,
-                   output_unread=True)
+    plain, wrong, config = _twins("gemma2")
+    _offloaded(wrong, tile_tokens=5, output_unread=True)
     ids = torch.randint(0, config.vocab_size, (2, 12))
     _, grads = _grads(plain, ids)
     _, wrong_grads = _grads(wrong, ids)
@@ -67,20 +79,14 @@ def test_skipping_the_mlp_where_a_norm_reads_it_would_change_the_gradients():
 
 
 def test_evaluation_without_gradients_stores_nothing():
-    config = family_config("llama")
-    model = AutoModelForCausalLM.from_config(config)
-    offloader = offload_blocks(decoder_blocks(model), torch.device("cpu"), tile_tokens=4,
-                               output_unread=True)
+    model, offloader, config = _llama_offloaded(4)
     with torch.no_grad():
         model(input_ids=torch.randint(0, config.vocab_size, (1, 8)))
     assert offloader.live == [] and offloader.buffers.free == []
 
 
 def test_each_step_reuses_the_host_buffers_of_the_last():
-    config = family_config("llama")
-    model = AutoModelForCausalLM.from_config(config)
-    offloader = offload_blocks(decoder_blocks(model), torch.device("cpu"), tile_tokens=4,
-                               output_unread=True)
+    model, offloader, config = _llama_offloaded(4)
     ids = torch.randint(0, config.vocab_size, (1, 8))
     for _ in range(3):
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
@@ -91,13 +97,8 @@ def test_each_step_reuses_the_host_buffers_of_the_last():
 
 def test_two_forwards_before_one_backward_keep_their_inputs_apart():
     """DPO's chosen and rejected halves, or any two forwards: each block input has a buffer."""
-    torch.manual_seed(0)
-    config = family_config("llama")
-    plain = AutoModelForCausalLM.from_config(config).float()
-    offloaded = AutoModelForCausalLM.from_config(config).float()
-    offloaded.load_state_dict(plain.state_dict())
-    offload_blocks(decoder_blocks(offloaded), torch.device("cpu"), tile_tokens=3,
-                   output_unread=True)
+    plain, offloaded, config = _twins("llama")
+    _offloaded(offloaded, tile_tokens=3)
     a, b = (torch.randint(0, config.vocab_size, (1, 10)) for _ in range(2))
     grads = []
     for model in (plain, offloaded):
@@ -136,9 +137,7 @@ def test_mlp_tiles_is_the_ceiling_of_tokens_over_the_tile(tokens, tiles):
 
 
 def test_an_offloaded_block_refuses_a_kv_cache():
-    config = family_config("llama")
-    model = AutoModelForCausalLM.from_config(config)
-    offload_blocks(decoder_blocks(model), torch.device("cpu"), tile_tokens=4, output_unread=True)
+    model, _, config = _llama_offloaded(4)
     ids = torch.randint(0, config.vocab_size, (1, 8))
     with pytest.raises(ValueError, match="use_cache=False"):
         model(input_ids=ids, labels=ids, use_cache=True)
@@ -163,9 +162,7 @@ def test_a_seq_len_beyond_the_models_positions_stretches_its_rope_linearly():
 def test_the_mlp_runs_in_slices_in_every_pass_never_whole():
     """The checkpoint's forward runs without gradients: its MLP must be sliced too (at 400k
     tokens a whole 8B MLP tensor is 10.7 GiB; an H100 ran out of memory on it)."""
-    config = family_config("llama")
-    model = AutoModelForCausalLM.from_config(config)
-    offload_blocks(decoder_blocks(model), torch.device("cpu"), tile_tokens=5, output_unread=True)
+    model, _, config = _llama_offloaded(5)
     widest = []
     for block in decoder_blocks(model):
         tiles = block.mlp.forward
@@ -179,10 +176,7 @@ def test_the_mlp_runs_in_slices_in_every_pass_never_whole():
 
 
 def test_a_forward_whose_backward_never_comes_gives_its_buffers_back():
-    config = family_config("llama")
-    model = AutoModelForCausalLM.from_config(config)
-    offloader = offload_blocks(decoder_blocks(model), torch.device("cpu"), tile_tokens=4,
-                               output_unread=True)
+    model, offloader, config = _llama_offloaded(4)
     ids = torch.randint(0, config.vocab_size, (1, 8))
     loss = model(input_ids=ids, labels=ids, use_cache=False).loss
     assert len(offloader.live) == 2 and offloader.buffers.free == []
