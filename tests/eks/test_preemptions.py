@@ -14,8 +14,7 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from finetune.targets.eks.launchers import pytorchjob_restarts, trainjob_restarts
 from finetune_contract.run_history import HISTORY_FILE
-from tests.support.deferral import run_deferred
-from tests.support.eks import TrainingOperator, eks_config, jobs_of_run, target, train_operator
+from tests.support.eks import eks_config, jobs_of_run, target, train_beside
 from tests.support.kube import add_nodes
 
 # Whole training rounds played by the test as the operator would, each restart shown for a
@@ -48,11 +47,8 @@ def test_a_preempted_job_is_retried_and_the_same_job_goes_on_with_the_preemption
         nodegroup, cluster, s3, task_log):
     cfg = s3_run(s3, nodes=2, max_preemptions=2)
     add_nodes(cluster, 2)
-    operator = TrainingOperator(cluster, cfg, preemptions=1, on_preempted=recorder(s3, cfg),
-                                hold_s=1.0)
-    operator.start()
-    trained, events = run_deferred(train_operator(cfg))
-    operator.join(5)
+    trained, events = train_beside(cluster, cfg, preemptions=1,
+                                   on_preempted=recorder(s3, cfg), hold_s=1.0)
     assert trained["preemptions"] == 1 and trained["adopted"] is False
     (job,) = jobs_of_run(cluster, cfg)  # the same job, not a new one
     assert job["metadata"]["name"] == trained["job"]
@@ -66,12 +62,9 @@ def test_a_run_preempted_more_than_max_preemptions_fails_naming_it_and_teardown_
     cfg, t = s3_run(s3, nodes=2, max_preemptions=1), target()
     snap = t.snapshot(cfg)
     add_nodes(cluster, 2)
-    operator = TrainingOperator(cluster, cfg, preemptions=2, on_preempted=recorder(s3, cfg),
-                                outcome="Running", hold_s=1.0)
-    operator.start()
     with pytest.raises(AirflowFailException) as err:
-        run_deferred(train_operator(cfg))
-    operator.join(5)
+        train_beside(cluster, cfg, preemptions=2, on_preempted=recorder(s3, cfg),
+                     outcome="Running", hold_s=1.0)
     assert "was preempted 2 times, more than max_preemptions 1" in str(err.value)
     assert jobs_of_run(cluster, cfg)  # the job stays for teardown, which deletes it
     t.teardown(cfg, snap)
@@ -88,11 +81,8 @@ def test_restarts_no_notice_explains_count_against_max_restarts(nodegroup, clust
         {"event": "start", "time": 1.0, "nodes": 2}) + "\n")
     add_nodes(cluster, 2)
     # each restart shown long enough for the stage's looks to see it on a busy machine
-    operator = TrainingOperator(cluster, cfg, preemptions=2, outcome="Running", hold_s=1.0)
-    operator.start()
     with pytest.raises(AirflowFailException) as err:
-        run_deferred(train_operator(cfg))
-    operator.join(5)
+        train_beside(cluster, cfg, preemptions=2, outcome="Running", hold_s=1.0)
     assert "was restarted 2 times without a notice's step saved" in str(err.value)
     assert "more than max_restarts 1" in str(err.value)
 
@@ -102,11 +92,8 @@ def test_without_a_readable_history_the_jobs_restarts_are_counted(nodegroup, clu
     cfg = eks_config(nodes=2, max_preemptions=1, output_dir="/fsx/runs",
                      run_dir="/fsx/runs/manual", volumes="fsx:/fsx")
     add_nodes(cluster, 2)
-    operator = TrainingOperator(cluster, cfg, preemptions=2, outcome="Running", hold_s=1.0)
-    operator.start()
     with pytest.raises(AirflowFailException) as err:
-        run_deferred(train_operator(cfg))
-    operator.join(5)
+        train_beside(cluster, cfg, preemptions=2, outcome="Running", hold_s=1.0)
     assert "was preempted 2 times, more than max_preemptions 1 (counted from the restarts " \
         "of PyTorchJob" in str(err.value)
 
@@ -115,10 +102,7 @@ def test_an_elastic_run_goes_on_with_min_nodes_while_a_lost_nodes_pod_waits(
         nodegroup, cluster, task_log):
     cfg = eks_config(nodes=3, min_nodes=2, max_restarts=1, schedule_timeout_s=600)
     add_nodes(cluster, 2)
-    operator = TrainingOperator(cluster, cfg, lost_workers=1)
-    operator.start()
-    trained, _ = run_deferred(train_operator(cfg))
-    operator.join(5)
+    trained, _ = train_beside(cluster, cfg, lost_workers=1)
     assert trained["job"]
     assert any("the training goes on with 2 of 3 nodes (min_nodes 2)" in line
                for line in task_log)
@@ -127,11 +111,8 @@ def test_an_elastic_run_goes_on_with_min_nodes_while_a_lost_nodes_pod_waits(
 def test_an_elastic_run_below_min_nodes_fails_naming_the_schedulers_reason(nodegroup, cluster):
     cfg = eks_config(nodes=3, min_nodes=2, max_restarts=1, schedule_timeout_s=600)
     add_nodes(cluster, 1)
-    operator = TrainingOperator(cluster, cfg, lost_workers=2, outcome="Running")
-    operator.start()
     with pytest.raises(RuntimeError) as err:
-        run_deferred(train_operator(cfg))
-    operator.join(5)
+        train_beside(cluster, cfg, lost_workers=2, outcome="Running")
     assert "2 pod(s)" in str(err.value) and "Insufficient nvidia.com/gpu" in str(err.value)
 
 

@@ -197,6 +197,19 @@ def train_operator(cfg: Any) -> StageOperator:
     return stage_operator("train", cfg, image=IMAGE, rendezvous=RDZV)
 
 
+def train_beside(cluster: Any, cfg: Any, **operator: Any) -> Any:
+    """The train stage run to its end (run_deferred's result) while a TrainingOperator with
+    `operator`'s settings plays the cluster's side."""
+    from tests.support.deferral import run_deferred
+
+    played = TrainingOperator(cluster, cfg, **operator)
+    played.start()
+    try:
+        return run_deferred(train_operator(cfg))
+    finally:
+        played.join(5)
+
+
 def set_condition(cluster: Any, name: str, condition: str) -> None:
     kubernetes.client.CustomObjectsApi(cluster.api()).patch_namespaced_custom_object_status(
         PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, NS, PYTORCHJOB_PLURAL, name,
