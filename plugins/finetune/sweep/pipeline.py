@@ -1,15 +1,7 @@
 """The sweep's task graph (the llm_finetune_sweep DAG): the single run's stages, with Airflow's
 dynamic task mapping over the parts that differ per trial; `SWEEP_DOC` says what its tasks do
-(the DAG's doc_md), in the pipeline's own words where a task is the pipeline's.
-
-```
-validate_sweep -> prepare_groups -> prepare_data [one per group] -> trials -> snapshot (setup)
-  -> scale_up -> build_image -> preflight
-  -> trial [mapped task group, a trial each]: wait_for_slot -> train -> collect_metrics
-  -> choose_winner -> evaluate -> collect_metrics -> promote -> sweep_report
-find_champion -> evaluate, promote
-teardown (whenever the setup ran: every trial released, the nodes given back once)
-```
+(the DAG's doc_md: the graph drawn once there), in the pipeline's own words where a task is
+the pipeline's.
 
 Trials run `sweep_parallel` at a time on the nodes scale_up brought up for that many: trial N
 waits for trial N - sweep_parallel's train to end (finetune.sweep's lanes; Airflow's own
