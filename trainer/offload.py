@@ -90,9 +90,10 @@ class HostBuffers:
 class _Stored:
     """One offloaded input: its CPU copy, the event its copy out recorded, its fetch if started."""
 
-    def __init__(self, cpu: torch.Tensor, shape: torch.Size, dtype: torch.dtype,
-                 copied: Any):
-        self.cpu, self.shape, self.dtype, self.copied = cpu, shape, dtype, copied
+    def __init__(self, buffer: torch.Tensor, cpu: torch.Tensor, shape: torch.Size,
+                 dtype: torch.dtype, copied: Any):
+        self.buffer, self.cpu, self.shape, self.dtype = buffer, cpu, shape, dtype
+        self.copied = copied
         self.fetched: torch.Tensor | None = None
         self.arrived: Any = None
 
@@ -126,8 +127,7 @@ class HostOffloader:
             tensor.record_stream(self.out_stream)
         else:
             cpu.copy_(tensor)
-        stored = _Stored(cpu, tensor.shape, tensor.dtype, copied)
-        stored.buffer = buffer  # type: ignore[attr-defined]
+        stored = _Stored(buffer, cpu, tensor.shape, tensor.dtype, copied)
         self.live.append(stored)
         return stored
 
@@ -148,7 +148,7 @@ class HostOffloader:
         """A stored input whose backward will never come: its buffer back, if still held."""
         if any(entry is stored for entry in self.live):
             self.live.remove(stored)
-            self.buffers.give_back(stored.buffer)  # type: ignore[attr-defined]
+            self.buffers.give_back(stored.buffer)
 
     def fetch(self, stored: _Stored) -> torch.Tensor:
         """The input on the GPU again; starts fetching the input stored before it."""
@@ -165,7 +165,7 @@ class HostOffloader:
             gpu.record_stream(current)
         # Its buffer is written next only by a copy out that waits for the compute stream,
         # which has waited for this copy in.
-        self.buffers.give_back(stored.buffer)  # type: ignore[attr-defined]
+        self.buffers.give_back(stored.buffer)
         stored.fetched = None
         return gpu
 

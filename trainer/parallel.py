@@ -165,6 +165,8 @@ def host_memory_problems(config: TrainConfig, env: DistEnv,
                          model_config: PretrainedConfig) -> list[tuple[str, str]]:
     """Offloaded block inputs (trainer/offload.py) that this machine's free memory cannot hold,
     for all its processes: the local target's counterpart of validate's node-memory rule."""
+    if not offloads_blocks(config):
+        return []
     shape = planner_config(config.model, model_config)
     per_process = host_offload_bytes(config, shape) if shape is not None else 0
     if not per_process:
