@@ -146,6 +146,12 @@ ROWS: tuple[Row, ...] = (
     Row("llama-8b", _mb(1, seq_len=131072, activation_checkpointing=_AC, activation_offload=True,
                         lora_rank=16, quantize_base="nf4"), 2_672, 0.639, 24.47,
         f"{LONG} --seq-len 131072 --steps 1 --warmup 1", "2026-12-06", gpu=H100),
+    # The third point, after the MLP tiled in every pass (docs/notes/2026-12-06-h100-400k.log):
+    # bench/long_context.sh longest (SEQ=400000), one step, 05:53-06:00 UTC.
+    Row("llama-8b", _mb(1, seq_len=400_000, activation_checkpointing=_AC, activation_offload=True,
+                        lora_rank=16, quantize_base="nf4"), 969.2, 0.646, 51.92,
+        f"{LONG.replace(' --peers unsloth', '')} --seq-len 400000 --steps 1 --warmup 0 --peers ''",
+        "2026-12-06", gpu=H100),
 )
 
 # Each family's saved activations (families.Family.activation_extra), one device call on one
