@@ -117,6 +117,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help=argparse.SUPPRESS)
     parser.add_argument("--profile", action="store_true", help="print a profile of our steps")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--tokens", choices=["random", "demo"], default="random",
+                        help="demo: the demo instructions, and every step's loss in the line")
     args = parser.parse_args(argv)
     args.models = [SHORT_NAMES.get(m, m) for m in args.models.split(",") if m]
     unknown = [m for m in args.models
@@ -140,11 +142,32 @@ def is_config_dir(name: str) -> bool:
     return (Path(name) / "config.json").is_file()
 
 
-def random_batches(vocab: int, args: argparse.Namespace, device: torch.device) -> torch.Tensor:
-    """(warmup + steps, grad_accum, micro_batch, seq_len) token ids, the same for both trainers."""
+def bench_batches(vocab: int, args: argparse.Namespace, device: torch.device) -> torch.Tensor:
+    """(warmup + steps, grad_accum, micro_batch, seq_len) token ids, the same for every trainer:
+    random (`--tokens random`), or the demo instructions (`--tokens demo`: trainer/demo's rows
+    tokenized by its tokenizer, shuffled by the seed, packed end to end and repeated as needed),
+    for a loss that learns something (float8 against bf16)."""
     generator = torch.Generator().manual_seed(args.seed)
     shape = (args.warmup + args.steps, args.grad_accum, args.micro_batch, args.seq_len)
-    return torch.randint(0, vocab, shape, generator=generator).to(device)
+    if args.tokens == "random":
+        return torch.randint(0, vocab, shape, generator=generator).to(device)
+    from tokenizers import Tokenizer
+
+    from trainer.demo import DEMO_DATASET, DEMO_TOKENIZER
+
+    tokenizer = Tokenizer.from_file(str(DEMO_TOKENIZER / "tokenizer.json"))
+    rows = [json.loads(line) for line in DEMO_DATASET.read_text().splitlines() if line]
+    order = torch.randperm(len(rows), generator=generator).tolist()
+    ids: list[int] = []
+    for encoding in tokenizer.encode_batch(
+            [f"{rows[i]['prompt']}\n{rows[i]['response']}" for i in order]):
+        ids.extend(encoding.ids)
+    if tokenizer.get_vocab_size() > vocab:
+        raise ValueError(f"--tokens demo: the demo tokenizer's {tokenizer.get_vocab_size()} ids "
+                         f"exceed the model's vocabulary of {vocab}")
+    needed = torch.Size(shape).numel()
+    stream = torch.tensor(ids).repeat(-(-needed // len(ids)))[:needed]
+    return stream.view(shape).to(device)
 
 
 def synchronize(device: torch.device) -> None:
@@ -200,6 +223,7 @@ def result(
         "peak_memory_gib": _rounded(peak_memory_gib(device)),
         "loss_first": _rounded(losses[0]),
         "loss_last": _rounded(losses[-1]),
+        **({"losses": [_rounded(loss) for loss in losses]} if args.tokens == "demo" else {}),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
     }
@@ -278,7 +302,7 @@ def run_trainer(
     add_loss_method(model)
     optimizer = build_optimizer(model, config, env.device)
     loss_sum: Callable[..., torch.Tensor] = getattr(model, LOSS_METHOD)
-    batches = random_batches(model_config.vocab_size, args, env.device)
+    batches = bench_batches(model_config.vocab_size, args, env.device)
     labelled = args.grad_accum * args.micro_batch * (args.seq_len - 1)
 
     def step(micro_batches: torch.Tensor) -> float:
@@ -355,7 +379,7 @@ def run_hf_trainer(
                                                                 release_memory)
     else:
         model, adapter_params, base_dir = hf_model(model_config, args, device)
-    batches = random_batches(model_config.vocab_size, args, torch.device("cpu"))
+    batches = bench_batches(model_config.vocab_size, args, torch.device("cpu"))
     rows = [{"input_ids": ids, "labels": ids} for ids in batches.flatten(0, 2)]
     step_times: list[float] = []
     losses: list[float] = []
@@ -440,7 +464,7 @@ def run_titan(
     if options["params"] != ours_params:  # the same shape, or the comparison means nothing
         raise ValueError(f"torchtitan's {options['model']} has {options['params']} parameters, "
                          f"{name} {ours_params}")
-    batches = random_batches(model_config.vocab_size, args, device)
+    batches = bench_batches(model_config.vocab_size, args, device)
     step_times, losses = [], []
     for micro_batches in batches:
         synchronize(device)
