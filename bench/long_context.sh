@@ -3,7 +3,9 @@
 # (and LoRA) with every block's input in CPU memory (ours: --ac full --activation-offload;
 # Unsloth: its offloaded gradient checkpointing), then ours alone at the longest sequence.
 # Unsloth runs from its own site directory, first on its child's path (bench/unsloth.py).
-# Usage: bench/long_context.sh OUT_DIR PART   (PART: peers | longest)
+# Usage: bench/long_context.sh OUT_DIR PART   (PART: peers | longest | short)
+# short: the least memory at seq 4096 (micro-batch 2), QLoRA and LoRA, ours offloaded beside
+# Unsloth's offloaded checkpointing.
 set -u
 out=$1
 part=$2
@@ -18,5 +20,9 @@ peers)
     ;;
 longest)
     run --seq-len "${SEQ:-400000}" --quantize-base nf4 --activation-offload --peers "" --steps "${STEPS:-1}" --warmup 0
+    ;;
+short)
+    run --seq-len 4096 --micro-batch 2 --quantize-base nf4 --activation-offload --peers unsloth --steps 5 --warmup 2
+    run --seq-len 4096 --micro-batch 2 --activation-offload --peers unsloth --steps 5 --warmup 2
     ;;
 esac

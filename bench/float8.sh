@@ -1,0 +1,28 @@
+#!/bin/bash
+# float8 on one GPU (docs/trainer.md "float8"): its loss against bf16 on the demo data, and its
+# tokens/s beside torchtitan's own float8 (same recipe).
+# Usage: bench/float8.sh OUT_DIR PART   (PART: loss | titan)
+# loss: 1B, seq 4096, 200 steps on the demo instructions (bench.train --tokens demo): bf16, float8
+#   tensorwise and rowwise from the same seed, and bf16 from another seed (the run-to-run noise).
+# titan: 3B micro-batch 4, ours and torchtitan 0.2.2 with float8, tensorwise then rowwise.
+set -u
+out=$1
+part=$2
+run() {  # one bench run, its JSON lines appended to $out/float8.jsonl
+    echo "# python -m bench.train $*" | tee -a "$out/float8.jsonl"
+    python -m bench.train --compile "$@" 2>"$out/stderr-$(date +%s%N).txt" | tee -a "$out/float8.jsonl"
+}
+case $part in
+loss)
+    common=(--models 1b --micro-batch 1 --seq-len 4096 --tokens demo --steps 200 --warmup 2 --no-hf)
+    run "${common[@]}"
+    run "${common[@]}" --float8 --float8-recipe tensorwise
+    run "${common[@]}" --float8 --float8-recipe rowwise
+    run "${common[@]}" --seed 4321
+    ;;
+titan)
+    for recipe in tensorwise rowwise; do
+        run --models 3b --micro-batch 4 --float8 --float8-recipe "$recipe" --peers titan --steps 10 --warmup 3
+    done
+    ;;
+esac
