@@ -62,3 +62,9 @@ def test_an_unknown_peer_is_refused_naming_the_known_ones(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--peers", "megatron"])
     assert "titan" in capsys.readouterr().err
+
+
+def test_no_hf_leaves_out_hugging_face_trainer_not_the_other_peers():
+    assert parse_args(["--no-hf"]).peers == []
+    assert parse_args(["--peers", "titan", "--no-hf"]).peers == ["titan"]
+    assert parse_args(["--peers", "hf,titan", "--no-hf"]).peers == ["titan"]
