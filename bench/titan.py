@@ -14,18 +14,32 @@ torchtitan's llama3 never ties the output head to the embedding; the 1B and 3B s
 3.2) tie it, so the adapter ties the embedding to the head after torchtitan's init, and the
 parameter count is checked equal to ours.
 
+With `--float8` it is torchtitan's own float8, as its Trainer applies it: the model converter
+`quantize.linear.float8` (`build_model_converters(job, parallel_dims).convert(model)` on the meta
+model, before `parallelize_llama`) and the converters' `post_optimizer_hook` after each optimizer
+step (its precomputed scales for FSDP's float8 all-gather: off on one GPU, as ours). The recipe
+is ours (`--float8-recipe`): tensorwise is its default path (no `recipe_name`; the all-gather
+and precompute flags its docs advise, inactive without FSDP), rowwise its `recipe_name`
+"rowwise" (which also sets inductor's `emulate_precision_casts`). `filter_fqns = ["output"]`
+keeps the head in bf16, as ours does; torchao's 16-divisibility filter is its own. The run
+checks that it converted what ours converts, the 7 Linears of each block and nothing else, and
+that torchao's Float8LinearConfig is the one ours builds for that recipe on one GPU.
+
 Only the pure parts (which shape, which checkpointing, what it refuses) run without torchtitan
-installed; `titan_step_runner` imports it.
+installed; `titan_step_runner` and `titan_float8` import it.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import tempfile
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from trainer.float8 import emulated, float8_config
 
 # The bench's built-in Llama shapes as torchtitan's TransformerModelArgs (its FFN width rule:
 # multiple_of rounding of 2/3 * 4 * dim * ffn_dim_multiplier gives Llama's 8192, 8192 and 14336),
@@ -39,6 +53,10 @@ TITAN_SHAPES = {
                       multiple_of=1024, rope_theta=500000), False),
 }
 IGNORE_INDEX = -100  # torchtitan's, and Hugging Face's
+# torchtitan's float8 model converter (its `model.converters` name), and the Linears of a
+# llama3 TransformerBlock: attention wq, wk, wv, wo and feed_forward w1, w2, w3.
+TITAN_FLOAT8 = "quantize.linear.float8"
+BLOCK_LINEARS = 7
 
 
 def titan_problem(name: str, args: argparse.Namespace) -> str | None:
@@ -47,10 +65,10 @@ def titan_problem(name: str, args: argparse.Namespace) -> str | None:
         return f"the torchtitan peer runs the Llama shapes {', '.join(TITAN_SHAPES)}, not {name}"
     unsupported = [flag for flag, on in (
         ("--lora-rank", args.lora_rank), ("--quantize-base", args.quantize_base != "none"),
-        ("--float8", args.float8), ("--tp-degree", args.tp_degree > 1)) if on]
+        ("--tp-degree", args.tp_degree > 1)) if on]
     if unsupported:
-        return (f"the torchtitan peer compares full bf16 fine-tuning only; "
-                f"{', '.join(unsupported)} not supported")
+        return (f"the torchtitan peer compares full fine-tuning (bf16, or float8 blocks) on one "
+                f"GPU only; {', '.join(unsupported)} not supported")
     return None
 
 
@@ -60,6 +78,64 @@ def titan_labels(input_ids: torch.Tensor) -> torch.Tensor:
     labels = torch.full_like(input_ids, IGNORE_INDEX)
     labels[:, :-1] = input_ids[:, 1:]
     return labels
+
+
+def titan_float8_settings(job: Any, recipe: str) -> None:
+    """torchtitan's float8 settings (its job config's `model.converters` and
+    `quantize.linear.float8`) for our `recipe`, the head left out as ours leaves it."""
+    job.model.converters = [TITAN_FLOAT8]
+    settings = job.quantize.linear.float8
+    settings.filter_fqns = ["output"]  # substring match: no block Linear's name holds it
+    settings.emulate = emulated()  # tests only (TRAINER_FLOAT8_EMULATE), as ours
+    if recipe == "rowwise":
+        settings.recipe_name = "rowwise"
+    else:  # its tensorwise path; both flags take effect only under FSDP (dp_shard > 1)
+        settings.recipe_name = None
+        settings.enable_fsdp_float8_all_gather = True
+        settings.precompute_float8_dynamic_scale_for_fsdp = True
+
+
+def titan_float8(
+    model: torch.nn.Module, job: Any, parallel_dims: Any, recipe: str
+) -> tuple[Any, dict[str, Any]]:
+    """torchtitan's float8 converter applied to its (meta) llama3 `model` as its Trainer applies
+    it; the converters (for their post_optimizer_hook) and what ran, for the options. Raises
+    unless it converted exactly the block Linears (what ours converts) with ours' torchao
+    config for `recipe`."""
+    from torchtitan.protocols.model_converter import build_model_converters
+
+    titan_float8_settings(job, recipe)
+    converters = build_model_converters(job, parallel_dims)
+    converters.convert(model)
+    converted = [fqn for fqn, module in model.named_modules()
+                 if type(module).__name__ == "Float8Linear"]
+    expected = BLOCK_LINEARS * len(model.layers)
+    outside = [fqn for fqn in converted if not fqn.startswith("layers.")]
+    if len(converted) != expected or outside:
+        raise ValueError(f"torchtitan's float8 converted {len(converted)} Linears "
+                         f"({', '.join(outside) or 'all in the blocks'} outside the blocks); "
+                         f"ours converts the {expected} block Linears only")
+    (converter,) = converters.converters
+    ours = float8_config(recipe, sharded=False)  # one GPU: ours does not shard either
+    if dataclasses.replace(converter.config, emulate=False) != dataclasses.replace(
+            ours, emulate=False):
+        raise ValueError(f"torchtitan's float8 config for {recipe} is not ours: "
+                         f"{converter.config} != {ours}")
+    settings = job.quantize.linear.float8
+    options = {
+        "float8_converter": f"{TITAN_FLOAT8} (build_model_converters, before parallelize_llama)",
+        "float8_recipe_name": settings.recipe_name,  # None: its tensorwise path
+        "float8_filter_fqns": list(settings.filter_fqns),
+        "float8_linears": len(converted),
+        "float8_converted": f"block Linears (attention wq wk wv wo, feed_forward w1 w2 w3) x "
+                            f"{len(model.layers)} blocks; tok_embeddings and output not float8",
+        "float8_same_linears_as_ours": True,  # checked above: 7 a block, none outside
+        "float8_config_as_ours": True,  # checked above: torchao's Float8LinearConfig equal
+        "float8_fsdp_all_gather": converter.config.enable_fsdp_float8_all_gather,
+        "float8_post_optimizer_hook": "precompute scales" if converter.precompute_scale
+        else "no-op (no FSDP float8 all-gather)",
+    }
+    return converters, options
 
 
 def titan_step_runner(
@@ -103,6 +179,9 @@ def titan_step_runner(
                                  world_size=1)
     with torch.device("meta"):
         model = Transformer(model_args)  # fp32 parameters: the masters
+    # Its Trainer converts the meta model before parallelizing it (checkpointing, compile).
+    converters, float8_options = (titan_float8(model, job, parallel_dims, args.float8_recipe)
+                                  if args.float8 else (None, {}))
     with tempfile.TemporaryDirectory() as dump_folder:
         job.job.dump_folder = dump_folder
         model = parallelize_llama(model, parallel_dims, job)
@@ -114,6 +193,10 @@ def titan_step_runner(
     model.train()
     loss_fn = build_cross_entropy_loss(job)
     optimizers = build_optimizers([model], job.optimizer, parallel_dims)
+    if converters is not None:  # as its Trainer: the converters' hook after each optimizer step
+        model_parts = [model]
+        optimizers.register_step_post_hook(
+            lambda *_args, **_kwargs: converters.post_optimizer_hook(model_parts))
     amp = dist_utils.maybe_enable_amp(parallel_dims, job.training.mixed_precision_param,
                                       device.type)
     params = list(model.parameters())
@@ -142,6 +225,9 @@ def titan_step_runner(
         "mixed_precision": "bf16 autocast (maybe_enable_amp), fp32 weights",
         "ac": job.activation_checkpoint.mode,
         "compile": "per TransformerBlock + loss" if args.compile else False,
+        "float8": args.float8,
+        "float8_recipe": args.float8_recipe if args.float8 else None,
+        **float8_options,
         "loss": "cross_entropy_loss (sum / valid tokens)",
         "optimizer": "AdamW fused",
         "params": sum(p.numel() for p in params),

@@ -3,6 +3,7 @@
 python -m bench.train --models 1b,3b --micro-batch 4 --compile
 python -m bench.train --models 8b --micro-batch 2 --compile --ac full --strategy FULL_SHARD
 python -m bench.train --models 3b --micro-batch 4 --compile --float8 --no-hf   # H100/H200
+python -m bench.train --models 3b --micro-batch 4 --compile --float8 --peers titan --no-hf
 torchrun --nproc-per-node 8 -m bench.train --models 8b --no-hf --strategy HYBRID_SHARD ...
 
 Under torchrun (several GPUs) only this trainer runs; tokens/s, TFLOPs and MFU are per GPU and
@@ -109,7 +110,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--attention-check", action="store_true",
                         help="first: fa4's kernels against cuDNN's (error, TFLOP/s) at the "
                         "models' head shapes")
-    parser.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
+                        help="--no-hf: no Hugging Face Trainer (the other --peers still run)")
     parser.add_argument("--peers", default="hf",
                         help="comma-separated: hf (Trainer), liger (Trainer + Liger kernels), "
                         "titan (torchtitan), unsloth (LoRA and QLoRA: FastLanguageModel)")
@@ -131,7 +133,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     bad = [a for a in args.attention if a not in ATTENTION]
     if bad:
         parser.error(f"unknown --attention {', '.join(bad)}; choose from {', '.join(ATTENTION)}")
-    args.peers = [p for p in args.peers.split(",") if p] if args.hf else []
+    args.peers = [p for p in args.peers.split(",") if p and (args.hf or p != "hf")]
     bad = [p for p in args.peers if p not in PEERS]
     if bad:
         parser.error(f"unknown --peers {', '.join(bad)}; choose from {', '.join(PEERS)}")
