@@ -26,6 +26,7 @@ from finetune_contract.families import attention_kernel, family_of
 from finetune_contract.models import BUILTIN_MODELS, extended_rope
 from trainer.attention import attn_implementation
 from trainer.lora import init_adapter_weights, is_adapter_param
+from trainer.master_weights import frozen_in_compute_dtype
 from trainer.qlora import defer_quantized, pending_shape, quantize_into
 
 
@@ -121,6 +122,7 @@ def materialize_weights(
     """
     if quantize_dtype is not None:
         defer_quantized(model)
+    frozen_in_compute_dtype(model)
     model.to_empty(device=device)
     model.tie_weights()  # to_empty gives an unsharded (non-DTensor) head its own new tensor
     if random_init or source in BUILTIN_MODELS:
@@ -192,7 +194,11 @@ def init_random_weights(
                 generator = torch.Generator(param.device).manual_seed(seed)
             fqn = f"{module_name}.{name}"
             shape = pending_shape(model, fqn)
-            full = torch.empty(shape or param.shape, dtype=param.dtype, device=param.device)
+            # drawn in fp32 whatever the parameter's dtype (a frozen base made in bf16): the
+            # same numbers, rounded once, as an fp32 master cast to its compute copy
+            dtype = torch.promote_types(param.dtype, torch.float32) \
+                if param.is_floating_point() else param.dtype
+            full = torch.empty(shape or param.shape, dtype=dtype, device=param.device)
             if name == "bias":
                 full.zero_()
             elif isinstance(module, torch.nn.Linear | torch.nn.Embedding):

@@ -325,13 +325,9 @@ def estimate(cfg: TrainConfig, *, world_size: int, local_world_size: int, hardwa
         masters = optimizer = grads = 0
     block_params = (counts["blocks"] - quantized) / layers
     embedding = counts["embedding"] + counts["lm_head"]
-    # One GPU without FSDP (trainer/master_weights.py): a frozen weight keeps its compute copy
-    # alone once the first step made it; its fp32 master is there only until then.
-    frozen_copies = (no_fsdp and bool(lora) and cfg.mixed_precision != "fp32"
-                     and not cfg.cpu_offload)
-    start = 0.0
-    if frozen_copies:
-        start = masters + compute_bytes * (params - quantized) + nf4
+    # One GPU without FSDP (trainer/master_weights.py): a frozen weight is made in the compute
+    # dtype and has no fp32 master at any time.
+    if no_fsdp and lora and cfg.mixed_precision != "fp32" and not cfg.cpu_offload:
         masters = 4 * trained
     if no_fsdp:
         sharded = 1
@@ -359,7 +355,7 @@ def estimate(cfg: TrainConfig, *, world_size: int, local_world_size: int, hardwa
     host = host_offload_bytes(cfg, config)
     if host:  # CPU memory, not in the GPU's peak
         parts["host_offload"] = host / GIB
-    peak = max(forward_end, backward_end, start) / GIB + OVERHEAD_GIB
+    peak = max(forward_end, backward_end) / GIB + OVERHEAD_GIB
     step, comm, exposed = _step_time(cfg, config, hardware, layout, no_fsdp, params, trained,
                                      lora, quantized)
     tokens_per_s = tokens * cfg.grad_accum / tp / step if step else None

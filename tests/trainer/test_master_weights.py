@@ -169,8 +169,8 @@ def test_an_optimizer_built_after_a_forward_without_backward_steps_every_weight(
 
 
 def test_a_frozen_base_keeps_only_its_compute_copy_and_trains_to_the_losses_of_fsdp(world_of_one):
-    """LoRA at one rank: the frozen weights hold their bf16 copies alone between steps (no fp32
-    master: 4 bytes a parameter saved), the adapters their fp32 masters; the same losses, grad
+    """LoRA at one rank: the frozen weights are bf16 alone (no fp32 master: 4 bytes a parameter
+    saved), the adapters fp32 masters; the same losses, grad
     norms and eval loss as FSDP's LoRA, which keeps fp32 shards of everything."""
     lora = {"lora_rank": 4, "lora_alpha": 8, "mixed_precision": "bf16"}
     plain = train(world_of_one, strategy="SHARD_GRAD_OP", **lora)
@@ -262,3 +262,18 @@ def test_offloaded_blocks_in_bf16_give_the_gradients_of_full_checkpointing(world
     for name, grad in grads[1].items():
         assert grads[0][name].dtype == torch.float32
         torch.testing.assert_close(grads[0][name], grad, rtol=1e-5, atol=1e-8, msg=name)
+
+
+def test_a_lora_runs_frozen_base_is_made_in_the_compute_dtype_and_never_held_in_fp32(world_of_one):
+    """The frozen weights are allocated in bf16 (no fp32 copy at any time, the first step's
+    included: 8B LoRA's start peak), the adapters as fp32 masters; the losses are those of FSDP's
+    (the test above)."""
+    model, _, _ = build(world_of_one, strategy="SHARD_GRAD_OP", mixed_precision="bf16",
+                        lora_rank=4)
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    trained = {p.dtype for p in model.parameters() if p.requires_grad}
+    assert ({p.dtype for p in frozen}, trained) == ({torch.bfloat16}, {torch.float32})
+    pointers = [p.data_ptr() for p in frozen]
+    train_step(model, batches(model.config.vocab_size, 2), world_of_one)
+    # the compute read the frozen weights where they were made: no copy was allocated
+    assert [p.data_ptr() for p in frozen] == pointers
