@@ -152,6 +152,15 @@ ROWS: tuple[Row, ...] = (
                         lora_rank=16, quantize_base="nf4"), 969.2, 0.646, 51.92,
         f"{LONG.replace(' --peers unsloth', '')} --seq-len 400000 --steps 1 --warmup 0 --peers ''",
         "2026-12-06", gpu=H100),
+    # At seq 4096, micro-batch 2 (bench/long_context.sh short; QLoRA 06:29 UTC, LoRA 06:31 UTC,
+    # after the frozen base was made in bf16: docs/notes/2026-12-06-h100-short-context.log).
+    Row("llama-8b", _mb(2, activation_checkpointing=_AC, activation_offload=True, lora_rank=16,
+                        quantize_base="nf4"), 9_569, 0.355, 10.06,
+        f"{LONG} --seq-len 4096 --micro-batch 2 --steps 5 --warmup 2", "2026-12-06", gpu=H100),
+    Row("llama-8b", _mb(2, activation_checkpointing=_AC, activation_offload=True, lora_rank=16),
+        9_905, 0.368, 19.71,
+        f"{LONG.replace(' --quantize-base nf4', '')} --seq-len 4096 --micro-batch 2 --steps 5 "
+        "--warmup 2", "2026-12-06", gpu=H100),
 )
 
 # Each family's saved activations (families.Family.activation_extra), one device call on one

@@ -24,7 +24,6 @@ from finetune_contract.fields import hub_id_problem
 from finetune_contract.instance_types import INSTANCE_TYPES, InstanceProfile
 from finetune_contract.models import model_config
 from finetune_contract.planner import (
-    MEMORY_ERROR,
     THROUGHPUT_ERROR,
     Estimate,
     Hardware,
@@ -182,8 +181,8 @@ def plan_text(cfg: RunConfig, plan: RunPlan) -> str:
         spot = notice_problems("spot", est.step_time_s, ckpt)
         lines.append("  a spot notice: " + ("the step in progress and its save fit it" if not spot
                                             else "DOES NOT FIT (" + spot[0][1] + ")"))
-    lines.append(f"  (a model calibrated on one H200: memory within {MEMORY_ERROR:.0%}, tokens/s "
-                 f"within {THROUGHPUT_ERROR:.0%} on the measured rows; "
+    lines.append(f"  (a model calibrated on measured H200 and H100 runs: memory within "
+                 f"{est.memory_error:.1%}, tokens/s within {THROUGHPUT_ERROR:.0%} on the rows; "
                  "docs/trainer.md \"Planning a run\")")
     return "\n".join(lines)
 

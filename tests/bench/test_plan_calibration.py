@@ -11,7 +11,13 @@ from bench.plan_calibration import BASE, FAMILY_ROWS, FAMILY_TOKENS_PER_S, RELEA
 from finetune.run_plan import hardware_of
 from finetune_contract.families import FAMILIES, attention_kernel
 from finetune_contract.instance_types import INSTANCE_TYPES
-from finetune_contract.planner import EAGER_SCORE_ROWS, MEMORY_ERROR, THROUGHPUT_ERROR, estimate
+from finetune_contract.planner import (
+    EAGER_SCORE_ROWS,
+    MEMORY_ERROR,
+    OFFLOAD_MEMORY_ERROR,
+    THROUGHPUT_ERROR,
+    estimate,
+)
 from finetune_contract.train_config import TrainConfig
 
 H200 = hardware_of(INSTANCE_TYPES["p5e.48xlarge"])
@@ -22,19 +28,24 @@ def _estimate_of(row):
                     hardware=H200)
 
 
-def _errors(measured: str, estimated: str) -> list[tuple[str, float]]:
+def _errors(measured: str, estimated: str, relative_to_stated: bool = False
+            ) -> list[tuple[str, float]]:
     out = []
     for row in ROWS:
-        est = getattr(_estimate_of(row), estimated)
+        estimate_ = _estimate_of(row)
+        error = abs(getattr(estimate_, estimated) - getattr(row, measured)) / getattr(row, measured)
         out.append((f"{row.model} {row.gpus} GPU {row.settings}",
-                    abs(est - getattr(row, measured)) / getattr(row, measured)))
+                    error / estimate_.memory_error if relative_to_stated else error))
     return out
 
 
 def test_estimated_peak_memory_is_within_the_stated_error_on_every_measured_row():
-    errors = _errors("peak_gib", "peak_gib")
+    """Each row within the error its estimate states (MEMORY_ERROR; offloaded blocks their
+    own, OFFLOAD_MEMORY_ERROR), which is the margin validate plans that run with."""
+    errors = _errors("peak_gib", "peak_gib", relative_to_stated=True)
     worst = max(errors, key=lambda e: e[1])
-    assert worst[1] <= MEMORY_ERROR, worst
+    assert worst[1] <= 1.0, worst
+    assert max(OFFLOAD_MEMORY_ERROR, MEMORY_ERROR) <= 0.10  # the issue's bound for any mode
 
 
 def test_estimated_tokens_per_s_is_within_the_stated_error_on_every_measured_row():
