@@ -19,8 +19,9 @@ BASE: dict[str, Any] = {"seq_len": 4096, "mixed_precision": "bf16", "compile": T
 # Every row was measured as `trainer.bench`, bench.train's name before it moved (2026-12-05).
 BENCH = "python -m bench.train --no-hf --compile"
 TORCHRUN = "torchrun --nproc-per-node {gpus} -m bench.train --no-hf --compile"
-# The machine every row so far was measured on (finetune_contract.instance_types: its H200 types
-# have its GPU; the 2- and 4-GPU hosts joined their GPUs by NVLink, NCCL_NVLS_ENABLE=0).
+# The machines the rows were measured on: the H200 (finetune_contract.instance_types: its H200
+# types have its GPU; the 2- and 4-GPU hosts joined their GPUs by NVLink, NCCL_NVLS_ENABLE=0),
+# and for the offloaded rows of 2026-12-06 an H100 (the planner's peak FLOPs are the same).
 H200 = "NVIDIA H200"
 H100 = "NVIDIA H100 80GB HBM3"
 LONG = ("python -m bench.train --models 8b --micro-batch 1 --lora-rank 16 --quantize-base nf4 "

@@ -163,7 +163,8 @@ class MasterWeights:
         masters = [p.data for p in self.params]
         stale = [i for i, p in enumerate(self.params) if p._version != self.versions[i]]
         for i in stale:
-            if self.copies[i] is None and masters[i].dtype == self.dtype:
+            if (self.copies[i] is None and masters[i].dtype == self.dtype
+                    and not self.params[i].requires_grad):
                 self.copies[i] = masters[i]  # a frozen weight made in the compute dtype
             elif self.copies[i] is None:
                 self.copies[i] = torch.empty_like(masters[i], dtype=self.dtype)

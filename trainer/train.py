@@ -248,10 +248,12 @@ class Trainer:
             batches = TrainBatches(splits.train, sampler, pad_id, pad_to)
         elif config.method == "dpo" and not config.lora_rank:  # LoRA: the adapters disabled
             reference = build_model(config.model, tokenizer, config.attention, config.seq_len)
+            # frozen before its weights exist: on one GPU they are made in the compute dtype,
+            # and it computes as the policy's copies do (master_weights.frozen_in_compute_dtype)
+            reference.requires_grad_(False)
             apply_parallelism(reference, config, env, mesh)
             materialize_weights(reference, config.model, config.seed, param_device,
                                 quantize_dtype(config))
-            reference.requires_grad_(False)
             add_loss_method(reference)
         optimizer = build_optimizer(model, config, env.device)
         scaler = build_grad_scaler(config.mixed_precision, env.device)

@@ -49,8 +49,9 @@ AUTO = "auto"
 # larger, and that, fit.
 MEMORY_ERROR = 0.025  # the 70B QLoRA row: 1 GiB over at 48.8 (2.0%)
 # Offloaded blocks (trainer/offload.py): five rows from 4k to 400k tokens, 4.7% the largest
-# (OFFLOAD_HIDDEN): a run in that mode is planned with this margin.
-OFFLOAD_MEMORY_ERROR = 0.05
+# (OFFLOAD_HIDDEN): a run in that mode is planned with this margin; past the longest measured
+# row it grows in proportion to the tokens (an extrapolation: 12.5% at 1,048,576 tokens).
+OFFLOAD_MEMORY_ERROR, OFFLOAD_MEASURED_TOKENS = 0.05, 400_000
 RESERVED_GIB = 1.5
 # QLoRA's NF4 (trainer/qlora.py): values per absmax scale, and scales per quantized scale (double
 # quantization): 4 bits a value, an 8-bit scale per block, an fp32 scale per block of scales.
@@ -376,7 +377,14 @@ def estimate(cfg: TrainConfig, *, world_size: int, local_world_size: int, hardwa
     return Estimate(round(peak, 2), {k: round(v, 2) for k, v in parts.items()}, step,
                     tokens_per_s, mfu, comm, exposed, hardware.gpu_memory_gib,
                     note="" if step else "no peak FLOPs for this device: no time estimate",
-                    memory_error=OFFLOAD_MEMORY_ERROR if offloads_blocks(cfg) else MEMORY_ERROR)
+                    memory_error=memory_error(cfg))
+
+
+def memory_error(cfg: TrainConfig) -> float:
+    """The stated error of the peak for `cfg`'s mode, the margin `Estimate.fits` plans with."""
+    if not offloads_blocks(cfg):
+        return MEMORY_ERROR
+    return OFFLOAD_MEMORY_ERROR * max(1.0, cfg.micro_batch * cfg.seq_len / OFFLOAD_MEASURED_TOKENS)
 
 
 def _step_time(cfg: TrainConfig, config: Any, hardware: Hardware, layout: ParallelDims,
@@ -560,8 +568,9 @@ def memory_problems(cfg: TrainConfig, *, world_size: int, local_world_size: int,
                    hardware=hardware, config=config)
     largest = max(est.parts_gib, key=lambda k: 0 if k in ("overhead", "host_offload")
                   else est.parts_gib[k])
-    message = (f"estimated peak {est.peak_gib:g} GiB per GPU exceeds the {hardware.name}'s "
-               f"{hardware.gpu_memory_gib:g} GiB (largest part: {largest} "
+    message = (f"estimated peak {est.peak_gib:g} GiB per GPU, with its stated error "
+               f"({est.memory_error:.1%}) and {RESERVED_GIB:g} GiB reserved, exceeds the "
+               f"{hardware.name}'s {hardware.gpu_memory_gib:g} GiB (largest part: {largest} "
                f"{est.parts_gib[largest]:g} GiB); change micro_batch, grad_accum, "
                "activation_checkpointing, activation_offload, strategy, cpu_offload or nodes")
     if found:

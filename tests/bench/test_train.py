@@ -69,9 +69,6 @@ def test_the_benchmark_runs_hugging_face_trainer_on_the_same_model_and_prints_th
     assert ratio["ours_over_peer_tokens_per_s"] == pytest.approx(expected, rel=1e-2)
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("accelerate") is None, reason="Hugging Face Trainer needs accelerate"
-)
 def test_on_demo_tokens_the_line_carries_every_steps_loss_and_the_loss_falls():
     (record,) = bench("--no-hf", "--tokens", "demo", "--steps", "12")
     losses = record.pop("losses")
@@ -81,6 +78,9 @@ def test_on_demo_tokens_the_line_carries_every_steps_loss_and_the_loss_falls():
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("accelerate") is None, reason="Hugging Face Trainer needs accelerate"
+)
 def test_with_gradient_accumulation_both_trainers_time_whole_optimizer_steps():
     ours, theirs, ratio = bench("--hf", "--grad-accum", "3")
     check_run(ours, "trainer", accum=3)

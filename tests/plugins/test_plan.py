@@ -13,6 +13,9 @@ from finetune.run_plan import hardware_of, model_config_of, plan_text, scaling_r
 from finetune.validate import validate_params
 from finetune_contract.instance_types import INSTANCE_TYPES
 from finetune_contract.planner import (
+    MEMORY_ERROR,
+    OFFLOAD_MEMORY_ERROR,
+    RESERVED_GIB,
     Hardware,
     estimate,
     resolve_checkpointing,
@@ -174,6 +177,34 @@ def test_an_8b_qlora_at_400k_tokens_fits_one_h200_only_with_its_block_inputs_off
                                activation_offload=True),
                    world_size=1, local_world_size=1, hardware=H200)
     assert est.fits and est.parts_gib["host_offload"] == pytest.approx(100.0)  # 32 x 3.1 GiB
+
+
+def test_an_offloaded_run_is_planned_with_its_modes_stated_error_growing_past_the_measured():
+    """Offloaded blocks state 5% up to the longest measured row (400k tokens) and in proportion
+    past it; a plan fits with that margin, and a refusal names it."""
+    def planned(seq_len: int, offload: bool = True):
+        cfg = TrainConfig(model="llama-8b", seq_len=seq_len, micro_batch=1, lora_rank=16,
+                          quantize_base="nf4", activation_checkpointing="full",
+                          activation_offload=offload)
+        return estimate(cfg, world_size=1, local_world_size=1, hardware=H200)
+
+    assert planned(4096, offload=False).memory_error == MEMORY_ERROR
+    assert planned(131_072).memory_error == planned(400_000).memory_error == OFFLOAD_MEMORY_ERROR
+    assert planned(800_000).memory_error == pytest.approx(2 * OFFLOAD_MEMORY_ERROR)
+    tight = planned(400_000)
+    hardware = Hardware(**{**H200.__dict__,
+                           "gpu_memory_gib": tight.peak_gib * 1.04 + RESERVED_GIB})
+    again = estimate(TrainConfig(model="llama-8b", seq_len=400_000, micro_batch=1,
+                                 lora_rank=16, quantize_base="nf4",
+                                 activation_checkpointing="full", activation_offload=True),
+                     world_size=1, local_world_size=1, hardware=hardware)
+    assert again.fits is False  # 4% over its peak fits MEMORY_ERROR's margin, not this mode's
+    conf = {**LONG_8B_QLORA, "instance_type": "p5.48xlarge", "seq_len": 786_432,
+            "activation_offload": True}
+    with pytest.raises(ConfigError) as err:
+        validate_params(conf, run_id="r")
+    (message,) = [m for _, m in err.value.errors if "estimated peak" in m]
+    assert "with its stated error (9.8%) and 1.5 GiB reserved, exceeds" in message
 
 
 def test_packed_rows_under_sdpa_count_their_quadratic_mask():
