@@ -158,15 +158,15 @@ def bench_batches(vocab: int, args: argparse.Namespace, device: torch.device) ->
     from trainer.demo import DEMO_DATASET, DEMO_TOKENIZER
 
     tokenizer = Tokenizer.from_file(str(DEMO_TOKENIZER / "tokenizer.json"))
+    if tokenizer.get_vocab_size() > vocab:
+        raise ValueError(f"--tokens demo: the demo tokenizer's {tokenizer.get_vocab_size()} ids "
+                         f"exceed the model's vocabulary of {vocab}")
     rows = [json.loads(line) for line in DEMO_DATASET.read_text().splitlines() if line]
     order = torch.randperm(len(rows), generator=generator).tolist()
     ids: list[int] = []
     for encoding in tokenizer.encode_batch(
             [f"{rows[i]['prompt']}\n{rows[i]['response']}" for i in order]):
         ids.extend(encoding.ids)
-    if tokenizer.get_vocab_size() > vocab:
-        raise ValueError(f"--tokens demo: the demo tokenizer's {tokenizer.get_vocab_size()} ids "
-                         f"exceed the model's vocabulary of {vocab}")
     needed = torch.Size(shape).numel()
     stream = torch.tensor(ids).repeat(-(-needed // len(ids)))[:needed]
     return stream.view(shape).to(device)

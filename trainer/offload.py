@@ -82,10 +82,6 @@ class HostBuffers:
     def give_back(self, buffer: torch.Tensor) -> None:
         self.free.append(buffer)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() for b in self.free)
-
 
 class _Stored:
     """One offloaded input: its CPU copy, the event its copy out recorded, its fetch if started."""

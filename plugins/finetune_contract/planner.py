@@ -238,14 +238,17 @@ def trained_parameters(cfg: TrainConfig, config: Any = None) -> int | None:
 def activation_bytes_per_token(cfg: TrainConfig, config: Any) -> tuple[float, float]:
     """(saved bytes per token of all blocks, of one block recomputed in backward)."""
     hidden, mlp, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    elem = 4 if cfg.mixed_precision == "fp32" else 2
-    block = elem * (ACT_HIDDEN * hidden + ACT_MLP * mlp + activation_extra(config))
-    if cfg.float8:
-        block *= FLOAT8_ACTIVATION_FACTOR
+    elem = element_bytes(cfg)
     # Eager attention (soft-capped scores) keeps its score rows for backward (EAGER_SCORE_ROWS).
     scores = EAGER_SCORE_ROWS * elem * config.num_attention_heads * cfg.seq_len \
         if attention_kernel(config) == "eager" else 0
-    block += scores
+
+    def block_bytes(hidden_wide: float, mlp_wide: float) -> float:
+        """One block's activations per token: `hidden_wide` and `mlp_wide` tensors' elements."""
+        kept = elem * (hidden_wide * hidden + mlp_wide * mlp + activation_extra(config))
+        return kept * (FLOAT8_ACTIVATION_FACTOR if cfg.float8 else 1) + scores
+
+    block = block_bytes(ACT_HIDDEN, ACT_MLP)
     boundary = elem * hidden  # a checkpointed block keeps only its input
     mode = cfg.activation_checkpointing
     if mode == "full":
@@ -262,8 +265,7 @@ def activation_bytes_per_token(cfg: TrainConfig, config: Any) -> tuple[float, fl
     if offloads_blocks(cfg):  # trainer/offload.py: the inputs in CPU memory, the MLP tiled
         tokens = cfg.micro_batch * cfg.seq_len
         tile = min(1.0, MLP_TILE_TOKENS / tokens)
-        recompute = block + elem * (OFFLOAD_HIDDEN - ACT_HIDDEN) * hidden \
-            - elem * (ACT_MLP - OFFLOAD_MLP * tile) * mlp
+        recompute = block_bytes(OFFLOAD_HIDDEN, OFFLOAD_MLP * tile)
         saved = OFFLOAD_IN_FLIGHT * boundary
     elif cfg.activation_offload:  # saved tensors wait in CPU memory; a block's are in flight
         saved = min(saved, GATHERED_BLOCKS * saved / layers)
@@ -274,9 +276,13 @@ def host_offload_bytes(cfg: TrainConfig, config: Any) -> float:
     """CPU memory the offloaded block inputs take per GPU (trainer/offload.py), 0 otherwise."""
     if not offloads_blocks(cfg):
         return 0.0
-    elem = 4 if cfg.mixed_precision == "fp32" else 2
-    return (config.num_hidden_layers * elem * config.hidden_size * cfg.micro_batch
+    return (config.num_hidden_layers * element_bytes(cfg) * config.hidden_size * cfg.micro_batch
             * cfg.seq_len)
+
+
+def element_bytes(cfg: TrainConfig) -> int:
+    """Bytes of an activation element: the compute dtype's."""
+    return 4 if cfg.mixed_precision == "fp32" else 2
 
 
 def packed_mask_bytes(cfg: TrainConfig) -> float:
@@ -317,7 +323,7 @@ def estimate(cfg: TrainConfig, *, world_size: int, local_world_size: int, hardwa
     layout = ParallelDims.of(cfg, world_size=world_size, procs_per_node=local_world_size)
     shard = layout.param_shards
     no_fsdp = not layout.needs_fsdp(cfg.cpu_offload)
-    compute_bytes = 4 if cfg.mixed_precision == "fp32" else 2
+    compute_bytes = element_bytes(cfg)
     tokens = cfg.micro_batch * cfg.seq_len  # per micro-batch per data-parallel rank
     lora = _adapter_params(cfg, config) if cfg.lora_rank else 0
     trained = lora or params
