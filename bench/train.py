@@ -45,7 +45,7 @@ from bench.titan import titan_problem, titan_step_runner
 from bench.unsloth import unsloth_problem
 from finetune_contract.fields import ATTENTION, LORA_TARGET_MODULES, QUANTIZE_BASE
 from finetune_contract.models import BUILTIN_MODELS
-from finetune_contract.rules import lora_module_names
+from finetune_contract.rules import lora_module_names, loss_chunk_tokens
 from finetune_contract.throughput import flops_per_token, mfu
 from trainer.config import TrainConfig
 from trainer.float8 import check_float8_device, precompute_float8_scales
@@ -301,7 +301,7 @@ def run_trainer(
     adapter_params = apply_lora(model, config) if args.lora_rank else None
     apply_parallelism(model, config, env)
     materialize_bench_model(model, name, config, env.device)
-    add_loss_method(model)
+    add_loss_method(model, loss_chunk_tokens(config, model_config.vocab_size))
     optimizer = build_optimizer(model, config, env.device)
     loss_sum: Callable[..., torch.Tensor] = getattr(model, LOSS_METHOD)
     batches = bench_batches(model_config.vocab_size, args, env.device)

@@ -80,24 +80,28 @@ class _LinearCrossEntropy(torch.autograd.Function):
         chunk_tokens: int,
         cap: float | None,
     ) -> torch.Tensor:
-        needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        # Only the gradients backward will ask for: a frozen head (LoRA, QLoRA) gets none, which
+        # saves its GEMM and a head-sized buffer (8B: 1 GiB).
+        hidden_grad, weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         loss_and_grad, loss_only = _chunk_loss_and_grad, _chunk_loss
         if hidden.is_cuda:
             loss_and_grad, loss_only = _compiled(loss_and_grad), _compiled(loss_only)
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_hidden = torch.empty_like(hidden) if needs_grad else None
-        grad_weight = torch.zeros_like(weight) if needs_grad else None
+        grad_hidden = torch.empty_like(hidden) if hidden_grad else None
+        grad_weight = torch.zeros_like(weight) if weight_grad else None
         for start in range(0, hidden.shape[0], chunk_tokens):
             h, y = hidden[start : start + chunk_tokens], labels[start : start + chunk_tokens]
             logits = h @ weight.T
-            if grad_hidden is None or grad_weight is None:
+            if grad_hidden is None and grad_weight is None:
                 loss += loss_only(logits, y, ignore_index, cap)
                 continue
             chunk_loss, grad_logits = loss_and_grad(logits, y, ignore_index, cap)
             del logits
             loss += chunk_loss
-            torch.mm(grad_logits, weight, out=grad_hidden[start : start + chunk_tokens])
-            grad_weight.addmm_(grad_logits.T, h)
+            if grad_hidden is not None:
+                torch.mm(grad_logits, weight, out=grad_hidden[start : start + chunk_tokens])
+            if grad_weight is not None:
+                grad_weight.addmm_(grad_logits.T, h)
         ctx.save_for_backward(grad_hidden, grad_weight)
         return loss
 
@@ -105,8 +109,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         grad_hidden, grad_weight = ctx.saved_tensors
         # In place: the stored gradients are used once (no double backward).
-        scale = grad_loss.to(grad_hidden.dtype)
-        return grad_hidden.mul_(scale), grad_weight.mul_(scale), None, None, None, None
+        grads = [None if g is None else g.mul_(grad_loss.to(g.dtype))
+                 for g in (grad_hidden, grad_weight)]
+        return grads[0], grads[1], None, None, None, None
 
 
 def linear_cross_entropy_sum(
@@ -225,8 +230,10 @@ def _sequence_parallel_loss_sum(
     return part + (total - part.detach())
 
 
-def add_loss_method(model: torch.nn.Module) -> None:
-    """Give `model` a `causal_lm_loss_sum(labels, ignore_index, **inputs)` method.
+def add_loss_method(model: torch.nn.Module, chunk_tokens: int | None = None) -> None:
+    """Give `model` a `causal_lm_loss_sum(labels, ignore_index, **inputs)` method, its head in
+    chunks of `chunk_tokens` (None: LOGITS_PER_CHUNK's; the trainer passes the run's,
+    rules.loss_chunk_tokens).
 
     It reads the head's weight outside the head's forward, so FSDP must treat the method as a
     forward of the root (gather the root's parameters before, hook its backward after) as it
@@ -234,5 +241,5 @@ def add_loss_method(model: torch.nn.Module) -> None:
     """
     for name, method in ((LOSS_METHOD, causal_lm_loss_sum),
                          (ROW_LOSS_METHOD, causal_lm_row_loss_sums)):
-        setattr(model, name, functools.partial(method, model))
+        setattr(model, name, functools.partial(method, model, chunk_tokens=chunk_tokens))
         register_fsdp_forward_method(model, name)

@@ -26,6 +26,7 @@ from finetune_contract.data import batches_per_epoch, optimizer_steps
 from finetune_contract.errors import ERROR_DIR_ENV
 from finetune_contract.fields import RESOLVED_CONFIG_FILE
 from finetune_contract.parallel_dims import ParallelDims, elastic_grad_accum
+from finetune_contract.rules import loss_chunk_tokens
 from finetune_contract.stragglers import RANK_STEP_TIMES, stragglers
 from finetune_contract.throughput import flops_per_token, mfu
 from trainer.activations import resolve_auto_checkpointing
@@ -239,7 +240,7 @@ class Trainer:
         param_device = torch.device("cpu") if config.cpu_offload else env.device
         materialize_weights(model, config.model, config.seed, param_device,
                             quantize_dtype(config))
-        add_loss_method(model)
+        add_loss_method(model, loss_chunk_tokens(config, model_config.vocab_size))
         reference = None
         if config.method == "dpo" and config.dpo_reference == "precompute":
             # Scored once by the initial weights, before any step: no second model is held.
@@ -254,7 +255,7 @@ class Trainer:
             apply_parallelism(reference, config, env, mesh)
             materialize_weights(reference, config.model, config.seed, param_device,
                                 quantize_dtype(config))
-            add_loss_method(reference)
+            add_loss_method(reference, loss_chunk_tokens(config, model_config.vocab_size))
         optimizer = build_optimizer(model, config, env.device)
         scaler = build_grad_scaler(config.mixed_precision, env.device)
         scheduler = LambdaLR(

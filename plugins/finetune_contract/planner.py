@@ -32,9 +32,13 @@ from finetune_contract.families import attention_flops as attention_work
 from finetune_contract.families import head_dim as family_head_dim
 from finetune_contract.models import BUILTIN_MODELS
 from finetune_contract.parallel_dims import ParallelDims
-from finetune_contract.rules import MLP_TILE_TOKENS, offloads_blocks, selective_every
+from finetune_contract.rules import (
+    MLP_TILE_TOKENS,
+    loss_chunk_tokens,
+    offloads_blocks,
+    selective_every,
+)
 from finetune_contract.throughput import (
-    LOGITS_PER_CHUNK,
     PEAK_FLOPS_BY_DEVICE,
     flops_per_token,
     parameter_count,
@@ -356,7 +360,7 @@ def estimate(cfg: TrainConfig, *, world_size: int, local_world_size: int, hardwa
         kept = max(1, dequantized_blocks_kept(cfg, layers))
         activations += compute_bytes * quantized / layers * kept
     activations += packed_mask_bytes(cfg)
-    chunk = min(tokens // tp or 1, max(1, LOGITS_PER_CHUNK // config.vocab_size))
+    chunk = min(tokens // tp or 1, loss_chunk_tokens(cfg, config.vocab_size))
     loss = 4 * chunk * config.vocab_size  # the chunk's logits and their gradient, bf16
     state_forward = (masters + optimizer + (grads if cfg.grad_accum > 1 else 0)) / sharded
     state_backward = (masters + optimizer + grads) / sharded

@@ -16,6 +16,7 @@ from finetune_contract.mixture import parse_mixture, source_config
 from finetune_contract.models import STRETCHED_ROPE, ModelShape
 from finetune_contract.parallel_dims import ParallelDims, elastic_problems
 from finetune_contract.parameters import BY_NAME, TRAINER_PARAMETERS
+from finetune_contract.throughput import LOGITS_PER_CHUNK, OFFLOADED_LOGITS_PER_CHUNK
 from finetune_contract.train_config import TrainConfig
 
 Problems = list[tuple[str, str]]
@@ -45,6 +46,13 @@ def offloads_blocks(cfg: TrainConfig) -> bool:
     moves what each block saves (trainer/activations.py)."""
     return (cfg.activation_offload and cfg.activation_checkpointing == "full"
             and cfg.tp_degree == 1)
+
+
+def loss_chunk_tokens(cfg: TrainConfig, vocab_size: int) -> int:
+    """The tokens of one chunk of the chunked loss (trainer/loss.py), which the planner counts:
+    a fixed number of logits, a quarter of it when blocks are offloaded."""
+    logits = OFFLOADED_LOGITS_PER_CHUNK if offloads_blocks(cfg) else LOGITS_PER_CHUNK
+    return max(1, logits // vocab_size)
 
 
 def selective_every(selective_ac: str) -> int | None:

@@ -22,8 +22,10 @@ from finetune_contract.families import parameter_count as parameter_count
 # Dense bf16 peak per device (no sparsity), by a substring of the CUDA device name.
 PEAK_FLOPS_BY_DEVICE = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 # The chunked loss's logits per chunk (trainer/loss.py): 2**29 elements is 4k tokens of a 128k
-# vocabulary, 1 GB in bf16; the planner counts its memory.
+# vocabulary, 1 GB in bf16; the planner counts its memory. Offloaded blocks (the lean mode, whose
+# peak is the loss's chunk or a block's backward, whichever is larger) take a quarter: 1k tokens.
 LOGITS_PER_CHUNK = 1 << 29
+OFFLOADED_LOGITS_PER_CHUNK = 1 << 27
 THROUGHPUT_KEYS = ("tokens_per_s", "tflops_per_device", "mfu", "median_step_time_s",
                    "median_step_tokens_per_s", "timed_steps", "timed_tokens", "timed_time_s")
 

@@ -63,6 +63,46 @@ def test_without_gradients_the_loss_is_the_same():
     torch.testing.assert_close(loss, plain_loss_and_grads(h, w, labels)[0])
 
 
+@pytest.mark.parametrize("frozen", ["weight", "hidden"])
+def test_a_frozen_input_gets_no_gradient_computed_so_a_frozen_head_costs_no_gemm(frozen):
+    """LoRA's head is frozen: backward needs only the hidden states' gradient, so the chunked
+    loss runs two GEMMs per chunk (logits, their gradient into the hidden states), not three,
+    and the other gradient still equals the plain loss's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Gemms(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm,
+                                       torch.ops.aten.addmm_, torch.ops.aten.matmul):
+                Gemms.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    h, w, labels = random_problem(torch.float64)
+    _, grad_h, grad_w = plain_loss_and_grads(h, w, labels)
+    h, w = h.clone().requires_grad_(frozen != "hidden"), w.clone().requires_grad_(frozen != "weight")
+    with Gemms():
+        (linear_cross_entropy_sum(h, w, labels, chunk_tokens=8) * 0.5).backward()
+    assert Gemms.calls == 2 * -(-h.shape[0] // 8)  # two per chunk
+    trained, expected = (h, grad_h) if frozen == "weight" else (w, grad_w)
+    torch.testing.assert_close(trained.grad, expected, rtol=1e-5, atol=1e-6)
+    assert (w if frozen == "weight" else h).grad is None
+
+
+def test_offloaded_blocks_take_a_quarter_of_the_loss_chunk_which_the_trainer_and_planner_share():
+    from finetune_contract.rules import loss_chunk_tokens
+    from finetune_contract.throughput import LOGITS_PER_CHUNK
+
+    plain = load_config(None, {"activation_checkpointing": "full"})
+    offloaded = load_config(None, {"activation_checkpointing": "full", "activation_offload": True})
+    assert loss_chunk_tokens(plain, 128_256) == LOGITS_PER_CHUNK // 128_256 == 4185
+    assert loss_chunk_tokens(offloaded, 128_256) == LOGITS_PER_CHUNK // 4 // 128_256 == 1046
+    model = tiny_model()
+    add_loss_method(model, chunk_tokens=7)
+    assert getattr(model, LOSS_METHOD).keywords == {"chunk_tokens": 7}
+
+
 def tiny_model(env=None, **overrides):
     config = load_config(None, overrides)
     model = build_model(config.model)
