@@ -22,8 +22,18 @@ the gradients into a reduce buffer, again into the output, then casts them to fp
   then the fp32 sums of fp32 products, where the cast-and-add rounds each micro batch's
   gradient to bf16 first (Hugging Face Trainer's autocast does too): closer to fp32, not equal.
 
+With `reshard` (FULL_SHARD or HYBRID_SHARD on one process: the run asked for the least memory)
+a decoder block's copies exist only while it runs, as FSDP's gathered weights do: made from the
+masters just before its forward, freed after it, made again when backward reaches the block
+(before any recompute) and freed when backward moves on to the block before it. The embeddings,
+final norm and head keep theirs for the step, as FSDP's root does. An 8B full fine-tune then
+holds a block or two of bf16 copies (0.4 GiB each) where it held all of them (15 GiB), at the
+cost of one more cast per block a micro batch: FSDP at one rank copies each weight three times
+each way, the reason to leave it.
+
 The Parameter objects stay the same (their `.data` is swapped), so optimizer state, hooks and
-compiled blocks keep referring to them.
+compiled blocks keep referring to them; a resharded copy is freed by resizing its storage to
+nothing (autograd's saved references see it made again), as FSDP does.
 """
 
 from __future__ import annotations
@@ -97,14 +107,25 @@ class GradIntoLinear(torch.nn.Linear):
 
 
 class MasterWeights:
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, grad_into_gemm: bool = False):
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, grad_into_gemm: bool = False,
+                 reshard: bool = False):
         self.model = model
         self.dtype = dtype
         self.params: list[torch.nn.Parameter] = []
         self.copies: list[torch.Tensor | None] = []
         self.versions: list[int | None] = []
         self.grads: list[torch.Tensor | None] = []
+        self.masters: list[torch.Tensor] = []  # inside compute: what the parameters held
         self.active = False
+        # reshard: each block's copies only while it runs (the module doc)
+        self.blocks: list[torch.nn.Module] = list(decoder_blocks(model)) if reshard else []
+        self.block_params: list[list[int]] = []  # per block, its resharded parameters' indices
+        self.made: list[bool] = []  # per block, whether its copies exist now
+        self.backward_block: int | None = None  # the block backward is in
+        owner = weakref.ref(self)
+        for b, block in enumerate(self.blocks):
+            block.register_forward_pre_hook(functools.partial(_block_forward, owner, b))
+            block.register_forward_hook(functools.partial(_block_forward_done, owner, b))
         # The block Linears whose weight gradient its GEMM accumulates (GradIntoLinear).
         self.linears: list[GradIntoLinear] = []
         if grad_into_gemm:
@@ -132,6 +153,10 @@ class MasterWeights:
                 param.register_post_accumulate_grad_hook(functools.partial(_to_master, this, i))
         index = {id(p): i for i, p in enumerate(params)}
         self.fused = [(index[id(m.weight)], m) for m in self.linears]
+        # Only a trained weight has a copy of its own to free; a frozen one is its copy.
+        self.block_params = [[index[id(p)] for p in block.parameters()
+                              if id(p) in index and p.requires_grad] for block in self.blocks]
+        self.made = [False] * len(self.blocks)
 
     def stepped(self, optimizer: torch.optim.Optimizer, *_: object) -> None:
         """An optimizer step hook: its parameters changed (LoRA's frozen base did not)."""
@@ -160,7 +185,7 @@ class MasterWeights:
             yield
             return
         self._bind()
-        masters = [p.data for p in self.params]
+        masters = self.masters = [p.data for p in self.params]
         stale = [i for i, p in enumerate(self.params) if p._version != self.versions[i]]
         for i in stale:
             if (self.copies[i] is None and masters[i].dtype == self.dtype
@@ -168,7 +193,12 @@ class MasterWeights:
                 self.copies[i] = masters[i]  # a frozen weight made in the compute dtype
             elif self.copies[i] is None:
                 self.copies[i] = torch.empty_like(masters[i], dtype=self.dtype)
-        stale = [i for i in stale if self.copies[i] is not masters[i]]
+        resharded = {i for indices in self.block_params for i in indices}
+        for i in resharded:  # made by their block's forward (_make)
+            _free(self.copies[i])
+        self.made = [False] * len(self.blocks)
+        self.backward_block = None
+        stale = [i for i in stale if self.copies[i] is not masters[i] and i not in resharded]
         if stale:
             with torch.no_grad():
                 torch._foreach_copy_([self.copies[i] for i in stale], [masters[i] for i in stale])
@@ -189,6 +219,9 @@ class MasterWeights:
             yield
         finally:
             self.active = False
+            for b in range(len(self.blocks)):
+                self._unmake(b)
+            self.backward_block = None
             for _, module in self.fused:
                 module.grad_into = None
             for i, param in enumerate(self.params):
@@ -197,6 +230,68 @@ class MasterWeights:
                 param.grad = self.grads[i]
                 self.grads[i] = None
                 self.versions[i] = param._version
+            self.masters = []
+
+    def _make(self, b: int) -> None:
+        """Block b's copies, cast from the masters (its forward, or backward reaching it)."""
+        if not self.active or self.made[b]:
+            return
+        indices = self.block_params[b]
+        for i in indices:
+            copy = self.copies[i]
+            copy.untyped_storage().resize_(copy.numel() * copy.element_size())
+        with torch.no_grad():
+            torch._foreach_copy_([self.copies[i] for i in indices],
+                                 [self.masters[i] for i in indices])
+        self.made[b] = True
+
+    def _unmake(self, b: int) -> None:
+        if self.made[b]:
+            for i in self.block_params[b]:
+                _free(self.copies[i])
+            self.made[b] = False
+
+    def forward_done(self, b: int, output: object) -> None:
+        """After block b's forward: free its copies; if a backward will come through it, make
+        them again when it does, and free the block backward leaves then."""
+        if not self.active or torch._C._current_graph_task_id() != -1:
+            return  # outside compute, or a recompute inside backward: backward frees
+        self._unmake(b)
+        outputs = [t for t in torch.utils._pytree.tree_leaves(output)
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        if outputs:
+            torch.autograd.graph.register_multi_grad_hook(
+                outputs, functools.partial(_block_backward, weakref.ref(self), b), mode="any")
+
+    def backward_reached(self, b: int) -> None:
+        if self.backward_block is not None and self.backward_block != b:
+            self._unmake(self.backward_block)
+        self.backward_block = b
+        self._make(b)
+
+
+def _free(copy: torch.Tensor | None) -> None:
+    if copy is not None:
+        copy.untyped_storage().resize_(0)
+
+
+def _block_forward(owner: weakref.ref[MasterWeights], b: int, *_: object) -> None:
+    master_weights = owner()
+    if master_weights is not None:
+        master_weights._make(b)
+
+
+def _block_forward_done(owner: weakref.ref[MasterWeights], b: int, _module: object,
+                        _args: object, output: object) -> None:
+    master_weights = owner()
+    if master_weights is not None:
+        master_weights.forward_done(b, output)
+
+
+def _block_backward(owner: weakref.ref[MasterWeights], b: int, _grad: object) -> None:
+    master_weights = owner()
+    if master_weights is not None:
+        master_weights.backward_reached(b)
 
 
 def frozen_in_compute_dtype(model: torch.nn.Module) -> None:
@@ -220,11 +315,14 @@ def _to_master(master_weights: weakref.ref[MasterWeights], i: int, param: torch.
         owner.to_master(i, param)
 
 
-def use_master_weights(model: torch.nn.Module, dtype: torch.dtype, grad_accum: int = 1) -> None:
+def use_master_weights(model: torch.nn.Module, dtype: torch.dtype, grad_accum: int = 1,
+                       reshard: bool = False) -> None:
     """Make `model` compute in `dtype` inside `compute_weights(model)`; its masters stay fp32.
-    With micro batches to accumulate, the block Linears' GEMMs accumulate their gradients."""
+    With micro batches to accumulate, the block Linears' GEMMs accumulate their gradients.
+    reshard: a block's copies only while it runs (after any wrapping and compiling of the
+    blocks: the hooks go on the modules the model calls)."""
     grad_into_gemm = grad_accum > 1 and os.environ.get(GRAD_INTO_GEMM_ENV, "1") != "0"
-    setattr(model, ATTRIBUTE, MasterWeights(model, dtype, grad_into_gemm))
+    setattr(model, ATTRIBUTE, MasterWeights(model, dtype, grad_into_gemm, reshard))
 
 
 def follow_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

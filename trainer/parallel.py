@@ -240,7 +240,8 @@ def apply_parallelism(
     if not dims.needs_fsdp(config.cpu_offload):
         # Nothing to shard, gather or reduce: FSDP would only copy (trainer/master_weights.py).
         if config.mixed_precision != "fp32":
-            use_master_weights(model, COMPUTE_DTYPES[config.mixed_precision], config.grad_accum)
+            use_master_weights(model, COMPUTE_DTYPES[config.mixed_precision], config.grad_accum,
+                               reshard=dims.reshard_after_forward)
         return mesh
     policies = {
         # QLoRA: the 4-bit base stays whole on every rank (trainer/qlora.py).

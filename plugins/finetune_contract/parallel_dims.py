@@ -128,12 +128,12 @@ class ParallelDims:
         return STRATEGY_DIMS[self.strategy][1]
 
     def needs_fsdp(self, cpu_offload: bool) -> bool:
-        """False for one process that keeps its weights between forward and backward
-        (SHARD_GRAD_OP, NO_SHARD) and on its device: nothing to shard, gather or reduce.
-        FULL_SHARD and HYBRID_SHARD keep FSDP at one rank, whose freeing of each block's
-        weights after forward lowers the peak memory."""
+        """False for one process whose weights stay on its device: nothing to shard, gather or
+        reduce (trainer/master_weights.py; FULL_SHARD and HYBRID_SHARD free each block's
+        compute copies after its forward there, as FSDP frees its gathered weights). FSDP's
+        CPU offload keeps it."""
         one_process = self.dp_degree == 1 and not self.tp_enabled
-        return not (one_process and not self.reshard_after_forward and not cpu_offload)
+        return not (one_process and not cpu_offload)
 
     def dp_rank(self, rank: int) -> int:
         """The data-parallel rank of global `rank`: a tensor-parallel group's ranks are

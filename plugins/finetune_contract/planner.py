@@ -350,6 +350,9 @@ def estimate(cfg: TrainConfig, *, world_size: int, local_world_size: int, hardwa
     if no_fsdp:
         sharded = 1
         copies = compute_bytes * (params - quantized) if cfg.mixed_precision != "fp32" else 0
+        if copies and layout.reshard_after_forward and not lora:
+            # a block's copies only while it runs, as FSDP's gathered weights
+            copies = compute_bytes * (GATHERED_BLOCKS * block_params + embedding)
     else:
         sharded = shard
         blocks_held = layers if cfg.strategy == "SHARD_GRAD_OP" else GATHERED_BLOCKS

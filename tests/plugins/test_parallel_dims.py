@@ -72,11 +72,13 @@ def test_every_strategy_the_parameter_table_offers_has_its_mesh_dims():
     assert set(STRATEGY_DIMS) == set(STRATEGIES)
 
 
-def test_one_process_that_keeps_its_weights_needs_no_fsdp():
+def test_one_process_on_its_device_needs_no_fsdp_whatever_its_strategy():
     assert not layout("SHARD_GRAD_OP", 1, 1).needs_fsdp(cpu_offload=False)
     assert not layout("NO_SHARD", 1, 1).needs_fsdp(cpu_offload=False)
     assert layout("NO_SHARD", 1, 1).needs_fsdp(cpu_offload=True)  # FSDP's offload policy
-    assert layout("FULL_SHARD", 1, 1).needs_fsdp(cpu_offload=False)  # frees after forward
+    # frees each block's compute copies after forward without FSDP
+    assert not layout("FULL_SHARD", 1, 1).needs_fsdp(cpu_offload=False)
+    assert layout("FULL_SHARD", 1, 1).needs_fsdp(cpu_offload=True)
     assert layout("NO_SHARD", 2, 2).needs_fsdp(cpu_offload=False)
     assert layout("NO_SHARD", 2, 2, tp_degree=2).needs_fsdp(cpu_offload=False)
 

@@ -21,7 +21,9 @@ def tokenizer():
 
 
 def sharded_model(env, tokenizer, **overrides):
-    config = load_config(None, overrides)
+    """FSDP's DTensors, as a run of several ranks has them: at one rank only CPU offload keeps
+    FSDP (otherwise trainer/master_weights.py)."""
+    config = load_config(None, {"cpu_offload": True, **overrides})
     model = build_model(config.model, tokenizer)
     model_config = model.config
     apply_parallelism(model, config, env)

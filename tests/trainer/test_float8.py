@@ -9,6 +9,7 @@ from finetune_contract.data import PROMPT_TEMPLATE
 from trainer.config import load_config
 from trainer.demo import DEMO_TOKENIZER
 from trainer.float8 import EMULATE_ENV, MIN_CAPABILITY, check_float8_device
+from trainer.master_weights import compute_weights
 from trainer.model import build_model, materialize_weights
 from trainer.optim import build_optimizer, optimizer_step
 from trainer.parallel import apply_parallelism, check_start
@@ -54,8 +55,9 @@ def test_a_tiny_model_trains_with_float8_linear_layers_in_its_blocks(
     input_ids = tokenizer(text, return_tensors="pt")["input_ids"].to(world_of_one.device)
     losses = []
     for _ in range(8):
-        loss = model(input_ids=input_ids, labels=input_ids).loss
-        loss.backward()
+        with compute_weights(model):  # one process: bf16 copies of fp32 masters
+            loss = model(input_ids=input_ids, labels=input_ids).loss
+            loss.backward()
         optimizer_step(model, optimizer, config.max_grad_norm)
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())

@@ -81,7 +81,8 @@ def test_a_frozen_input_gets_no_gradient_computed_so_a_frozen_head_costs_no_gemm
 
     h, w, labels = random_problem(torch.float64)
     _, grad_h, grad_w = plain_loss_and_grads(h, w, labels)
-    h, w = h.clone().requires_grad_(frozen != "hidden"), w.clone().requires_grad_(frozen != "weight")
+    h = h.clone().requires_grad_(frozen != "hidden")
+    w = w.clone().requires_grad_(frozen != "weight")
     with Gemms():
         (linear_cross_entropy_sum(h, w, labels, chunk_tokens=8) * 0.5).backward()
     assert Gemms.calls == 2 * -(-h.shape[0] // 8)  # two per chunk
@@ -140,7 +141,7 @@ def test_the_causal_lm_loss_equals_the_models_own_logits_loss_and_gradients():
 
 
 def test_the_loss_method_of_a_sharded_model_gathers_its_weights_like_a_forward(world_of_one):
-    plain, sharded = tiny_model(), tiny_model(world_of_one)
+    plain, sharded = tiny_model(), tiny_model(world_of_one, cpu_offload=True)  # FSDP at one rank
     add_loss_method(sharded)
     input_ids, labels = batch(plain.config.vocab_size)
     expected = plain_model_loss(plain, input_ids, labels)

@@ -7,11 +7,14 @@ import pytest
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+from finetune_contract.parallel_dims import ParallelDims
 from trainer.batch import Batch
+from trainer.blocks import decoder_blocks
 from trainer.config import TrainConfig
 from trainer.lora import apply_lora
 from trainer.loss import add_loss_method
 from trainer.master_weights import (
+    ATTRIBUTE,
     GRAD_INTO_GEMM_ENV,
     GradIntoLinear,
     compute_weights,
@@ -61,12 +64,23 @@ def train(env, steps: int = STEPS, **options):
     return losses, norms, evaluate(model, data[-2:], env.device), model
 
 
+@pytest.fixture
+def fsdp_at_one_rank(monkeypatch):
+    """FSDP at one rank, as every strategy ran there before master weights: the reference."""
+    def train_with_fsdp(env, **options):
+        with monkeypatch.context() as patch:
+            patch.setattr(ParallelDims, "needs_fsdp", lambda self, cpu_offload: True)
+            return train(env, **options)
+    return train_with_fsdp
+
+
+@pytest.mark.parametrize("strategy", ["SHARD_GRAD_OP", "FULL_SHARD"])
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_one_unsharded_rank_trains_without_fsdp_to_the_losses_and_grad_norms_of_fsdp(
-    world_of_one, precision
+    world_of_one, fsdp_at_one_rank, precision, strategy
 ):
-    plain = train(world_of_one, strategy="SHARD_GRAD_OP", mixed_precision=precision)
-    fsdp = train(world_of_one, strategy="FULL_SHARD", mixed_precision=precision)
+    plain = train(world_of_one, strategy=strategy, mixed_precision=precision)
+    fsdp = fsdp_at_one_rank(world_of_one, strategy="FULL_SHARD", mixed_precision=precision)
     assert not isinstance(plain[3], FSDPModule) and isinstance(fsdp[3], FSDPModule)
     # Same numerics: compute copies in `precision`, gradients accumulated and stepped in fp32.
     assert plain[0] == pytest.approx(fsdp[0], rel=1e-6)
@@ -123,8 +137,8 @@ def test_backward_outside_compute_weights_is_an_error_not_a_silent_bf16_gradient
         loss.backward()
 
 
-def test_full_shard_cpu_offload_and_fp32_at_one_rank_keep_their_own_paths(world_of_one):
-    assert isinstance(build(world_of_one, strategy="FULL_SHARD")[0], FSDPModule)
+def test_cpu_offload_and_fp32_at_one_rank_keep_their_own_paths(world_of_one):
+    assert isinstance(build(world_of_one, strategy="FULL_SHARD", cpu_offload=True)[0], FSDPModule)
     assert isinstance(build(world_of_one, strategy="NO_SHARD", cpu_offload=True)[0], FSDPModule)
     model = build(world_of_one, strategy="SHARD_GRAD_OP", mixed_precision="fp32")[0]
     assert not isinstance(model, FSDPModule)
@@ -143,9 +157,9 @@ def test_a_model_with_master_weights_is_freed_when_dropped(world_of_one):
     assert alive() is None
 
 
-@pytest.mark.parametrize("options", [{"strategy": "FULL_SHARD"},
+@pytest.mark.parametrize("options", [{"strategy": "FULL_SHARD", "cpu_offload": True},
                                      {"strategy": "NO_SHARD", "cpu_offload": True}],
-                         ids=["FULL_SHARD", "NO_SHARD-cpu_offload"])
+                         ids=["FULL_SHARD-cpu_offload", "NO_SHARD-cpu_offload"])
 def test_an_optimizer_built_after_a_forward_without_backward_steps_every_weight(
     world_of_one, options
 ):
@@ -168,13 +182,15 @@ def test_an_optimizer_built_after_a_forward_without_backward_steps_every_weight(
     assert unchanged == []
 
 
-def test_a_frozen_base_keeps_only_its_compute_copy_and_trains_to_the_losses_of_fsdp(world_of_one):
+def test_a_frozen_base_keeps_only_its_compute_copy_and_trains_to_the_losses_of_fsdp(
+    world_of_one, fsdp_at_one_rank
+):
     """LoRA at one rank: the frozen weights are bf16 alone (no fp32 master: 4 bytes a parameter
     saved), the adapters fp32 masters; the same losses, grad
     norms and eval loss as FSDP's LoRA, which keeps fp32 shards of everything."""
     lora = {"lora_rank": 4, "lora_alpha": 8, "mixed_precision": "bf16"}
     plain = train(world_of_one, strategy="SHARD_GRAD_OP", **lora)
-    fsdp = train(world_of_one, strategy="FULL_SHARD", **lora)
+    fsdp = fsdp_at_one_rank(world_of_one, strategy="FULL_SHARD", **lora)
     assert plain[0] == pytest.approx(fsdp[0], rel=1e-6)
     assert plain[1] == pytest.approx(fsdp[1], rel=1e-5)
     assert plain[2] == pytest.approx(fsdp[2], rel=1e-6)
@@ -277,3 +293,63 @@ def test_a_lora_runs_frozen_base_is_made_in_the_compute_dtype_and_never_held_in_
     train_step(model, batches(model.config.vocab_size, 2), world_of_one)
     # the compute read the frozen weights where they were made: no copy was allocated
     assert [p.data_ptr() for p in frozen] == pointers
+
+
+def _block_copy_bytes(model) -> list[int]:
+    """Per decoder block, the bytes its trained weights' compute copies hold now."""
+    master_weights = getattr(model, ATTRIBUTE)
+    return [sum(master_weights.copies[i].untyped_storage().nbytes() for i in indices)
+            for indices in master_weights.block_params]
+
+
+RESHARD_MODES = {
+    "no-checkpointing": {},
+    "full-checkpointing": {"activation_checkpointing": "full"},
+    "selective-per-op": {"activation_checkpointing": "selective", "selective_ac": "op"},
+    "offloaded": {"activation_checkpointing": "full", "activation_offload": True},
+    "in-the-gemm": {"grad_accum": 2},
+    "lora": {"lora_rank": 4, "lora_alpha": 8},
+    "compiled-full": pytest.param({"activation_checkpointing": "full", "compile": True},
+                                  marks=pytest.mark.slow),
+}
+
+
+@pytest.mark.parametrize("mode", RESHARD_MODES.values(), ids=RESHARD_MODES.keys())
+def test_full_shard_at_one_rank_holds_a_blocks_copies_only_while_it_runs_to_the_same_losses(
+    world_of_one, monkeypatch, mode
+):
+    """FULL_SHARD on one process: no FSDP, each block's compute copies made before its forward,
+    freed after it, made again when backward reaches it and freed when backward leaves it. At
+    no point of a step do more than two blocks hold copies (one in the middle of forward, two
+    where backward passes from one block to the next), none between steps; and the numbers are
+    those of keeping every copy (SHARD_GRAD_OP), exactly: the copies are the same casts."""
+    monkeypatch.setenv("TRAINER_COMPILE_BACKEND", "aot_eager")
+    options = {"mixed_precision": "bf16", **mode}
+    kept = train(world_of_one, **options, strategy="SHARD_GRAD_OP")
+    model, optimizer, config = build(world_of_one, **options, strategy="FULL_SHARD")
+    assert not isinstance(model, FSDPModule)
+    seen: list[int] = []
+
+    def count(*_):
+        made = [n for n in _block_copy_bytes(model) if n]
+        seen.append(len(made))
+
+    for block in decoder_blocks(model):
+        block.register_forward_pre_hook(count)
+        block.register_forward_hook(count)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(count)
+    data = batches(model.config.vocab_size, 2 * STEPS + 2)
+    losses, norms = [], []
+    for step in range(STEPS):
+        loss, _ = train_step(model, data[2 * step : 2 * step + 2], world_of_one)
+        assert sum(_block_copy_bytes(model)) == 0  # none between steps
+        norm, _ = optimizer_step(model, optimizer, config.max_grad_norm)
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss)
+        norms.append(norm)
+    assert (losses, norms) == (kept[0], kept[1])
+    assert evaluate(model, data[-2:], world_of_one.device) == kept[2]
+    assert seen and max(seen) <= 2
+    assert 1 in seen  # a block alone in forward
