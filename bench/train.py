@@ -40,6 +40,7 @@ import transformers
 from torch.distributed.fsdp import FSDPModule
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from bench import memory_peak
 from bench.family_shapes import FAMILY_SHAPES
 from bench.titan import titan_problem, titan_step_runner
 from bench.unsloth import unsloth_problem
@@ -118,6 +119,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--peer-worker", default="", choices=["", *PEERS],
                         help=argparse.SUPPRESS)
     parser.add_argument("--profile", action="store_true", help="print a profile of our steps")
+    parser.add_argument("--memory-peak", action="store_true",
+                        help="CUDA: print what was allocated at our run's peak, by where "
+                             "(bench/memory_peak.py)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--tokens", choices=["random", "demo"], default="random",
                         help="demo: the demo instructions, and every step's loss in the line")
@@ -296,6 +300,9 @@ def run_trainer(
     )
     if args.float8:
         check_float8_device(env.device)
+    recording = args.memory_peak and env.device.type == "cuda"
+    if recording:
+        memory_peak.start()
     model = build_bench_model(name, attention, args.seq_len)
     model_config = model.config
     adapter_params = apply_lora(model, config) if args.lora_rank else None
@@ -327,6 +334,10 @@ def run_trainer(
         losses.append(step(micro_batches))
         synchronize(env.device)
         step_times.append(time.perf_counter() - start)
+    if recording:
+        print(json.dumps({"run": "memory_peak", "model": name,
+                          **memory_peak.summary(memory_peak.stop(), env.device.index or 0)}),
+              flush=True)
     if args.profile:
         print_profile(lambda: step(batches[-1]), env.device)
     options = {
