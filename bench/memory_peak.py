@@ -52,21 +52,24 @@ def _where(frames: Iterable[Mapping[str, Any]]) -> str:
 
 
 def live_at_peak(trace: list[Mapping[str, Any]], top: int = 15) -> dict[str, Any]:
-    """From one device's trace (alloc / free_completed events, in order): the peak of allocated
-    bytes and what was live at it, grouped by `_where` of each block's stack, largest first."""
+    """From one device's trace (alloc / free_requested events, in order): the peak of allocated
+    bytes and what was live at it, grouped by `_where` of each block's stack, largest first.
+    A block counts as allocated until its free is requested, as torch.cuda.max_memory_allocated
+    counts it (a free that waits for another stream's use completes later, and only then can
+    the allocator hand the memory out again)."""
     allocated = peak = peak_index = 0
     for index, event in enumerate(trace):
         if event["action"] == "alloc":
             allocated += event["size"]
             if allocated > peak:
                 peak, peak_index = allocated, index
-        elif event["action"] == "free_completed":
+        elif event["action"] == "free_requested":
             allocated -= event["size"]
     live: dict[int, Mapping[str, Any]] = {}
     for event in trace[: peak_index + 1]:
         if event["action"] == "alloc":
             live[event["addr"]] = event
-        elif event["action"] == "free_completed":
+        elif event["action"] == "free_requested":
             live.pop(event["addr"], None)
     groups: Counter[str] = Counter()
     counts: Counter[str] = Counter()

@@ -141,9 +141,13 @@ ROWS: tuple[Row, ...] = (
     # Offloaded blocks (trainer/offload.py), 8B QLoRA r16 at micro-batch 1, one H100 (the
     # planner's peak FLOPs are the H200's, the same dense bf16 figure), 2026-12-06:
     # bench/long_context.sh peers, docs/notes/2026-12-06-h100-long-context.log.
+    # The MLP in 4 slices of 8,192 tokens (rules.MIN_MLP_TILES), 08:55 UTC, with --memory-peak's
+    # allocator recording on (docs/notes/2026-12-06-h100-tiles.log); it was 6,308 and 16.27 GiB
+    # in one slice (docs/notes/2026-12-06-h100-long-context.log).
     Row("llama-8b", _mb(1, seq_len=32768, activation_checkpointing=_AC, activation_offload=True,
-                        lora_rank=16, quantize_base="nf4"), 6_308, 0.522, 16.27,
-        f"{LONG} --seq-len 32768 --steps 2 --warmup 1", "2026-12-06", gpu=H100),
+                        lora_rank=16, quantize_base="nf4"), 6_286, 0.520, 10.89,
+        f"{LONG.replace(' --peers unsloth', '')} --seq-len 32768 --steps 2 --warmup 1 --peers '' "
+        "--memory-peak", "2026-12-06", gpu=H100),
     Row("llama-8b", _mb(1, seq_len=131072, activation_checkpointing=_AC, activation_offload=True,
                         lora_rank=16, quantize_base="nf4"), 2_672, 0.639, 24.47,
         f"{LONG} --seq-len 131072 --steps 1 --warmup 1", "2026-12-06", gpu=H100),
@@ -153,15 +157,17 @@ ROWS: tuple[Row, ...] = (
                         lora_rank=16, quantize_base="nf4"), 969.2, 0.646, 51.92,
         f"{LONG.replace(' --peers unsloth', '')} --seq-len 400000 --steps 1 --warmup 0 --peers ''",
         "2026-12-06", gpu=H100),
-    # At seq 4096, micro-batch 2 (bench/long_context.sh short; QLoRA 06:29 UTC, LoRA 06:31 UTC,
-    # after the frozen base was made in bf16: docs/notes/2026-12-06-h100-short-context.log).
+    # At seq 4096, micro-batch 2: QLoRA (one MLP slice: a 4-bit MLP's are 8,192 tokens at least)
+    # beside Unsloth, 08:38 UTC, after a frozen head stopped getting a gradient and the loss's
+    # chunk shrank to a quarter (docs/notes/2026-12-06-h100-short-context-2.log); LoRA in 4 MLP
+    # slices, ours alone, 09:01 UTC (docs/notes/2026-12-06-h100-tiles.log).
     Row("llama-8b", _mb(2, activation_checkpointing=_AC, activation_offload=True, lora_rank=16,
-                        quantize_base="nf4"), 9_569, 0.355, 10.06,
+                        quantize_base="nf4"), 9_800, 0.364, 8.837,
         f"{LONG} --seq-len 4096 --micro-batch 2 --steps 5 --warmup 2", "2026-12-06", gpu=H100),
     Row("llama-8b", _mb(2, activation_checkpointing=_AC, activation_offload=True, lora_rank=16),
-        9_905, 0.368, 19.71,
-        f"{LONG.replace(' --quantize-base nf4', '')} --seq-len 4096 --micro-batch 2 --steps 5 "
-        "--warmup 2", "2026-12-06", gpu=H100),
+        9_998, 0.371, 17.13,
+        f"{LONG.replace(' --quantize-base nf4', '').replace(' --peers unsloth', '')} "
+        "--seq-len 4096 --micro-batch 2 --steps 5 --warmup 2 --peers ''", "2026-12-06", gpu=H100),
 )
 
 # Each family's saved activations (families.Family.activation_extra), one device call on one

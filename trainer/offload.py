@@ -13,7 +13,8 @@ parameter names stay as they were):
   reentrant checkpoint whose saved input lives in CPU memory.
 
 The recomputed MLP is the other large part (8B: four 14,336-wide tensors a token): its
-forward (`_Tiles`) runs it over slices of at most `MLP_TILE_TOKENS` tokens, keeps only its
+forward (`_Tiles`) runs it over slices of at most `MLP_TILE_TOKENS` tokens and at least
+`MIN_MLP_TILES` of them (a 4-bit MLP's no smaller than 8,192 tokens), keeps only its
 input, and in backward runs each slice again with gradients, one slice at a time; without
 gradients (the checkpoint's forward, evaluation) it runs in slices too. Where a family's block
 adds the MLP's output to the residual and reads it nowhere else (`Family.mlp_output_unread`),
@@ -277,12 +278,13 @@ class _Tiles:
     (the module doc); `compute` is the MLP's own forward (compiled, or not)."""
 
     def __init__(self, mlp: torch.nn.Module, compute: Any, tile_tokens: int,
-                 output_unread: bool):
+                 output_unread: bool, min_tile_tokens: int = 1):
         self.mlp = weakref.ref(mlp)
         self.compute, self.tile_tokens, self.output_unread = compute, tile_tokens, output_unread
+        self.min_tile_tokens = min_tile_tokens
 
     def slices(self, rows: int) -> list[slice]:
-        tiles = mlp_tiles(rows, self.tile_tokens)
+        tiles = mlp_tiles(rows, self.tile_tokens, self.min_tile_tokens)
         size = -(-rows // tiles)
         return [slice(start, min(start + size, rows)) for start in range(0, rows, size)]
 
@@ -312,7 +314,8 @@ def _own_forward(module: torch.nn.Module) -> Any:
 
 
 def offload_blocks(blocks: torch.nn.ModuleList, device: torch.device, *, tile_tokens: int,
-                   output_unread: bool, compile_backend: str | None = None) -> HostOffloader:
+                   output_unread: bool, compile_backend: str | None = None,
+                   min_tile_tokens: int = 1) -> HostOffloader:
     """Each block checkpointed whole with its input in CPU memory, its MLP tiled (the module
     doc), sharing one offloader. The forwards are replaced on the instances: parameter names,
     checkpoints and FSDP's wrapping see the same modules as before.
@@ -328,6 +331,6 @@ def offload_blocks(blocks: torch.nn.ModuleList, device: torch.device, *, tile_to
             for name, child in block.named_children():
                 if name != "mlp":
                     child.compile(backend=compile_backend)
-        mlp.forward = _Tiles(mlp, compute, tile_tokens, output_unread)
+        mlp.forward = _Tiles(mlp, compute, tile_tokens, output_unread, min_tile_tokens)
         block.forward = _BlockRun(block, offloader)
     return offloader

@@ -29,6 +29,7 @@ from finetune_contract.rules import (
     MLP_TILE_TOKENS,
     config_problems,
     device_problems,
+    min_mlp_tile_tokens,
     offloads_blocks,
 )
 from trainer.activations import checkpoint_activations, offload_activations
@@ -229,6 +230,7 @@ def apply_parallelism(
         convert_to_float8(blocks, sharded=dims.shard_degree > 1, recipe=config.float8_recipe)
     if offloads_blocks(config):
         offload_blocks(blocks, env.device, tile_tokens=MLP_TILE_TOKENS,
+                       min_tile_tokens=min_mlp_tile_tokens(config),
                        output_unread=family_of(model.config).mlp_output_unread,
                        compile_backend=compile_backend() if config.compile else None)
     else:

@@ -33,11 +33,32 @@ _MODULE_NAME = re.compile(r"^[A-Za-z_]\w*$")
 # over slices of at most this many tokens: 8B's four MLP-wide tensors are then 3.8 GB at most
 # however long the sequence (at 400k tokens, whole: 47 GB).
 MLP_TILE_TOKENS = 32768
+# ... and over at least this many: a block's backward keeps eight MLP-wide tensors of its slice
+# (bench.train --memory-peak, 8B at 8,192 tokens: 1.75 GiB of an 8.8 GiB peak), the lean mode's
+# largest part below 128k tokens. But a 4-bit (QLoRA) MLP's slices are no smaller than
+# QUANTIZED_MLP_MIN_TILE_TOKENS: each slice dequantizes its weights again (8B at 8,192 tokens in 4
+# slices: 9% slower on an H100; dequantizing once for all slices was slower still).
+MIN_MLP_TILES = 4
+QUANTIZED_MLP_MIN_TILE_TOKENS = 8192
 
 
-def mlp_tiles(tokens: int, tile_tokens: int = MLP_TILE_TOKENS) -> int:
-    """How many slices an offloaded block's MLP runs over for `tokens` tokens (at least one)."""
-    return max(1, -(-tokens // tile_tokens))
+def min_mlp_tile_tokens(cfg: TrainConfig) -> int:
+    """The fewest tokens an offloaded MLP's slice keeps: a 4-bit base's, or any number."""
+    return QUANTIZED_MLP_MIN_TILE_TOKENS if cfg.quantize_base != "none" else 1
+
+
+def mlp_tiles(tokens: int, tile_tokens: int = MLP_TILE_TOKENS, min_tile_tokens: int = 1) -> int:
+    """How many slices an offloaded block's MLP runs over for `tokens` tokens: enough that none
+    exceeds `tile_tokens`, at least MIN_MLP_TILES where each keeps `min_tile_tokens`, one at
+    least."""
+    wanted = max(MIN_MLP_TILES, -(-tokens // tile_tokens))
+    return max(1, min(wanted, tokens // min_tile_tokens))
+
+
+def mlp_tile_fraction(cfg: TrainConfig, tokens: int) -> float:
+    """The share of `tokens` one slice holds (the planner's MLP part of an offloaded block)."""
+    smallest = min_mlp_tile_tokens(cfg) / tokens
+    return min(1.0, max(smallest, min(1 / MIN_MLP_TILES, MLP_TILE_TOKENS / tokens)))
 
 
 def offloads_blocks(cfg: TrainConfig) -> bool:

@@ -20,10 +20,11 @@ def test_the_peak_is_the_largest_allocated_total_and_lists_only_what_was_live_th
     trace = [
         event("alloc", 1, 4, WEIGHTS),
         event("alloc", 2, 2, LOSS),        # 6
-        event("free_requested", 2, 2),      # not yet returned: still counted
-        event("free_completed", 2, 2),      # 4
+        event("free_requested", 2, 2),      # 4: no longer allocated (max_memory_allocated)
         event("alloc", 3, 1.5, BLOCK),      # 5.5
+        event("free_completed", 2, 2),      # its memory reusable now: no change
         event("alloc", 4, 1, BLOCK),        # 6.5: the peak
+        event("free_requested", 4, 1),
         event("free_completed", 4, 1),
         event("alloc", 5, 0.25, LOSS),      # after the peak: not listed
     ]

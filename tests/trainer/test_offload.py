@@ -5,10 +5,17 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from finetune_contract.families import FAMILIES, family_of
-from finetune_contract.rules import mlp_tiles
+from finetune_contract.rules import (
+    MLP_TILE_TOKENS,
+    QUANTIZED_MLP_MIN_TILE_TOKENS,
+    min_mlp_tile_tokens,
+    mlp_tile_fraction,
+    mlp_tiles,
+)
 from tests.support.families import family_config
 from trainer.blocks import decoder_blocks
-from trainer.offload import HostBuffers, HostOffloader, offload_blocks
+from trainer.config import load_config
+from trainer.offload import HostBuffers, HostOffloader, _Tiles, offload_blocks
 
 
 def _grads(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -131,9 +138,28 @@ def test_an_offloader_copies_out_and_back_on_a_cpu_device():
     assert offloader.live == []
 
 
-@pytest.mark.parametrize("tokens,tiles", [(1, 1), (32768, 1), (32769, 2), (409_600, 13)])
-def test_mlp_tiles_is_the_ceiling_of_tokens_over_the_tile(tokens, tiles):
+@pytest.mark.parametrize("tokens,tiles,nf4_tiles", [
+    (1, 1, 1), (3, 3, 1), (8192, 4, 1), (16384, 4, 2), (32768, 4, 4), (131_072, 4, 4),
+    (131_073, 5, 5), (409_600, 13, 13)])
+def test_mlp_tiles_is_the_ceiling_of_tokens_over_the_tile_at_least_four_of_8k_for_nf4(
+    tokens, tiles, nf4_tiles
+):
     assert mlp_tiles(tokens) == tiles
+    assert mlp_tiles(tokens, min_tile_tokens=QUANTIZED_MLP_MIN_TILE_TOKENS) == nf4_tiles
+
+
+@pytest.mark.parametrize("quantize_base", ["none", "nf4"])
+@pytest.mark.parametrize("tokens", [8, 8192, 32768, 50_000, 409_600])
+def test_the_planners_mlp_slice_is_the_trainers(quantize_base, tokens):
+    """The planner's share of the tokens one MLP slice holds is what the trainer's slices hold
+    (within the rounding of a ceiling), for LoRA and 4-bit bases, short and long."""
+    cfg = load_config(None, {"activation_checkpointing": "full", "activation_offload": True,
+                             "lora_rank": 4, "quantize_base": quantize_base})
+    tiles = mlp_tiles(tokens, min_tile_tokens=min_mlp_tile_tokens(cfg))
+    largest = max(s.stop - s.start for s in _Tiles(torch.nn.Linear(1, 1), None, MLP_TILE_TOKENS,
+                                                  True, min_mlp_tile_tokens(cfg)).slices(tokens))
+    assert largest == -(-tokens // tiles)
+    assert mlp_tile_fraction(cfg, tokens) == pytest.approx(largest / tokens, rel=0.07)
 
 
 def test_an_offloaded_block_refuses_a_kv_cache():
