@@ -359,7 +359,8 @@ PARAMETERS: tuple[Parameter, ...] = (
     P('strategy', 'FULL_SHARD', 'Parallelism', 'Sharding strategy',
       'FSDP2 sharding: FULL_SHARD (params, grads, optimizer state sharded), SHARD_GRAD_OP '
       '(params kept after forward), HYBRID_SHARD (shard within a group, replicate across), '
-      'NO_SHARD (replicate, like DDP).',
+      'NO_SHARD (replicate, like DDP). On one GPU no FSDP runs (bf16 copies of fp32 masters; '
+      'FULL_SHARD and HYBRID_SHARD free each block\'s copies after use).',
       choices=STRATEGIES,
       display={'FULL_SHARD': 'FULL_SHARD (ZeRO-3)', 'SHARD_GRAD_OP': 'SHARD_GRAD_OP (ZeRO-2)',
                'HYBRID_SHARD': 'HYBRID_SHARD (HSDP)', 'NO_SHARD': 'NO_SHARD (replicate)'}),

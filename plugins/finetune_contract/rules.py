@@ -37,7 +37,7 @@ MLP_TILE_TOKENS = 32768
 # (bench.train --memory-peak, 8B at 8,192 tokens: 1.75 GiB of an 8.8 GiB peak), the lean mode's
 # largest part below 128k tokens. But a 4-bit (QLoRA) MLP's slices are no smaller than
 # QUANTIZED_MLP_MIN_TILE_TOKENS: each slice dequantizes its weights again (8B at 8,192 tokens in 4
-# slices: 9% slower on an H100; dequantizing once for all slices was slower still).
+# slices: 7% slower on an H100; dequantizing once for all slices was slower still).
 MIN_MLP_TILES = 4
 QUANTIZED_MLP_MIN_TILE_TOKENS = 8192
 
