@@ -80,6 +80,9 @@ def live_at_peak(trace: list[Mapping[str, Any]], top: int = 15) -> dict[str, Any
     return {
         "peak_gib": round(peak / GIB, 3),
         "events": len(trace),
+        # the record keeps the last MAX_ENTRIES events: a longer run lost its first ones (the
+        # weights' allocations among them), and its peak and list are then wrong
+        "truncated": len(trace) >= MAX_ENTRIES,
         "live": [{"gib": round(size / GIB, 3), "blocks": counts[key], "where": key}
                  for key, size in groups.most_common(top)],
     }

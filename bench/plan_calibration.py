@@ -51,6 +51,10 @@ def _mb(n: int, **more: Any) -> dict[str, Any]:
 
 
 _FS = "FULL_SHARD"
+# FULL_SHARD on one GPU ran FSDP at one rank until 2026-12-06; it now runs without FSDP (its
+# blocks' compute copies made and freed per block, trainer/master_weights.py): the same memory
+# by the planner's parts, its time without FSDP's per-layer cost. Not re-measured yet.
+FSDP_ONE = "FSDP at one rank, as FULL_SHARD ran on one GPU then"
 _AC = "full"
 OLD = "older version, about 2% slower"
 # docs/trainer.md's scaling and long-sequence tables give no date (measured before
@@ -68,7 +72,8 @@ ROWS: tuple[Row, ...] = (
     Row("llama-3b", _mb(4), 24_790, 0.589, 84.7, f"{BENCH} --models 3b --micro-batch 4",
         "2026-11-29"),
     Row("llama-8b", _mb(2, strategy=_FS, activation_checkpointing=_AC), 8_461, 0.440, 123.6,
-        f"{BENCH} --models 8b --micro-batch 2 --ac full --strategy FULL_SHARD", "2026-11-29"),
+        f"{BENCH} --models 8b --micro-batch 2 --ac full --strategy FULL_SHARD", "2026-11-29",
+        note=FSDP_ONE),
     Row("llama-3b", _mb(4, grad_accum=4), 25_990, 0.618, 96.7,
         f"{BENCH} --steps 6 --warmup 3 --models 3b --micro-batch 4 --grad-accum 4", "2026-12-01"),
     Row("llama-3b", _mb(8), 26_050, 0.619, 123.7,
@@ -83,11 +88,11 @@ ROWS: tuple[Row, ...] = (
         f"{BENCH} --models 3b --micro-batch 4 --float8 --float8-recipe rowwise", "2026-12-01"),
     Row("llama-8b", _mb(2, strategy=_FS, activation_checkpointing=_AC, float8=True), 10_820,
         None, 123.6, f"{BENCH} --models 8b --micro-batch 2 --ac full --strategy FULL_SHARD "
-        "--float8", "2026-12-01"),
+        "--float8", "2026-12-01", note=FSDP_ONE),
     Row("llama-8b", _mb(2, strategy=_FS, activation_checkpointing=_AC, float8=True,
                         float8_recipe="rowwise"), 9_586, None, 123.6,
         f"{BENCH} --models 8b --micro-batch 2 --ac full --strategy FULL_SHARD --float8 "
-        "--float8-recipe rowwise", "2026-12-01"),
+        "--float8-recipe rowwise", "2026-12-01", note=FSDP_ONE),
     Row("llama-3b", _mb(1, seq_len=32768, strategy=_FS, activation_checkpointing=_AC,
                         tp_degree=2), 10_010, 0.537, 26.6,
         TORCHRUN.format(gpus=2) + " --models 3b --seq-len 32768 --micro-batch 1 --ac full "
@@ -96,7 +101,7 @@ ROWS: tuple[Row, ...] = (
         0.601, 29.8, TORCHRUN.format(gpus=2) + " --models 3b --seq-len 32768 --micro-batch 1 "
         "--ac full --strategy FULL_SHARD --tp-degree 1", UNDATED, gpus=2),
     Row("llama-3b", _mb(4, strategy=_FS), 24_160, 0.574, 79.5,
-        f"{BENCH} --models 3b --micro-batch 4 --strategy FULL_SHARD", UNDATED),
+        f"{BENCH} --models 3b --micro-batch 4 --strategy FULL_SHARD", UNDATED, note=FSDP_ONE),
     Row("llama-3b", _mb(4, strategy=_FS), 23_750, 0.565, 61.7,
         TORCHRUN.format(gpus=2) + " --models 3b --micro-batch 4 --strategy FULL_SHARD",
         UNDATED, gpus=2),
@@ -124,10 +129,10 @@ ROWS: tuple[Row, ...] = (
     # between, and the accumulation rows of issue 21's targets.
     Row("llama-8b", _mb(2, strategy=_FS), 9_653, 0.502, 130.0,
         f"{BENCH} --steps 5 --warmup 2 --models 8b --micro-batch 2 --strategy FULL_SHARD "
-        "--ac none", "2026-12-01"),
+        "--ac none", "2026-12-01", note=FSDP_ONE),
     Row("llama-8b", _mb(2, strategy=_FS, activation_checkpointing="selective"), 9_856, 0.513,
         123.6, f"{BENCH} --steps 5 --warmup 2 --models 8b --micro-batch 2 --strategy FULL_SHARD "
-        "--ac selective", "2026-12-01"),
+        "--ac selective", "2026-12-01", note=FSDP_ONE),
     Row("llama-3b", _mb(4, grad_accum=4), 26_340, 0.626, 96.69,
         f"{BENCH} --steps 5 --warmup 2 --models 3b --micro-batch 4 --grad-accum 4", "2026-12-01"),
     Row("llama-1b", _mb(8, grad_accum=4), 66_250, 0.605, 61.97,

@@ -130,6 +130,8 @@ def linear_cross_entropy_sum(
     """
     if chunk_tokens is None:
         chunk_tokens = max(1, LOGITS_PER_CHUNK // weight.shape[0])
+    if not torch.is_grad_enabled():  # the Function's needs_input_grad ignores the grad mode
+        hidden, weight = hidden.detach(), weight.detach()
     result = _LinearCrossEntropy.apply(
         hidden.contiguous(), weight, labels.contiguous(), ignore_index, chunk_tokens, cap
     )

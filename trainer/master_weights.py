@@ -186,6 +186,7 @@ class MasterWeights:
             return
         self._bind()
         masters = self.masters = [p.data for p in self.params]
+        resharded = {i for indices in self.block_params for i in indices}
         stale = [i for i, p in enumerate(self.params) if p._version != self.versions[i]]
         for i in stale:
             if (self.copies[i] is None and masters[i].dtype == self.dtype
@@ -193,8 +194,9 @@ class MasterWeights:
                 self.copies[i] = masters[i]  # a frozen weight made in the compute dtype
             elif self.copies[i] is None:
                 self.copies[i] = torch.empty_like(masters[i], dtype=self.dtype)
-        resharded = {i for indices in self.block_params for i in indices}
-        for i in resharded:  # made by their block's forward (_make)
+                if i in resharded:  # made by its block's forward (_make): freed at once
+                    _free(self.copies[i])
+        for i in resharded:  # any left by a step that stopped midway
             _free(self.copies[i])
         self.made = [False] * len(self.blocks)
         self.backward_block = None
@@ -209,13 +211,13 @@ class MasterWeights:
             self.grads[i] = param.grad  # fp32 from an earlier micro batch: accumulated onto
             param.grad = None
             param.data = self.copies[i]
-        if torch.is_grad_enabled():  # a backward may follow: the fused GEMMs' fp32 gradients
-            for i, module in self.fused:
-                if self.grads[i] is None:
-                    self.grads[i] = torch.zeros_like(masters[i], dtype=torch.float32)
-                module.grad_into = self.grads[i]
-        self.active = True
-        try:
+        try:  # from here on, whatever fails puts the masters and their gradients back
+            if torch.is_grad_enabled():  # a backward may follow: the fused GEMMs' fp32 gradients
+                for i, module in self.fused:
+                    if self.grads[i] is None:
+                        self.grads[i] = torch.zeros_like(masters[i], dtype=torch.float32)
+                    module.grad_into = self.grads[i]
+            self.active = True
             yield
         finally:
             self.active = False

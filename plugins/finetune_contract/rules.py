@@ -56,9 +56,10 @@ def mlp_tiles(tokens: int, tile_tokens: int = MLP_TILE_TOKENS, min_tile_tokens: 
 
 
 def mlp_tile_fraction(cfg: TrainConfig, tokens: int) -> float:
-    """The share of `tokens` one slice holds (the planner's MLP part of an offloaded block)."""
-    smallest = min_mlp_tile_tokens(cfg) / tokens
-    return min(1.0, max(smallest, min(1 / MIN_MLP_TILES, MLP_TILE_TOKENS / tokens)))
+    """The share of `tokens` the largest slice holds (the planner's MLP part of an offloaded
+    block): the trainer's slices (trainer/offload.py), rounded as they are."""
+    tiles = mlp_tiles(tokens, MLP_TILE_TOKENS, min_mlp_tile_tokens(cfg))
+    return -(-tokens // tiles) / tokens
 
 
 def offloads_blocks(cfg: TrainConfig) -> bool:

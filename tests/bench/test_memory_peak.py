@@ -29,7 +29,7 @@ def test_the_peak_is_the_largest_allocated_total_and_lists_only_what_was_live_th
         event("alloc", 5, 0.25, LOSS),      # after the peak: not listed
     ]
     result = live_at_peak(trace)
-    assert result["peak_gib"] == 6.5
+    assert result["peak_gib"] == 6.5 and not result["truncated"]
     assert result["live"] == [
         {"gib": 4.0, "blocks": 1, "where": "trainer/model.py:5 materialize"},
         {"gib": 2.5, "blocks": 2, "where": "trainer/offload.py:200 backward"},

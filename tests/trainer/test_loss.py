@@ -91,6 +91,28 @@ def test_a_frozen_input_gets_no_gradient_computed_so_a_frozen_head_costs_no_gemm
     assert (w if frozen == "weight" else h).grad is None
 
 
+def test_without_grad_mode_the_loss_runs_one_gemm_a_chunk_even_on_trained_inputs():
+    """Evaluation and DPO's reference scoring run under no_grad on weights that train: no
+    gradient buffers, no gradient GEMMs (a Function's needs_input_grad ignores the mode)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Gemms(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm,
+                                       torch.ops.aten.addmm_):
+                Gemms.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    h, w, labels = random_problem(torch.float32)
+    h, w = h.requires_grad_(), w.requires_grad_()
+    with torch.no_grad(), Gemms():
+        loss = linear_cross_entropy_sum(h, w, labels, chunk_tokens=8)
+    assert Gemms.calls == -(-h.shape[0] // 8)
+    torch.testing.assert_close(loss, plain_loss_and_grads(h, w, labels)[0])
+
+
 def test_offloaded_blocks_take_a_quarter_of_the_loss_chunk_which_the_trainer_and_planner_share():
     from finetune_contract.rules import loss_chunk_tokens
     from finetune_contract.throughput import LOGITS_PER_CHUNK

@@ -353,3 +353,20 @@ def test_full_shard_at_one_rank_holds_a_blocks_copies_only_while_it_runs_to_the_
     assert evaluate(model, data[-2:], world_of_one.device) == kept[2]
     assert seen and max(seen) <= 2
     assert 1 in seen  # a block alone in forward
+
+
+def test_a_failure_entering_compute_weights_puts_the_fp32_masters_back(world_of_one, monkeypatch):
+    """The fused GEMMs' fp32 gradients are allocated on entry (the first micro batch): if that
+    runs out of memory, the parameters are the fp32 masters again, none left as a freed copy."""
+    model, _, _ = build(world_of_one, strategy="FULL_SHARD", mixed_precision="bf16",
+                        grad_accum=2)
+    masters = [p.data for p in model.parameters()]
+
+    def out_of_memory(*_, **__):
+        raise torch.OutOfMemoryError("no memory for the fused gradients")
+
+    monkeypatch.setattr("trainer.master_weights.torch.zeros_like", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError), compute_weights(model):
+        pass
+    assert [p.data.data_ptr() for p in model.parameters()] == [m.data_ptr() for m in masters]
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
