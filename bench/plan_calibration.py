@@ -143,6 +143,31 @@ ROWS: tuple[Row, ...] = (
     Row("llama-8b", _mb(2, strategy=_FS, activation_checkpointing=_AC), 8_535, 0.444, 35.0,
         TORCHRUN.format(gpus=4) + " --models 8b --micro-batch 2 --ac full --strategy FULL_SHARD",
         UNDATED, gpus=4, note="the version before"),
+    # float8 beside torchtitan's, one H100, 2026-12-06 (bench/float8.sh titan, ours' rows:
+    # docs/notes/2026-12-06-h100-float8-titan.log), and float8's loss check at micro-batch 1
+    # (bench/float8.sh loss: 202 steps of the demo tokens;
+    # docs/notes/2026-12-06-h100-float8-loss.log).
+    Row("llama-3b", _mb(2, grad_accum=2, float8=True), 27_690, None, 70.95,
+        f"{BENCH} --models 3b --micro-batch 2 --grad-accum 2 --float8 --float8-recipe tensorwise "
+        "--peers titan --steps 8 --warmup 3", "2026-12-06", gpu=H100),
+    Row("llama-3b", _mb(2, grad_accum=2, float8=True, float8_recipe="rowwise"), 23_390, None,
+        70.95, f"{BENCH} --models 3b --micro-batch 2 --grad-accum 2 --float8 --float8-recipe "
+        "rowwise --peers titan --steps 8 --warmup 3", "2026-12-06", gpu=H100),
+    Row("llama-1b", _mb(4, float8=True), 66_190, None, 32.51,
+        f"{BENCH} --models 1b --micro-batch 4 --float8 --float8-recipe tensorwise --peers titan "
+        "--steps 10 --warmup 3", "2026-12-06", gpu=H100),
+    Row("llama-1b", _mb(4, float8=True, float8_recipe="rowwise"), 57_270, None, 32.51,
+        f"{BENCH} --models 1b --micro-batch 4 --float8 --float8-recipe rowwise --peers titan "
+        "--steps 10 --warmup 3", "2026-12-06", gpu=H100),
+    Row("llama-1b", _mb(1), 45_430, 0.4146, 23.34,
+        f"{BENCH} --models 1b --micro-batch 1 --tokens demo --steps 200 --warmup 2",
+        "2026-12-06", gpu=H100),
+    Row("llama-1b", _mb(1, float8=True), 42_960, None, 21.84,
+        f"{BENCH} --models 1b --micro-batch 1 --tokens demo --steps 200 --warmup 2 --float8 "
+        "--float8-recipe tensorwise", "2026-12-06", gpu=H100),
+    Row("llama-1b", _mb(1, float8=True, float8_recipe="rowwise"), 37_490, None, 21.84,
+        f"{BENCH} --models 1b --micro-batch 1 --tokens demo --steps 200 --warmup 2 --float8 "
+        "--float8-recipe rowwise", "2026-12-06", gpu=H100),
     # Offloaded blocks (trainer/offload.py), 8B QLoRA r16 at micro-batch 1, one H100 (the
     # planner's peak FLOPs are the H200's, the same dense bf16 figure), 2026-12-06:
     # bench/long_context.sh peers, docs/notes/2026-12-06-h100-long-context.log.

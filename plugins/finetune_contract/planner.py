@@ -39,6 +39,7 @@ from finetune_contract.rules import (
     selective_every,
 )
 from finetune_contract.throughput import (
+    MEMORY_BANDWIDTH_BY_DEVICE,
     PEAK_FLOPS_BY_DEVICE,
     flops_per_token,
     parameter_count,
@@ -51,7 +52,7 @@ AUTO = "auto"
 # (tests/bench/test_plan_calibration.py fails when it is exceeded), and what a GPU holds outside
 # the allocator's peak (CUDA context, NCCL's buffers): a run fits when its estimate, this much
 # larger, and that, fit.
-MEMORY_ERROR = 0.025  # the 70B QLoRA row: 1 GiB over at 48.8 (2.0%)
+MEMORY_ERROR = 0.03  # 1B float8 at micro-batch 1 on the H100: 2.6% over (the 70B QLoRA row 2.0%)
 # Offloaded blocks (trainer/offload.py): five rows from 4k to 400k tokens, 3.7% the largest
 # (OFFLOAD_HIDDEN): a run in that mode is planned with this margin; past the longest measured
 # row it grows in proportion to the tokens (an extrapolation: 13.1% at 1,048,576 tokens).
@@ -94,8 +95,10 @@ OFFLOAD_IN_FLIGHT = 2
 # alone); the constants fit the totals, not that split.
 OFFLOAD_HIDDEN, OFFLOAD_MLP = 11.6, 3.2
 # Share of the offloaded block inputs' copies (out in forward, in during backward, on side
-# streams a block ahead) the compute does not hide: fitted to the same five rows' tokens/s.
-OFFLOAD_EXPOSED = 0.25
+# streams a block ahead) the compute does not hide: fitted to the same five rows' tokens/s,
+# none once the H100's memory-bound work is timed at its own bandwidth (it was 0.25 with the
+# H200's; the rows are within 4.6%).
+OFFLOAD_EXPOSED = 0.0
 # Fractions of the dense bf16 peak the kernels reach on the H200 (docs/trainer.md "Where the
 # time goes":
 # GEMMs 707 TFLOP/s; cuDNN attention 365 at head dim 128, 286 at 64, real causal FLOPs, which
@@ -123,8 +126,11 @@ ATTENTION_SEQ_EXPONENT, ATTENTION_SEQ_CAP = 0.15, 1.4
 # capped rate says). Why is not measured (the clocks under minutes of sustained load, or the
 # kernel).
 ATTENTION_LONG_EXPONENT = 0.055
+# The HBM bandwidth the memory-bound constants below were fitted at (the H200's); on another GPU
+# their time scales by this over its bandwidth (Hardware.memory_time_factor).
+REFERENCE_BANDWIDTH = 4.8e12
 # Elementwise kernels (norms, SiLU, RoPE, residuals, the loss's pass) and the GPU's idle 2%, per
-# second of GEMM time (11% of the 1B and 3B steps, where GEMMs are 64-69%).
+# second of bf16 GEMM time (11% of the 1B and 3B steps, where GEMMs are 64-69%).
 ELEMENTWISE_PER_GEMM = 0.16
 # Kernel launches and small work per block and micro-batch, whatever its size (the fit of
 # micro-batch 4 against 8 on 1B and 3B).
@@ -142,9 +148,15 @@ OPTIMIZER_S_PER_PARAM = 1.1e-11
 LORA_S_PER_ELEMENT = 2.8e-12
 # FSDP's per-block work at any world size (casts, copy-in/out): 3B FULL_SHARD vs no FSDP, one GPU.
 FSDP_S_PER_LAYER = 0.5e-3
-# float8 block matmuls take this share of their bf16 time (3B micro-batch 4 tensorwise 1.20x,
-# rowwise 1.05x; the 8B full-AC rows check it).
-FLOAT8_GEMM_TIME = {"tensorwise": 0.69, "rowwise": 0.86}
+# float8 block matmuls take this share of their bf16 time; their activations' casts, amax
+# reductions and scaling (memory bound, at the H200's bandwidth) this much per second of bf16
+# block GEMM time; and the weights' casts, each pass of each micro-batch, this per parameter.
+# Fitted to the ten float8 rows (H200: 3B micro-batch 4, 8B full AC; H100: 3B 2 x 2, 1B at
+# micro-batch 4 and 1), the largest error the least: tensorwise 6.6%, rowwise 8.1%. Before the
+# H100's own bandwidth and the weights' term, 1B at micro-batch 1 was 14% and 22% over.
+FLOAT8_GEMM_TIME = {"tensorwise": 0.58, "rowwise": 0.50}
+FLOAT8_CAST_PER_GEMM = {"tensorwise": 0.0, "rowwise": 0.26}
+FLOAT8_WEIGHT_CAST_S_PER_PARAM = {"tensorwise": 4e-12, "rowwise": 4e-12}
 # Host-device copies (activation offload, cpu_offload) over PCIe, bytes per second a direction:
 # Gen4 x16's 25 GB/s at the 80% instance_types assumes of a link ([LINE]).
 PCIE_BYTES_PER_S = 0.8 * 25e9
@@ -174,12 +186,22 @@ class Hardware:
     busbw_inter_gbps: float | None = None
     name: str = "GPU"
     node_memory_gib: float | None = None  # CPU memory a node's pod may use (offloaded inputs)
+    memory_bandwidth: float | None = None  # bytes/s; None: the H200's, as fitted
 
     @classmethod
     def of_gpu(cls, gpu_model: str, gpu_memory_gib: float | None, **links: Any) -> Hardware:
-        """From a GPU's model name: its dense bf16 peak where the contract knows one."""
+        """From a GPU's model name: its dense bf16 peak and memory bandwidth where the contract
+        knows them."""
         peak = next((f for key, f in PEAK_FLOPS_BY_DEVICE.items() if key in gpu_model), None)
-        return cls(gpu_memory_gib, peak, name=gpu_model, **links)
+        bandwidth = next((b for key, b in MEMORY_BANDWIDTH_BY_DEVICE.items()
+                          if key in gpu_model), None)
+        return cls(gpu_memory_gib, peak, name=gpu_model, memory_bandwidth=bandwidth, **links)
+
+    @property
+    def memory_time_factor(self) -> float:
+        """How much longer memory-bound work takes here than on the H200 the constants were
+        fitted on (its bandwidth over this GPU's)."""
+        return REFERENCE_BANDWIDTH / (self.memory_bandwidth or REFERENCE_BANDWIDTH)
 
 
 @dataclass(frozen=True)
@@ -430,15 +452,24 @@ def _step_time(cfg: TrainConfig, config: Any, hardware: Hardware, layout: Parall
     block_flops *= 1 + recomputed * 2 / per_param
     attention_flops *= 1 + recomputed / 3
     gemm = block_flops * (FLOAT8_GEMM_TIME[cfg.float8_recipe] if cfg.float8 else 1) + head_flops
+    # the elementwise work goes with the bf16 matmuls' (float8 makes the GEMMs faster, not it);
+    # float8's casts and scales are memory bound as it is
+    memory = hardware.memory_time_factor
+    elementwise = (block_flops + head_flops) / GEMM_EFFICIENCY * ELEMENTWISE_PER_GEMM
+    if cfg.float8:
+        elementwise += block_flops / GEMM_EFFICIENCY * FLOAT8_CAST_PER_GEMM[cfg.float8_recipe]
+        # the weights' casts, whatever the tokens: each micro-batch, each pass
+        elementwise += (FLOAT8_WEIGHT_CAST_S_PER_PARAM[cfg.float8_recipe] * counts["blocks"]
+                        * (2 + recomputed) * hardware.peak_flops)
     attention = ATTENTION_EFFICIENCY.get(head_dim, ATTENTION_EFFICIENCY[128]) * min(
         ATTENTION_SEQ_CAP, (cfg.seq_len / 4096) ** ATTENTION_SEQ_EXPONENT)
     capped_from = 4096 * ATTENTION_SEQ_CAP ** (1 / ATTENTION_SEQ_EXPONENT)
     attention /= max(1.0, cfg.seq_len / capped_from) ** ATTENTION_LONG_EXPONENT
-    compute = (gemm / GEMM_EFFICIENCY * (1 + ELEMENTWISE_PER_GEMM)
+    compute = (gemm / GEMM_EFFICIENCY + elementwise * memory
                + attention_flops / attention) / hardware.peak_flops + LAUNCH_S_PER_LAYER * layers
     if cfg.activation_checkpointing == "selective" and selective_every(cfg.selective_ac) is None:
         # per op: the elementwise work of forward runs again (a third of it)
-        compute += gemm / GEMM_EFFICIENCY * ELEMENTWISE_PER_GEMM / 3 / hardware.peak_flops
+        compute += elementwise * memory / 3 / hardware.peak_flops
     if not no_fsdp:
         compute += FSDP_S_PER_LAYER * layers
     if cfg.activation_offload:  # saved activations out in forward and back in backward
@@ -447,11 +478,12 @@ def _step_time(cfg: TrainConfig, config: Any, hardware: Hardware, layout: Parall
         exposed = OFFLOAD_EXPOSED if offloads_blocks(cfg) else COMM_EXPOSED
         compute += 2 * saved * tokens / PCIE_BYTES_PER_S * exposed
     if lora:  # the adapters' own passes, memory bound: per token, each adapted Linear's widths
-        compute += LORA_S_PER_ELEMENT * tokens * lora / cfg.lora_rank * (1 + recomputed / 3)
+        compute += (LORA_S_PER_ELEMENT * tokens * lora / cfg.lora_rank * (1 + recomputed / 3)
+                    * memory)
     if quantized:  # dequantized for forward, backward and any recompute
-        compute += NF4_DEQUANT_S_PER_PARAM * quantized * (2 + recomputed)
+        compute += NF4_DEQUANT_S_PER_PARAM * quantized * (2 + recomputed) * memory
     shard = layout.param_shards
-    optimizer = OPTIMIZER_S_PER_PARAM * trained / max(1, shard)
+    optimizer = OPTIMIZER_S_PER_PARAM * trained / max(1, shard) * memory
     if cfg.cpu_offload:  # the step on the CPU; parameters in, gradients out every micro-batch
         optimizer = CPU_OPTIMIZER_S_PER_PARAM * trained / max(1, shard)
         compute += (2 * params + 4 * trained) / max(1, shard) / PCIE_BYTES_PER_S

@@ -21,6 +21,11 @@ from finetune_contract.families import parameter_count as parameter_count
 
 # Dense bf16 peak per device (no sparsity), by a substring of the CUDA device name.
 PEAK_FLOPS_BY_DEVICE = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+# HBM bandwidth per device, bytes per second, by a substring of the name (the more specific
+# first): what memory-bound kernels (elementwise, casts, the optimizer) run at. NVIDIA's
+# published figures for the SXM parts the instance types carry.
+MEMORY_BANDWIDTH_BY_DEVICE = {"H200": 4.8e12, "H100": 3.35e12, "A100-SXM4-80GB": 2.04e12,
+                              "A100": 1.555e12}
 # The chunked loss's logits per chunk (trainer/loss.py): 2**29 elements is 4k tokens of a 128k
 # vocabulary, 1 GB in bf16; the planner counts its memory. Offloaded blocks (the lean mode, whose
 # peak is the loss's chunk or a block's backward, whichever is larger) take a quarter: 1k tokens.

@@ -21,11 +21,13 @@ from finetune_contract.planner import (
 from finetune_contract.train_config import TrainConfig
 
 H200 = hardware_of(INSTANCE_TYPES["p5e.48xlarge"])
+# each row on the GPU it was measured on: an instance type of that GPU
+HARDWARE = {profile.gpu_model: hardware_of(profile) for profile in INSTANCE_TYPES.values()}
 
 
 def _estimate_of(row):
     return estimate(TrainConfig(**row.config), world_size=row.gpus, local_world_size=row.gpus,
-                    hardware=H200)
+                    hardware=HARDWARE[row.gpu])
 
 
 def _errors(measured: str, estimated: str, relative_to_stated: bool = False
