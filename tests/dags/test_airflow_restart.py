@@ -33,9 +33,10 @@ DAG_ID = "llm_finetune"
 RUN = {"preset": "tiny-local", "procs_per_node": 1, "eval_interval": 0,
        "checkpoint_interval": 0, "warmup_steps": 2}
 SHORT_STEPS = 100  # ends during the outage; still training at the kill
-# Still training when the second outage's retry comes, some 150 s after its start (14 steps/s
-# beside the other runs on 2 CPU cores; 4000 steps ran 140 s past it, 2026-12-04).
-LONG_STEPS = 3000
+# Still training when the second outage's retry comes, some 150 s after its start: 14 steps/s
+# beside the image build on 2 CPU cores (4000 steps ran 140 s past it, 2026-12-04), but alone,
+# with no other DAG's training beside it (2026-12-06), 3000 steps ended before it.
+LONG_STEPS = 7000
 API_SERVER_LATE_S = 15  # the retries queued meanwhile wait 3, 6, 12 s
 # Short enough for a test: a dead scheduler's tasks are reset 10 s after its last heartbeat, a
 # task whose supervisor died is failed 30 s after its last heartbeat (sent every 5 s; Airflow's
@@ -50,6 +51,10 @@ ENV = {
     "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_SEC": "5",
     "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "30",
     "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "5",
+    # Only the DAG under test runs (unpaused below): the scheduled retraining DAG's latest cron
+    # point would otherwise train beside it and be cut off, its etcd left running, when the test
+    # stops Airflow.
+    "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "True",
 }
 
 
@@ -59,6 +64,8 @@ def airflow(tmp_path_factory):
     try:
         server.start()
         server.wait_for_dags(DAG_ID)
+        status, dag = server.api.call("PATCH", f"/api/v2/dags/{DAG_ID}", {"is_paused": False})
+        assert status == 200, dag
         yield server
     finally:
         server.stop()
@@ -184,6 +191,9 @@ def test_runs_survive_the_scheduler_then_every_component_killed_during_train(
         assert states[run.run_id] == "success", task_instances(airflow, run.run_id)
         assert_ran_once_and_left_nothing(airflow, run)
     assert task_instances(airflow, long.run_id)["train"]["try_number"] >= 3  # one per outage
+    # nothing else ran in this Airflow (another DAG's run would be cut off at the test's end)
+    others = {r["dag_id"] for r in airflow.api.get("/api/v2/dags/~/dagRuns")["dag_runs"]}
+    assert others == {DAG_ID}, others
 
 
 def assert_ran_once_and_left_nothing(airflow: Airflow, run: Run) -> None:
