@@ -44,10 +44,13 @@ from bench import memory_peak
 from bench.family_shapes import FAMILY_SHAPES
 from bench.titan import titan_problem, titan_step_runner
 from bench.unsloth import unsloth_problem
+from finetune_contract.data import IGNORE_INDEX
 from finetune_contract.fields import ATTENTION, LORA_TARGET_MODULES, QUANTIZE_BASE
 from finetune_contract.models import BUILTIN_MODELS
 from finetune_contract.rules import lora_module_names, loss_chunk_tokens
 from finetune_contract.throughput import flops_per_token, mfu
+from trainer.attention import runs_varlen
+from trainer.batch import Batch
 from trainer.config import TrainConfig
 from trainer.float8 import check_float8_device, precompute_float8_scales
 from trainer.lora import apply_lora
@@ -125,6 +128,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--tokens", choices=["random", "demo"], default="random",
                         help="demo: the demo instructions, and every step's loss in the line")
+    parser.add_argument("--packing", action="store_true",
+                        help="ours: rows packed from documents whose positions restart (demo: "
+                        "each instruction; random: lengths drawn between DOCUMENT_TOKENS), no "
+                        "loss across their bounds; sdpa masks them, fa4 runs its varlen kernel")
     args = parser.parse_args(argv)
     args.models = [SHORT_NAMES.get(m, m) for m in args.models.split(",") if m]
     unknown = [m for m in args.models
@@ -141,6 +148,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     bad = [p for p in args.peers if p not in PEERS]
     if bad:
         parser.error(f"unknown --peers {', '.join(bad)}; choose from {', '.join(PEERS)}")
+    if args.packing and args.peers:
+        parser.error("--packing runs ours only: pass --no-hf --peers ''")
     return args
 
 
@@ -157,6 +166,15 @@ def bench_batches(vocab: int, args: argparse.Namespace, device: torch.device) ->
     shape = (args.warmup + args.steps, args.grad_accum, args.micro_batch, args.seq_len)
     if args.tokens == "random":
         return torch.randint(0, vocab, shape, generator=generator).to(device)
+    documents = demo_documents(vocab, args.seed)
+    ids = [token for document in documents for token in document]
+    needed = torch.Size(shape).numel()
+    stream = torch.tensor(ids).repeat(-(-needed // len(ids)))[:needed]
+    return stream.view(shape).to(device)
+
+
+def demo_documents(vocab: int, seed: int) -> list[list[int]]:
+    """The demo instructions' token ids, one list per row, in the seed's order."""
     from tokenizers import Tokenizer
 
     from trainer.demo import DEMO_DATASET, DEMO_TOKENIZER
@@ -166,14 +184,42 @@ def bench_batches(vocab: int, args: argparse.Namespace, device: torch.device) ->
         raise ValueError(f"--tokens demo: the demo tokenizer's {tokenizer.get_vocab_size()} ids "
                          f"exceed the model's vocabulary of {vocab}")
     rows = [json.loads(line) for line in DEMO_DATASET.read_text().splitlines() if line]
-    order = torch.randperm(len(rows), generator=generator).tolist()
-    ids: list[int] = []
-    for encoding in tokenizer.encode_batch(
-            [f"{rows[i]['prompt']}\n{rows[i]['response']}" for i in order]):
-        ids.extend(encoding.ids)
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
+    return [encoding.ids for encoding in tokenizer.encode_batch(
+        [f"{rows[i]['prompt']}\n{rows[i]['response']}" for i in order])]
+
+
+# --packing --tokens random: each document's length, drawn uniformly between these (tokens).
+DOCUMENT_TOKENS = (128, 2048)
+
+
+def bench_positions(vocab: int, args: argparse.Namespace, device: torch.device
+                    ) -> torch.Tensor | None:
+    """--packing: position ids for bench_batches' tokens (its shape), restarting at 0 where a
+    document starts. demo: each instruction is a document, as bench_batches joins them; random:
+    lengths drawn from DOCUMENT_TOKENS. A document cut by a row's end goes on in the next row
+    from position 0, as the data pipeline's packing cuts one. None without --packing."""
+    if not args.packing:
+        return None
+    shape = (args.warmup + args.steps, args.grad_accum, args.micro_batch, args.seq_len)
     needed = torch.Size(shape).numel()
-    stream = torch.tensor(ids).repeat(-(-needed // len(ids)))[:needed]
-    return stream.view(shape).to(device)
+    if args.tokens == "demo":
+        lengths = [len(document) for document in demo_documents(vocab, args.seed)]
+    else:
+        generator = torch.Generator().manual_seed(args.seed + 1)
+        lengths = torch.randint(DOCUMENT_TOKENS[0], DOCUMENT_TOKENS[1] + 1,
+                                (needed // DOCUMENT_TOKENS[0] + 1,), generator=generator).tolist()
+    starts = torch.zeros(sum(lengths), dtype=torch.bool)
+    starts[torch.tensor([0, *lengths[:-1]]).cumsum(0)] = True
+    starts = starts.repeat(-(-needed // len(starts)))[:needed].view(-1, args.seq_len)
+    starts[:, 0] = True
+    return document_positions(starts).view(shape).to(device)
+
+
+def document_positions(starts: torch.Tensor) -> torch.Tensor:
+    """Each token's position in its document, from where documents start (bool, rows x seq)."""
+    index = torch.arange(starts.shape[-1]).expand_as(starts)
+    return index - torch.where(starts, index, 0).cummax(-1).values
 
 
 def synchronize(device: torch.device) -> None:
@@ -312,13 +358,29 @@ def run_trainer(
     optimizer = build_optimizer(model, config, env.device)
     loss_sum: Callable[..., torch.Tensor] = getattr(model, LOSS_METHOD)
     batches = bench_batches(model_config.vocab_size, args, env.device)
-    labelled = args.grad_accum * args.micro_batch * (args.seq_len - 1)
+    positions = bench_positions(model_config.vocab_size, args, torch.device("cpu"))
+    varlen = runs_varlen(model)
 
-    def step(micro_batches: torch.Tensor) -> float:
+    def micro_batch(step: int, i: int) -> Batch:
+        """As trainer.data collates: no loss where a document starts (its first token's
+        prediction would come from the document before)."""
+        input_ids = batches[step, i]
+        if positions is None:
+            return Batch(input_ids, input_ids, input_ids.numel())
+        labels = input_ids.masked_fill(positions[step, i].to(env.device) == 0, IGNORE_INDEX)
+        return Batch(input_ids, labels, input_ids.numel(), positions[step, i]).to(env.device)
+
+    # Labelled predictions per step, counted on the host (no sync in the timed step).
+    labelled = ([args.grad_accum * args.micro_batch * (args.seq_len - 1)] * len(batches)
+                if positions is None else (positions[..., 1:] != 0).flatten(1).sum(1).tolist())
+
+    def step(index: int) -> float:
+        micro_batches = [micro_batch(index, i) for i in range(args.grad_accum)]
         total = torch.zeros((), device=env.device)
-        for input_ids in micro_batches:  # as trainer.train's train_step accumulates
+        for batch in micro_batches:  # as trainer.train's train_step accumulates
             with compute_weights(model):
-                loss = loss_sum(input_ids, input_ids=input_ids) / labelled
+                loss = loss_sum(batch.labels, IGNORE_INDEX,
+                                **batch.model_inputs(varlen=varlen)) / labelled[index]
                 loss.backward()
             total += loss.detach()
         optimizer_step(model, optimizer, config.max_grad_norm)
@@ -328,10 +390,10 @@ def run_trainer(
         return total.item()
 
     step_times, losses = [], []
-    for micro_batches in batches:
+    for index in range(len(batches)):
         synchronize(env.device)
         start = time.perf_counter()
-        losses.append(step(micro_batches))
+        losses.append(step(index))
         synchronize(env.device)
         step_times.append(time.perf_counter() - start)
     if recording:
@@ -339,7 +401,7 @@ def run_trainer(
                           **memory_peak.summary(memory_peak.stop(), env.device.index or 0)}),
               flush=True)
     if args.profile:
-        print_profile(lambda: step(batches[-1]), env.device)
+        print_profile(lambda: step(len(batches) - 1), env.device)
     options = {
         "strategy": args.strategy,
         # One unsharded rank trains without FSDP (trainer/master_weights.py).
@@ -363,6 +425,7 @@ def run_trainer(
         "grad_into_gemm": any(isinstance(m, GradIntoLinear) for m in model.modules()),
         "optimizer": "AdamW fused" if env.device.type == "cuda" else "AdamW",
         "attention": attention,
+        "packing": args.packing,
         "attn_implementation": model_config._attn_implementation,  # eager: soft-capped scores
     }
     return result(
@@ -569,7 +632,102 @@ def attention_check(args: argparse.Namespace, device: torch.device) -> list[dict
     for name in args.models:
         rows.append(_attention_row(name, args, device))
         release_memory(device)
+        if args.packing:
+            rows.append(_packed_attention_row(name, args, device))
+            release_memory(device)
     return rows
+
+
+def _packed_attention_row(name: str, args: argparse.Namespace, device: torch.device
+                          ) -> dict[str, Any]:
+    """--packing: fa4's varlen kernels on one micro-batch of packed documents (bench_positions)
+    against each document attended alone (sdpa, one call each), and timed against what sdpa
+    runs for packed rows: the block-diagonal causal mask (transformers' sdpa path)."""
+    from trainer.attention import fa4_bwd, fa4_fwd
+    from trainer.batch import packed_documents
+
+    config = bench_config(name)
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    groups, scale = heads // kv_heads, head_dim**-0.5
+    positions = bench_positions(config.vocab_size, args, torch.device("cpu"))[0, 0]
+    bounds = packed_documents(positions)["cu_seq_lens_q"]
+    total = positions.numel()
+    generator = torch.Generator(device).manual_seed(args.seed)
+    q, k, v = (torch.randn(total, h, head_dim, device=device, dtype=torch.bfloat16,
+                           generator=generator) for h in (heads, kv_heads, kv_heads))
+    dout = torch.randn_like(q)
+    cu_seqlens = bounds.to(device)
+    bound = packed_documents(positions)["max_length_q"]  # the longest, in whole tiles
+    out, lse = fa4_fwd(q, k, v, scale, True, cu_seqlens, bound)
+    grads = fa4_bwd(dout, q, k, v, out, lse, scale, True, cu_seqlens, bound)
+
+    def attend(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+               mask: torch.Tensor | None = None) -> torch.Tensor:
+        """sdpa as transformers calls it, (S, H, D) tokens of one row or document."""
+        a, b, c = (t.transpose(0, 1)[None] for t in (a, b, c))
+        b, c = b.repeat_interleave(groups, 1), c.repeat_interleave(groups, 1)
+        result = torch.nn.functional.scaled_dot_product_attention(
+            a, b, c, attn_mask=mask, is_causal=mask is None, scale=scale)
+        return result[0].transpose(0, 1)
+
+    # The reference: each document attended alone, in fp32.
+    reference = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    expected = torch.cat([attend(*(t[start:end] for t in reference))
+                          for start, end in zip(bounds[:-1].tolist(), bounds[1:].tolist(),
+                                                strict=True)])
+    expected.backward(dout.float())
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float | None:
+        return _rounded(((a.float() - b.float()).norm() / b.float().norm()).item())
+
+    def errors(result: torch.Tensor, result_grads: Sequence[torch.Tensor]) -> dict[str, Any]:
+        return {"out": rel(result, expected), **{
+            f"d{n}": rel(g, leaf.grad) for n, g, leaf in zip("qkv", result_grads, reference)}}
+
+    rows = positions.view(-1, args.seq_len)
+    document = (rows == 0).cumsum(-1)
+    causal = torch.ones(args.seq_len, args.seq_len, dtype=torch.bool).tril()
+    masks = ((document[:, :, None] == document[:, None, :]) & causal).to(device)
+
+    def masked(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return torch.cat([attend(*(t[i * args.seq_len:(i + 1) * args.seq_len] for t in (a, b, c)),
+                                 masks[i][None, None]) for i in range(rows.shape[0])])
+
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    masked_out = masked(*leaves)
+    masked_grads = torch.autograd.grad(masked_out, leaves, dout)
+
+    def masked_forward_backward() -> None:
+        torch.autograd.grad(masked(*leaves), leaves, dout)
+
+    lengths = torch.diff(bounds).double()
+    fwd_flops = float(4 * heads * head_dim * (lengths**2 / 2).sum())
+    fa4_f = _median_ms(lambda: fa4_fwd(q, k, v, scale, True, cu_seqlens, bound))
+    fa4_b = _median_ms(lambda: fa4_bwd(dout, q, k, v, out, lse, scale, True, cu_seqlens, bound))
+    # Bounded by the row length instead (what a batch made on the device passes).
+    row_f = _median_ms(lambda: fa4_fwd(q, k, v, scale, True, cu_seqlens, args.seq_len))
+    row_b = _median_ms(lambda: fa4_bwd(dout, q, k, v, out, lse, scale, True, cu_seqlens,
+                                       args.seq_len))
+    sdpa_f = _median_ms(lambda: masked(q, k, v))
+    sdpa_b = max(_median_ms(masked_forward_backward) - sdpa_f, 1e-9)
+    return {
+        "run": "attention_check_packed", "model": name, "heads": heads, "kv_heads": kv_heads,
+        "head_dim": head_dim, "batch": rows.shape[0], "seq_len": args.seq_len,
+        "documents": len(lengths), "tokens": args.tokens,
+        "document_tokens": [int(lengths.min()), int(lengths.median()), int(lengths.max())],
+        # Relative error against each document attended alone in fp32: fa4's varlen kernels,
+        # and sdpa's block-diagonal mask (what packed rows run on sdpa).
+        "fa4_varlen_rel_error": errors(out, grads),
+        "sdpa_masked_rel_error": errors(masked_out, masked_grads),
+        "max_seqlen": bound, "fa4_fwd_ms": _rounded(fa4_f), "fa4_bwd_ms": _rounded(fa4_b),
+        "fa4_row_bound_fwd_ms": _rounded(row_f), "fa4_row_bound_bwd_ms": _rounded(row_b),
+        "sdpa_masked_fwd_ms": _rounded(sdpa_f), "sdpa_masked_bwd_ms": _rounded(sdpa_b),
+        "fa4_fwd_tflops": _rounded(fwd_flops / fa4_f / 1e9),
+        "fa4_bwd_tflops": _rounded(2.5 * fwd_flops / fa4_b / 1e9),
+        "sdpa_masked_fwd_tflops": _rounded(fwd_flops / sdpa_f / 1e9),
+        "sdpa_masked_bwd_tflops": _rounded(2.5 * fwd_flops / sdpa_b / 1e9),
+    }
 
 
 def _attention_row(name: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:

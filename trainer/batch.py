@@ -18,11 +18,21 @@ class Batch:
     # DPO with dpo_reference precompute: each row's reference log-probability, from a first pass.
     reference_logps: torch.Tensor | None = None
 
+    # Packed rows: packed_documents of position_ids, found where they were made (on the host:
+    # no device sync), moved with them by `to`.
+    documents: dict[str, Any] | None = None
+
     def to(self, device: torch.device) -> Batch:
         positions = None if self.position_ids is None else self.position_ids.to(device)
         reference = None if self.reference_logps is None else self.reference_logps.to(device)
+        documents = self.documents
+        if documents is None and self.position_ids is not None:
+            documents = packed_documents(self.position_ids)
+        if documents is not None:
+            documents = {key: value.to(device) if isinstance(value, torch.Tensor) else value
+                         for key, value in documents.items()}
         return Batch(self.input_ids.to(device), self.labels.to(device), self.num_tokens, positions,
-                     reference)
+                     reference, documents)
 
     def model_inputs(self, varlen: bool = False) -> dict[str, Any]:
         """The model's keyword arguments for this batch.
@@ -36,21 +46,31 @@ class Batch:
         if self.position_ids is not None:
             inputs["position_ids"] = self.position_ids
             if varlen:
-                inputs.update(packed_documents(self.position_ids))
+                inputs.update(self.documents if self.documents is not None
+                              else packed_documents(self.position_ids))
         return inputs
+
+
+# The varlen kernels launch a document's queries in tiles of 128 (FlashAttention 4's m-block):
+# the longest document, rounded up to whole tiles, bounds the launch (a few distinct values, so
+# the compiled blocks see few of them); on a device the row length bounds it (no sync).
+DOCUMENT_TILE = 128
 
 
 def packed_documents(position_ids: torch.Tensor) -> dict[str, Any]:
     """Varlen attention's arguments for packed rows (transformers' FlashAttentionKwargs): each
     document starts where its positions restart at 0 (a row's padding, whose positions restart
     too, is a document of its own, attended by nothing else), bounded in the rows' tokens taken
-    as one sequence; the longest bounded by the row length. An all-true attention mask, so that
+    as one sequence; the longest bounded (DOCUMENT_TILE). An all-true attention mask, so that
     transformers builds no block-diagonal one (whose size is the row length squared)."""
     flat = position_ids.reshape(-1)
     starts = (flat == 0).nonzero().flatten()
     end = torch.tensor([flat.numel()], device=flat.device)
     bounds = torch.cat([starts, end]).to(torch.int32)
     length = position_ids.shape[-1]
+    if flat.device.type == "cpu":  # no sync: the longest document, in whole query tiles
+        longest = int(torch.diff(bounds).max())
+        length = min(length, -(-longest // DOCUMENT_TILE) * DOCUMENT_TILE)
     return {"attention_mask": torch.ones_like(position_ids, dtype=torch.bool),
             "cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds,
             "max_length_q": length, "max_length_k": length}

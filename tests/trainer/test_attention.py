@@ -39,7 +39,8 @@ def test_fa4_ops_compute_sdpa_attention_and_its_gradients_with_grouped_kv_heads(
         enable_gqa=True).transpose(1, 2)
     assert out.shape == q.shape and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
     torch.testing.assert_close(out, expected.to(out.dtype), rtol=1e-6, atol=1e-6)
-    weights = torch.randn_like(out)
+    # Seeded: the reference computes in fp32, so its error (~1e-6) depends on the draw.
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(0), dtype=out.dtype)
     grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
     expected_grads = torch.autograd.grad((expected * weights).sum(), (q, k, v))
     for got, want in zip(grads, expected_grads, strict=True):
@@ -148,7 +149,8 @@ def test_fa4_varlen_ops_attend_within_each_document_as_separate_calls_would():
     bounds = torch.tensor([0, 5, 16, 17, 33], dtype=torch.int32)
     out, lse = attention.fa4_fwd(q, k, v, 0.25, True, bounds, max(lengths))
     assert out.shape == q.shape and lse.shape == (q.shape[1], q.shape[0])
-    weights = torch.randn_like(out)
+    # Seeded: the reference computes in fp32, so its error (~1e-6) depends on the draw.
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(0), dtype=out.dtype)
     grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
     for start, end in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
         part = [t.detach()[start:end][None].requires_grad_(True) for t in (q, k, v)]
@@ -235,3 +237,22 @@ def test_fa4_with_packing_is_refused_only_where_a_layer_would_leave_the_kernel()
         (field, message), = config_problems(packed, world_size=1, local_world_size=1,
                                             shape=shape)
         assert field == "packing" and what in message and "sdpa" in message
+
+
+def test_a_moved_batch_carries_the_documents_found_on_the_host():
+    """Batch.to finds the varlen bounds from the host's position ids (no device sync at the
+    step) and they are those packed_documents finds on the moved ones."""
+    from trainer.batch import Batch, packed_documents
+
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2], [0, 1, 2, 3, 4, 5, 0, 1]])
+    ids = torch.arange(16).view(2, 8)
+    moved = Batch(ids, ids, 16, positions).to(torch.device("cpu"))
+    assert moved.documents is not None
+    expected = packed_documents(moved.position_ids)
+    inputs = moved.model_inputs(varlen=True)
+    assert inputs["cu_seq_lens_q"].tolist() == [0, 3, 5, 8, 14, 16]
+    assert inputs["max_length_q"] == 8  # the longest (6), in whole tiles, within the row
+    for key, value in expected.items():
+        assert torch.equal(inputs[key], value) if isinstance(value, torch.Tensor) else (
+            inputs[key] == value), key
+    assert "cu_seq_lens_q" not in moved.model_inputs(varlen=False)
