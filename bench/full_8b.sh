@@ -2,9 +2,11 @@
 # An 8B full fine-tune on one GPU beside torchtitan 0.2.2 (docs/trainer.md "8B full fine-tune on
 # one GPU"): fp32 masters and AdamW state (128 GB) need the H200. Ours with FULL_SHARD: no FSDP on
 # one process, each block's bf16 copies only while it runs (trainer/master_weights.py).
-# Usage: bench/full_8b.sh OUT_DIR PART   (PART: bf16 | float8)
+# Usage: bench/full_8b.sh OUT_DIR PART   (PART: bf16 | pick | float8)
 # bf16: ours and torchtitan with per-op selective checkpointing (torchtitan's fastest that fits,
 #   2026-12-03), then ours without checkpointing (the planner's pick).
+# pick (one device call's worth): ours without checkpointing, then torchtitan alone (--attention=)
+#   with per-op selective checkpointing.
 # float8: ours and torchtitan's own float8, per-op selective checkpointing, tensorwise then rowwise.
 set -u
 out=$1
@@ -17,6 +19,10 @@ case $part in
 bf16)
     run --ac selective --peers titan --steps 5 --warmup 2
     run --ac none --peers "" --steps 5 --warmup 2
+    ;;
+pick)
+    run --ac none --peers "" --steps 5 --warmup 2
+    run --ac selective --attention= --peers titan --steps 5 --warmup 2
     ;;
 float8)
     for recipe in tensorwise rowwise; do

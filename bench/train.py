@@ -216,6 +216,15 @@ def bench_positions(vocab: int, args: argparse.Namespace, device: torch.device
     return document_positions(starts).view(shape).to(device)
 
 
+def attended_keys(positions: torch.Tensor) -> float:
+    """The keys per query that the FLOP count takes for packed rows (seq_len unpacked: the whole
+    score matrix, as families.attended_length counts it): sum of L^2 over sum of L, for the
+    documents' lengths L."""
+    starts = (positions.reshape(-1) == 0).nonzero().flatten()
+    lengths = torch.diff(starts, append=torch.tensor([positions.numel()])).double()
+    return float((lengths**2).sum() / lengths.sum())
+
+
 def document_positions(starts: torch.Tensor) -> torch.Tensor:
     """Each token's position in its document, from where documents start (bool, rows x seq)."""
     index = torch.arange(starts.shape[-1]).expand_as(starts)
@@ -257,7 +266,9 @@ def result(
     # The ranks of a tensor-parallel group work on the same tokens: per GPU, a tp-th of them.
     tokens_per_step = args.grad_accum * args.micro_batch * args.seq_len
     tokens_per_s = tokens_per_step / median / options.get("tp_degree", 1)
-    tflops = flops_per_token(model_config, args.seq_len, adapter_params) * tokens_per_s / 1e12
+    # Packed rows: each token attends only its document's keys (attended_keys).
+    keys = options.get("attended_keys") or args.seq_len
+    tflops = flops_per_token(model_config, keys, adapter_params) * tokens_per_s / 1e12
     float8 = bool(options.get("float8"))
     return {
         "run": run,
@@ -426,6 +437,7 @@ def run_trainer(
         "optimizer": "AdamW fused" if env.device.type == "cuda" else "AdamW",
         "attention": attention,
         "packing": args.packing,
+        "attended_keys": None if positions is None else _rounded(attended_keys(positions)),
         "attn_implementation": model_config._attn_implementation,  # eager: soft-capped scores
     }
     return result(
@@ -658,7 +670,7 @@ def _packed_attention_row(name: str, args: argparse.Namespace, device: torch.dev
                            generator=generator) for h in (heads, kv_heads, kv_heads))
     dout = torch.randn_like(q)
     cu_seqlens = bounds.to(device)
-    bound = packed_documents(positions)["max_length_q"]  # the longest, in whole tiles
+    bound = args.seq_len  # packed_documents' bound on the longest document
     out, lse = fa4_fwd(q, k, v, scale, True, cu_seqlens, bound)
     grads = fa4_bwd(dout, q, k, v, out, lse, scale, True, cu_seqlens, bound)
 
@@ -705,10 +717,6 @@ def _packed_attention_row(name: str, args: argparse.Namespace, device: torch.dev
     fwd_flops = float(4 * heads * head_dim * (lengths**2 / 2).sum())
     fa4_f = _median_ms(lambda: fa4_fwd(q, k, v, scale, True, cu_seqlens, bound))
     fa4_b = _median_ms(lambda: fa4_bwd(dout, q, k, v, out, lse, scale, True, cu_seqlens, bound))
-    # Bounded by the row length instead (what a batch made on the device passes).
-    row_f = _median_ms(lambda: fa4_fwd(q, k, v, scale, True, cu_seqlens, args.seq_len))
-    row_b = _median_ms(lambda: fa4_bwd(dout, q, k, v, out, lse, scale, True, cu_seqlens,
-                                       args.seq_len))
     sdpa_f = _median_ms(lambda: masked(q, k, v))
     sdpa_b = max(_median_ms(masked_forward_backward) - sdpa_f, 1e-9)
     return {
@@ -720,8 +728,7 @@ def _packed_attention_row(name: str, args: argparse.Namespace, device: torch.dev
         # and sdpa's block-diagonal mask (what packed rows run on sdpa).
         "fa4_varlen_rel_error": errors(out, grads),
         "sdpa_masked_rel_error": errors(masked_out, masked_grads),
-        "max_seqlen": bound, "fa4_fwd_ms": _rounded(fa4_f), "fa4_bwd_ms": _rounded(fa4_b),
-        "fa4_row_bound_fwd_ms": _rounded(row_f), "fa4_row_bound_bwd_ms": _rounded(row_b),
+        "fa4_fwd_ms": _rounded(fa4_f), "fa4_bwd_ms": _rounded(fa4_b),
         "sdpa_masked_fwd_ms": _rounded(sdpa_f), "sdpa_masked_bwd_ms": _rounded(sdpa_b),
         "fa4_fwd_tflops": _rounded(fwd_flops / fa4_f / 1e9),
         "fa4_bwd_tflops": _rounded(2.5 * fwd_flops / fa4_b / 1e9),

@@ -49,3 +49,11 @@ def test_packed_random_rows_hold_documents_of_the_drawn_lengths():
 
 def test_without_packing_there_are_no_positions():
     assert bench_positions(32000, args("random", packing=False), torch.device("cpu")) is None
+
+
+def test_packed_rows_count_the_attention_flops_of_their_documents_only():
+    from bench.train import attended_keys
+
+    # Documents of 2 and 6 tokens: (4 + 36) / 8 keys per query; one row of 8: 8.
+    assert attended_keys(torch.tensor([[0, 1, 0, 1, 2, 3, 4, 5]])) == 5.0
+    assert attended_keys(torch.arange(8)[None]) == 8.0
