@@ -78,6 +78,19 @@ def test_on_demo_tokens_the_line_carries_every_steps_loss_and_the_loss_falls():
     assert losses[-1] < losses[0]
 
 
+def test_packed_demo_rows_train_apart_and_count_only_their_documents_attention():
+    """--packing: the same tokens, each instruction its own document: another loss (no token
+    sees the instruction before), and the FLOPs of 12-token documents' attention, not 64's."""
+    bench_args = ("--no-hf", "--peers=", "--tokens", "demo", "--steps", "2")
+    (packed,) = bench(*bench_args, "--packing")
+    (whole,) = bench(*bench_args)
+    assert packed["options"]["packing"] and 9 <= packed["options"]["attended_keys"] < 17
+    assert whole["options"]["attended_keys"] is None
+    assert packed["losses"][0] != whole["losses"][0]
+    assert packed["tflops_per_gpu"] / packed["tokens_per_s"] < (
+        whole["tflops_per_gpu"] / whole["tokens_per_s"])
+
+
 @pytest.mark.skipif(
     importlib.util.find_spec("accelerate") is None, reason="Hugging Face Trainer needs accelerate"
 )
