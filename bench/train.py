@@ -50,7 +50,7 @@ from finetune_contract.models import BUILTIN_MODELS
 from finetune_contract.rules import lora_module_names, loss_chunk_tokens
 from finetune_contract.throughput import flops_per_token, mfu
 from trainer.attention import runs_varlen
-from trainer.batch import Batch
+from trainer.batch import Batch, packed_documents
 from trainer.config import TrainConfig
 from trainer.float8 import check_float8_device, precompute_float8_scales
 from trainer.lora import apply_lora
@@ -197,8 +197,10 @@ def bench_positions(vocab: int, args: argparse.Namespace, device: torch.device
                     ) -> torch.Tensor | None:
     """--packing: position ids for bench_batches' tokens (its shape), restarting at 0 where a
     document starts. demo: each instruction is a document, as bench_batches joins them; random:
-    lengths drawn from DOCUMENT_TOKENS. A document cut by a row's end goes on in the next row
-    from position 0, as the data pipeline's packing cuts one. None without --packing."""
+    lengths drawn from DOCUMENT_TOKENS. Rows are full: a document cut by a row's end goes on in
+    the next row from position 0 (the data pipeline's `pack` splits none and pads the row's end
+    instead, prepared_set.py; here every token is a document's, as bench_batches fills rows).
+    None without --packing."""
     if not args.packing:
         return None
     shape = (args.warmup + args.steps, args.grad_accum, args.micro_batch, args.seq_len)
@@ -220,8 +222,7 @@ def attended_keys(positions: torch.Tensor) -> float:
     """The keys per query that the FLOP count takes for packed rows (seq_len unpacked: the whole
     score matrix, as families.attended_length counts it): sum of L^2 over sum of L, for the
     documents' lengths L."""
-    starts = (positions.reshape(-1) == 0).nonzero().flatten()
-    lengths = torch.diff(starts, append=torch.tensor([positions.numel()])).double()
+    lengths = torch.diff(packed_documents(positions)["cu_seq_lens_q"]).double()
     return float((lengths**2).sum() / lengths.sum())
 
 
@@ -372,14 +373,18 @@ def run_trainer(
     positions = bench_positions(model_config.vocab_size, args, torch.device("cpu"))
     varlen = runs_varlen(model)
 
+    # No loss where a document starts (its first token's prediction would come from the
+    # document before), as the data pipeline's pack labels them (prepared_set.py).
+    labels = batches if positions is None else batches.masked_fill(
+        (positions == 0).to(env.device), IGNORE_INDEX)
+
     def micro_batch(step: int, i: int) -> Batch:
-        """As trainer.data collates: no loss where a document starts (its first token's
-        prediction would come from the document before)."""
+        """As train.py moves it (trainer.train is not imported: it loads datasets)."""
         input_ids = batches[step, i]
         if positions is None:
             return Batch(input_ids, input_ids, input_ids.numel())
-        labels = input_ids.masked_fill(positions[step, i].to(env.device) == 0, IGNORE_INDEX)
-        return Batch(input_ids, labels, input_ids.numel(), positions[step, i]).to(env.device)
+        return Batch(input_ids, labels[step, i], input_ids.numel(),
+                     positions[step, i]).to(env.device, varlen=varlen)
 
     # Labelled predictions per step, counted on the host (no sync in the timed step).
     labelled = ([args.grad_accum * args.micro_batch * (args.seq_len - 1)] * len(batches)
@@ -655,8 +660,7 @@ def _packed_attention_row(name: str, args: argparse.Namespace, device: torch.dev
     """--packing: fa4's varlen kernels on one micro-batch of packed documents (bench_positions)
     against each document attended alone (sdpa, one call each), and timed against what sdpa
     runs for packed rows: the block-diagonal causal mask (transformers' sdpa path)."""
-    from trainer.attention import fa4_bwd, fa4_fwd
-    from trainer.batch import packed_documents
+    from trainer.attention import document_index, fa4_bwd, fa4_fwd
 
     config = bench_config(name)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -670,7 +674,7 @@ def _packed_attention_row(name: str, args: argparse.Namespace, device: torch.dev
                            generator=generator) for h in (heads, kv_heads, kv_heads))
     dout = torch.randn_like(q)
     cu_seqlens = bounds.to(device)
-    bound = args.seq_len  # packed_documents' bound on the longest document
+    bound = packed_documents(positions)["max_length_q"]  # as the trainer passes it
     out, lse = fa4_fwd(q, k, v, scale, True, cu_seqlens, bound)
     grads = fa4_bwd(dout, q, k, v, out, lse, scale, True, cu_seqlens, bound)
 
@@ -698,7 +702,7 @@ def _packed_attention_row(name: str, args: argparse.Namespace, device: torch.dev
             f"d{n}": rel(g, leaf.grad) for n, g, leaf in zip("qkv", result_grads, reference)}}
 
     rows = positions.view(-1, args.seq_len)
-    document = (rows == 0).cumsum(-1)
+    document = document_index(bounds, total).view(rows.shape)
     causal = torch.ones(args.seq_len, args.seq_len, dtype=torch.bool).tril()
     masks = ((document[:, :, None] == document[:, None, :]) & causal).to(device)
 

@@ -74,13 +74,13 @@ def _reference_scores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     if causal:
         keep = keep.tril()
     if cu_seqlens is not None:
-        document = _documents(cu_seqlens, q.shape[1])
+        document = document_index(cu_seqlens, q.shape[1])
         keep = keep & (document[:, None] == document[None, :])
     scores = scores.masked_fill(~keep, float("-inf"))
     return qf, kf, vf, scores
 
 
-def _documents(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+def document_index(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """Each packed token's document index, from the documents' boundaries."""
     starts = torch.zeros(total, dtype=torch.long, device=cu_seqlens.device)
     starts[cu_seqlens[1:-1].long()] = 1

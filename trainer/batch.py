@@ -18,19 +18,18 @@ class Batch:
     # DPO with dpo_reference precompute: each row's reference log-probability, from a first pass.
     reference_logps: torch.Tensor | None = None
 
-    # Packed rows: packed_documents of position_ids, found where they were made (on the host:
-    # no device sync), moved with them by `to`.
-    documents: dict[str, Any] | None = None
+    # Packed rows under a varlen kernel: packed_documents of position_ids found on the host by
+    # `to(device, varlen=True)` (no device sync), with the positions they were found for.
+    documents: tuple[torch.Tensor, dict[str, Any]] | None = None
 
-    def to(self, device: torch.device) -> Batch:
+    def to(self, device: torch.device, varlen: bool = False) -> Batch:
         positions = None if self.position_ids is None else self.position_ids.to(device)
         reference = None if self.reference_logps is None else self.reference_logps.to(device)
-        documents = self.documents
-        if documents is None and self.position_ids is not None:
-            documents = packed_documents(self.position_ids)
-        if documents is not None:
-            documents = {key: value.to(device) if isinstance(value, torch.Tensor) else value
-                         for key, value in documents.items()}
+        documents = None
+        if varlen and positions is not None:
+            found = packed_documents(self.position_ids)
+            documents = (positions, {key: value.to(device) if isinstance(value, torch.Tensor)
+                                     else value for key, value in found.items()})
         return Batch(self.input_ids.to(device), self.labels.to(device), self.num_tokens, positions,
                      reference, documents)
 
@@ -46,7 +45,8 @@ class Batch:
         if self.position_ids is not None:
             inputs["position_ids"] = self.position_ids
             if varlen:
-                inputs.update(self.documents if self.documents is not None
+                found = self.documents  # unless position_ids changed since (dataclasses.replace)
+                inputs.update(found[1] if found is not None and found[0] is self.position_ids
                               else packed_documents(self.position_ids))
         return inputs
 
@@ -55,10 +55,10 @@ def packed_documents(position_ids: torch.Tensor) -> dict[str, Any]:
     """Varlen attention's arguments for packed rows (transformers' FlashAttentionKwargs): each
     document starts where its positions restart at 0 (a row's padding, whose positions restart
     too, is a document of its own, attended by nothing else), bounded in the rows' tokens taken
-    as one sequence; the longest bounded by the row length (bounding it by the longest
-    document, 17 tokens, left the kernels' time as it was on an H100: the empty tiles exit at
-    once). An all-true attention mask, so that transformers builds no block-diagonal one (whose
-    size is the row length squared)."""
+    as one sequence; the longest bounded by the row length (bounding it by the longest document
+    in whole 128-token tiles, 128 for documents of up to 17 tokens, left the kernels' time as it
+    was on an H100: the empty tiles exit at once). An all-true attention mask, so that
+    transformers builds no block-diagonal one (whose size is the row length squared)."""
     flat = position_ids.reshape(-1)
     starts = (flat == 0).nonzero().flatten()
     end = torch.tensor([flat.numel()], device=flat.device)

@@ -624,7 +624,7 @@ def train_step(
     loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
     for batch in micro_batches:
         with compute_weights(model):
-            loss = token_loss_sum(model, batch.to(env.device))
+            loss = token_loss_sum(model, batch.to(env.device, varlen=runs_varlen(model)))
             scaled = loss * env.world_size / labelled_tokens
             (scaler.scale(scaled) if scaler else scaled).backward()
         loss_sum += loss.detach()
@@ -654,7 +654,7 @@ def eval_sums(model: torch.nn.Module, batches: Iterable[Batch],
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     with compute_weights(model):
         for batch in batches:
-            batch = batch.to(device)
+            batch = batch.to(device, varlen=runs_varlen(model))
             totals[0] += token_loss_sum(model, batch)
             totals[1] += (batch.labels[:, 1:] != IGNORE_INDEX).sum()
     dist.all_reduce(totals)

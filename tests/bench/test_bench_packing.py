@@ -23,18 +23,57 @@ def restarts(positions: torch.Tensor) -> torch.Tensor:
 
 
 def test_packed_demo_rows_restart_positions_exactly_where_an_instruction_starts():
+    """Read against the tokens: every restart inside a row starts the next instruction in order
+    (its tokens follow), and every instruction's start is a restart or a row's end cuts it."""
     a = args("demo")
-    tokens = bench_batches(32000, a, torch.device("cpu"))
+    tokens = bench_batches(32000, a, torch.device("cpu")).flatten()
     positions = bench_positions(32000, a, torch.device("cpu"))
-    assert positions.shape == tokens.shape
-    lengths = [len(document) for document in demo_documents(32000, a.seed)]
-    starts = torch.zeros(sum(lengths), dtype=torch.bool)
-    starts[torch.tensor([0, *lengths[:-1]]).cumsum(0)] = True
-    expected = starts.repeat(-(-tokens.numel() // len(starts)))[:tokens.numel()]
-    expected = expected.view(-1, a.seq_len)
-    expected[:, 0] = True  # a document cut by a row's end goes on from 0 in the next row
-    assert torch.equal(restarts(positions), expected)
-    assert int(expected.sum()) > expected.shape[0]  # several instructions in a row
+    assert positions.shape[:-1] == bench_batches(32000, a, torch.device("cpu")).shape[:-1]
+    restart = restarts(positions).flatten()
+    documents = demo_documents(32000, a.seed)
+    offset, index, seen = 0, 0, 0
+    while offset < len(tokens):
+        document = documents[index % len(documents)]
+        piece = tokens[offset:offset + len(document)].tolist()
+        assert piece == document[:len(piece)]
+        assert restart[offset]  # each instruction starts a document
+        inside = restart[offset + 1:offset + len(document)].nonzero().flatten() + offset + 1
+        assert all(int(i) % a.seq_len == 0 for i in inside)  # only a row's start cuts one
+        offset, index, seen = offset + len(document), index + 1, seen + 1
+    assert seen > len(tokens) // a.seq_len  # several instructions in a row
+
+
+def test_sdpa_on_bench_packed_rows_gives_each_document_its_loss_alone():
+    """The packed rows isolate their documents on sdpa's masked path: the row's summed loss is
+    the sum of each document's loss computed on its own (the tokens at a document's start take
+    none, as bench.train labels them)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from finetune_contract.data import IGNORE_INDEX
+    from trainer.batch import Batch, packed_documents
+    from trainer.loss import LOSS_METHOD, add_loss_method
+
+    a = args("random", seq_len=4096, micro_batch=1)
+    positions = bench_positions(256, a, torch.device("cpu"))[0, 0]
+    tokens = bench_batches(256, a, torch.device("cpu"))[0, 0]
+    labels = tokens.masked_fill(positions == 0, IGNORE_INDEX)
+    # Large weights: a random model's loss then depends on the context (at the usual 0.02 it is
+    # about log(vocab) whatever the token attends).
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         initializer_range=0.5)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa").eval()
+    add_loss_method(model)
+    loss_sum = getattr(model, LOSS_METHOD)
+    with torch.no_grad():
+        packed = loss_sum(labels, IGNORE_INDEX,
+                          **Batch(tokens, labels, tokens.numel(), positions).model_inputs())
+        bounds = packed_documents(positions)["cu_seq_lens_q"].tolist()
+        assert len(bounds) > 2  # more than one document in the row
+        alone = sum(loss_sum(tokens[:, s:e], IGNORE_INDEX, input_ids=tokens[:, s:e])
+                    for s, e in zip(bounds[:-1], bounds[1:]))
+    torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-4)
 
 
 def test_packed_random_rows_hold_documents_of_the_drawn_lengths():

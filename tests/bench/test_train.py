@@ -78,9 +78,10 @@ def test_on_demo_tokens_the_line_carries_every_steps_loss_and_the_loss_falls():
     assert losses[-1] < losses[0]
 
 
-def test_packed_demo_rows_train_apart_and_count_only_their_documents_attention():
-    """--packing: the same tokens, each instruction its own document: another loss (no token
-    sees the instruction before), and the FLOPs of 12-token documents' attention, not 64's."""
+def test_packed_demo_rows_run_and_count_only_their_documents_attention():
+    """--packing end to end: a loss on fewer labels (no loss at a document's start), and the
+    FLOPs of 12-token documents' attention, not 64's. That the rows keep their documents apart is
+    test_bench_packing's (sdpa) and test_attention's (fa4)."""
     bench_args = ("--no-hf", "--peers=", "--tokens", "demo", "--steps", "2")
     (packed,) = bench(*bench_args, "--packing")
     (whole,) = bench(*bench_args)

@@ -239,19 +239,29 @@ def test_fa4_with_packing_is_refused_only_where_a_layer_would_leave_the_kernel()
         assert field == "packing" and what in message and "sdpa" in message
 
 
-def test_a_moved_batch_carries_the_documents_found_on_the_host():
-    """Batch.to finds the varlen bounds from the host's position ids (no device sync at the
-    step) and they are those packed_documents finds on the moved ones."""
+def test_a_batch_moved_for_a_varlen_kernel_carries_the_documents_found_on_the_host():
+    """Batch.to(varlen=True) finds the varlen bounds from the host's position ids: on a meta
+    device, where packed_documents cannot run, the model still gets them (no device sync at the
+    step). Moved to the CPU they are packed_documents'; replaced positions are not served stale
+    bounds, and without varlen nothing is found."""
+    import dataclasses
+
     from trainer.batch import Batch, packed_documents
 
     positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2], [0, 1, 2, 3, 4, 5, 0, 1]])
     ids = torch.arange(16).view(2, 8)
-    moved = Batch(ids, ids, 16, positions).to(torch.device("cpu"))
-    assert moved.documents is not None
-    expected = packed_documents(moved.position_ids)
+    batch = Batch(ids, ids, 16, positions)
+    on_meta = batch.to(torch.device("meta"), varlen=True).model_inputs(varlen=True)
+    assert on_meta["cu_seq_lens_q"].device.type == "meta"
+    with pytest.raises(NotImplementedError):  # what finding them there would meet
+        packed_documents(positions.to("meta"))
+    moved = batch.to(torch.device("cpu"), varlen=True)
     inputs = moved.model_inputs(varlen=True)
     assert inputs["cu_seq_lens_q"].tolist() == [0, 3, 5, 8, 14, 16]
-    for key, value in expected.items():
+    for key, value in packed_documents(positions).items():
         assert torch.equal(inputs[key], value) if isinstance(value, torch.Tensor) else (
             inputs[key] == value), key
+    replaced = dataclasses.replace(moved, position_ids=torch.arange(8).repeat(2, 1))
+    assert replaced.model_inputs(varlen=True)["cu_seq_lens_q"].tolist() == [0, 8, 16]
+    assert batch.to(torch.device("cpu")).documents is None
     assert "cu_seq_lens_q" not in moved.model_inputs(varlen=False)
