@@ -159,6 +159,11 @@ ROWS: tuple[Row, ...] = (
     Row("llama-1b", _mb(4, float8=True, float8_recipe="rowwise"), 57_270, None, 32.51,
         f"{BENCH} --models 1b --micro-batch 4 --float8 --float8-recipe rowwise --peers titan "
         "--steps 10 --warmup 3", "2026-12-06", gpu=H100),
+    # Packed rows under sdpa's mask (bench.train --packing, random 128-2,048-token documents:
+    # docs/notes/2026-12-06-h100-fa4-packing.log; its MFU counts attention over whole rows).
+    Row("llama-1b", _mb(4, packing=True), 46_340, 0.4229, 42.02,
+        f"{BENCH} --models 1b --micro-batch 4 --tokens random --packing --attention fa4,sdpa "
+        "--peers= --steps 6 --warmup 2", "2026-12-06", gpu=H100),
     Row("llama-1b", _mb(1), 45_430, 0.4146, 23.34,
         f"{BENCH} --models 1b --micro-batch 1 --tokens demo --steps 200 --warmup 2",
         "2026-12-06", gpu=H100),

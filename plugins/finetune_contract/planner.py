@@ -117,6 +117,16 @@ EAGER_SCORE_ROWS = 2
 # cuDNN's masked kernel runs at this share of the causal rate (Gemma 3 1B, 22 of 26 layers
 # windowed at seq 4096: 54 ms of attention a step; its profile, one H200, 2026-12-03).
 MASKED_ATTENTION_RATE = 0.71
+# Packed rows under sdpa: transformers hands every layer the block-diagonal mask, and sdpa takes
+# it as an additive bias with K and V repeated to the query heads, in a kernel that computes
+# the whole square at a fraction of cuDNN's causal rate. The kernels alone ran at 0.31 of it
+# (8.74 ms against 2.76 forward and backward at 1B's heads, 11.26 against 3.32 at 3B's, 4 x 4096
+# tokens); the rate here is fitted to the training step (1B, 46,340 tokens/s against 59,290
+# unpacked), as the causal rate it divides is the H200's fitted one, below the H100's measured
+# (one H100, 2026-12-06: docs/notes/2026-12-06-h100-fa4-packing.log). fa4's varlen kernels take
+# no mask: the causal rate, over documents the planner takes as long as the row (shorter ones
+# only speed it up: 65,290 tokens/s with 128-2,048-token documents against 57,040 estimated).
+PACKED_MASK_ATTENTION_RATE = 0.38
 # cuDNN attention is faster on longer sequences: the 3B 32k-sequence rows need this exponent of
 # seq_len / 4096 on its rate (capped), the 4096 rows none.
 ATTENTION_SEQ_EXPONENT, ATTENTION_SEQ_CAP = 0.15, 1.4
@@ -270,6 +280,10 @@ def activation_bytes_per_token(cfg: TrainConfig, config: Any) -> tuple[float, fl
     # Eager attention (soft-capped scores) keeps its score rows for backward (EAGER_SCORE_ROWS).
     scores = EAGER_SCORE_ROWS * elem * config.num_attention_heads * cfg.seq_len \
         if attention_kernel(config) == "eager" else 0
+    if packed_under_mask(cfg):  # a block keeps the mask as a bias row and K, V repeated
+        kv_widths = config.num_attention_heads - getattr(config, "num_key_value_heads", None) \
+            if getattr(config, "num_key_value_heads", None) else 0
+        scores += elem * (cfg.seq_len + 2 * kv_widths * family_head_dim(config))
 
     def block_bytes(hidden_wide: float, mlp_wide: float) -> float:
         """One block's activations per token: `hidden_wide` and `mlp_wide` tensors' elements."""
@@ -313,11 +327,17 @@ def element_bytes(cfg: TrainConfig) -> int:
     return 4 if cfg.mixed_precision == "fp32" else 2
 
 
+def packed_under_mask(cfg: TrainConfig) -> bool:
+    """Packed rows that reach attention as transformers' block-diagonal mask (sdpa): fa4 takes
+    their documents' bounds instead (trainer.batch.packed_documents)."""
+    return cfg.packing and cfg.attention == "sdpa"
+
+
 def packed_mask_bytes(cfg: TrainConfig) -> float:
     """Packed rows under sdpa: transformers' block-diagonal causal mask, a byte per query and
-    key of each row (a quadratic term: 17 GB at 131,072 tokens); 0 otherwise."""
-    return float(cfg.micro_batch * cfg.seq_len ** 2) if cfg.packing and cfg.attention == "sdpa" \
-        else 0.0
+    key of each row (a quadratic term: 17 GB at 131,072 tokens), made once for all layers (each
+    block's bias made of it: activation_bytes_per_token); 0 otherwise."""
+    return float(cfg.micro_batch * cfg.seq_len ** 2) if packed_under_mask(cfg) else 0.0
 
 
 def dequantized_blocks_kept(cfg: TrainConfig, layers: int) -> int:
@@ -442,8 +462,11 @@ def _step_time(cfg: TrainConfig, config: Any, hardware: Hardware, layout: Parall
     # slower kernel where it is shorter than the sequence
     windows = attention_windows(config)
     masked = sum(1 for w in windows if w is not None and w < cfg.seq_len) / len(windows)
+    rate = MASKED_ATTENTION_RATE
+    if packed_under_mask(cfg):  # every layer's attention takes the documents' mask
+        masked, rate = 1.0, PACKED_MASK_ATTENTION_RATE
     attention_flops = (attention_work(config, cfg.seq_len, windows=False) * tokens
-                       * (1 - masked + masked / MASKED_ATTENTION_RATE))
+                       * (1 - masked + masked / rate))
     recomputed = {"full": 1.0, "none": 0.0}.get(cfg.activation_checkpointing)
     if recomputed is None:  # selective: per op recomputes only elementwise work; every k-th
         every = selective_every(cfg.selective_ac)

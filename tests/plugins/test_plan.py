@@ -207,13 +207,23 @@ def test_an_offloaded_run_is_planned_with_its_modes_stated_error_growing_past_th
     assert "with its stated error (9.8%) and 1.5 GiB reserved, exceeds" in message
 
 
-def test_packed_rows_under_sdpa_count_their_quadratic_mask():
-    base = TrainConfig(model="llama-8b", seq_len=65_536, micro_batch=1, lora_rank=16,
-                       activation_checkpointing="full", activation_offload=True)
-    plain, packed = (estimate(TrainConfig(**{**base.__dict__, "packing": p}), world_size=1,
-                              local_world_size=1, hardware=H200) for p in (False, True))
+def test_packed_rows_under_sdpa_count_their_quadratic_mask_and_each_kept_blocks_bias():
+    """The mask (a byte per query and key), and in each block that keeps its activations (here
+    the one recomputed: offloaded full checkpointing) the bias sdpa makes of it (bf16) and K, V
+    repeated from 8 to 32 heads of 128; fa4 takes none of it."""
+    seq = 65_536
+    base = TrainConfig(model="llama-8b", seq_len=seq, micro_batch=1, lora_rank=16,
+                       mixed_precision="bf16", activation_checkpointing="full",
+                       activation_offload=True)
+    plain, packed, varlen = (
+        estimate(TrainConfig(**{**base.__dict__, "packing": p, "attention": a}), world_size=1,
+                 local_world_size=1, hardware=H200)
+        for p, a in ((False, "sdpa"), (True, "sdpa"), (True, "fa4")))
+    mask, bias, repeated_kv = seq**2, 2 * seq**2, 2 * 2 * seq * (32 - 8) * 128
     assert packed.parts_gib["activations"] - plain.parts_gib["activations"] == pytest.approx(
-        65_536 ** 2 / 2 ** 30, abs=0.01)  # 4 GiB of mask at 65,536 tokens
+        (mask + bias + repeated_kv) / 2**30, abs=0.01)  # 4 + 8 + 0.75 GiB at 65,536 tokens
+    assert varlen.parts_gib["activations"] == plain.parts_gib["activations"]
+    assert packed.tokens_per_s_per_gpu < varlen.tokens_per_s_per_gpu
 
 
 def test_offloaded_inputs_beyond_the_nodes_cpu_memory_are_refused_naming_the_figures():
