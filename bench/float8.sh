@@ -7,12 +7,11 @@
 # titan: ours and torchtitan 0.2.2 with float8, tensorwise then rowwise: 3B at micro-batch 2
 #   with 2 accumulated (torchtitan's 3B at micro-batch 4 without checkpointing needs more than an
 #   80 GB GPU: 103 GiB in bf16 on the H200), then 1B at micro-batch 4.
-set -u
+source "$(dirname "$0")/lib.sh"
 out=$1
 part=$2
-run() {  # one bench run, its JSON lines appended to $out/float8.jsonl
-    echo "# python -m bench.train $*" | tee -a "$out/float8.jsonl"
-    python -m bench.train --compile "$@" 2>"$out/stderr-$(date +%s%N).txt" | tee -a "$out/float8.jsonl"
+run() {  # one bench run (bench/lib.sh)
+    bench_run "$out/float8.jsonl" --compile "$@"
 }
 case $part in
 loss)
@@ -31,3 +30,4 @@ titan)
     done
     ;;
 esac
+exit $bench_failed

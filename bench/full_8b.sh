@@ -8,12 +8,11 @@
 # pick (one device call's worth): ours without checkpointing, then torchtitan alone (--attention=)
 #   with per-op selective checkpointing.
 # float8: ours and torchtitan's own float8, per-op selective checkpointing, tensorwise then rowwise.
-set -u
+source "$(dirname "$0")/lib.sh"
 out=$1
 part=$2
-run() {  # one bench run, its JSON lines appended to $out/full_8b.jsonl
-    echo "# python -m bench.train $*" | tee -a "$out/full_8b.jsonl"
-    python -m bench.train --models 8b --micro-batch 2 --strategy FULL_SHARD --compile --no-hf "$@" 2>"$out/stderr-$(date +%s%N).txt" | tee -a "$out/full_8b.jsonl"
+run() {  # one bench run (bench/lib.sh)
+    bench_run "$out/full_8b.jsonl" --models 8b --micro-batch 2 --strategy FULL_SHARD --compile --no-hf "$@"
 }
 case $part in
 bf16)
@@ -30,3 +29,4 @@ float8)
     done
     ;;
 esac
+exit $bench_failed

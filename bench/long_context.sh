@@ -6,12 +6,11 @@
 # Usage: bench/long_context.sh OUT_DIR PART   (PART: peers | longest | short)
 # short: the least memory at seq 4096 (micro-batch 2), QLoRA and LoRA, ours offloaded beside
 # Unsloth's offloaded checkpointing.
-set -u
+source "$(dirname "$0")/lib.sh"
 out=$1
 part=$2
-run() {  # one bench run, its JSON lines appended to $out/long_context.jsonl
-    echo "# python -m bench.train $*" | tee -a "$out/long_context.jsonl"
-    python -m bench.train --models 8b --micro-batch 1 --lora-rank 16 --ac full --compile "$@" 2>"$out/stderr-$(date +%s).txt" | tee -a "$out/long_context.jsonl"
+run() {  # one bench run (bench/lib.sh)
+    bench_run "$out/long_context.jsonl" --models 8b --micro-batch 1 --lora-rank 16 --ac full --compile "$@"
 }
 case $part in
 peers)
@@ -26,3 +25,4 @@ short)
     run --seq-len 4096 --micro-batch 2 --activation-offload --peers unsloth --steps 5 --warmup 2
     ;;
 esac
+exit $bench_failed

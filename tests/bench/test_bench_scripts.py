@@ -1,0 +1,41 @@
+"""The device-call scripts (bench/*.sh): every run's JSON lines land in the log, and the script
+exits 1 when any run failed (bench.train reports a run's exception as an error row and exits 0),
+so a device call's exit status says whether all ran. A stub bench.train stands in (no GPU)."""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.support import REPO_ROOT
+
+SCRIPTS = {  # script: (a part, its log)
+    "float8.sh": ("titan", "float8.jsonl"),
+    "long_context.sh": ("short", "long_context.jsonl"),
+    "full_8b.sh": ("pick", "full_8b.jsonl"),
+}
+
+
+def stub(tmp_path: Path, fail_on: str) -> None:
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "__init__.py").write_text("")
+    (tmp_path / "bench" / "train.py").write_text(
+        "import json, sys\n"
+        f"failed = {fail_on!r} in sys.argv\n"
+        "row = {'error': 'OutOfMemoryError'} if failed else {'tokens_per_s': 1}\n"
+        "print(json.dumps({'run': 'trainer', 'args': sys.argv[1:], **row}))\n")
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+@pytest.mark.parametrize("fail_on", ["", "--steps"])
+def test_a_bench_script_logs_every_run_and_exits_1_when_one_failed(tmp_path, script, fail_on):
+    part, log = SCRIPTS[script]
+    stub(tmp_path, fail_on or "no such argument")
+    out = tmp_path / "out"
+    out.mkdir()
+    done = subprocess.run(["bash", str(REPO_ROOT / "bench" / script), str(out), part],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    lines = (out / log).read_text().splitlines()
+    rows = [line for line in lines if line.startswith("{")]
+    assert len(rows) >= 2 and len(rows) == sum(line.startswith("# ") for line in lines)
+    assert done.returncode == (1 if fail_on else 0), done.stderr
