@@ -345,6 +345,7 @@ def test_a_retry_starts_again_a_training_that_ended_unfinished_on_a_fresh_rendez
 # Injected into the trainer processes (tests.support.training.slow_trainer): each optimizer step
 # and each checkpoint save takes this much longer, so the goodput's figures can be held to them.
 STEP_DELAY_S, SAVE_DELAY_S = 0.25, 1.0
+LOADED_STEP_S = 1.5  # the most a delayed step has been seen to take under CI's load, with room
 
 
 @pytest.fixture
@@ -447,9 +448,12 @@ def test_a_node_lost_for_good_leaves_an_elastic_run_on_the_other_with_the_same_g
     good = goodput_of(target, cfg, result)
     [lost] = good["interruptions"]
     assert lost["kind"] == "node lost" and lost["steps_lost"] >= 2
-    # the steps after the checkpoint at 4, trained by both nodes and lost
-    assert good["node_s"]["steps_trained_twice"] == pytest.approx(
-        2 * lost["steps_lost"] * STEP_DELAY_S, abs=2 * 1.0)
+    # the steps after the checkpoint at 4, trained by both nodes and lost: each at least the
+    # delay every step has here, and not much more (a loaded 2-core CI machine has seen a
+    # step of 0.9 s: LOADED_STEP_S)
+    twice = good["node_s"]["steps_trained_twice"]
+    steps = 2 * lost["steps_lost"]
+    assert steps * STEP_DELAY_S <= twice <= steps * LOADED_STEP_S, (twice, lost)
 
 
 @pytest.mark.slow
