@@ -27,6 +27,7 @@ from finetune_contract.families import (
     architecture_problem,
     attention_kernel,
     attention_windows,
+    dimensions,
 )
 from finetune_contract.families import attention_flops as attention_work
 from finetune_contract.families import head_dim as family_head_dim
@@ -281,9 +282,8 @@ def activation_bytes_per_token(cfg: TrainConfig, config: Any) -> tuple[float, fl
     scores = EAGER_SCORE_ROWS * elem * config.num_attention_heads * cfg.seq_len \
         if attention_kernel(config) == "eager" else 0
     if packed_under_mask(cfg):  # a block keeps the mask as a bias row and K, V repeated
-        kv_widths = config.num_attention_heads - getattr(config, "num_key_value_heads", None) \
-            if getattr(config, "num_key_value_heads", None) else 0
-        scores += elem * (cfg.seq_len + 2 * kv_widths * family_head_dim(config))
+        dims = dimensions(config)
+        scores += elem * (cfg.seq_len + 2 * (dims["q"] - dims["kv"]))
 
     def block_bytes(hidden_wide: float, mlp_wide: float) -> float:
         """One block's activations per token: `hidden_wide` and `mlp_wide` tensors' elements."""
