@@ -65,7 +65,13 @@ from trainer.model import (
     stretch_positions,
 )
 from trainer.optim import build_optimizer, optimizer_step
-from trainer.parallel import DistEnv, apply_parallelism, init_distributed, quantize_dtype
+from trainer.parallel import (
+    DistEnv,
+    apply_parallelism,
+    check_start,
+    init_distributed,
+    quantize_dtype,
+)
 from trainer.qlora import nf4_bytes
 
 # The peers beside ours: Hugging Face Trainer, Trainer with Liger's kernels, torchtitan
@@ -78,6 +84,7 @@ PEER_PRELUDES = {"unsloth": "import os; os.environ.setdefault('HF_HUB_OFFLINE', 
 SHORT_NAMES = {"1b": "llama-1b", "3b": "llama-3b", "8b": "llama-8b", "70b": "llama-70b",
                "tiny": "tiny-llama"}
 GIB = 1024**3
+RERUNS = 20  # --attention-check: fa4's backward again on the same inputs, for its spread
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -93,6 +100,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False)
     # float8 runs print tokens/s; TFLOPs and MFU are left out (their peak is the bf16 one).
+    parser.add_argument("--mixed-precision", default="bf16", choices=["bf16", "fp32"],
+                        help="ours: fp32 trains without bf16 copies (a reference for losses)")
     parser.add_argument("--float8", action="store_true", help="torchao float8 in the blocks")
     parser.add_argument("--float8-recipe", default="tensorwise", choices=["tensorwise", "rowwise"])
     parser.add_argument("--lora-rank", type=int, default=0,
@@ -148,8 +157,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     bad = [p for p in args.peers if p not in PEERS]
     if bad:
         parser.error(f"unknown --peers {', '.join(bad)}; choose from {', '.join(PEERS)}")
-    if args.packing and args.peers:
-        parser.error("--packing runs ours only: pass --no-hf --peers ''")
+    for ours_only in ("packing", "mixed_precision"):
+        if args.peers and getattr(args, ours_only) not in (False, "bf16"):
+            parser.error(f"--{ours_only.replace('_', '-')} runs ours only: pass --no-hf "
+                         "--peers ''")
     return args
 
 
@@ -283,14 +294,22 @@ def result(
         "step_time_mean_s": _rounded(statistics.fmean(timed)),
         "tokens_per_s": _rounded(tokens_per_s),
         "tflops_per_gpu": None if float8 else _rounded(tflops),
-        "mfu": None if float8 else _rounded(mfu(tflops, peak)),
+        # fp32 against the dense bf16 peak would be no utilisation
+        "mfu": None if float8 or options.get("mixed_precision") == "fp32"
+        else _rounded(mfu(tflops, peak)),
         "peak_memory_gib": _rounded(peak_memory_gib(device)),
-        "loss_first": _rounded(losses[0]),
-        "loss_last": _rounded(losses[-1]),
-        **({"losses": [_rounded(loss) for loss in losses]} if args.tokens == "demo" else {}),
+        "loss_first": _loss(losses[0]),
+        "loss_last": _loss(losses[-1]),
+        **({"losses": [_loss(loss) for loss in losses]} if args.tokens == "demo" else {}),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
     }
+
+
+def _loss(value: float) -> float:
+    """Six significant digits: two runs' curves are compared step by step, where they part by
+    less than four digits show (docs/trainer.md, packed rows with FA4)."""
+    return float(f"{value:.6g}")
 
 
 def _rounded(value: float | None) -> float | None:
@@ -344,7 +363,7 @@ def run_trainer(
         seed=args.seed,
         strategy=args.strategy,
         shard_group_size=args.shard_group_size,
-        mixed_precision="bf16",
+        mixed_precision=args.mixed_precision,
         activation_checkpointing=args.ac,
         activation_offload=args.activation_offload,
         selective_ac=args.selective_ac if args.ac == "selective" else "op",
@@ -363,6 +382,7 @@ def run_trainer(
         memory_peak.start()
     model = build_bench_model(name, attention, args.seq_len)
     model_config = model.config
+    check_start(config, env, model_config)  # the contract's rules, as the trainer starts
     adapter_params = apply_lora(model, config) if args.lora_rank else None
     apply_parallelism(model, config, env)
     materialize_bench_model(model, name, config, env.device)
@@ -426,7 +446,7 @@ def run_trainer(
         "gpus": env.world_size,
         "tp_degree": args.tp_degree,
         # One rank sums nothing: its bf16 gradient reduce is exact (trainer/parallel.py).
-        "mixed_precision": "bf16 (fp32 master, "
+        "mixed_precision": "fp32" if args.mixed_precision == "fp32" else "bf16 (fp32 master, "
         + ("fp32 reduce)" if env.world_size > args.tp_degree else "no reduce)"),
         "ac": args.ac if args.ac != "selective" else f"selective:{args.selective_ac}",
         "activation_offload": args.activation_offload,
@@ -694,12 +714,9 @@ def _packed_attention_row(name: str, args: argparse.Namespace, device: torch.dev
                                                 strict=True)])
     expected.backward(dout.float())
 
-    def rel(a: torch.Tensor, b: torch.Tensor) -> float | None:
-        return _rounded(((a.float() - b.float()).norm() / b.float().norm()).item())
-
     def errors(result: torch.Tensor, result_grads: Sequence[torch.Tensor]) -> dict[str, Any]:
-        return {"out": rel(result, expected), **{
-            f"d{n}": rel(g, leaf.grad) for n, g, leaf in zip("qkv", result_grads, reference)}}
+        return {"out": _rel(result, expected), **{
+            f"d{n}": _rel(g, leaf.grad) for n, g, leaf in zip("qkv", result_grads, reference)}}
 
     rows = positions.view(-1, args.seq_len)
     document = document_index(bounds, total).view(rows.shape)
@@ -713,6 +730,9 @@ def _packed_attention_row(name: str, args: argparse.Namespace, device: torch.dev
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     masked_out = masked(*leaves)
     masked_grads = torch.autograd.grad(masked_out, leaves, dout)
+    reruns = [fa4_bwd(dout, q, k, v, out, lse, scale, True, cu_seqlens, bound)
+              for _ in range(RERUNS)]
+    masked_reruns = [torch.autograd.grad(masked(*leaves), leaves, dout) for _ in range(2)]
 
     def masked_forward_backward() -> None:
         torch.autograd.grad(masked(*leaves), leaves, dout)
@@ -732,6 +752,9 @@ def _packed_attention_row(name: str, args: argparse.Namespace, device: torch.dev
         # and sdpa's block-diagonal mask (what packed rows run on sdpa).
         "fa4_varlen_rel_error": errors(out, grads),
         "sdpa_masked_rel_error": errors(masked_out, masked_grads),
+        "fa4_varlen_reruns": _rerun_spread(grads, reruns, [t.grad for t in reference]),
+        "sdpa_masked_reruns": _rerun_spread(masked_grads, masked_reruns,
+                                            [t.grad for t in reference]),
         "fa4_fwd_ms": _rounded(fa4_f), "fa4_bwd_ms": _rounded(fa4_b),
         "sdpa_masked_fwd_ms": _rounded(sdpa_f), "sdpa_masked_bwd_ms": _rounded(sdpa_b),
         "fa4_fwd_tflops": _rounded(fwd_flops / fa4_f / 1e9),
@@ -768,11 +791,9 @@ def _attention_row(name: str, args: argparse.Namespace, device: torch.device) ->
     expected = sdpa(*leaves)
     expected.backward(dout)
 
-    def rel(a: torch.Tensor, b: torch.Tensor) -> float | None:
-        return _rounded(((a.float() - b.float()).norm() / b.float().norm()).item())
-
-    errors = {"out": rel(out, expected)}
-    errors.update({f"d{n}": rel(g, leaf.grad) for n, g, leaf in zip("qkv", grads, leaves)})
+    errors = {"out": _rel(out, expected)}
+    errors.update({f"d{n}": _rel(g, leaf.grad) for n, g, leaf in zip("qkv", grads, leaves)})
+    reruns = [fa4_bwd(dout, q, k, v, out, lse, scale, True) for _ in range(RERUNS)]
 
     def sdpa_forward_backward() -> None:
         torch.autograd.grad(sdpa(*leaves), leaves, dout)
@@ -786,11 +807,32 @@ def _attention_row(name: str, args: argparse.Namespace, device: torch.device) ->
         "run": "attention_check", "model": name, "heads": heads, "kv_heads": kv_heads,
         "head_dim": head_dim, "batch": args.micro_batch, "seq_len": args.seq_len,
         "fa4_vs_sdpa_rel_error": errors,
+        "fa4_reruns": _rerun_spread(grads, reruns, [leaf.grad for leaf in leaves]),
         "fa4_fwd_tflops": _rounded(fwd_flops / fa4_f / 1e9),
         "fa4_bwd_tflops": _rounded(2.5 * fwd_flops / fa4_b / 1e9),
         "sdpa_fwd_tflops": _rounded(fwd_flops / sdpa_f / 1e9),
         "sdpa_bwd_tflops": _rounded(2.5 * fwd_flops / sdpa_b / 1e9),
         "sdpa": "default dispatch, KV heads repeated (as transformers calls it)",
+    }
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float | None:
+    """|a - b| / |b| over the whole tensor, in fp32."""
+    return _rounded(((a.float() - b.float()).norm() / b.float().norm()).item())
+
+
+def _rerun_spread(first: Sequence[torch.Tensor], reruns: Sequence[Sequence[torch.Tensor]],
+                  reference: Sequence[torch.Tensor]) -> dict[str, Any]:
+    """A backward run again on the same inputs: how far its dq, dk, dv move from the first run's
+    (fa4 sums dq over key blocks with atomics, in no fixed order; 0 is bitwise repeatable) and
+    the worst of them against the reference (a rare race would show there)."""
+    names = [f"d{n}" for n in "qkv"]
+    return {
+        "runs": len(reruns),
+        "max_rel_diff": {n: max(_rel(r[i], first[i]) or 0.0 for r in reruns)
+                         for i, n in enumerate(names)},
+        "max_rel_error": {n: max(_rel(r[i], reference[i]) or 0.0 for r in [first, *reruns])
+                          for i, n in enumerate(names)},
     }
 
 

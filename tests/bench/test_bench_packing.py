@@ -96,3 +96,20 @@ def test_packed_rows_count_the_attention_flops_of_their_documents_only():
     # Documents of 2 and 6 tokens: (4 + 36) / 8 keys per query; one row of 8: 8.
     assert attended_keys(torch.tensor([[0, 1, 0, 1, 2, 3, 4, 5]])) == 5.0
     assert attended_keys(torch.arange(8)[None]) == 8.0
+
+
+def test_a_rerun_spread_is_zero_for_a_repeatable_backward_and_names_the_gradient_that_moved():
+    """--attention-check's reruns (fa4's backward again on the same inputs): a bitwise repeat
+    reads 0, a moved dk reads its relative move, and the worst run against the reference is
+    reported, the first run's included."""
+    from bench.train import _rerun_spread
+
+    generator = torch.Generator().manual_seed(0)
+    first = [torch.randn(64, 4, 8, generator=generator) for _ in range(3)]
+    reference = [g + 1e-3 * torch.randn(g.shape, generator=generator) for g in first]
+    same = _rerun_spread(first, [[g.clone() for g in first]] * 2, reference)
+    assert same["runs"] == 2 and same["max_rel_diff"] == {"dq": 0.0, "dk": 0.0, "dv": 0.0}
+    moved = [first[0], first[1] * 1.01, first[2]]
+    spread = _rerun_spread(first, [first, moved], reference)
+    assert spread["max_rel_diff"]["dk"] == 0.01 and spread["max_rel_diff"]["dq"] == 0.0
+    assert spread["max_rel_error"]["dk"] > same["max_rel_error"]["dk"] > 0

@@ -13,7 +13,14 @@ SCRIPTS = {  # script: (a part, its log)
     "float8.sh": ("titan", "float8.jsonl"),
     "long_context.sh": ("short", "long_context.jsonl"),
     "full_8b.sh": ("pick", "full_8b.jsonl"),
+    "fa4_packing.sh": ("losses", "fa4_packing.jsonl"),
 }
+
+
+def test_every_device_call_script_is_checked_here():
+    """A new bench/*.sh (lib.sh is what they share) joins SCRIPTS, so its exit is tested too."""
+    on_disk = {path.name for path in (REPO_ROOT / "bench").glob("*.sh")} - {"lib.sh"}
+    assert on_disk == set(SCRIPTS)
 
 
 def stub(tmp_path: Path, fail_on: str) -> None:

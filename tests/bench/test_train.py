@@ -78,6 +78,18 @@ def test_on_demo_tokens_the_line_carries_every_steps_loss_and_the_loss_falls():
     assert losses[-1] < losses[0]
 
 
+def test_an_fp32_reference_trains_the_same_rows_and_the_contract_refuses_what_cannot_run():
+    """--mixed-precision fp32 (ours only): the same model, data and first loss as bf16, in fp32;
+    a combination the contract refuses (fa4 with fp32) is an error row in its words, not a run."""
+    bench_args = ("--no-hf", "--peers=", "--tokens", "demo", "--packing")
+    (bf16,) = bench(*bench_args)
+    (fp32, refused) = bench(*bench_args, "--mixed-precision", "fp32", "--attention", "sdpa,fa4")
+    assert fp32["options"]["mixed_precision"] == "fp32" and fp32["mfu"] is None
+    assert fp32["loss_first"] == pytest.approx(bf16["loss_first"], rel=1e-2)
+    assert fp32["loss_first"] != bf16["loss_first"]  # six digits tell the precisions apart
+    assert "fa4 with mixed_precision fp32" in refused["error"]
+
+
 def test_packed_demo_rows_run_and_count_only_their_documents_attention():
     """--packing end to end: a loss on fewer labels (no loss at a document's start), and the
     FLOPs of 12-token documents' attention, not 64's. That the rows keep their documents apart is
