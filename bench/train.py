@@ -732,6 +732,9 @@ def _packed_attention_row(name: str, args: argparse.Namespace, device: torch.dev
     masked_grads = torch.autograd.grad(masked_out, leaves, dout)
     reruns = [fa4_bwd(dout, q, k, v, out, lse, scale, True, cu_seqlens, bound)
               for _ in range(RERUNS)]
+    deterministic = _deterministic(
+        lambda: fa4_bwd(dout, q, k, v, out, lse, scale, True, cu_seqlens, bound), reruns[0],
+        [t.grad for t in reference])
     masked_reruns = [torch.autograd.grad(masked(*leaves), leaves, dout) for _ in range(2)]
 
     def masked_forward_backward() -> None:
@@ -753,6 +756,7 @@ def _packed_attention_row(name: str, args: argparse.Namespace, device: torch.dev
         "fa4_varlen_rel_error": errors(out, grads),
         "sdpa_masked_rel_error": errors(masked_out, masked_grads),
         "fa4_varlen_reruns": _rerun_spread(grads, reruns, [t.grad for t in reference]),
+        "fa4_varlen_deterministic": deterministic,
         "sdpa_masked_reruns": _rerun_spread(masked_grads, masked_reruns,
                                             [t.grad for t in reference]),
         "fa4_fwd_ms": _rounded(fa4_f), "fa4_bwd_ms": _rounded(fa4_b),
@@ -794,6 +798,8 @@ def _attention_row(name: str, args: argparse.Namespace, device: torch.device) ->
     errors = {"out": _rel(out, expected)}
     errors.update({f"d{n}": _rel(g, leaf.grad) for n, g, leaf in zip("qkv", grads, leaves)})
     reruns = [fa4_bwd(dout, q, k, v, out, lse, scale, True) for _ in range(RERUNS)]
+    deterministic = _deterministic(lambda: fa4_bwd(dout, q, k, v, out, lse, scale, True),
+                                   reruns[0], [leaf.grad for leaf in leaves])
 
     def sdpa_forward_backward() -> None:
         torch.autograd.grad(sdpa(*leaves), leaves, dout)
@@ -808,6 +814,7 @@ def _attention_row(name: str, args: argparse.Namespace, device: torch.device) ->
         "head_dim": head_dim, "batch": args.micro_batch, "seq_len": args.seq_len,
         "fa4_vs_sdpa_rel_error": errors,
         "fa4_reruns": _rerun_spread(grads, reruns, [leaf.grad for leaf in leaves]),
+        "fa4_deterministic": deterministic,
         "fa4_fwd_tflops": _rounded(fwd_flops / fa4_f / 1e9),
         "fa4_bwd_tflops": _rounded(2.5 * fwd_flops / fa4_b / 1e9),
         "sdpa_fwd_tflops": _rounded(fwd_flops / sdpa_f / 1e9),
@@ -834,6 +841,21 @@ def _rerun_spread(first: Sequence[torch.Tensor], reruns: Sequence[Sequence[torch
         "max_rel_error": {n: max(_rel(r[i], reference[i]) or 0.0 for r in [first, *reruns])
                           for i, n in enumerate(names)},
     }
+
+
+def _deterministic(backward: Callable[[], Sequence[torch.Tensor]], first: Sequence[torch.Tensor],
+                   reference: Sequence[torch.Tensor]) -> dict[str, Any]:
+    """fa4's backward under torch.use_deterministic_algorithms (its semaphore-ordered sums):
+    its rerun spread (0 if it holds), against the reference, and its time."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        runs = [backward() for _ in range(3)]
+        return {**_rerun_spread(runs[0], runs[1:], reference),
+                "vs_default_rel_diff": {f"d{n}": _rel(a, b)
+                                        for n, a, b in zip("qkv", runs[0], first, strict=True)},
+                "bwd_ms": _rounded(_median_ms(backward))}
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 def _median_ms(run: Callable[[], Any], warmup: int = 3, repeats: int = 10) -> float:

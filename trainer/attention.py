@@ -179,8 +179,11 @@ def fa4_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     varlen = {} if cu_seqlens is None else {
         "cu_seqlens_q": cu_seqlens, "cu_seqlens_k": cu_seqlens, "max_seqlen_q": max_seqlen,
         "max_seqlen_k": max_seqlen}
-    dq, dk, dv = _kernels()._flash_attn_bwd(q, k, v, out, dout, lse, scale, causal,
-                                            **varlen)[:3]
+    # Its dq (and GQA's dk, dv) are summed over blocks with atomics, in no fixed order; under
+    # torch.use_deterministic_algorithms the kernel orders them with semaphores instead.
+    dq, dk, dv = _kernels()._flash_attn_bwd(
+        q, k, v, out, dout, lse, scale, causal,
+        deterministic=torch.are_deterministic_algorithms_enabled(), **varlen)[:3]
     return dq, dk, dv
 
 
