@@ -370,3 +370,51 @@ def test_a_failure_entering_compute_weights_puts_the_fp32_masters_back(world_of_
         pass
     assert [p.data.data_ptr() for p in model.parameters()] == [m.data_ptr() for m in masters]
     assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["eager", "compiled"])
+def test_float8_weights_cast_once_a_step_train_to_the_bits_of_a_cast_at_every_use(
+    world_of_one, monkeypatch, compile
+):
+    """tensorwise float8 at one rank (trainer/float8.py cast_once_linears): each block weight is
+    cast to float8 when its bf16 copy is made, once a step, not in each micro batch's forward and
+    backward. The same scale and bits, so the same losses, grad norms and eval loss to the bit,
+    emulated on the CPU; counted (eager), 1 cast a weight a step where torchao makes 2 a micro
+    batch."""
+    from torchao.float8 import float8_linear
+
+    from finetune_contract.rules import FLOAT8_CAST_ONCE_ENV
+    from trainer.float8 import EMULATE_ENV
+
+    monkeypatch.setenv(EMULATE_ENV, "1")
+    monkeypatch.setenv("TRAINER_COMPILE_BACKEND", "aot_eager")
+    casts = []
+    cast = float8_linear.hp_tensor_to_float8_dynamic
+
+    def counted(*args, **kwargs):
+        casts.append(kwargs.get("gemm_input_role"))
+        return cast(*args, **kwargs)
+
+    monkeypatch.setattr(float8_linear, "hp_tensor_to_float8_dynamic", counted)
+    monkeypatch.setattr("torchao.float8.float8_scaling_utils.hp_tensor_to_float8_dynamic", counted)
+    import trainer.float8
+
+    trainer.float8._cast_once_class.cache_clear()  # its cast is looked up when the class is made
+    options = {"strategy": "SHARD_GRAD_OP", "mixed_precision": "bf16", "grad_accum": 2,
+               "float8": True, "compile": compile}
+    once = train(world_of_one, **options)
+    once_casts = casts.count(float8_linear.GemmInputRole.WEIGHT)
+    casts.clear()
+    torch._dynamo.reset()
+    monkeypatch.setenv(FLOAT8_CAST_ONCE_ENV, "0")
+    every = train(world_of_one, **options)
+    every_casts = casts.count(float8_linear.GemmInputRole.WEIGHT)
+    trainer.float8._cast_once_class.cache_clear()
+    linears = [m for m in once[3].modules() if type(m).__name__ == "CastOnceFloat8Linear"]
+    assert len(linears) == 7 * once[3].config.num_hidden_layers
+    assert not any(type(m).__name__ == "CastOnceFloat8Linear" for m in every[3].modules())
+    assert once[:3] == every[:3]
+    if not compile:  # STEPS steps of 2 micro batches, then an eval of 2 batches (stepped again)
+        assert once_casts == len(linears) * (STEPS + 1)
+        assert every_casts == len(linears) * (STEPS * 2 * 2 + 2)
