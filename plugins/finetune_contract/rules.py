@@ -82,6 +82,7 @@ def float8_weights_cast_once(cfg: TrainConfig, dims: ParallelDims) -> bool:
     environment casts at every use, as torchao does: the benchmark's A/B, and the planner's
     rows measured before."""
     return (cfg.float8 and cfg.float8_recipe == "tensorwise" and cfg.mixed_precision != "fp32"
+            and cfg.tp_degree == 1  # a tensor-parallel weight is a DTensor, cast by torchao
             and not dims.needs_fsdp(cfg.cpu_offload) and not dims.reshard_after_forward
             and os.environ.get(FLOAT8_CAST_ONCE_ENV, "1") != "0")
 
