@@ -372,10 +372,12 @@ def test_a_failure_entering_compute_weights_puts_the_fp32_masters_back(world_of_
     assert {p.dtype for p in model.parameters()} == {torch.float32}
 
 
-@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)],
-                         ids=["eager", "compiled"])
+@pytest.mark.parametrize(("compile", "checkpointing"), [
+    (False, "none"), pytest.param(True, "none", marks=pytest.mark.slow),
+    pytest.param(True, "selective", marks=pytest.mark.slow)],
+    ids=["eager", "compiled", "compiled-selective"])  # fmt: skip
 def test_float8_weights_cast_once_a_step_train_to_the_bits_of_a_cast_at_every_use(
-    world_of_one, monkeypatch, compile
+    world_of_one, monkeypatch, compile, checkpointing
 ):
     """tensorwise float8 at one rank (trainer/float8.py cast_once_linears): each block weight is
     cast to float8 when its bf16 copy is made, once a step, not in each micro batch's forward and
@@ -402,7 +404,7 @@ def test_float8_weights_cast_once_a_step_train_to_the_bits_of_a_cast_at_every_us
 
     trainer.float8._cast_once_class.cache_clear()  # its cast is looked up when the class is made
     options = {"strategy": "SHARD_GRAD_OP", "mixed_precision": "bf16", "grad_accum": 2,
-               "float8": True, "compile": compile}
+               "float8": True, "compile": compile, "activation_checkpointing": checkpointing}
     once = train(world_of_one, **options)
     once_casts = casts.count(float8_linear.GemmInputRole.WEIGHT)
     casts.clear()
