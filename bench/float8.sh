@@ -1,14 +1,12 @@
 #!/bin/bash
 # float8 on one GPU (docs/trainer.md "float8"): its loss against bf16 on the demo data, and its
 # tokens/s beside torchtitan's own float8 (same recipe).
-# Usage: bench/float8.sh OUT_DIR PART   (PART: loss | titan | once)
+# Usage: bench/float8.sh OUT_DIR PART   (PART: loss | titan)
 # loss: 1B, seq 4096, 200 steps on the demo instructions (bench.train --tokens demo): bf16, float8
 #   tensorwise and rowwise from the same seed, and bf16 from another seed (the run-to-run noise).
 # titan: ours and torchtitan 0.2.2 with float8, tensorwise then rowwise: 3B at micro-batch 2
 #   with 2 accumulated (torchtitan's 3B at micro-batch 4 without checkpointing needs more than an
 #   80 GB GPU: 103 GiB in bf16 on the H200), then 1B at micro-batch 4.
-# once: tensorwise as in titan, ours (each block weight cast once a step) beside torchtitan, then
-#   ours casting at every use as torchao does (TRAINER_FLOAT8_CAST_ONCE=0): 3B, then 1B.
 source "$(dirname "$0")/lib.sh"
 out=$1
 part=$2
@@ -29,15 +27,6 @@ titan)
     done
     for recipe in tensorwise rowwise; do
         run --models 1b --micro-batch 4 --float8 --float8-recipe "$recipe" --peers titan --no-hf --steps 10 --warmup 3
-    done
-    ;;
-once)
-    three=(--models 3b --micro-batch 2 --grad-accum 2 --float8 --float8-recipe tensorwise --no-hf --steps 8 --warmup 3)
-    one=(--models 1b --micro-batch 4 --float8 --float8-recipe tensorwise --no-hf --steps 10 --warmup 3)
-    for shape in three one; do
-        declare -n args=$shape
-        run "${args[@]}" --peers titan
-        TRAINER_FLOAT8_CAST_ONCE=0 run "${args[@]}" --peers=
     done
     ;;
 esac

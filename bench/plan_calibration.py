@@ -13,8 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from finetune_contract.rules import FLOAT8_CAST_ONCE_ENV
-
 # The benchmark's TrainConfig fields (bench/train.py with --compile).
 BASE: dict[str, Any] = {"seq_len": 4096, "mixed_precision": "bf16", "compile": True,
                         "strategy": "SHARD_GRAD_OP", "activation_checkpointing": "none"}
@@ -42,7 +40,6 @@ class Row:
     gpus: int = 1
     gpu: str = H200
     note: str = ""
-    env: dict[str, str] = field(default_factory=dict)  # the trainer's environment, A/B switches
     config: dict[str, Any] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -53,8 +50,6 @@ def _mb(n: int, **more: Any) -> dict[str, Any]:
     return {"micro_batch": n, **more}
 
 
-# float8 rows measured before its weights were cast once a step (2026-12-06): at every use.
-PER_USE_CASTS = {FLOAT8_CAST_ONCE_ENV: "0"}
 _FS = "FULL_SHARD"
 # FULL_SHARD on one GPU ran FSDP at one rank until 2026-12-06; it now runs without FSDP (its
 # blocks' compute copies made and freed per block, trainer/master_weights.py): the same memory
@@ -88,17 +83,16 @@ ROWS: tuple[Row, ...] = (
     Row("llama-1b", _mb(8, grad_accum=2), 64_830, 0.592, 62.0,
         f"{BENCH} --steps 6 --warmup 3 --models 1b --micro-batch 8 --grad-accum 2", "2026-12-01"),
     Row("llama-3b", _mb(4, float8=True), 29_700, None, 72.5,
-        f"{BENCH} --models 3b --micro-batch 4 --float8", "2026-12-01", env=PER_USE_CASTS),
+        f"{BENCH} --models 3b --micro-batch 4 --float8", "2026-12-01"),
     Row("llama-3b", _mb(4, float8=True, float8_recipe="rowwise"), 25_890, None, 72.5,
-        f"{BENCH} --models 3b --micro-batch 4 --float8 --float8-recipe rowwise", "2026-12-01",
-        env=PER_USE_CASTS),
+        f"{BENCH} --models 3b --micro-batch 4 --float8 --float8-recipe rowwise", "2026-12-01"),
     Row("llama-8b", _mb(2, strategy=_FS, activation_checkpointing=_AC, float8=True), 10_820,
         None, 123.6, f"{BENCH} --models 8b --micro-batch 2 --ac full --strategy FULL_SHARD "
-        "--float8", "2026-12-01", note=FSDP_ONE, env=PER_USE_CASTS),
+        "--float8", "2026-12-01", note=FSDP_ONE),
     Row("llama-8b", _mb(2, strategy=_FS, activation_checkpointing=_AC, float8=True,
                         float8_recipe="rowwise"), 9_586, None, 123.6,
         f"{BENCH} --models 8b --micro-batch 2 --ac full --strategy FULL_SHARD --float8 "
-        "--float8-recipe rowwise", "2026-12-01", note=FSDP_ONE, env=PER_USE_CASTS),
+        "--float8-recipe rowwise", "2026-12-01", note=FSDP_ONE),
     Row("llama-3b", _mb(1, seq_len=32768, strategy=_FS, activation_checkpointing=_AC,
                         tp_degree=2), 10_010, 0.537, 26.6,
         TORCHRUN.format(gpus=2) + " --models 3b --seq-len 32768 --micro-batch 1 --ac full "
@@ -155,16 +149,16 @@ ROWS: tuple[Row, ...] = (
     # docs/notes/2026-12-06-h100-float8-loss.log).
     Row("llama-3b", _mb(2, grad_accum=2, float8=True), 27_690, None, 70.95,
         f"{BENCH} --models 3b --micro-batch 2 --grad-accum 2 --float8 --float8-recipe tensorwise "
-        "--peers titan --steps 8 --warmup 3", "2026-12-06", gpu=H100, env=PER_USE_CASTS),
+        "--peers titan --steps 8 --warmup 3", "2026-12-06", gpu=H100),
     Row("llama-3b", _mb(2, grad_accum=2, float8=True, float8_recipe="rowwise"), 23_390, None,
         70.95, f"{BENCH} --models 3b --micro-batch 2 --grad-accum 2 --float8 --float8-recipe "
-        "rowwise --peers titan --steps 8 --warmup 3", "2026-12-06", gpu=H100, env=PER_USE_CASTS),
+        "rowwise --peers titan --steps 8 --warmup 3", "2026-12-06", gpu=H100),
     Row("llama-1b", _mb(4, float8=True), 66_190, None, 32.51,
         f"{BENCH} --models 1b --micro-batch 4 --float8 --float8-recipe tensorwise --peers titan "
-        "--steps 10 --warmup 3", "2026-12-06", gpu=H100, env=PER_USE_CASTS),
+        "--steps 10 --warmup 3", "2026-12-06", gpu=H100),
     Row("llama-1b", _mb(4, float8=True, float8_recipe="rowwise"), 57_270, None, 32.51,
         f"{BENCH} --models 1b --micro-batch 4 --float8 --float8-recipe rowwise --peers titan "
-        "--steps 10 --warmup 3", "2026-12-06", gpu=H100, env=PER_USE_CASTS),
+        "--steps 10 --warmup 3", "2026-12-06", gpu=H100),
     # Packed rows under sdpa's mask (bench.train --packing, random 128-2,048-token documents:
     # docs/notes/2026-12-06-h100-fa4-packing.log; its MFU counts attention over whole rows).
     Row("llama-1b", _mb(4, packing=True), 46_340, 0.4229, 42.02,
@@ -175,10 +169,10 @@ ROWS: tuple[Row, ...] = (
         "2026-12-06", gpu=H100),
     Row("llama-1b", _mb(1, float8=True), 42_960, None, 21.84,
         f"{BENCH} --models 1b --micro-batch 1 --tokens demo --steps 200 --warmup 2 --float8 "
-        "--float8-recipe tensorwise", "2026-12-06", gpu=H100, env=PER_USE_CASTS),
+        "--float8-recipe tensorwise", "2026-12-06", gpu=H100),
     Row("llama-1b", _mb(1, float8=True, float8_recipe="rowwise"), 37_490, None, 21.84,
         f"{BENCH} --models 1b --micro-batch 1 --tokens demo --steps 200 --warmup 2 --float8 "
-        "--float8-recipe rowwise", "2026-12-06", gpu=H100, env=PER_USE_CASTS),
+        "--float8-recipe rowwise", "2026-12-06", gpu=H100),
     # Offloaded blocks (trainer/offload.py), 8B QLoRA r16 at micro-batch 1, one H100 (the
     # planner's peak FLOPs are the H200's, the same dense bf16 figure), 2026-12-06:
     # bench/long_context.sh peers, docs/notes/2026-12-06-h100-long-context.log.

@@ -453,9 +453,6 @@ def run_trainer(
         "compile": args.compile,
         "float8": args.float8,
         "float8_recipe": args.float8_recipe if args.float8 else None,
-        # its block weights cast to float8 once a step (finetune_contract.rules)
-        "float8_cast_once": any(type(m).__name__ == "CastOnceFloat8Linear"
-                                for m in model.modules()),
         "lora_rank": args.lora_rank,
         "quantize_base": args.quantize_base,
         "nf4_gib": _rounded(nf4_bytes(model) / GIB) if args.quantize_base != "none" else None,

@@ -11,7 +11,6 @@ MFU's peak is the bf16 one.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from typing import Any
 
@@ -94,84 +93,3 @@ def precompute_float8_scales(model: torch.nn.Module) -> None:
 
     if uses_float8_all_gather(model):
         precompute_float8_dynamic_scale_for_fsdp(model)
-
-
-def cast_once_linears(blocks: torch.nn.Module) -> list[torch.nn.Module]:
-    """One process without FSDP (trainer/master_weights.py), tensorwise: each block Float8Linear
-    takes its weight's float8 copy from `cast_weight`, which the master weights call when they
-    make the bf16 copies (after each optimizer step), instead of casting it in every forward and
-    again in every backward (torchao's way: 2 x micro-batches casts a step, each an amax pass
-    and a cast pass over the weight). The same bits: a tensorwise scale is the weight's amax,
-    whichever pass takes it, and the weights do not change between steps. Rowwise scales the
-    weight along one axis forward and the other for the input gradient: not taken here. When:
-    finetune_contract.rules.float8_weights_cast_once. Returns the Linears made so."""
-    linears = [m for m in blocks.modules() if type(m).__name__ == "Float8Linear"
-               and _tensorwise_weight(m.config) and m.weight.requires_grad]
-    if linears:
-        cls = _cast_once_class()
-        for module in linears:
-            module.__class__ = cls
-    return linears
-
-
-def _tensorwise_weight(config: Any) -> bool:
-    """The weight cast the same way forward and backward, one dynamic scale for the tensor."""
-    from torchao.float8.config import ScalingGranularity, ScalingType
-
-    cast = config.cast_config_weight
-    return (cast == config.cast_config_weight_for_grad_input
-            and cast.scaling_type is ScalingType.DYNAMIC
-            and cast.scaling_granularity is ScalingGranularity.TENSORWISE)
-
-
-@functools.cache
-def _cast_once_class() -> type:
-    """Float8Linear with a weight cast made ahead (torchao imported on first use)."""
-    from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
-    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
-    from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
-
-    @torch._dynamo.allow_in_graph
-    class _CastWeight(torch.autograd.Function):
-        """weight.t() as float8 from bits and scale made ahead; the gradient passes to weight,
-        as through torchao's own cast (_ToFloat8ConstrFunc)."""
-
-        @staticmethod
-        def forward(ctx: Any, weight_t: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
-                    linear_mm_config: Any) -> torch.Tensor:
-            return Float8TrainingTensor(data, scale, weight_t.dtype,
-                                        linear_mm_config=linear_mm_config,
-                                        gemm_input_role=GemmInputRole.WEIGHT)
-
-        @staticmethod
-        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-            return grad, None, None, None
-
-    class CastOnceFloat8Linear(Float8Linear):
-        float8_weight_t: tuple[torch.Tensor, torch.Tensor] | None = None  # (bits, scale)
-
-        def cast_weight(self) -> None:
-            """The float8 copy of the weight as it is now (its bf16 compute copy)."""
-            cast = self.config.cast_config_weight
-            with torch.no_grad():
-                weight_t = hp_tensor_to_float8_dynamic(
-                    self.weight.t(), cast.target_dtype, self.linear_mm_config,
-                    gemm_input_role=GemmInputRole.WEIGHT,
-                    scaling_granularity=cast.scaling_granularity,
-                    round_scales_to_power_of_2=self.config.round_scales_to_power_of_2)
-            self.float8_weight_t = (weight_t._data, weight_t._scale)
-
-        def forward(self, input: torch.Tensor) -> torch.Tensor:
-            if self.float8_weight_t is None:
-                return super().forward(input)
-            if torch.is_autocast_enabled():  # as Float8Linear.forward
-                input = input.to(torch.get_autocast_gpu_dtype())
-            weight_t = _CastWeight.apply(self.weight.t(), *self.float8_weight_t,
-                                         self.linear_mm_config)
-            output = matmul_with_hp_or_float8_args.apply(input, weight_t, self.linear_mm_config,
-                                                         self.config)
-            if self.bias is not None:
-                output = output + self.bias.to(output.dtype)
-            return output
-
-    return CastOnceFloat8Linear

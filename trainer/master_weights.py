@@ -47,7 +47,6 @@ from collections.abc import Iterator
 import torch
 
 from trainer.blocks import decoder_blocks
-from trainer.float8 import cast_once_linears
 from trainer.qlora import is_quantized
 
 ATTRIBUTE = "_trainer_master_weights"
@@ -109,7 +108,7 @@ class GradIntoLinear(torch.nn.Linear):
 
 class MasterWeights:
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, grad_into_gemm: bool = False,
-                 reshard: bool = False, float8_cast_once: bool = False):
+                 reshard: bool = False):
         self.model = model
         self.dtype = dtype
         self.params: list[torch.nn.Parameter] = []
@@ -135,10 +134,6 @@ class MasterWeights:
                     module.__class__ = GradIntoLinear
                     self.linears.append(module)
         self.fused: list[tuple[int, GradIntoLinear]] = []
-        # Block float8 Linears whose weight is cast once a step, with its copy (trainer/float8.py;
-        # when: finetune_contract.rules.float8_weights_cast_once).
-        self.float8 = cast_once_linears(decoder_blocks(model)) if float8_cast_once else []
-        self.cast: list[tuple[int, torch.nn.Module]] = []
 
     def _bind(self) -> None:
         """The parameters as they are once materialized (tying may replace Parameter objects)."""
@@ -158,7 +153,6 @@ class MasterWeights:
                 param.register_post_accumulate_grad_hook(functools.partial(_to_master, this, i))
         index = {id(p): i for i, p in enumerate(params)}
         self.fused = [(index[id(m.weight)], m) for m in self.linears]
-        self.cast = [(index[id(m.weight)], m) for m in self.float8]
         # Only a trained weight has a copy of its own to free; a frozen one is its copy.
         self.block_params = [[index[id(p)] for p in block.parameters()
                               if id(p) in index and p.requires_grad] for block in self.blocks]
@@ -194,7 +188,6 @@ class MasterWeights:
         masters = self.masters = [p.data for p in self.params]
         resharded = {i for indices in self.block_params for i in indices}
         stale = [i for i, p in enumerate(self.params) if p._version != self.versions[i]]
-        recast = set(stale)
         for i in stale:
             if (self.copies[i] is None and masters[i].dtype == self.dtype
                     and not self.params[i].requires_grad):
@@ -218,9 +211,6 @@ class MasterWeights:
             self.grads[i] = param.grad  # fp32 from an earlier micro batch: accumulated onto
             param.grad = None
             param.data = self.copies[i]
-        for i, module in self.cast:  # float8 from the copies just made (or the first time)
-            if i in recast or module.float8_weight_t is None:
-                module.cast_weight()
         try:  # from here on, whatever fails puts the masters and their gradients back
             if torch.is_grad_enabled():  # a backward may follow: the fused GEMMs' fp32 gradients
                 for i, module in self.fused:
@@ -328,15 +318,13 @@ def _to_master(master_weights: weakref.ref[MasterWeights], i: int, param: torch.
 
 
 def use_master_weights(model: torch.nn.Module, dtype: torch.dtype, grad_accum: int = 1,
-                       reshard: bool = False, float8_cast_once: bool = False) -> None:
+                       reshard: bool = False) -> None:
     """Make `model` compute in `dtype` inside `compute_weights(model)`; its masters stay fp32.
     With micro batches to accumulate, the block Linears' GEMMs accumulate their gradients.
     reshard: a block's copies only while it runs (after any wrapping and compiling of the
-    blocks: the hooks go on the modules the model calls). float8_cast_once: the block float8
-    Linears' weights cast with their copies, once a step."""
+    blocks: the hooks go on the modules the model calls)."""
     grad_into_gemm = grad_accum > 1 and os.environ.get(GRAD_INTO_GEMM_ENV, "1") != "0"
-    setattr(model, ATTRIBUTE, MasterWeights(model, dtype, grad_into_gemm, reshard,
-                                            float8_cast_once))
+    setattr(model, ATTRIBUTE, MasterWeights(model, dtype, grad_into_gemm, reshard))
 
 
 def follow_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

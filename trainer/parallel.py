@@ -29,7 +29,6 @@ from finetune_contract.rules import (
     MLP_TILE_TOKENS,
     config_problems,
     device_problems,
-    float8_weights_cast_once,
     min_mlp_tile_tokens,
     offloads_blocks,
 )
@@ -244,8 +243,7 @@ def apply_parallelism(
         # Nothing to shard, gather or reduce: FSDP would only copy (trainer/master_weights.py).
         if config.mixed_precision != "fp32":
             use_master_weights(model, COMPUTE_DTYPES[config.mixed_precision], config.grad_accum,
-                               reshard=dims.reshard_after_forward,
-                               float8_cast_once=float8_weights_cast_once(config, dims))
+                               reshard=dims.reshard_after_forward)
         return mesh
     policies = {
         # QLoRA: the 4-bit base stays whole on every rank (trainer/qlora.py).

@@ -34,7 +34,6 @@ from finetune_contract.families import head_dim as family_head_dim
 from finetune_contract.models import BUILTIN_MODELS
 from finetune_contract.parallel_dims import ParallelDims
 from finetune_contract.rules import (
-    float8_weights_cast_once,
     loss_chunk_tokens,
     mlp_tile_fraction,
     offloads_blocks,
@@ -377,8 +376,8 @@ def estimate(cfg: TrainConfig, *, world_size: int, local_world_size: int, hardwa
     lora = _adapter_params(cfg, config) if cfg.lora_rank else 0
     trained = lora or params
     # QLoRA: the blocks' Linear weights in NF4, whole on every GPU (outside FSDP's sharding)
-    linear_params = counts["blocks"] - layers * 2 * config.hidden_size - config.hidden_size
-    quantized = linear_params if cfg.quantize_base == "nf4" and lora else 0
+    quantized = (counts["blocks"] - layers * 2 * config.hidden_size - config.hidden_size
+                 if cfg.quantize_base == "nf4" and lora else 0)
     nf4 = NF4_BYTES_PER_PARAM * quantized
     # fp32 masters (a LoRA run's frozen base too, but below), AdamW's two moments, fp32 grads.
     masters = 4 * (params - quantized)
@@ -398,8 +397,6 @@ def estimate(cfg: TrainConfig, *, world_size: int, local_world_size: int, hardwa
         if copies and layout.reshard_after_forward and not lora:
             # a block's copies only while it runs, as FSDP's gathered weights
             copies = compute_bytes * (GATHERED_BLOCKS * block_params + embedding)
-        if float8_weights_cast_once(cfg, layout):  # and their float8 copies, a byte each
-            copies += linear_params
     else:
         sharded = shard
         blocks_held = layers if cfg.strategy == "SHARD_GRAD_OP" else GATHERED_BLOCKS
@@ -484,11 +481,9 @@ def _step_time(cfg: TrainConfig, config: Any, hardware: Hardware, layout: Parall
     elementwise = (block_flops + head_flops) / GEMM_EFFICIENCY * ELEMENTWISE_PER_GEMM
     if cfg.float8:
         elementwise += block_flops / GEMM_EFFICIENCY * FLOAT8_CAST_PER_GEMM[cfg.float8_recipe]
-        # the weights' casts, whatever the tokens: each micro-batch, each pass (once a step
-        # where they are cast with their copies: below)
-        if not float8_weights_cast_once(cfg, layout):
-            elementwise += (FLOAT8_WEIGHT_CAST_S_PER_PARAM[cfg.float8_recipe] * counts["blocks"]
-                            * (2 + recomputed) * hardware.peak_flops)
+        # the weights' casts, whatever the tokens: each micro-batch, each pass
+        elementwise += (FLOAT8_WEIGHT_CAST_S_PER_PARAM[cfg.float8_recipe] * counts["blocks"]
+                        * (2 + recomputed) * hardware.peak_flops)
     attention = ATTENTION_EFFICIENCY.get(head_dim, ATTENTION_EFFICIENCY[128]) * min(
         ATTENTION_SEQ_CAP, (cfg.seq_len / 4096) ** ATTENTION_SEQ_EXPONENT)
     capped_from = 4096 * ATTENTION_SEQ_CAP ** (1 / ATTENTION_SEQ_EXPONENT)
@@ -512,8 +507,6 @@ def _step_time(cfg: TrainConfig, config: Any, hardware: Hardware, layout: Parall
         compute += NF4_DEQUANT_S_PER_PARAM * quantized * (2 + recomputed) * memory
     shard = layout.param_shards
     optimizer = OPTIMIZER_S_PER_PARAM * trained / max(1, shard) * memory
-    if float8_weights_cast_once(cfg, layout):  # with the copies, after the optimizer step
-        optimizer += FLOAT8_WEIGHT_CAST_S_PER_PARAM[cfg.float8_recipe] * counts["blocks"] * memory
     if cfg.cpu_offload:  # the step on the CPU; parameters in, gradients out every micro-batch
         optimizer = CPU_OPTIMIZER_S_PER_PARAM * trained / max(1, shard)
         compute += (2 * params + 4 * trained) / max(1, shard) / PCIE_BYTES_PER_S

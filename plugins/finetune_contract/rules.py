@@ -8,7 +8,6 @@ that is only here cannot be accepted by one side and refused by the other.
 from __future__ import annotations
 
 import ipaddress
-import os
 import re
 
 from finetune_contract.families import FAMILIES, lora_target_problem
@@ -19,9 +18,6 @@ from finetune_contract.parallel_dims import ParallelDims, elastic_problems
 from finetune_contract.parameters import BY_NAME, TRAINER_PARAMETERS
 from finetune_contract.throughput import LOGITS_PER_CHUNK, OFFLOADED_LOGITS_PER_CHUNK
 from finetune_contract.train_config import TrainConfig
-
-# "0": float8 weights cast at every use, as torchao does (float8_weights_cast_once).
-FLOAT8_CAST_ONCE_ENV = "TRAINER_FLOAT8_CAST_ONCE"
 
 Problems = list[tuple[str, str]]
 S3_SCHEME = "s3://"
@@ -72,19 +68,6 @@ def offloads_blocks(cfg: TrainConfig) -> bool:
     moves what each block saves (trainer/activations.py)."""
     return (cfg.activation_offload and cfg.activation_checkpointing == "full"
             and cfg.tp_degree == 1)
-
-
-def float8_weights_cast_once(cfg: TrainConfig, dims: ParallelDims) -> bool:
-    """tensorwise float8 on one process without FSDP, whose bf16 copies stay for the step
-    (trainer/master_weights.py): each block weight is cast to float8 once a step, when its copy
-    is made, and held beside it (1 byte a weight), not cast in each micro-batch's forward and
-    backward (trainer/float8.py cast_once_linears). FLOAT8_CAST_ONCE_ENV=0 in the trainer's
-    environment casts at every use, as torchao does: the benchmark's A/B, and the planner's
-    rows measured before."""
-    return (cfg.float8 and cfg.float8_recipe == "tensorwise" and cfg.mixed_precision != "fp32"
-            and cfg.tp_degree == 1  # a tensor-parallel weight is a DTensor, cast by torchao
-            and not dims.needs_fsdp(cfg.cpu_offload) and not dims.reshard_after_forward
-            and os.environ.get(FLOAT8_CAST_ONCE_ENV, "1") != "0")
 
 
 def loss_chunk_tokens(cfg: TrainConfig, vocab_size: int) -> int:

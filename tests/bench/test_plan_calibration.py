@@ -4,9 +4,6 @@ every row says how and when it was measured."""
 
 from __future__ import annotations
 
-import os
-from unittest import mock
-
 import pytest
 
 from bench.family_shapes import FAMILY_SHAPES
@@ -29,10 +26,8 @@ HARDWARE = {profile.gpu_model: hardware_of(profile) for profile in INSTANCE_TYPE
 
 
 def _estimate_of(row):
-    """The planner's figures for a row, in the trainer environment it was measured in."""
-    with mock.patch.dict(os.environ, row.env):
-        return estimate(TrainConfig(**row.config), world_size=row.gpus,
-                        local_world_size=row.gpus, hardware=HARDWARE[row.gpu])
+    return estimate(TrainConfig(**row.config), world_size=row.gpus, local_world_size=row.gpus,
+                    hardware=HARDWARE[row.gpu])
 
 
 def _errors(measured: str, estimated: str, relative_to_stated: bool = False

@@ -236,37 +236,3 @@ def test_offloaded_inputs_beyond_the_nodes_cpu_memory_are_refused_naming_the_fig
     message = dict(err.value.errors)["activation_offload"]
     assert "2048 GiB of CPU memory per node (8 x 256" in message and "lower seq_len" in message
     assert validate_params({**conf, "procs_per_node": 4}, run_id="r").seq_len == 1_048_576
-
-
-@pytest.mark.parametrize(("settings", "once"), [
-    ({}, True),
-    ({"float8_recipe": "rowwise"}, False),  # the weight is cast along two axes
-    ({"strategy": "FULL_SHARD"}, False),  # a block's copies only while it runs
-    ({"env": "0"}, False),  # the trainer's A/B switch: every use, as torchao
-])  # fmt: skip
-def test_float8_weights_cast_once_a_step_hold_a_byte_a_weight_and_drop_the_per_use_casts(
-    monkeypatch, settings, once
-):
-    """One GPU, tensorwise, copies kept for the step (rules.float8_weights_cast_once): the
-    block Linears' float8 copies, one byte a weight, beside the bf16 ones, and their casts once
-    a step instead of in each micro-batch's forward and backward."""
-    from finetune_contract.planner import model_config, parameter_count
-    from finetune_contract.rules import FLOAT8_CAST_ONCE_ENV
-
-    settings = dict(settings)
-    if settings.pop("env", None):
-        monkeypatch.setenv(FLOAT8_CAST_ONCE_ENV, "0")
-    base = {"model": "llama-3b", "seq_len": 4096, "micro_batch": 2, "grad_accum": 2,
-            "mixed_precision": "bf16", "compile": True, "strategy": "SHARD_GRAD_OP",
-            "activation_checkpointing": "none", "float8": True, **settings}
-    world = {"world_size": 1, "local_world_size": 1, "hardware": H200}
-    with_once = estimate(TrainConfig(**base), **world)
-    monkeypatch.setenv(FLOAT8_CAST_ONCE_ENV, "0")
-    every_use = estimate(TrainConfig(**base), **world)
-    config = model_config("llama-3b")
-    counts = parameter_count(config)
-    linear = (counts["blocks"] - config.num_hidden_layers * 2 * config.hidden_size
-              - config.hidden_size)
-    extra = with_once.parts_gib["compute_copies"] - every_use.parts_gib["compute_copies"]
-    assert extra == pytest.approx(linear / 2**30 if once else 0, abs=0.01)
-    assert (with_once.step_time_s < every_use.step_time_s) is once
