@@ -159,6 +159,15 @@ ROWS: tuple[Row, ...] = (
     Row("llama-1b", _mb(4, float8=True, float8_recipe="rowwise"), 57_270, None, 32.51,
         f"{BENCH} --models 1b --micro-batch 4 --float8 --float8-recipe rowwise --peers titan "
         "--steps 10 --warmup 3", "2026-12-06", gpu=H100),
+    # One process, 3B at micro-batch 2: SHARD_GRAD_OP keeps every block's bf16 copies for the
+    # step, FULL_SHARD (no FSDP since 2026-12-06) makes and frees them per block; one H100,
+    # 2026-12-06 15:49 UTC (docs/notes/2026-12-06-h100-full-shard-one-process.log).
+    Row("llama-3b", _mb(2), 22_100, 0.5252, 65.11,
+        f"{BENCH} --models 3b --micro-batch 2 --tokens demo --peers= --steps 6 --warmup 2",
+        "2026-12-06", gpu=H100),
+    Row("llama-3b", _mb(2, strategy=_FS), 21_830, 0.5188, 59.86,
+        f"{BENCH} --models 3b --micro-batch 2 --tokens demo --peers= --steps 6 --warmup 2 "
+        "--strategy FULL_SHARD", "2026-12-06", gpu=H100),
     # Packed rows under sdpa's mask (bench.train --packing, random 128-2,048-token documents:
     # docs/notes/2026-12-06-h100-fa4-packing.log; its MFU counts attention over whole rows).
     Row("llama-1b", _mb(4, packing=True), 46_340, 0.4229, 42.02,
