@@ -3,7 +3,8 @@
 # micro-batch 4 x 4096 on the packed demo instructions. Needs flash-attn-4 on the path.
 # Usage: bench/fa4_packing.sh OUT_DIR PART [SEED]   (PART: check | losses; SEED: 1234)
 # check: each kernel against every document attended alone in fp32, each backward run again 20
-#   times (fa4's dq is summed with atomics: how far a rerun moves), demo and random documents.
+#   times (fa4 adds dq, dk, dv with atomics in no fixed order: how far a rerun moves), demo and
+#   random documents.
 # losses: 40 steps each of sdpa, fa4 twice (its own spread) and sdpa in fp32 (the reference both
 #   bf16 curves are measured against), every step's loss to six digits.
 source "$(dirname "$0")/lib.sh"
@@ -23,6 +24,10 @@ check)
 losses)
     run --steps 40 --warmup 2 --attention sdpa,fa4,fa4
     run --steps 40 --warmup 2 --attention sdpa --mixed-precision fp32 --ac full
+    ;;
+*)
+    echo "unknown PART '$part' (see the usage above)" >&2
+    exit 2
     ;;
 esac
 exit $bench_failed

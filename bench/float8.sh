@@ -29,5 +29,9 @@ titan)
         run --models 1b --micro-batch 4 --float8 --float8-recipe "$recipe" --peers titan --no-hf --steps 10 --warmup 3
     done
     ;;
+*)
+    echo "unknown PART '$part' (see the usage above)" >&2
+    exit 2
+    ;;
 esac
 exit $bench_failed

@@ -28,5 +28,9 @@ float8)
         run --ac selective --float8 --float8-recipe "$recipe" --peers titan --steps 5 --warmup 2
     done
     ;;
+*)
+    echo "unknown PART '$part' (see the usage above)" >&2
+    exit 2
+    ;;
 esac
 exit $bench_failed

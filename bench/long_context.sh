@@ -24,5 +24,9 @@ short)
     run --seq-len 4096 --micro-batch 2 --quantize-base nf4 --activation-offload --peers unsloth --steps 5 --warmup 2
     run --seq-len 4096 --micro-batch 2 --activation-offload --peers unsloth --steps 5 --warmup 2
     ;;
+*)
+    echo "unknown PART '$part' (see the usage above)" >&2
+    exit 2
+    ;;
 esac
 exit $bench_failed

@@ -65,13 +65,7 @@ from trainer.model import (
     stretch_positions,
 )
 from trainer.optim import build_optimizer, optimizer_step
-from trainer.parallel import (
-    DistEnv,
-    apply_parallelism,
-    check_start,
-    init_distributed,
-    quantize_dtype,
-)
+from trainer.parallel import DistEnv, apply_parallelism, init_distributed, quantize_dtype
 from trainer.qlora import nf4_bytes
 
 # The peers beside ours: Hugging Face Trainer, Trainer with Liger's kernels, torchtitan
@@ -84,7 +78,8 @@ PEER_PRELUDES = {"unsloth": "import os; os.environ.setdefault('HF_HUB_OFFLINE', 
 SHORT_NAMES = {"1b": "llama-1b", "3b": "llama-3b", "8b": "llama-8b", "70b": "llama-70b",
                "tiny": "tiny-llama"}
 GIB = 1024**3
-RERUNS = 20  # --attention-check: fa4's backward again on the same inputs, for its spread
+RERUNS = 20  # --attention-check: each backward again on the same inputs, for its spread
+DETERMINISTIC_RUNS = 3  # and fa4's deterministic backward, which must repeat to the bit
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -158,7 +153,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if bad:
         parser.error(f"unknown --peers {', '.join(bad)}; choose from {', '.join(PEERS)}")
     for ours_only in ("packing", "mixed_precision"):
-        if args.peers and getattr(args, ours_only) not in (False, "bf16"):
+        if args.peers and getattr(args, ours_only) != parser.get_default(ours_only):
             parser.error(f"--{ours_only.replace('_', '-')} runs ours only: pass --no-hf "
                          "--peers ''")
     return args
@@ -307,8 +302,8 @@ def result(
 
 
 def _loss(value: float) -> float:
-    """Six significant digits: two runs' curves are compared step by step, where they part by
-    less than four digits show (docs/trainer.md, packed rows with FA4)."""
+    """Six significant digits: two runs' curves are compared step by step, and they can part by
+    less than four digits would show (docs/trainer.md, packed rows with FA4)."""
     return float(f"{value:.6g}")
 
 
@@ -374,6 +369,7 @@ def run_trainer(
         lora_rank=args.lora_rank,
         quantize_base=args.quantize_base,
         attention=attention,
+        packing=args.packing,  # the contract's rules on packed rows (apply_parallelism checks)
     )
     if args.float8:
         check_float8_device(env.device)
@@ -382,7 +378,6 @@ def run_trainer(
         memory_peak.start()
     model = build_bench_model(name, attention, args.seq_len)
     model_config = model.config
-    check_start(config, env, model_config)  # the contract's rules, as the trainer starts
     adapter_params = apply_lora(model, config) if args.lora_rank else None
     apply_parallelism(model, config, env)
     materialize_bench_model(model, name, config, env.device)
@@ -735,7 +730,7 @@ def _packed_attention_row(name: str, args: argparse.Namespace, device: torch.dev
     deterministic = _deterministic(
         lambda: fa4_bwd(dout, q, k, v, out, lse, scale, True, cu_seqlens, bound), reruns[0],
         [t.grad for t in reference])
-    masked_reruns = [torch.autograd.grad(masked(*leaves), leaves, dout) for _ in range(2)]
+    masked_reruns = [torch.autograd.grad(masked(*leaves), leaves, dout) for _ in range(RERUNS)]
 
     def masked_forward_backward() -> None:
         torch.autograd.grad(masked(*leaves), leaves, dout)
@@ -831,8 +826,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float | None:
 def _rerun_spread(first: Sequence[torch.Tensor], reruns: Sequence[Sequence[torch.Tensor]],
                   reference: Sequence[torch.Tensor]) -> dict[str, Any]:
     """A backward run again on the same inputs: how far its dq, dk, dv move from the first run's
-    (fa4 sums dq over key blocks with atomics, in no fixed order; 0 is bitwise repeatable) and
-    the worst of them against the reference (a rare race would show there)."""
+    (fa4 adds with atomics, in no fixed order: dq over key blocks, and with grouped-query heads
+    each KV head's dk and dv over its query heads; 0 is bitwise repeatable) and the worst of them
+    against the reference (a rare race would show there)."""
     names = [f"d{n}" for n in "qkv"]
     return {
         "runs": len(reruns),
@@ -846,16 +842,19 @@ def _rerun_spread(first: Sequence[torch.Tensor], reruns: Sequence[Sequence[torch
 def _deterministic(backward: Callable[[], Sequence[torch.Tensor]], first: Sequence[torch.Tensor],
                    reference: Sequence[torch.Tensor]) -> dict[str, Any]:
     """fa4's backward under torch.use_deterministic_algorithms (its semaphore-ordered sums):
-    its rerun spread (0 if it holds), against the reference, and its time."""
+    its rerun spread (0 if it holds), against the reference, and its time. The caller's setting
+    is put back after."""
+    was = (torch.are_deterministic_algorithms_enabled(),
+           torch.is_deterministic_algorithms_warn_only_enabled())
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        runs = [backward() for _ in range(3)]
+        runs = [backward() for _ in range(DETERMINISTIC_RUNS)]
         return {**_rerun_spread(runs[0], runs[1:], reference),
                 "vs_default_rel_diff": {f"d{n}": _rel(a, b)
                                         for n, a, b in zip("qkv", runs[0], first, strict=True)},
                 "bwd_ms": _rounded(_median_ms(backward))}
     finally:
-        torch.use_deterministic_algorithms(False)
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
 
 
 def _median_ms(run: Callable[[], Any], warmup: int = 3, repeats: int = 10) -> float:

@@ -179,11 +179,8 @@ def fa4_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     varlen = {} if cu_seqlens is None else {
         "cu_seqlens_q": cu_seqlens, "cu_seqlens_k": cu_seqlens, "max_seqlen_q": max_seqlen,
         "max_seqlen_k": max_seqlen}
-    # Its dq (and GQA's dk, dv) are summed over blocks with atomics, in no fixed order; under
-    # torch.use_deterministic_algorithms the kernel orders them with semaphores instead.
-    dq, dk, dv = _kernels()._flash_attn_bwd(
-        q, k, v, out, dout, lse, scale, causal,
-        deterministic=torch.are_deterministic_algorithms_enabled(), **varlen)[:3]
+    dq, dk, dv = _kernels()._flash_attn_bwd(q, k, v, out, dout, lse, scale, causal,
+                                            **backward_order(), **varlen)[:3]
     return dq, dk, dv
 
 
@@ -192,6 +189,14 @@ def _(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out
       lse: torch.Tensor, scale: float, causal: bool, cu_seqlens: torch.Tensor | None = None,
       max_seqlen: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def backward_order() -> dict[str, bool]:
+    """The kernel's backward adds with atomics, in no fixed order: dq over key blocks, and with
+    grouped-query heads each KV head's dk and dv over its query heads. Under
+    torch.use_deterministic_algorithms it orders those sums with semaphores instead (bitwise
+    repeatable, 15-41% slower backward: docs/trainer.md)."""
+    return {"deterministic": torch.are_deterministic_algorithms_enabled()}
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:

@@ -46,3 +46,14 @@ def test_a_bench_script_logs_every_run_and_exits_1_when_one_failed(tmp_path, scr
     rows = [line for line in lines if line.startswith("{")]
     assert len(rows) >= 2 and len(rows) == sum(line.startswith("# ") for line in lines)
     assert done.returncode == (1 if fail_on else 0), done.stderr
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_a_bench_script_refuses_a_part_it_does_not_have_and_runs_nothing(tmp_path, script):
+    stub(tmp_path, "no such argument")
+    out = tmp_path / "out"
+    out.mkdir()
+    done = subprocess.run(["bash", str(REPO_ROOT / "bench" / script), str(out), "no-such-part"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "unknown PART 'no-such-part'" in done.stderr
+    assert not list(out.iterdir())

@@ -265,3 +265,19 @@ def test_a_batch_moved_for_a_varlen_kernel_carries_the_documents_found_on_the_ho
     assert replaced.model_inputs(varlen=True)["cu_seq_lens_q"].tolist() == [0, 8, 16]
     assert batch.to(torch.device("cpu")).documents is None
     assert "cu_seq_lens_q" not in moved.model_inputs(varlen=False)
+
+
+def test_fa4s_backward_asks_for_the_kernels_fixed_order_only_under_deterministic_algorithms():
+    """torch.use_deterministic_algorithms(True) makes fa4's backward run the kernel's
+    semaphore-ordered sums (bitwise repeatable; on the GPU: docs/trainer.md); otherwise the
+    faster atomics. The caller's setting is read at each call."""
+    from trainer.attention import backward_order
+
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        assert backward_order() == {"deterministic": True}
+        torch.use_deterministic_algorithms(False)
+        assert backward_order() == {"deterministic": False}
+    finally:
+        torch.use_deterministic_algorithms(was)
