@@ -691,7 +691,11 @@ def _packed_attention_row(name: str, args: argparse.Namespace, device: torch.dev
     cu_seqlens = bounds.to(device)
     bound = packed_documents(positions)["max_length_q"]  # as the trainer passes it
     out, lse = fa4_fwd(q, k, v, scale, True, cu_seqlens, bound)
-    grads = fa4_bwd(dout, q, k, v, out, lse, scale, True, cu_seqlens, bound)
+
+    def fa4_backward() -> Sequence[torch.Tensor]:
+        return fa4_bwd(dout, q, k, v, out, lse, scale, True, cu_seqlens, bound)
+
+    grads = fa4_backward()
 
     def attend(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
                mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -725,20 +729,18 @@ def _packed_attention_row(name: str, args: argparse.Namespace, device: torch.dev
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     masked_out = masked(*leaves)
     masked_grads = torch.autograd.grad(masked_out, leaves, dout)
-    reruns = [fa4_bwd(dout, q, k, v, out, lse, scale, True, cu_seqlens, bound)
-              for _ in range(RERUNS)]
-    deterministic = _deterministic(
-        lambda: fa4_bwd(dout, q, k, v, out, lse, scale, True, cu_seqlens, bound), reruns[0],
-        [t.grad for t in reference])
-    masked_reruns = [torch.autograd.grad(masked(*leaves), leaves, dout) for _ in range(RERUNS)]
 
-    def masked_forward_backward() -> None:
-        torch.autograd.grad(masked(*leaves), leaves, dout)
+    def masked_forward_backward() -> Sequence[torch.Tensor]:
+        return torch.autograd.grad(masked(*leaves), leaves, dout)
+
+    reruns = [fa4_backward() for _ in range(RERUNS)]
+    deterministic = _deterministic(fa4_backward, reruns[0], [t.grad for t in reference])
+    masked_reruns = [masked_forward_backward() for _ in range(RERUNS)]
 
     lengths = torch.diff(bounds).double()
     fwd_flops = float(4 * heads * head_dim * (lengths**2 / 2).sum())
     fa4_f = _median_ms(lambda: fa4_fwd(q, k, v, scale, True, cu_seqlens, bound))
-    fa4_b = _median_ms(lambda: fa4_bwd(dout, q, k, v, out, lse, scale, True, cu_seqlens, bound))
+    fa4_b = _median_ms(fa4_backward)
     sdpa_f = _median_ms(lambda: masked(q, k, v))
     sdpa_b = max(_median_ms(masked_forward_backward) - sdpa_f, 1e-9)
     return {
@@ -785,23 +787,26 @@ def _attention_row(name: str, args: argparse.Namespace, device: torch.device) ->
             scale=scale).transpose(1, 2)
 
     out, lse = fa4_fwd(q, k, v, scale, True)
-    grads = fa4_bwd(dout, q, k, v, out, lse, scale, True)
+
+    def fa4_backward() -> Sequence[torch.Tensor]:
+        return fa4_bwd(dout, q, k, v, out, lse, scale, True)
+
+    grads = fa4_backward()
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     expected = sdpa(*leaves)
     expected.backward(dout)
 
     errors = {"out": _rel(out, expected)}
     errors.update({f"d{n}": _rel(g, leaf.grad) for n, g, leaf in zip("qkv", grads, leaves)})
-    reruns = [fa4_bwd(dout, q, k, v, out, lse, scale, True) for _ in range(RERUNS)]
-    deterministic = _deterministic(lambda: fa4_bwd(dout, q, k, v, out, lse, scale, True),
-                                   reruns[0], [leaf.grad for leaf in leaves])
+    reruns = [fa4_backward() for _ in range(RERUNS)]
+    deterministic = _deterministic(fa4_backward, reruns[0], [leaf.grad for leaf in leaves])
 
     def sdpa_forward_backward() -> None:
         torch.autograd.grad(sdpa(*leaves), leaves, dout)
 
     fwd_flops = 4 * args.micro_batch * heads * args.seq_len**2 / 2 * head_dim
     fa4_f = _median_ms(lambda: fa4_fwd(q, k, v, scale, True))
-    fa4_b = _median_ms(lambda: fa4_bwd(dout, q, k, v, out, lse, scale, True))
+    fa4_b = _median_ms(fa4_backward)
     sdpa_f = _median_ms(lambda: sdpa(q, k, v))
     sdpa_b = max(_median_ms(sdpa_forward_backward) - sdpa_f, 1e-9)  # the rest is backward
     return {
