@@ -3,9 +3,10 @@
 # (and LoRA) with every block's input in CPU memory (ours: --ac full --activation-offload;
 # Unsloth: its offloaded gradient checkpointing), then ours alone at the longest sequence.
 # Unsloth runs from its own site directory, first on its child's path (bench/unsloth.py).
-# Usage: bench/long_context.sh OUT_DIR PART   (PART: peers | longest | short)
+# Usage: bench/long_context.sh OUT_DIR PART   (PART: peers | longest | short | peft)
 # short: the least memory at seq 4096 (micro-batch 2), QLoRA and LoRA, ours offloaded beside
 # Unsloth's offloaded checkpointing.
+# peft: short's LoRA, ours alone, with peft's own LoRA forward (the A/B of the fused adapter add).
 source "$(dirname "$0")/lib.sh"
 out=$1
 part=$2
@@ -23,6 +24,9 @@ longest)
 short)
     run --seq-len 4096 --micro-batch 2 --quantize-base nf4 --activation-offload --peers unsloth --steps 5 --warmup 2
     run --seq-len 4096 --micro-batch 2 --activation-offload --peers unsloth --steps 5 --warmup 2
+    ;;
+peft)
+    run --seq-len 4096 --micro-batch 2 --activation-offload --peers "" --lora-forward peft --steps 5 --warmup 2
     ;;
 *)
     echo "unknown PART '$part' (see the usage above)" >&2

@@ -22,6 +22,7 @@ allocator growth) are not timed. Imports neither trainer.data nor `datasets`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import json
@@ -30,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--float8-recipe", default="tensorwise", choices=["tensorwise", "rowwise"])
     parser.add_argument("--lora-rank", type=int, default=0,
                         help="LoRA adapters on every block Linear (peft on both sides)")
+    parser.add_argument("--lora-forward", default="fused", choices=["fused", "peft"],
+                        help="ours: peft's own LoRA forward instead of the fused add (an A/B)")
     parser.add_argument("--quantize-base", default="none", choices=QUANTIZE_BASE,
                         help="nf4: QLoRA (ours: torchao NF4; HF: bitsandbytes 4-bit NF4)")
     parser.add_argument("--ac", choices=["none", "full", "selective"], default="none")
@@ -152,7 +155,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     bad = [p for p in args.peers if p not in PEERS]
     if bad:
         parser.error(f"unknown --peers {', '.join(bad)}; choose from {', '.join(PEERS)}")
-    for ours_only in ("packing", "mixed_precision"):
+    for ours_only in ("packing", "mixed_precision", "lora_forward"):
         if args.peers and getattr(args, ours_only) != parser.get_default(ours_only):
             parser.error(f"--{ours_only.replace('_', '-')} runs ours only: pass --no-hf "
                          "--peers ''")
@@ -379,6 +382,12 @@ def run_trainer(
     model = build_bench_model(name, attention, args.seq_len)
     model_config = model.config
     adapter_params = apply_lora(model, config) if args.lora_rank else None
+    if args.lora_forward == "peft":  # the A/B of trainer/lora.py's fused adapter add
+        from peft.tuners.lora import Linear as PeftLinear
+
+        for module in model.modules():
+            if isinstance(module, PeftLinear):
+                module.__class__ = PeftLinear
     apply_parallelism(model, config, env)
     materialize_bench_model(model, name, config, env.device)
     add_loss_method(model, loss_chunk_tokens(config, model_config.vocab_size))
@@ -449,6 +458,7 @@ def run_trainer(
         "float8": args.float8,
         "float8_recipe": args.float8_recipe if args.float8 else None,
         "lora_rank": args.lora_rank,
+        "lora_forward": args.lora_forward if args.lora_rank else None,
         "quantize_base": args.quantize_base,
         "nf4_gib": _rounded(nf4_bytes(model) / GIB) if args.quantize_base != "none" else None,
         "loss": "chunked",
@@ -505,7 +515,19 @@ def run_hf_trainer(
             if logs and "loss" in logs:
                 losses.append(logs["loss"])
 
+    class StepProfiler(TrainerCallback):  # --profile: the last step, as ours profiles its own
+        def on_step_begin(self, _: Any, state: Any, *__: Any, **___: Any) -> None:
+            if state.global_step == state.max_steps - 1:
+                self.profile = profiling(device, f"{PEERS[peer]}, its last step")
+                self.profile.__enter__()
+
+        def on_step_end(self, _: Any, state: Any, *__: Any, **___: Any) -> None:
+            if getattr(self, "profile", None) is not None:
+                self.profile.__exit__(None, None, None)
+                self.profile = None
+
     cuda = device.type == "cuda"
+    callbacks = [StepTimer(), *([StepProfiler()] if args.profile else [])]
     with tempfile.TemporaryDirectory() as output_dir:
         training_args = TrainingArguments(
             output_dir=output_dir,
@@ -531,7 +553,7 @@ def run_hf_trainer(
             use_liger_kernel=liger,
         )
         trainer = Trainer(
-            model=model, args=training_args, train_dataset=rows, callbacks=[StepTimer()]
+            model=model, args=training_args, train_dataset=rows, callbacks=callbacks
         )
         trainer.remove_callback(PrinterCallback)  # its log dicts would break the JSON lines
         trainer.train()
@@ -633,15 +655,25 @@ def hf_model(
 
 def print_profile(step: Callable[[], float], device: torch.device) -> None:
     """The ops that take the most device time over two steps, as a table."""
+    with profiling(device, "trainer, two steps"):
+        for _ in range(2):
+            step()
+
+
+@contextlib.contextmanager
+def profiling(device: torch.device, title: str) -> Iterator[None]:
+    """Profile what runs inside, then print the ops that took the most device time (CPU time on
+    a CPU) as a table on stderr: the JSON lines on stdout stay whole."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
-        for _ in range(2):
-            step()
+        yield
         synchronize(device)
     sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=sort_by, row_limit=40, max_name_column_width=70))
+    print(f"# profile: {title}\n"
+          + prof.key_averages().table(sort_by=sort_by, row_limit=40, max_name_column_width=70),
+          file=sys.stderr, flush=True)
 
 
 def guarded(run: Callable[[], dict[str, Any]], run_name: str, model: str) -> dict[str, Any]:
@@ -890,6 +922,7 @@ def peer_in_child(peer: str, name: str, argv: Sequence[str]) -> dict[str, Any]:
     not reach the next model's runs; its JSON line, or an error row with the child's last words."""
     done = subprocess.run(peer_command(peer, peer_child_argv(argv, name, peer)),
                           capture_output=True, text=True, check=False)
+    sys.stderr.write(done.stderr)  # its warnings and --profile's table, with the parent's
     for line in reversed(done.stdout.splitlines()):
         if line.startswith("{"):
             return json.loads(line)

@@ -4,17 +4,23 @@ peft's `inject_adapter_in_model` swaps each targeted Linear for a LoRA layer in 
 keeps its class and module paths (a projection's weight moves to `<proj>.base_layer.weight`, the
 adapters are `<proj>.lora_A.default.weight` and `<proj>.lora_B.default.weight`) and FSDP shards it
 like any other. Only the adapters require gradients, so only they reach the optimizer.
+
+Each LoRA Linear then moves one class up (`fuse_adapter_adds`): its forward adds the adapter's
+output in place by a GEMM, forward and backward (`_fused_forward`), and falls back to peft's for
+what that does not cover.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from finetune_contract.families import lora_target_problem, lora_targets
 
@@ -53,6 +59,7 @@ def apply_lora(model: torch.nn.Module, config: TrainConfig) -> int:
         base_model_name_or_path=config.model,
     )
     inject_adapter_in_model(lora_config, model)
+    fuse_adapter_adds(model)
     adapters = 0
     for fqn, param in model.named_parameters():
         param.requires_grad_(is_adapter_param(fqn))
@@ -66,6 +73,107 @@ def lora_config_of(model: torch.nn.Module) -> LoraConfig | None:
     """The LoraConfig `apply_lora` gave the model, or None for a model without adapters."""
     configs = getattr(model, "peft_config", None)
     return configs[ADAPTER_NAME] if configs else None
+
+
+def fuse_adapter_adds(model: torch.nn.Module) -> None:
+    """Each LoRA Linear adds its adapter's output in place, inside a GEMM (`_fused_forward`):
+    the same parameters, names and modules, one class up."""
+    for module in model.modules():
+        if type(module) is _peft_linear():
+            module.__class__ = _fused_linear()
+
+
+@functools.cache
+def _peft_linear() -> type[torch.nn.Module]:
+    from peft.tuners.lora import Linear
+
+    return Linear
+
+
+@functools.cache
+def _fused_linear() -> type[torch.nn.Module]:
+    return type("FusedLoraLinear", (_peft_linear(),), {"forward": _fused_forward,
+                                                       "__doc__": _fused_forward.__doc__})
+
+
+@torch.library.custom_op("trainer::add_matmul_", mutates_args=("out",))
+def add_matmul_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) -> None:
+    """out += alpha * a @ b in place: one GEMM that reads out and writes it back (beta 1).
+
+    An op of its own because a compiled graph would make `out.addmm_` out of place (a copy of out,
+    then the GEMM); inductor runs a mutating custom op on its buffer as it is."""
+    out.addmm_(a, b, alpha=alpha)
+
+
+@add_matmul_.register_fake
+def _(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) -> None:
+    return None
+
+
+class _LoraLinear(torch.autograd.Function):
+    """base(x) + scaling * (x A^T) B^T with a frozen base, the adapter's add in place in both
+    directions: forward adds (x A^T) B^T into the base GEMM's output, backward adds
+    (g B) A into g W. x is 2-D."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+        from trainer.qlora import dequantized
+
+        down = x @ a.t()
+        out = torch.nn.functional.linear(x, dequantized(weight), bias)
+        add_matmul_(out, down, b.t(), scaling)
+        ctx.save_for_backward(x, weight, a, b, down)
+        ctx.scaling = scaling
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        from trainer.qlora import dequantized
+
+        x, weight, a, b, down = ctx.saved_tensors
+        up = g @ b  # (tokens, rank)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = g @ dequantized(weight)
+            add_matmul_(grad_x, up, a, ctx.scaling)
+        grad_a = (up.t() @ x) * ctx.scaling if ctx.needs_input_grad[3] else None
+        grad_b = (g.t() @ down) * ctx.scaling if ctx.needs_input_grad[4] else None
+        return grad_x, None, None, grad_a, grad_b, None
+
+
+def _fused_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """peft's LoRA Linear, `base(x) + B(A(dropout(x))) * scaling`, with the adapter's output
+    added in place by a GEMM (`_LoraLinear`): in forward into the base GEMM's output, in backward
+    into the input's gradient. peft's forward writes B's output, scales it and adds it in passes
+    of their own, each as wide as the layer (8B's MLP: 14,336 values a token), in every forward
+    and recompute, and scales the gradient in backward; here the scaling rides in the GEMM.
+
+    Anything else runs peft's own forward: adapters disabled or merged, several adapters, a
+    variant such as DoRA, dropout while training, a bias on B, a trained or non-Linear base,
+    tensor-parallel DTensors, mixed dtypes."""
+    if not _fusable(self, x) or args or kwargs:
+        return _peft_linear().forward(self, x, *args, **kwargs)
+    base = self.base_layer
+    out = _LoraLinear.apply(x.reshape(-1, x.shape[-1]), base.weight, base.bias,
+                            self.lora_A[ADAPTER_NAME].weight, self.lora_B[ADAPTER_NAME].weight,
+                            self.scaling[ADAPTER_NAME])
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _fusable(layer: Any, x: torch.Tensor) -> bool:
+    """Whether `_fused_forward` computes what peft's forward would (its doc's list)."""
+    if (layer.disable_adapters or layer.merged or layer.active_adapters != [ADAPTER_NAME]
+            or ADAPTER_NAME not in layer.lora_A
+            or ADAPTER_NAME in getattr(layer, "lora_variant", ())):  # older peft: no variants
+        return False
+    base, a, b = layer.base_layer, layer.lora_A[ADAPTER_NAME], layer.lora_B[ADAPTER_NAME]
+    dropout = layer.lora_dropout[ADAPTER_NAME]
+    frozen = [base.weight] + ([] if base.bias is None else [base.bias])
+    return (type(base) is torch.nn.Linear and not any(p.requires_grad for p in frozen)
+            and b.bias is None and (isinstance(dropout, torch.nn.Identity) or not dropout.training)
+            and not any(isinstance(p, DTensor) for p in (*frozen, a.weight, b.weight))
+            and x.dtype == a.weight.dtype == b.weight.dtype == base.weight.dtype)  # NF4: bf16
 
 
 @torch.no_grad()

@@ -1,0 +1,153 @@
+"""trainer/lora.py's fused LoRA forward: peft's LoRA Linear with the adapter's add inside its GEMM,
+the same outputs and gradients as peft's own forward in every state a layer can be in."""
+
+import contextlib
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from peft import LoraConfig, inject_adapter_in_model
+from peft.tuners.lora import Linear as PeftLinear
+
+from trainer.config import load_config
+from trainer.lora import adapters_disabled, apply_lora, fuse_adapter_adds
+from trainer.model import build_model
+
+WIDTH, OUT, RANK, TOKENS = 24, 40, 4, 6
+BF16_TOLERANCE = 3e-2  # of a tensor's norm: a few bf16 roundings (2**-8) apart
+
+
+class TwoLinears(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(WIDTH, OUT, bias=True)
+        self.down = torch.nn.Linear(OUT, WIDTH, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.silu(self.up(x)))
+
+
+def peft_and_fused(dropout: float, alpha: int, dtype: torch.dtype, seed: int = 0):
+    """The same adapted module twice: peft's own forward, and fused; B drawn, not zero."""
+    torch.manual_seed(seed)
+    peft = TwoLinears()
+    inject_adapter_in_model(LoraConfig(r=RANK, lora_alpha=alpha, lora_dropout=dropout,
+                                       target_modules=["up", "down"]), peft)
+    for name, param in peft.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param)
+    peft.to(dtype)
+    fused = copy.deepcopy(peft)
+    fuse_adapter_adds(fused)
+    return peft, fused
+
+
+def outputs_and_grads(model, x, seed):
+    torch.manual_seed(seed)  # the same dropout draws on both sides
+    x = x.clone().requires_grad_(True)
+    out = model(x)
+    out.float().square().mean().backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out.detach(), x.grad, grads
+
+
+def test_apply_lora_fuses_every_lora_linear_of_a_model():
+    config = load_config(None, {"lora_rank": 8})
+    model = build_model(config.model)
+    apply_lora(model, config)
+    lora_layers = [m for m in model.modules() if isinstance(m, PeftLinear)]
+    assert lora_layers
+    assert {type(m).__name__ for m in lora_layers} == {"FusedLoraLinear"}
+
+
+@settings(max_examples=25, deadline=None)
+@given(dropout=st.sampled_from([0.0, 0.25]), alpha=st.sampled_from([4, 8, 32]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       state=st.sampled_from(["active", "disabled", "merged", "eval"]),
+       batch=st.sampled_from([(5,), (2, 3), (1, 2, 3)]))
+def test_the_fused_forward_gives_peft_outputs_and_gradients_in_every_layer_state(
+        dropout, alpha, dtype, state, batch):
+    peft, fused = peft_and_fused(dropout, alpha, dtype)
+    x = torch.randn(*batch, WIDTH, dtype=dtype)
+    for model in (peft, fused):
+        if state == "merged":
+            for layer in (model.up, model.down):
+                layer.merge()
+        if state == "eval":
+            model.eval()
+    with _maybe_disabled(peft, state), _maybe_disabled(fused, state):
+        expected = outputs_and_grads(peft, x, seed=1)
+        actual = outputs_and_grads(fused, x, seed=1)
+    assert actual[2].keys() == expected[2].keys()
+    pairs = [(actual[0], expected[0]), (actual[1], expected[1]),
+             *((actual[2][n], expected[2][n]) for n in expected[2])]
+    for fused_value, peft_value in pairs:
+        if dtype == torch.float32:  # equal but for the order of one add
+            torch.testing.assert_close(fused_value, peft_value, rtol=1e-5, atol=1e-5)
+        else:  # bf16: fused rounds once where peft rounds three times, through two layers
+            assert _rel(fused_value, peft_value) < BF16_TOLERANCE
+
+
+def _rel(value, other):
+    return float((value.float() - other.float()).norm() / other.float().norm().clamp_min(1e-12))
+
+
+def _maybe_disabled(model, state):
+    return adapters_disabled(model) if state == "disabled" else contextlib.nullcontext()
+
+
+def test_the_adapter_is_added_in_place_by_a_gemm_in_forward_and_backward():
+    """Not peft's separate passes: each adapted output, and each input gradient, gets the
+    adapter's part from one in-place GEMM with the scaling in its alpha; no elementwise op runs
+    over a layer-wide tensor (only over the rank-wide ones)."""
+    _, fused = peft_and_fused(0.0, 8, torch.float32)
+    x = torch.randn(TOKENS, WIDTH, requires_grad=True)
+    with torch.profiler.profile(record_shapes=True) as prof:
+        fused(x).sum().backward()
+    ops = [(e.name, e.input_shapes) for e in prof.events()]
+    assert sum(name == "trainer::add_matmul_" for name, _ in ops) == 4  # 2 layers, both ways
+    for name, shapes in ops:
+        if name in ("aten::add", "aten::add_", "aten::mul", "aten::mul_"):
+            assert all(RANK in shape for shape in shapes if shape), (name, shapes)
+
+
+def test_the_fused_forward_compiles_to_the_same_outputs_and_gradients():
+    _, fused = peft_and_fused(0.0, 8, torch.float32)
+    compiled = copy.deepcopy(fused)
+    compiled.compile(backend="aot_eager", fullgraph=True)
+    x = torch.randn(2, 3, WIDTH)
+    expected, actual = outputs_and_grads(fused, x, 0), outputs_and_grads(compiled, x, 0)
+    torch.testing.assert_close(actual[0], expected[0])
+    torch.testing.assert_close(actual[1], expected[1])
+    for name in expected[2]:
+        torch.testing.assert_close(actual[2][name], expected[2][name])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32])
+def test_a_deep_copy_of_a_fused_model_stays_fused(dtype):
+    _, fused = peft_and_fused(0.0, 8, dtype)
+    assert type(copy.deepcopy(fused).up).__name__ == "FusedLoraLinear"
+
+
+@pytest.mark.slow
+def test_inductor_runs_the_adapter_add_in_place_on_the_gemms_buffer():
+    """What the op is for: inductor runs it on the buffer the base GEMM wrote (and, backward,
+    on the input gradient's), with no copy of that buffer first, as it would make of a plain
+    `addmm_` (inductor's C++ code on the CPU: 20 s)."""
+    from torch._inductor.utils import run_and_get_code
+
+    _, fused = peft_and_fused(0.0, 8, torch.float32)
+    fused.compile(backend="inductor")
+    x = torch.randn(TOKENS, WIDTH, requires_grad=True)
+    _, codes = run_and_get_code(lambda: fused(x).sum().backward())
+    calls = [line.strip() for code in codes for line in code.splitlines()
+             if line.strip().startswith("torch.ops.trainer.add_matmul_")]
+    assert len(calls) == 4, calls  # two layers, forward and backward
+    written = {line.split("out=")[1].rstrip(")") for code in codes for line in code.splitlines()
+               if "extern_kernels.mm(" in line or "extern_kernels.addmm(" in line}
+    for call in calls:  # the op's first argument: a GEMM's own output buffer
+        assert call.split("(")[1].split(",")[0] in written, call
+    assert not any("clone" in code or ".copy_(" in code for code in codes)
