@@ -118,10 +118,9 @@ class _LoraLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
-        from trainer.qlora import dequantized
-
         down = x @ a.t()
-        out = torch.nn.functional.linear(x, dequantized(weight), bias)
+        # .to: an NF4 weight (trainer/qlora.py) dequantized, as torchao's own linear does
+        out = torch.nn.functional.linear(x, weight.to(x.dtype), bias)
         add_matmul_(out, down, b.t(), scaling)
         ctx.save_for_backward(x, weight, a, b, down)
         ctx.scaling = scaling
@@ -129,13 +128,11 @@ class _LoraLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        from trainer.qlora import dequantized
-
         x, weight, a, b, down = ctx.saved_tensors
         up = g @ b  # (tokens, rank)
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = g @ dequantized(weight)
+            grad_x = g @ weight.to(g.dtype)
             add_matmul_(grad_x, up, a, ctx.scaling)
         grad_a = (up.t() @ x) * ctx.scaling if ctx.needs_input_grad[3] else None
         grad_b = (g.t() @ down) * ctx.scaling if ctx.needs_input_grad[4] else None

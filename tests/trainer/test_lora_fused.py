@@ -12,7 +12,7 @@ from peft import LoraConfig, inject_adapter_in_model
 from peft.tuners.lora import Linear as PeftLinear
 
 from trainer.config import load_config
-from trainer.lora import adapters_disabled, apply_lora, fuse_adapter_adds
+from trainer.lora import _fusable, adapters_disabled, apply_lora, fuse_adapter_adds
 from trainer.model import build_model
 
 WIDTH, OUT, RANK, TOKENS = 24, 40, 4, 6
@@ -151,3 +151,25 @@ def test_inductor_runs_the_adapter_add_in_place_on_the_gemms_buffer():
     for call in calls:  # the op's first argument: a GEMM's own output buffer
         assert call.split("(")[1].split(",")[0] in written, call
     assert not any("clone" in code or ".copy_(" in code for code in codes)
+
+
+def test_an_nf4_base_is_dequantized_as_peft_does_and_gets_no_gradient():
+    """QLoRA's frozen NF4 base (trainer/qlora.py): the fused forward dequantizes it as torchao's
+    linear does under peft, forward and backward."""
+    from torchao.quantization import to_nf4
+
+    from trainer.qlora import scaler_block_size
+
+    peft, fused = peft_and_fused(0.0, 8, torch.bfloat16)
+    for layer in (peft.up, peft.down, fused.up, fused.down):
+        weight = layer.base_layer.weight.detach()
+        layer.base_layer.weight = torch.nn.Parameter(
+            to_nf4(weight, 8, scaler_block_size(weight.numel() // 8)), requires_grad=False)
+    x = torch.randn(TOKENS, WIDTH, dtype=torch.bfloat16)
+    assert _fusable(fused.up, x) and _fusable(fused.down, x)
+    expected, actual = outputs_and_grads(peft, x, 0), outputs_and_grads(fused, x, 0)
+    assert actual[2].keys() == expected[2].keys()
+    assert all("lora_" in name for name in actual[2])
+    for fused_value, peft_value in [(actual[0], expected[0]), (actual[1], expected[1]),
+                                    *((actual[2][n], expected[2][n]) for n in expected[2])]:
+        assert _rel(fused_value, peft_value) < BF16_TOLERANCE
