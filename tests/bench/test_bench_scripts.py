@@ -2,6 +2,8 @@
 exits 1 when any run failed (bench.train reports a run's exception as an error row and exits 0),
 so a device call's exit status says whether all ran. A stub bench.train stands in (no GPU)."""
 
+import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -57,3 +59,41 @@ def test_a_bench_script_refuses_a_part_it_does_not_have_and_runs_nothing(tmp_pat
                           cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "unknown PART 'no-such-part'" in done.stderr
     assert not list(out.iterdir())
+
+
+def script_parts(script: str) -> list[str]:
+    """The PARTs a script's `case` takes (each `name)` line)."""
+    text = (REPO_ROOT / "bench" / script).read_text()
+    return re.findall(r"^([a-z0-9][a-z0-9-]*)\)$", text, flags=re.MULTILINE)
+
+
+def test_every_run_of_every_part_of_every_script_parses_as_bench_train_reads_it(tmp_path):
+    """A mistyped or dropped option would cost a device call; here each run's arguments, as the
+    script passes them, go through bench.train's own parser (a stub records them)."""
+    from bench.train import parse_args
+
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "__init__.py").write_text("")
+    (tmp_path / "bench" / "train.py").write_text(
+        "import json, sys\n"
+        "with open('argv.jsonl', 'a') as f:\n"
+        "    f.write(json.dumps(sys.argv[1:]) + '\\n')\n"
+        "print(json.dumps({'run': 'trainer', 'tokens_per_s': 1}))\n")
+    checked = 0
+    for script in sorted(SCRIPTS):
+        parts = script_parts(script)
+        assert SCRIPTS[script][0] in parts
+        for part in parts:
+            (tmp_path / "argv.jsonl").unlink(missing_ok=True)
+            out = tmp_path / f"out-{script}-{part}"
+            out.mkdir()
+            done = subprocess.run(["bash", str(REPO_ROOT / "bench" / script), str(out), part],
+                                  cwd=tmp_path, capture_output=True, text=True, timeout=60)
+            assert done.returncode == 0, (script, part, done.stderr)
+            for line in (tmp_path / "argv.jsonl").read_text().splitlines():
+                try:
+                    parse_args(json.loads(line))
+                except SystemExit:
+                    pytest.fail(f"bench/{script} {part}: bench.train refuses {line}")
+                checked += 1
+    assert checked >= 2 * len(SCRIPTS)
