@@ -54,7 +54,7 @@ from trainer.attention import runs_varlen
 from trainer.batch import Batch, packed_documents
 from trainer.config import TrainConfig
 from trainer.float8 import check_float8_device, precompute_float8_scales
-from trainer.lora import apply_lora
+from trainer.lora import apply_lora, fuse_adapter_adds
 from trainer.loss import LOSS_METHOD, add_loss_method
 from trainer.master_weights import GradIntoLinear, compute_weights
 from trainer.metrics import peak_flops
@@ -128,7 +128,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "titan (torchtitan), unsloth (LoRA and QLoRA: FastLanguageModel)")
     parser.add_argument("--peer-worker", default="", choices=["", *PEERS],
                         help=argparse.SUPPRESS)
-    parser.add_argument("--profile", action="store_true", help="print a profile of our steps")
+    parser.add_argument("--profile", action="store_true",
+                        help="print a profile of each run's steps (a peer's: one more, untimed)")
     parser.add_argument("--memory-peak", action="store_true",
                         help="CUDA: print what was allocated at our run's peak, by where "
                              "(bench/memory_peak.py)")
@@ -155,6 +156,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     bad = [p for p in args.peers if p not in PEERS]
     if bad:
         parser.error(f"unknown --peers {', '.join(bad)}; choose from {', '.join(PEERS)}")
+    if args.lora_forward != parser.get_default("lora_forward") and not args.lora_rank:
+        parser.error("--lora-forward chooses LoRA's forward: pass --lora-rank too")
     for ours_only in ("packing", "mixed_precision", "lora_forward"):
         if args.peers and getattr(args, ours_only) != parser.get_default(ours_only):
             parser.error(f"--{ours_only.replace('_', '-')} runs ours only: pass --no-hf "
@@ -383,11 +386,7 @@ def run_trainer(
     model_config = model.config
     adapter_params = apply_lora(model, config) if args.lora_rank else None
     if args.lora_forward == "peft":  # the A/B of trainer/lora.py's fused adapter add
-        from peft.tuners.lora import Linear as PeftLinear
-
-        for module in model.modules():
-            if isinstance(module, PeftLinear):
-                module.__class__ = PeftLinear
+        fuse_adapter_adds(model, fused=False)
     apply_parallelism(model, config, env)
     materialize_bench_model(model, name, config, env.device)
     add_loss_method(model, loss_chunk_tokens(config, model_config.vocab_size))
@@ -515,25 +514,31 @@ def run_hf_trainer(
             if logs and "loss" in logs:
                 losses.append(logs["loss"])
 
-    class StepProfiler(TrainerCallback):  # --profile: the last step, as ours profiles its own
+    class StepProfiler(TrainerCallback):  # --profile: one step after the timed ones
+        profile: Any = None
+
         def on_step_begin(self, _: Any, state: Any, *__: Any, **___: Any) -> None:
             if state.global_step == state.max_steps - 1:
-                self.profile = profiling(device, f"{PEERS[peer]}, its last step")
+                self.profile = profiling(device, f"{PEERS[peer]}, one step")
                 self.profile.__enter__()
 
-        def on_step_end(self, _: Any, state: Any, *__: Any, **___: Any) -> None:
-            if getattr(self, "profile", None) is not None:
+        def on_step_end(self, *_: Any, **__: Any) -> None:
+            self.stop()
+
+        def stop(self) -> None:
+            if self.profile is not None:
                 self.profile.__exit__(None, None, None)
                 self.profile = None
 
     cuda = device.type == "cuda"
-    callbacks = [StepTimer(), *([StepProfiler()] if args.profile else [])]
+    profiler = StepProfiler()
+    callbacks = [StepTimer(), *([profiler] if args.profile else [])]
     with tempfile.TemporaryDirectory() as output_dir:
         training_args = TrainingArguments(
             output_dir=output_dir,
             per_device_train_batch_size=args.micro_batch,
             gradient_accumulation_steps=args.grad_accum,
-            max_steps=args.warmup + args.steps,
+            max_steps=args.warmup + args.steps + (1 if args.profile else 0),
             learning_rate=1e-5,
             lr_scheduler_type="constant",
             weight_decay=0.0,
@@ -556,7 +561,12 @@ def run_hf_trainer(
             model=model, args=training_args, train_dataset=rows, callbacks=callbacks
         )
         trainer.remove_callback(PrinterCallback)  # its log dicts would break the JSON lines
-        trainer.train()
+        try:
+            trainer.train()
+        finally:  # a step that raised leaves no profiler running
+            profiler.stop()
+    if args.profile:
+        step_times.pop()  # the profiled step, timed with the profiler's overhead
     if base_dir is not None:
         base_dir.cleanup()
     options = {

@@ -75,12 +75,13 @@ def lora_config_of(model: torch.nn.Module) -> LoraConfig | None:
     return configs[ADAPTER_NAME] if configs else None
 
 
-def fuse_adapter_adds(model: torch.nn.Module) -> None:
+def fuse_adapter_adds(model: torch.nn.Module, fused: bool = True) -> None:
     """Each LoRA Linear adds its adapter's output in place, inside a GEMM (`_fused_forward`):
-    the same parameters, names and modules, one class up."""
+    the same parameters, names and modules, one class up. fused=False puts peft's own class
+    back (the benchmark's A/B)."""
     for module in model.modules():
-        if type(module) is _peft_linear():
-            module.__class__ = _fused_linear()
+        if isinstance(module, _peft_linear()):
+            module.__class__ = _fused_linear() if fused else _peft_linear()
 
 
 @functools.cache
@@ -92,8 +93,16 @@ def _peft_linear() -> type[torch.nn.Module]:
 
 @functools.cache
 def _fused_linear() -> type[torch.nn.Module]:
-    return type("FusedLoraLinear", (_peft_linear(),), {"forward": _fused_forward,
-                                                       "__doc__": _fused_forward.__doc__})
+    """`FusedLoraLinear`: peft's LoRA Linear with `_fused_forward`, made on first use (peft is
+    imported only by runs with adapters) and found in this module by name, so a model pickles."""
+    return type("FusedLoraLinear", (_peft_linear(),), {
+        "forward": _fused_forward, "__doc__": _fused_forward.__doc__, "__module__": __name__})
+
+
+def __getattr__(name: str) -> Any:
+    if name == "FusedLoraLinear":  # what pickle looks the class up by
+        return _fused_linear()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @torch.library.custom_op("trainer::add_matmul_", mutates_args=("out",))
@@ -127,6 +136,7 @@ class _LoraLinear(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # add_matmul_ has no derivative of its own
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight, a, b, down = ctx.saved_tensors
         up = g @ b  # (tokens, rank)

@@ -26,10 +26,14 @@ def test_every_device_call_script_is_checked_here():
 
 
 def stub(tmp_path: Path, fail_on: str) -> None:
+    """A bench/train.py that prints a row (an error row when its arguments hold `fail_on`)
+    and appends its arguments to argv.jsonl."""
     (tmp_path / "bench").mkdir()
     (tmp_path / "bench" / "__init__.py").write_text("")
     (tmp_path / "bench" / "train.py").write_text(
         "import json, sys\n"
+        "with open('argv.jsonl', 'a') as f:\n"
+        "    f.write(json.dumps(sys.argv[1:]) + '\\n')\n"
         f"failed = {fail_on!r} in sys.argv\n"
         "row = {'error': 'OutOfMemoryError'} if failed else {'tokens_per_s': 1}\n"
         "print(json.dumps({'run': 'trainer', 'args': sys.argv[1:], **row}))\n")
@@ -72,14 +76,7 @@ def test_every_run_of_every_part_of_every_script_parses_as_bench_train_reads_it(
     script passes them, go through bench.train's own parser (a stub records them)."""
     from bench.train import parse_args
 
-    (tmp_path / "bench").mkdir()
-    (tmp_path / "bench" / "__init__.py").write_text("")
-    (tmp_path / "bench" / "train.py").write_text(
-        "import json, sys\n"
-        "with open('argv.jsonl', 'a') as f:\n"
-        "    f.write(json.dumps(sys.argv[1:]) + '\\n')\n"
-        "print(json.dumps({'run': 'trainer', 'tokens_per_s': 1}))\n")
-    checked = 0
+    stub(tmp_path, "no such argument")
     for script in sorted(SCRIPTS):
         parts = script_parts(script)
         assert SCRIPTS[script][0] in parts
@@ -90,10 +87,10 @@ def test_every_run_of_every_part_of_every_script_parses_as_bench_train_reads_it(
             done = subprocess.run(["bash", str(REPO_ROOT / "bench" / script), str(out), part],
                                   cwd=tmp_path, capture_output=True, text=True, timeout=60)
             assert done.returncode == 0, (script, part, done.stderr)
-            for line in (tmp_path / "argv.jsonl").read_text().splitlines():
+            runs = (tmp_path / "argv.jsonl").read_text().splitlines()
+            assert runs, f"bench/{script} {part} runs nothing"
+            for line in runs:
                 try:
                     parse_args(json.loads(line))
                 except SystemExit:
                     pytest.fail(f"bench/{script} {part}: bench.train refuses {line}")
-                checked += 1
-    assert checked >= 2 * len(SCRIPTS)

@@ -6,11 +6,10 @@ import copy
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from peft import LoraConfig, inject_adapter_in_model
 from peft.tuners.lora import Linear as PeftLinear
 
+from trainer import lora
 from trainer.config import load_config
 from trainer.lora import _fusable, adapters_disabled, apply_lora, fuse_adapter_adds
 from trainer.model import build_model
@@ -29,12 +28,13 @@ class TwoLinears(torch.nn.Module):
         return self.down(torch.nn.functional.silu(self.up(x)))
 
 
-def peft_and_fused(dropout: float, alpha: int, dtype: torch.dtype, seed: int = 0):
-    """The same adapted module twice: peft's own forward, and fused; B drawn, not zero."""
+def peft_and_fused(dropout: float, alpha: int, dtype: torch.dtype, seed: int = 0, **lora):
+    """The same adapted module twice: peft's own forward, and fused; B drawn, not zero.
+    `lora`: more LoraConfig options (use_rslora, lora_bias, use_dora)."""
     torch.manual_seed(seed)
     peft = TwoLinears()
     inject_adapter_in_model(LoraConfig(r=RANK, lora_alpha=alpha, lora_dropout=dropout,
-                                       target_modules=["up", "down"]), peft)
+                                       target_modules=["up", "down"], **lora), peft)
     for name, param in peft.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(param)
@@ -63,24 +63,60 @@ def test_apply_lora_fuses_every_lora_linear_of_a_model():
     assert {type(m).__name__ for m in lora_layers} == {"FusedLoraLinear"}
 
 
-@settings(max_examples=25, deadline=None)
-@given(dropout=st.sampled_from([0.0, 0.25]), alpha=st.sampled_from([4, 8, 32]),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-       state=st.sampled_from(["active", "disabled", "merged", "eval"]),
-       batch=st.sampled_from([(5,), (2, 3), (1, 2, 3)]))
-def test_the_fused_forward_gives_peft_outputs_and_gradients_in_every_layer_state(
-        dropout, alpha, dtype, state, batch):
-    peft, fused = peft_and_fused(dropout, alpha, dtype)
-    x = torch.randn(*batch, WIDTH, dtype=dtype)
+# A layer's states: what peft's forward does differently. "fused": the ones _LoraLinear computes.
+STATES = {
+    "active": True, "eval": True, "rslora": True,
+    "disabled": False, "merged": False, "bias on B": False, "dora": False, "two adapters": False,
+    "trained base": False, "fp32 adapters": False,  # in bf16 (mixed dtypes)
+}
+
+
+def _in_state(peft, fused, state: str, dtype: torch.dtype) -> None:
+    """Put both copies in `state` (the config-time states were made by peft_and_fused)."""
     for model in (peft, fused):
-        if state == "merged":
-            for layer in (model.up, model.down):
+        torch.manual_seed(7)  # the second adapter's draws alike on both
+        for layer in (model.up, model.down):
+            if state == "merged":
                 layer.merge()
+            if state == "two adapters":
+                layer.update_layer("second", RANK, lora_alpha=8, init_lora_weights=False,
+                                   config=LoraConfig(r=RANK, lora_alpha=8))
+                layer.set_adapter(["default", "second"])
+                layer.to(dtype)
+            if state == "trained base":
+                layer.base_layer.weight.requires_grad_(True)
+            if state == "fp32 adapters":
+                layer.lora_A["default"].float()
+                layer.lora_B["default"].float()
         if state == "eval":
             model.eval()
+
+
+@pytest.mark.filterwarnings("ignore:`lora_bias=True` was passed")
+@pytest.mark.parametrize("state", sorted(STATES))
+@pytest.mark.parametrize("batch", [(5,), (2, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dropout", [0.0, 0.25])
+@pytest.mark.parametrize("alpha", [4, 32])
+def test_the_fused_forward_gives_peft_outputs_and_gradients_in_every_layer_state(
+        alpha, dropout, dtype, batch, state, monkeypatch):
+    options = {"rslora": {"use_rslora": True}, "bias on B": {"lora_bias": True},
+               "dora": {"use_dora": True}}.get(state, {})
+    peft, fused = peft_and_fused(dropout, alpha, dtype, **options)
+    _in_state(peft, fused, state, dtype)
+    calls = []
+    apply = lora._LoraLinear.apply
+    monkeypatch.setattr(lora._LoraLinear, "apply", lambda *a: calls.append(1) or apply(*a))
+    x = torch.randn(*batch, WIDTH, dtype=dtype)
     with _maybe_disabled(peft, state), _maybe_disabled(fused, state):
         expected = outputs_and_grads(peft, x, seed=1)
         actual = outputs_and_grads(fused, x, seed=1)
+    # the fused path runs exactly where it computes what peft does; dropout while training is
+    # peft's (its draws)
+    mixed = state == "fp32 adapters" and dtype == torch.bfloat16  # fp32 ones on a bf16 base
+    fuses = (STATES[state] or state == "fp32 adapters" and not mixed) and (
+        dropout == 0.0 or state == "eval")
+    assert len(calls) == (2 if fuses else 0), (state, dropout)
     assert actual[2].keys() == expected[2].keys()
     pairs = [(actual[0], expected[0]), (actual[1], expected[1]),
              *((actual[2][n], expected[2][n]) for n in expected[2])]
