@@ -3,6 +3,7 @@ the same outputs and gradients as peft's own forward in every state a layer can 
 
 import contextlib
 import copy
+import io
 
 import pytest
 import torch
@@ -162,10 +163,14 @@ def test_the_fused_forward_compiles_to_the_same_outputs_and_gradients():
         torch.testing.assert_close(actual[2][name], expected[2][name])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32])
-def test_a_deep_copy_of_a_fused_model_stays_fused(dtype):
-    _, fused = peft_and_fused(0.0, 8, dtype)
-    assert type(copy.deepcopy(fused).up).__name__ == "FusedLoraLinear"
+def test_a_copied_or_pickled_fused_model_stays_fused():
+    _, fused = peft_and_fused(0.0, 8, torch.float32)
+    buffer = io.BytesIO()
+    torch.save(fused, buffer)
+    buffer.seek(0)
+    for copied in (copy.deepcopy(fused), torch.load(buffer, weights_only=False)):
+        assert type(copied.up) is type(fused.up)
+        assert type(copied.up).__name__ == "FusedLoraLinear"
 
 
 @pytest.mark.slow
