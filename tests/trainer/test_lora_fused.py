@@ -95,7 +95,7 @@ def _in_state(peft, fused, state: str, dtype: torch.dtype) -> None:
 
 @pytest.mark.filterwarnings("ignore:`lora_bias=True` was passed")
 @pytest.mark.parametrize("state", sorted(STATES))
-@pytest.mark.parametrize("batch", [(5,), (2, 3)])
+@pytest.mark.parametrize("batch", [(2, 3)])  # 3-D, flattened and back
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("dropout", [0.0, 0.25])
 @pytest.mark.parametrize("alpha", [4, 32])
