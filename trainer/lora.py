@@ -156,9 +156,10 @@ def _fused_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> tor
     of their own, each as wide as the layer (8B's MLP: 14,336 values a token), in every forward
     and recompute, and scales the gradient in backward; here the scaling rides in the GEMM.
 
-    Anything else runs peft's own forward: adapters disabled or merged, several adapters, a
-    variant such as DoRA, dropout while training, a bias on B, a trained or non-Linear base,
-    tensor-parallel DTensors, mixed dtypes."""
+    Anything else runs peft's own forward: adapters disabled, merged or absent from the layer,
+    several adapters, a variant such as DoRA, dropout while training, a bias on B, a trained base
+    or one with a forward of its own (not exactly nn.Linear), tensor-parallel DTensors, mixed
+    dtypes."""
     if not _fusable(self, x) or args or kwargs:
         return _peft_linear().forward(self, x, *args, **kwargs)
     base = self.base_layer

@@ -93,9 +93,9 @@ OFFLOAD_IN_FLIGHT = 2
 # OFFLOAD_MEMORY_ERROR. An empirical pair: the allocator's record of the 4k QLoRA peak
 # (bench.train --memory-peak) holds eight MLP-wide tensors of the slice, but no pair with 8 for
 # the MLP comes within 8.9% on the five rows (the 32k and 400k peaks are not a block's backward
-# alone); the constants fit the totals, not that split. The rows are of peft's LoRA add; with the
-# add in place (trainer/lora.py) the planner is over the 4k QLoRA and 32k peaks by 8.3% and 11.5%
-# (docs/trainer.md): the safe side, until 128k and 400k are measured again for a refit.
+# alone); the constants fit the totals, not that split. The rows are of peft's LoRA add; the add
+# in place (trainer/lora.py) measured lower peaks (bench/plan_calibration.py lists them), so these
+# are over, the safe side, until 128k and 400k are measured again for a refit.
 OFFLOAD_HIDDEN, OFFLOAD_MLP = 11.6, 3.2
 # Share of the offloaded block inputs' copies (out in forward, in during backward, on side
 # streams a block ahead) the compute does not hide: fitted to the same five rows' tokens/s,

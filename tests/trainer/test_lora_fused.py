@@ -69,7 +69,15 @@ STATES = {
     "active": True, "eval": True, "rslora": True,
     "disabled": False, "merged": False, "bias on B": False, "dora": False, "two adapters": False,
     "trained base": False, "fp32 adapters": False,  # in bf16 (mixed dtypes)
+    "own base forward": False, "adapter absent": False,
 }
+
+
+class DoubledLinear(torch.nn.Linear):
+    """A base whose forward is its own (as float8's or a quantized Linear's is)."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
 
 
 def _in_state(peft, fused, state: str, dtype: torch.dtype) -> None:
@@ -89,6 +97,10 @@ def _in_state(peft, fused, state: str, dtype: torch.dtype) -> None:
             if state == "fp32 adapters":
                 layer.lora_A["default"].float()
                 layer.lora_B["default"].float()
+            if state == "own base forward":
+                layer.base_layer.__class__ = DoubledLinear
+            if state == "adapter absent":  # active, but not in this layer: peft skips it
+                del layer.lora_A["default"], layer.lora_B["default"]
         if state == "eval":
             model.eval()
 
