@@ -120,33 +120,39 @@ def _(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) -> None
 
 
 class _LoraLinear(torch.autograd.Function):
-    """base(x) + scaling * (x A^T) B^T with a frozen base, the adapter's add in place in both
-    directions: forward adds (x A^T) B^T into the base GEMM's output, backward adds
-    (g B) A into g W. x is 2-D."""
+    """base(x) + scaling * (d A^T) B^T with a frozen base, d = dropout(x) or x itself (`dropped`
+    None), the adapter's add in place in both directions: forward adds (d A^T) B^T into the base
+    GEMM's output, backward adds (g B) A into g W when d is x (with dropout, it is d's gradient,
+    which autograd takes back through the dropout). x is 2-D."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
-        down = x @ a.t()
+    def forward(ctx: Any, x: torch.Tensor, dropped: torch.Tensor | None, weight: torch.Tensor,
+                bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, scaling: float
+                ) -> torch.Tensor:
+        lora_in = x if dropped is None else dropped
+        down = lora_in @ a.t()
         # .to: an NF4 weight (trainer/qlora.py) dequantized, as torchao's own linear does
         out = torch.nn.functional.linear(x, weight.to(x.dtype), bias)
         add_matmul_(out, down, b.t(), scaling)
-        ctx.save_for_backward(x, weight, a, b, down)
-        ctx.scaling = scaling
+        ctx.save_for_backward(lora_in, weight, a, b, down)
+        ctx.scaling, ctx.dropout = scaling, dropped is not None
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # add_matmul_ has no derivative of its own
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, weight, a, b, down = ctx.saved_tensors
+        lora_in, weight, a, b, down = ctx.saved_tensors
         up = g @ b  # (tokens, rank)
-        grad_x = None
+        grad_x = grad_dropped = None
         if ctx.needs_input_grad[0]:
             grad_x = g @ weight.to(g.dtype)
-            add_matmul_(grad_x, up, a, ctx.scaling)
-        grad_a = (up.t() @ x) * ctx.scaling if ctx.needs_input_grad[3] else None
-        grad_b = (g.t() @ down) * ctx.scaling if ctx.needs_input_grad[4] else None
-        return grad_x, None, None, grad_a, grad_b, None
+            if not ctx.dropout:
+                add_matmul_(grad_x, up, a, ctx.scaling)
+        if ctx.needs_input_grad[1]:
+            grad_dropped = (up @ a) * ctx.scaling
+        grad_a = (up.t() @ lora_in) * ctx.scaling if ctx.needs_input_grad[4] else None
+        grad_b = (g.t() @ down) * ctx.scaling if ctx.needs_input_grad[5] else None
+        return grad_x, grad_dropped, None, None, grad_a, grad_b, None
 
 
 def _fused_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -155,15 +161,21 @@ def _fused_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> tor
     into the input's gradient. peft's forward writes B's output, scales it and adds it in passes
     of their own, each as wide as the layer (8B's MLP: 14,336 values a token), in every forward
     and recompute, and scales the gradient in backward; here the scaling rides in the GEMM.
+    Dropout while training draws peft's mask for the adapter's input; the input's gradient then
+    takes the adapter's part through it, outside the GEMM.
 
     Anything else runs peft's own forward: adapters disabled, merged or absent from the layer,
-    several adapters, a variant such as DoRA, dropout while training, a bias on B, a trained base
-    or one with a forward of its own (not exactly nn.Linear), tensor-parallel DTensors, mixed
-    dtypes."""
+    several adapters, a variant such as DoRA, a bias on B, a trained base or one with a forward
+    of its own (not exactly nn.Linear), tensor-parallel DTensors, mixed dtypes."""
     if not _fusable(self, x) or args or kwargs:
         return _peft_linear().forward(self, x, *args, **kwargs)
     base = self.base_layer
-    out = _LoraLinear.apply(x.reshape(-1, x.shape[-1]), base.weight, base.bias,
+    rows = x.reshape(-1, x.shape[-1])
+    dropout = self.lora_dropout[ADAPTER_NAME]
+    # dropout while training: the adapter's input only, as peft's (the same draws)
+    dropped = dropout(rows) if dropout.training and not isinstance(dropout, torch.nn.Identity) \
+        else None
+    out = _LoraLinear.apply(rows, dropped, base.weight, base.bias,
                             self.lora_A[ADAPTER_NAME].weight, self.lora_B[ADAPTER_NAME].weight,
                             self.scaling[ADAPTER_NAME])
     return out.view(*x.shape[:-1], out.shape[-1])
@@ -176,10 +188,9 @@ def _fusable(layer: Any, x: torch.Tensor) -> bool:
             or ADAPTER_NAME in getattr(layer, "lora_variant", ())):  # older peft: no variants
         return False
     base, a, b = layer.base_layer, layer.lora_A[ADAPTER_NAME], layer.lora_B[ADAPTER_NAME]
-    dropout = layer.lora_dropout[ADAPTER_NAME]
     frozen = [base.weight] + ([] if base.bias is None else [base.bias])
     return (type(base) is torch.nn.Linear and not any(p.requires_grad for p in frozen)
-            and b.bias is None and (isinstance(dropout, torch.nn.Identity) or not dropout.training)
+            and b.bias is None
             and not any(isinstance(p, DTensor) for p in (*frozen, a.weight, b.weight))
             and x.dtype == a.weight.dtype == b.weight.dtype == base.weight.dtype)  # NF4: bf16
 

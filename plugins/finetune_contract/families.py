@@ -399,6 +399,14 @@ def attention_flops(config: Any, seq_len: int, windows: bool = True) -> float:
     return 12 * dimensions(config)["q"] * sum(attended_length(seq_len, w) for w in layers)
 
 
+def adapter_input_features(config: Any, lora_target_modules: str) -> int:
+    """The input features of one block's LoRA-targeted Linears, summed: with LoRA dropout each
+    keeps its own dropped copy of its input for backward."""
+    shapes = linear_shapes(config)
+    return sum(shapes[name][0] for name in lora_targets(config, lora_target_modules)
+               if name in shapes)
+
+
 def adapter_params(config: Any, lora_rank: int, lora_target_modules: str) -> int:
     """LoRA's trainable parameters: rank x (in + out) per targeted Linear per block."""
     shapes = linear_shapes(config)

@@ -23,6 +23,7 @@ from typing import Any
 
 from finetune_contract.families import (
     activation_extra,
+    adapter_input_features,
     adapter_params,
     architecture_problem,
     attention_kernel,
@@ -287,10 +288,14 @@ def activation_bytes_per_token(cfg: TrainConfig, config: Any) -> tuple[float, fl
         dims = dimensions(config)
         scores += elem * (cfg.seq_len + 2 * (dims["q"] - dims["kv"]))
 
+    # LoRA dropout: each adapter keeps its dropped input and dropout's mask (a byte a value)
+    dropped = (elem + 1) * adapter_input_features(config, cfg.lora_target_modules) \
+        if cfg.lora_rank and cfg.lora_dropout > 0 else 0
+
     def block_bytes(hidden_wide: float, mlp_wide: float) -> float:
         """One block's activations per token: `hidden_wide` and `mlp_wide` tensors' elements."""
         kept = elem * (hidden_wide * hidden + mlp_wide * mlp + activation_extra(config))
-        return kept * (FLOAT8_ACTIVATION_FACTOR if cfg.float8 else 1) + scores
+        return kept * (FLOAT8_ACTIVATION_FACTOR if cfg.float8 else 1) + scores + dropped
 
     block = block_bytes(ACT_HIDDEN, ACT_MLP)
     boundary = elem * hidden  # a checkpointed block keeps only its input

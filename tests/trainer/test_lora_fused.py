@@ -9,11 +9,13 @@ import pytest
 import torch
 from peft import LoraConfig, inject_adapter_in_model
 from peft.tuners.lora import Linear as PeftLinear
+from torch.autograd.graph import saved_tensors_hooks
 
+from finetune_contract.planner import activation_bytes_per_token, model_config
 from trainer import lora
-from trainer.config import load_config
+from trainer.config import TrainConfig, load_config
 from trainer.lora import _fusable, adapters_disabled, apply_lora, fuse_adapter_adds
-from trainer.model import build_model
+from trainer.model import build_model, materialize_weights
 
 WIDTH, OUT, RANK, TOKENS = 24, 40, 4, 6
 BF16_TOLERANCE = 3e-2  # of a tensor's norm: a few bf16 roundings (2**-8) apart
@@ -124,11 +126,9 @@ def test_the_fused_forward_gives_peft_outputs_and_gradients_in_every_layer_state
     with _maybe_disabled(peft, state), _maybe_disabled(fused, state):
         expected = outputs_and_grads(peft, x, seed=1)
         actual = outputs_and_grads(fused, x, seed=1)
-    # the fused path runs exactly where it computes what peft does; dropout while training is
-    # peft's (its draws)
+    # the fused path runs exactly where it computes what peft does, dropout's draws included
     mixed = state == "fp32 adapters" and dtype == torch.bfloat16  # fp32 ones on a bf16 base
-    fuses = (STATES[state] or state == "fp32 adapters" and not mixed) and (
-        dropout == 0.0 or state == "eval")
+    fuses = STATES[state] or state == "fp32 adapters" and not mixed
     assert len(calls) == (2 if fuses else 0), (state, dropout)
     assert actual[2].keys() == expected[2].keys()
     pairs = [(actual[0], expected[0]), (actual[1], expected[1]),
@@ -226,3 +226,37 @@ def test_an_nf4_base_is_dequantized_as_peft_does_and_gets_no_gradient():
     for fused_value, peft_value in [(actual[0], expected[0]), (actual[1], expected[1]),
                                     *((actual[2][n], expected[2][n]) for n in expected[2])]:
         assert _rel(fused_value, peft_value) < BF16_TOLERANCE
+
+
+def _saved_bytes(options: dict) -> tuple[int, TrainConfig]:
+    """Bytes a training forward of the built-in model keeps for backward (each storage once)."""
+    config = load_config(None, {"lora_rank": 4, "seq_len": 64, "micro_batch": 2,
+                                "mixed_precision": "bf16", **options})
+    model = build_model(config.model)
+    apply_lora(model, config)
+    materialize_weights(model, config.model, 0, torch.device("cpu"))
+    model.to(torch.bfloat16).train()
+    ids = torch.randint(0, 100, (config.micro_batch, config.seq_len))
+    storages: dict[int, int] = {}
+
+    def keep(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with saved_tensors_hooks(keep, lambda t: t):
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    return sum(storages.values()), config
+
+
+def test_the_planner_counts_what_lora_dropout_keeps_for_backward():
+    """With dropout each adapter keeps its dropped input and the mask: the planner's activations
+    grow by that, within the inputs dropout no longer keeps (it counts no sharing)."""
+    plain, config = _saved_bytes({"lora_dropout": 0.0})
+    dropped, dropout_config = _saved_bytes({"lora_dropout": 0.1})
+    layers = build_model(config.model).config.num_hidden_layers
+    planned = [activation_bytes_per_token(c, model_config(c.model, None))[0]
+               for c in (config, dropout_config)]
+    tokens = config.micro_batch * config.seq_len
+    measured, counted = dropped - plain, (planned[1] - planned[0]) * tokens
+    assert measured > 0 and layers > 1
+    assert measured <= counted <= 1.1 * measured
