@@ -253,10 +253,9 @@ def test_the_planner_counts_what_lora_dropout_keeps_for_backward():
     grow by that, within the inputs dropout no longer keeps (it counts no sharing)."""
     plain, config = _saved_bytes({"lora_dropout": 0.0})
     dropped, dropout_config = _saved_bytes({"lora_dropout": 0.1})
-    layers = build_model(config.model).config.num_hidden_layers
-    planned = [activation_bytes_per_token(c, model_config(c.model, None))[0]
-               for c in (config, dropout_config)]
+    shape = model_config(config.model, None)
+    planned = [activation_bytes_per_token(c, shape)[0] for c in (config, dropout_config)]
     tokens = config.micro_batch * config.seq_len
     measured, counted = dropped - plain, (planned[1] - planned[0]) * tokens
-    assert measured > 0 and layers > 1
+    assert measured > 0 and shape.num_hidden_layers > 1
     assert measured <= counted <= 1.1 * measured
