@@ -234,15 +234,16 @@ def test_no_secret_in_task_logs_xcom_rendered_fields_or_run_dir_of_a_full_run(fu
         assert leaks == [], f"{name} appears in {leaks}"
 
 
+# One DAG run in the fast tier (8 s each), the other two with the slow tests.
 SEMANTIC_BAD_CONFS = [
-    ({"procs_per_node": 64}, "procs_per_node"),
-    ({"dataset": "no/such/file.jsonl"}, "dataset"),
-    ({"micro_batch": 4000}, "micro_batch"),
+    pytest.param({"procs_per_node": 64}, "procs_per_node", id="procs_per_node"),
+    pytest.param({"dataset": "no/such/file.jsonl"}, "dataset", id="dataset",
+                 marks=pytest.mark.slow),
+    pytest.param({"micro_batch": 4000}, "micro_batch", id="micro_batch", marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize(("conf", "field"), SEMANTIC_BAD_CONFS,
-                         ids=[c[1] for c in SEMANTIC_BAD_CONFS])
+@pytest.mark.parametrize(("conf", "field"), SEMANTIC_BAD_CONFS)
 def test_bad_conf_fails_in_validate_and_no_later_stage_runs(tmp_path, conf, field, capfd):
     dag_run = run_dag({**conf, "output_dir": str(tmp_path)})
     captured = capfd.readouterr()

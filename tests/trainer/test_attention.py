@@ -84,7 +84,7 @@ def losses_of(monkeypatch, implementation, compile, steps=3):
     return losses, len(calls)
 
 
-@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_fa4_trains_to_the_losses_of_sdpa(monkeypatch, compile):
     torch._dynamo.reset()
     sdpa, sdpa_calls = losses_of(monkeypatch, "sdpa", compile)

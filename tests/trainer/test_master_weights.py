@@ -248,6 +248,7 @@ def _offloaded_and_plain(env, monkeypatch, **options):
     return train(env, activation_offload=True, **setup), train(env, **setup)
 
 
+@pytest.mark.slow  # compiled: 17 s; the bf16 test below runs the offloaded blocks eagerly
 def test_offloaded_blocks_train_to_the_losses_of_full_checkpointing(world_of_one, monkeypatch):
     """activation_offload with full checkpointing (trainer/offload.py: block inputs in CPU
     memory, MLPs in 3 slices, each block part compiled) on one rank: in fp32 the losses, grad
