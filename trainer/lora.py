@@ -15,12 +15,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 from finetune_contract.families import lora_target_problem, lora_targets
 
@@ -175,10 +177,35 @@ def _fused_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> tor
     # dropout while training: the adapter's input only, as peft's (the same draws)
     dropped = dropout(rows) if dropout.training and not isinstance(dropout, torch.nn.Identity) \
         else None
-    out = _LoraLinear.apply(rows, dropped, base.weight, base.bias,
+    out = _LoraLinear.apply(rows, dropped, _base_weight(base.weight, x.dtype), base.bias,
                             self.lora_A[ADAPTER_NAME].weight, self.lora_B[ADAPTER_NAME].weight,
                             self.scaling[ADAPTER_NAME])
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _dequantize(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return weight.to(dtype)
+
+
+def _base_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The frozen base weight for `_LoraLinear`. An NF4 one (trainer/qlora.py) is dequantized
+    there in forward and again in backward, only the 4-bit weight kept between. Compiled, the
+    partitioner would merge the two into one and keep its bf16 output (4x the 4-bit weight; 13
+    GiB at 8B without checkpointing) from forward to backward: dequantized here inside a
+    checkpoint region instead, which marks it to be recomputed in backward."""
+    if torch.compiler.is_compiling() and is_quantized(weight):
+        return checkpoint(_dequantize, weight, dtype, use_reentrant=False)
+    return weight
+
+
+def is_quantized(param: torch.Tensor) -> bool:
+    """Whether a weight is QLoRA's 4-bit NF4 (trainer/qlora.py)."""
+    # No NF4 weight exists before quantize_into imported torchao: other runs never import it.
+    torchao = sys.modules.get("torchao.quantization")
+    if torchao is None:
+        return False
+    return isinstance(param, torchao.NF4Tensor) or isinstance(
+        getattr(param, "data", None), torchao.NF4Tensor)
 
 
 def _fusable(layer: Any, x: torch.Tensor) -> bool:

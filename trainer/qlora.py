@@ -11,14 +11,12 @@ base); FSDP shards the adapters, norms, embeddings and head as in any LoRA run.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from finetune_contract.planner import NF4_BLOCK_SIZE as BLOCK_SIZE
 from finetune_contract.planner import NF4_SCALER_BLOCK_SIZE as SCALER_BLOCK_SIZE
 from trainer.blocks import decoder_blocks
-from trainer.lora import is_adapter_param
+from trainer.lora import is_adapter_param, is_quantized
 
 # The model attribute that lists the weights to quantize: {fqn: full shape}, set before the
 # weights are allocated (materialize_weights) and read as each is drawn or loaded.
@@ -36,15 +34,6 @@ def quantized_weight_fqns(model: torch.nn.Module) -> list[str]:
         for name, module in blocks.named_modules()
         if isinstance(module, torch.nn.Linear) and not is_adapter_param(f"{name}.weight")
     ]
-
-
-def is_quantized(param: torch.Tensor) -> bool:
-    # No NF4 weight exists before quantize_into imported torchao: other runs never import it.
-    torchao = sys.modules.get("torchao.quantization")
-    if torchao is None:
-        return False
-    return isinstance(param, torchao.NF4Tensor) or isinstance(
-        getattr(param, "data", None), torchao.NF4Tensor)
 
 
 def quantized_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:

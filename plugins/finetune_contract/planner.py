@@ -347,19 +347,6 @@ def packed_mask_bytes(cfg: TrainConfig) -> float:
     return float(cfg.micro_batch * cfg.seq_len ** 2) if packed_under_mask(cfg) else 0.0
 
 
-def dequantized_blocks_kept(cfg: TrainConfig, layers: int) -> int:
-    """QLoRA: the blocks whose dequantized weights (bf16, 4x the NF4 ones) a forward keeps for
-    backward. Compiled, every block not checkpointed (the partitioner saves the dequantization's
-    output; a checkpointed block, whole or per op, dequantizes again in backward); eager, none
-    (torchao's linear_nf4 saves the 4-bit weight). tests/trainer/test_qlora.py counts them."""
-    if not cfg.compile or cfg.activation_checkpointing == "full":
-        return 0
-    if cfg.activation_checkpointing == "none":
-        return layers
-    every = selective_every(cfg.selective_ac)
-    return 0 if every is None else layers - layers // every
-
-
 def estimate(cfg: TrainConfig, *, world_size: int, local_world_size: int, hardware: Hardware,
              config: Any = None) -> Estimate:
     """Peak memory per GPU and step time of `cfg` on `world_size` GPUs of `hardware`.
@@ -410,9 +397,10 @@ def estimate(cfg: TrainConfig, *, world_size: int, local_world_size: int, hardwa
         copies = compute_bytes * (blocks_held * block_params + embedding) / tp
     saved, recompute = activation_bytes_per_token(cfg, config)
     activations = (saved * tokens + recompute * tokens) / tp
-    if quantized and cfg.compile:  # and one block's while backward recomputes it
-        kept = max(1, dequantized_blocks_kept(cfg, layers))
-        activations += compute_bytes * quantized / layers * kept
+    if quantized and cfg.compile:
+        # A block's dequantized weights while its backward runs: none is kept from forward to
+        # backward (trainer/lora.py dequantizes again), tests/trainer/test_qlora.py checks.
+        activations += compute_bytes * quantized / layers
     activations += packed_mask_bytes(cfg)
     chunk = min(tokens // tp or 1, loss_chunk_tokens(cfg, config.vocab_size))
     loss = 4 * chunk * config.vocab_size  # the chunk's logits and their gradient, bf16

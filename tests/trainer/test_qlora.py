@@ -15,7 +15,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from finetune_contract.data import PROMPT_TEMPLATE
 from finetune_contract.fields import ContractError
-from finetune_contract.planner import dequantized_blocks_kept
 from tests.support.training import demo_rows, lm_step, torchrun, write_jsonl
 from trainer.checkpoint import Checkpointer
 from trainer.config import load_config
@@ -73,23 +72,25 @@ def keep(saved: list[torch.Tensor], tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-@pytest.mark.parametrize(("compile", "checkpointing", "selective_ac"), [
-    (False, "none", "op"), pytest.param(True, "none", "op", marks=pytest.mark.slow),
-    pytest.param(True, "selective", "op", marks=pytest.mark.slow),
-    pytest.param(True, "selective", "2", marks=pytest.mark.slow),
-    pytest.param(True, "full", "op", marks=pytest.mark.slow)])
-def test_a_qlora_forward_keeps_the_dequantized_weights_the_planner_counts(
-    world_of_one, nf4_on_cpu, monkeypatch, compile, checkpointing, selective_ac
+@pytest.mark.parametrize(("compile", "checkpointing", "selective_ac", "lora_dropout"), [
+    (False, "none", "op", 0.0), pytest.param(True, "none", "op", 0.0, marks=pytest.mark.slow),
+    pytest.param(True, "none", "op", 0.1, marks=pytest.mark.slow),
+    pytest.param(True, "selective", "op", 0.0, marks=pytest.mark.slow),
+    pytest.param(True, "selective", "2", 0.0, marks=pytest.mark.slow),
+    pytest.param(True, "full", "op", 0.0, marks=pytest.mark.slow)])
+def test_a_qlora_forward_keeps_no_dequantized_weight_for_backward(
+    world_of_one, nf4_on_cpu, monkeypatch, compile, checkpointing, selective_ac, lora_dropout
 ):
-    """Compiled, the partitioner saves each dequantized weight (bf16, 4x the 4-bit one) for
-    backward where the block is not checkpointed: 13 GiB at 8B, which the planner adds. Eager,
-    torchao's linear_nf4 keeps the 4-bit weight alone. The count is the planner's rule's."""
+    """Backward dequantizes each 4-bit weight again: a forward keeps none of the dequantized
+    ones (bf16, 4x the 4-bit one; 13 GiB at 8B), in any checkpointing mode, with dropout too.
+    Compiled, the partitioner would merge the two dequantizations and keep the bf16 weight of
+    every block not checkpointed (trainer/lora.py's `_base_weight` says how that is stopped)."""
     monkeypatch.setenv("TRAINER_COMPILE_BACKEND", "aot_eager")
     tokenizer = AutoTokenizer.from_pretrained(DEMO_TOKENIZER)
     input_ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
     model, _ = qlora_model(world_of_one, tokenizer, seed=2, strategy="SHARD_GRAD_OP",
                            compile=compile, activation_checkpointing=checkpointing,
-                           selective_ac=selective_ac)
+                           selective_ac=selective_ac, lora_dropout=lora_dropout)
     weights = [tuple(model.get_parameter(fqn).shape) for fqn in quantized_weight_fqns(model)]
     saved: list[torch.Tensor] = []
     with compute_weights(model), saved_tensors_hooks(functools.partial(keep, saved),
@@ -97,13 +98,7 @@ def test_a_qlora_forward_keeps_the_dequantized_weights_the_planner_counts(
         model(input_ids=input_ids, labels=input_ids, use_cache=False).loss.backward()
     dequantized = [t for t in saved if tuple(t.shape) in weights
                    and t.dtype == torch.bfloat16 and not isinstance(t, NF4Tensor)]
-    config = load_config(None, {"lora_rank": 4, "quantize_base": "nf4", "compile": compile,
-                                "activation_checkpointing": checkpointing,
-                                "selective_ac": selective_ac})
-    layers = model.config.num_hidden_layers
-    per_block, kept = len(weights) // layers, dequantized_blocks_kept(config, layers)
-    # The first block's q/k/v need no input gradient (LoRA freezes the embedding and norms).
-    assert per_block * kept - 3 * (kept > 0) == len(dequantized)
+    assert saved and not dequantized
     assert any(p.grad is not None for p in model.parameters())
 
 
