@@ -14,6 +14,7 @@ from finetune.validate import validate_params
 from finetune_contract.instance_types import INSTANCE_TYPES
 from finetune_contract.planner import (
     MEMORY_ERROR,
+    OFFLOAD_MEASURED_TOKENS,
     OFFLOAD_MEMORY_ERROR,
     RESERVED_GIB,
     Hardware,
@@ -180,8 +181,9 @@ def test_an_8b_qlora_at_400k_tokens_fits_one_h200_only_with_its_block_inputs_off
 
 
 def test_an_offloaded_run_is_planned_with_its_modes_stated_error_growing_past_the_measured():
-    """Offloaded blocks state 5% up to the longest measured row (400k tokens) and in proportion
-    past it; a plan fits with that margin, and a refusal names it."""
+    """Offloaded blocks state their error up to the longest measured row of the trainer as it
+    runs now (OFFLOAD_MEASURED_TOKENS) and in proportion past it; a plan fits with that margin,
+    and a refusal names it."""
     def planned(seq_len: int, offload: bool = True):
         cfg = TrainConfig(model="llama-8b", seq_len=seq_len, micro_batch=1, lora_rank=16,
                           quantize_base="nf4", activation_checkpointing="full",
@@ -189,12 +191,13 @@ def test_an_offloaded_run_is_planned_with_its_modes_stated_error_growing_past_th
         return estimate(cfg, world_size=1, local_world_size=1, hardware=H200)
 
     assert planned(4096, offload=False).memory_error == MEMORY_ERROR
-    assert planned(131_072).memory_error == planned(400_000).memory_error == OFFLOAD_MEMORY_ERROR
-    assert planned(800_000).memory_error == pytest.approx(2 * OFFLOAD_MEMORY_ERROR)
-    tight = planned(400_000)
+    longest = OFFLOAD_MEASURED_TOKENS
+    assert planned(32_768).memory_error == planned(longest).memory_error == OFFLOAD_MEMORY_ERROR
+    assert planned(2 * longest).memory_error == pytest.approx(2 * OFFLOAD_MEMORY_ERROR)
+    tight = planned(longest)
     hardware = Hardware(**{**H200.__dict__,
                            "gpu_memory_gib": tight.peak_gib * 1.04 + RESERVED_GIB})
-    again = estimate(TrainConfig(model="llama-8b", seq_len=400_000, micro_batch=1,
+    again = estimate(TrainConfig(model="llama-8b", seq_len=longest, micro_batch=1,
                                  lora_rank=16, quantize_base="nf4",
                                  activation_checkpointing="full", activation_offload=True),
                      world_size=1, local_world_size=1, hardware=hardware)
@@ -204,7 +207,8 @@ def test_an_offloaded_run_is_planned_with_its_modes_stated_error_growing_past_th
     with pytest.raises(ConfigError) as err:
         validate_params(conf, run_id="r")
     (message,) = [m for _, m in err.value.errors if "estimated peak" in m]
-    assert "with its stated error (9.8%) and 1.5 GiB reserved, exceeds" in message
+    stated = OFFLOAD_MEMORY_ERROR * 786_432 / longest  # 6 times the longest measured row's
+    assert f"with its stated error ({stated:.1%}) and 1.5 GiB reserved, exceeds" in message
 
 
 def test_packed_rows_under_sdpa_count_their_quadratic_mask_and_each_kept_blocks_bias():
@@ -228,11 +232,13 @@ def test_packed_rows_under_sdpa_count_their_quadratic_mask_and_each_kept_blocks_
 
 def test_offloaded_inputs_beyond_the_nodes_cpu_memory_are_refused_naming_the_figures():
     """8 processes of an 8B QLoRA at 1M tokens would page-lock 8 x 256 GiB of block inputs on a
-    p5e node (2 TiB, less what the OS and kubelet keep): refused before any node is paid for."""
+    p5e node (2 TiB, less what the OS and kubelet keep): refused before any node is paid for.
+    4 processes at 768k (4 x 192 GiB) fit the node and, by the planner, each its H200."""
     conf = {**LONG_8B_QLORA, "procs_per_node": 8, "seq_len": 1_048_576,
             "activation_offload": True}
     with pytest.raises(ConfigError) as err:
         validate_params(conf, run_id="r")
     message = dict(err.value.errors)["activation_offload"]
     assert "2048 GiB of CPU memory per node (8 x 256" in message and "lower seq_len" in message
-    assert validate_params({**conf, "procs_per_node": 4}, run_id="r").seq_len == 1_048_576
+    fits = {**conf, "procs_per_node": 4, "seq_len": 786_432}
+    assert validate_params(fits, run_id="r").seq_len == 786_432
