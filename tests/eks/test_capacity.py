@@ -48,6 +48,7 @@ def spot_group(nodegroup: Any) -> str:
     return "gpu-spot"
 
 
+@pytest.mark.slow  # several stages on the emulators: with the slow tests
 def test_a_spot_run_takes_any_type_of_its_gpu_class_from_a_spot_node_group(spot_group, cluster):
     cfg = spot_config()
     add_nodes(cluster, 1, gpus=4, efa=1, nodegroup=spot_group, instance_type="g5.12xlarge")
@@ -111,6 +112,7 @@ def fallback_config() -> Any:
     return spot_config(capacity_fallback="on-demand", fallback_nodegroup="gpu-od")
 
 
+@pytest.mark.slow  # several stages on the emulators: with the slow tests
 def test_capacity_that_does_not_come_falls_back_to_the_on_demand_node_group(
         spot_group, cluster, task_log):
     add_nodegroup("gpu-od", "ON_DEMAND", ["g5.12xlarge"])
@@ -138,6 +140,7 @@ def test_capacity_that_does_not_come_falls_back_to_the_on_demand_node_group(
     assert core.list_namespaced_config_map(NS, label_selector=run_selector(cfg)).items == []
 
 
+@pytest.mark.slow  # several stages on the emulators: with the slow tests
 def test_a_fallback_that_does_not_come_either_fails_naming_it_and_teardown_restores_both(
         spot_group, cluster):
     add_nodegroup("gpu-od", "ON_DEMAND", ["g5.12xlarge"])

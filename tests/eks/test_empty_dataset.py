@@ -41,9 +41,15 @@ def put(s3, objects: dict[str, bytes]) -> None:
         s3.put_object(Bucket="data", Key=key, Body=body)
 
 
-@pytest.mark.parametrize(("objects", "uri", "message"), EMPTY_DATA_SETS,
-                         ids=["empty-object", "empty-files", "no-data-files", "missing",
-                              "no-bucket"])
+# scale_up with each: an empty object and a missing key in the fast tier, the others with the
+# slow tests (each scale_up runs on moto and the emulator)
+SLOW_CASES = {"empty-files", "no-data-files", "no-bucket"}
+
+
+@pytest.mark.parametrize(("objects", "uri", "message"), [
+    pytest.param(*case, id=name, marks=[pytest.mark.slow] if name in SLOW_CASES else [])
+    for case, name in zip(EMPTY_DATA_SETS, ["empty-object", "empty-files", "no-data-files",
+                                             "missing", "no-bucket"], strict=True)])
 def test_an_empty_or_missing_s3_data_set_fails_scale_up_before_the_node_group_changes(
         nodegroup, cluster, bucket, objects, uri, message):
     put(bucket, objects)

@@ -171,7 +171,7 @@ def test_fa4_varlen_ops_pass_torch_library_opcheck():
                           (torch.randn_like(out), q, k, v, out, lse, 0.25, True, bounds, 26))
 
 
-@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_packed_rows_under_fa4_give_sdpas_masked_losses_and_gradients_without_a_mask(
         monkeypatch, compile):
     """Two rows of packed documents (and a row's padding): fa4's varlen path against sdpa's

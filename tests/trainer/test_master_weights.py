@@ -74,8 +74,11 @@ def fsdp_at_one_rank(monkeypatch):
     return train_with_fsdp
 
 
-@pytest.mark.parametrize("strategy", ["SHARD_GRAD_OP", "FULL_SHARD"])
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize(("precision", "strategy"), [
+    ("bf16", "SHARD_GRAD_OP"), ("fp16", "FULL_SHARD"),
+    # the other two with the slow tests
+    pytest.param("bf16", "FULL_SHARD", marks=pytest.mark.slow),
+    pytest.param("fp16", "SHARD_GRAD_OP", marks=pytest.mark.slow)])
 def test_one_unsharded_rank_trains_without_fsdp_to_the_losses_and_grad_norms_of_fsdp(
     world_of_one, fsdp_at_one_rank, precision, strategy
 ):
@@ -306,10 +309,12 @@ def _block_copy_bytes(model) -> list[int]:
 RESHARD_MODES = {
     "no-checkpointing": {},
     "full-checkpointing": {"activation_checkpointing": "full"},
-    "selective-per-op": {"activation_checkpointing": "selective", "selective_ac": "op"},
+    # the fast tier keeps four modes; these two run with the slow tests
+    "selective-per-op": pytest.param({"activation_checkpointing": "selective",
+                                      "selective_ac": "op"}, marks=pytest.mark.slow),
     "offloaded": {"activation_checkpointing": "full", "activation_offload": True},
     "in-the-gemm": {"grad_accum": 2},
-    "lora": {"lora_rank": 4, "lora_alpha": 8},
+    "lora": pytest.param({"lora_rank": 4, "lora_alpha": 8}, marks=pytest.mark.slow),
     "compiled-full": pytest.param({"activation_checkpointing": "full", "compile": True},
                                   marks=pytest.mark.slow),
 }

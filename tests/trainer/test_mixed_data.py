@@ -76,6 +76,7 @@ def test_weights_give_their_shares_and_the_seed_the_rows(tmp_path, sources):
     assert prep.load_prepared(other["path"])[0]["input_ids"] != train["input_ids"]
 
 
+@pytest.mark.slow  # a mixture prepared over many seeds
 def test_a_mixtures_proportions_hold_within_sampling_error_over_seeds(tmp_path, sources):
     """The rows drawn change with the seed; the share of each source in any run's training
     split does not, and any contiguous stretch of the shuffled split is a fair sample."""

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.support import REPO_ROOT
 from trainer.errors import read_root_cause
 from trainer.watchdog import HANG_EXIT_CODE, Heartbeat, hang_message
@@ -46,6 +48,7 @@ time.sleep(30)  # stuck: no progress after step 3
 """
 
 
+@pytest.mark.slow  # a process left without progress until its watchdog ends it
 def test_a_watchdog_without_progress_dumps_records_and_ends_its_process(tmp_path):
     (tmp_path / "heartbeats").mkdir()
     peer = Heartbeat(rank=1, pid=4242, host="node-b", restart=0, step=3,
