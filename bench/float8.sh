@@ -1,7 +1,7 @@
 #!/bin/bash
 # float8 on one GPU (docs/trainer.md "float8"): its loss against bf16 on the demo data, and its
 # tokens/s beside torchtitan's own float8 (same recipe).
-# Usage: bench/float8.sh OUT_DIR PART   (PART: loss | titan)
+# Usage: [ATTENTION=fa4] bench/float8.sh OUT_DIR PART   (PART: loss | titan)
 # loss: 1B, seq 4096, 200 steps on the demo instructions (bench.train --tokens demo): bf16, float8
 #   tensorwise and rowwise from the same seed, and bf16 from another seed (the run-to-run noise).
 # titan: ours and torchtitan 0.2.2 with float8, tensorwise then rowwise: 3B at micro-batch 2
@@ -11,7 +11,7 @@ source "$(dirname "$0")/lib.sh"
 out=$1
 part=$2
 run() {  # one bench run (bench/lib.sh)
-    bench_run "$out/float8.jsonl" --compile "$@"
+    bench_run "$out/float8.jsonl" --compile --attention "${ATTENTION:-sdpa}" "$@"
 }
 case $part in
 loss)

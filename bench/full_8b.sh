@@ -2,17 +2,22 @@
 # An 8B full fine-tune on one GPU beside torchtitan 0.2.2 (docs/trainer.md "8B full fine-tune on
 # one GPU"): fp32 masters and AdamW state (128 GB) need the H200. Ours with FULL_SHARD: no FSDP on
 # one process, each block's bf16 copies only while it runs (trainer/master_weights.py).
-# Usage: bench/full_8b.sh OUT_DIR PART   (PART: bf16 | pick | float8)
+# Usage: [ATTENTION=fa4] bench/full_8b.sh OUT_DIR PART [RECIPE]   (PART: bf16 | pick | float8)
+# ATTENTION: ours' attention (sdpa unless given; torchtitan has sdpa alone).
 # bf16: ours and torchtitan with per-op selective checkpointing (torchtitan's fastest that fits,
 #   2026-12-03), then ours without checkpointing (the planner's pick).
 # pick (one device call's worth): ours without checkpointing, then torchtitan alone (--attention=)
 #   with per-op selective checkpointing.
-# float8: ours and torchtitan's own float8, per-op selective checkpointing, tensorwise then rowwise.
+# float8: ours and torchtitan's own float8, per-op selective checkpointing, tensorwise then rowwise
+#   (RECIPE: that one alone, for a device call's 10 minutes).
 source "$(dirname "$0")/lib.sh"
 out=$1
 part=$2
+recipes=("${3:-tensorwise}")
+[ $# -ge 3 ] || recipes+=(rowwise)
 run() {  # one bench run (bench/lib.sh)
-    bench_run "$out/full_8b.jsonl" --models 8b --micro-batch 2 --strategy FULL_SHARD --compile --no-hf "$@"
+    bench_run "$out/full_8b.jsonl" --models 8b --micro-batch 2 --strategy FULL_SHARD --compile --no-hf \
+        --attention "${ATTENTION:-sdpa}" "$@"
 }
 case $part in
 bf16)
@@ -24,7 +29,7 @@ pick)
     run --ac selective --attention= --peers titan --steps 5 --warmup 2
     ;;
 float8)
-    for recipe in tensorwise rowwise; do
+    for recipe in "${recipes[@]}"; do
         run --ac selective --float8 --float8-recipe "$recipe" --peers titan --steps 5 --warmup 2
     done
     ;;

@@ -3,7 +3,7 @@
 # (and LoRA) with every block's input in CPU memory (ours: --ac full --activation-offload;
 # Unsloth: its offloaded gradient checkpointing), then ours alone at the longest sequence.
 # Unsloth runs from its own site directory, first on its child's path (bench/unsloth.py).
-# Usage: bench/long_context.sh OUT_DIR PART   (PART: peers | longest | short | peft)
+# Usage: [ATTENTION=fa4] bench/long_context.sh OUT_DIR PART   (PART: peers | longest | short | peft)
 # short: the least memory at seq 4096 (micro-batch 2), QLoRA and LoRA, ours offloaded beside
 # Unsloth's offloaded checkpointing.
 # peft: short's LoRA, ours alone, with peft's own LoRA forward (the A/B of the fused adapter add).
@@ -11,7 +11,8 @@ source "$(dirname "$0")/lib.sh"
 out=$1
 part=$2
 run() {  # one bench run (bench/lib.sh)
-    bench_run "$out/long_context.jsonl" --models 8b --micro-batch 1 --lora-rank 16 --ac full --compile "$@"
+    bench_run "$out/long_context.jsonl" --models 8b --micro-batch 1 --lora-rank 16 --ac full --compile \
+        --attention "${ATTENTION:-sdpa}" "$@"
 }
 case $part in
 peers)

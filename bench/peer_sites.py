@@ -11,7 +11,12 @@ writes two archives (git-ignored; `run` carries them: `carry: [".peers"]`):
   packages on the path, only where it has no datasets;
 - unsloth-site.tar.xz: `unsloth-site/` (Unsloth, unsloth_zoo, bitsandbytes with its CUDA 13.0
   library alone, and the trl and datasets (with its dill and multiprocess) of the versions
-  Unsloth pins, older than this project's).
+  Unsloth pins, older than this project's);
+- fa4-site.tar.xz: `fa4-site/` (flash-attn-4, the CUTLASS DSL with its CUDA 13.0 library, and
+  what they import), for `attention: fa4`. Its DSL library alone is 66 MB compressed, past what
+  one call carries beside anything else, so the archive is written in parts of at most
+  `PART_BYTES` (`fa4-site.tar.xz.00`, `.01`): carry one a call, keep each in the device's /tmp
+  while it stays warm, and unpack them joined (`cat parts | xz -d | tar -x`).
 
 docs/trainer.md ("The peers on the device") has the lines a device command starts with.
 """
@@ -47,7 +52,13 @@ SITES = {
         "unsloth-site": {"unsloth", "unsloth-zoo", "bitsandbytes", "trl", "cut-cross-entropy",
                          "msgspec", "datasets", "dill", "multiprocess"},
     }),
+    "fa4-site.tar.xz": (["flash-attn-4==4.0.0b36", "nvidia-cutlass-dsl[cu13]==4.8.1"], {
+        "fa4-site": {"flash-attn-4", "nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base",
+                     "nvidia-cutlass-dsl-libs-core", "nvidia-cutlass-dsl-libs-cu13",
+                     "quack-kernels", "apache-tvm-ffi", "torch-c-dlpack-ext", "einops"},
+    }),
 }
+PART_BYTES = 48 * 2**20  # an archive larger than this is written in parts (fa4-site's)
 # Unpacked, then left out: tests, and the parts nothing a peer runs loads.
 DROP = ["**/tests", "**/__pycache__", "pyarrow/include", "pyarrow/src", "pyarrow/*flight*",
         "pyarrow/_pyarrow_cpp_tests*", "studio", "unsloth_cli"]  # studio: Unsloth's web UI
@@ -118,6 +129,20 @@ def build(archive: str, out: Path, work: Path) -> Path:
     return target
 
 
+def split(archive: Path, part_bytes: int = PART_BYTES) -> list[Path]:
+    """`archive` as it is if it is at most `part_bytes`, else its parts (`.00`, `.01`, ...),
+    which joined in name order are the archive."""
+    if archive.stat().st_size <= part_bytes:
+        return [archive]
+    parts = []
+    with archive.open("rb") as whole:
+        while chunk := whole.read(part_bytes):
+            parts.append(archive.with_name(f"{archive.name}.{len(parts):02d}"))
+            parts[-1].write_bytes(chunk)
+    archive.unlink()
+    return parts
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", nargs="?", default=".peers", type=Path)
@@ -125,9 +150,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     for archive in [args.only] if args.only else SITES:
+        for stale in args.out.glob(f"{archive}.[0-9][0-9]"):
+            stale.unlink()
         with tempfile.TemporaryDirectory() as work:
-            target = build(archive, args.out, Path(work))
-        print(f"{target}: {target.stat().st_size / 2**20:.1f} MiB")
+            targets = split(build(archive, args.out, Path(work)))
+        for target in targets:
+            print(f"{target}: {target.stat().st_size / 2**20:.1f} MiB")
 
 
 if __name__ == "__main__":

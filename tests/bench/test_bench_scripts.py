@@ -3,6 +3,7 @@ exits 1 when any run failed (bench.train reports a run's exception as an error r
 so a device call's exit status says whether all ran. A stub bench.train stands in (no GPU)."""
 
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -94,3 +95,39 @@ def test_every_run_of_every_part_of_every_script_parses_as_bench_train_reads_it(
                     parse_args(json.loads(line))
                 except SystemExit:
                     pytest.fail(f"bench/{script} {part}: bench.train refuses {line}")
+
+
+@pytest.mark.parametrize("script", ["float8.sh", "long_context.sh", "full_8b.sh"])
+def test_attention_in_the_environment_reaches_ours_and_a_peer_only_run_keeps_none(tmp_path,
+                                                                                  script):
+    from bench.train import parse_args
+
+    stub(tmp_path, "no such argument")
+    out = tmp_path / "out"
+    out.mkdir()
+    part = SCRIPTS[script][0]
+    done = subprocess.run(["bash", str(REPO_ROOT / "bench" / script), str(out), part],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "ATTENTION": "fa4,sdpa"})
+    assert done.returncode == 0, done.stderr
+    parsed = [parse_args(json.loads(line))
+              for line in (tmp_path / "argv.jsonl").read_text().splitlines()]
+    assert [args.attention for args in parsed if args.attention] == (
+        [["fa4", "sdpa"]] * sum(bool(args.attention) for args in parsed))
+    assert any(args.attention for args in parsed)
+
+
+def test_full_8b_float8_with_a_recipe_runs_that_recipe_alone(tmp_path):
+    stub(tmp_path, "no such argument")
+    recipes = {}
+    for given in ([], ["rowwise"]):
+        out = tmp_path / f"out{len(given)}"
+        out.mkdir()
+        (tmp_path / "argv.jsonl").unlink(missing_ok=True)
+        done = subprocess.run(["bash", str(REPO_ROOT / "bench" / "full_8b.sh"), str(out),
+                               "float8", *given],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        runs = [json.loads(line) for line in (tmp_path / "argv.jsonl").read_text().splitlines()]
+        recipes[tuple(given)] = [run[run.index("--float8-recipe") + 1] for run in runs]
+    assert recipes == {(): ["tensorwise", "rowwise"], ("rowwise",): ["rowwise"]}

@@ -33,3 +33,18 @@ def test_each_archive_keeps_only_packages_the_device_lacks():
         for keep in directories.values():
             assert keep and not keep & device
     assert DEVICE_PYTHON[:2] == ["--python-version", "3.12"]
+
+
+def test_an_archive_past_the_part_size_splits_into_parts_that_join_to_it(tmp_path):
+    from bench.peer_sites import split
+    data = bytes(range(256)) * 41
+    small = tmp_path / "small.tar.xz"
+    small.write_bytes(data[:100])
+    assert split(small, part_bytes=100) == [small]
+    whole = tmp_path / "fa4-site.tar.xz"
+    whole.write_bytes(data)
+    parts = split(whole, part_bytes=4096)
+    assert [p.name for p in parts] == [f"fa4-site.tar.xz.{i:02d}" for i in range(3)]
+    assert not whole.exists()
+    assert all(p.stat().st_size <= 4096 for p in parts)
+    assert b"".join(p.read_bytes() for p in sorted(parts)) == data
