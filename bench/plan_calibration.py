@@ -208,6 +208,36 @@ ROWS: tuple[Row, ...] = (
         10_190, 0.378, 17.13,
         f"{LONG.replace(' --quantize-base nf4', '')} --seq-len 4096 --micro-batch 2 --steps 5 "
         "--warmup 2", "2026-12-06", gpu=H100),
+    # attention: fa4 at 4k, beside torchtitan and HF + Liger, one H200, 2026-12-04 (docs/trainer.md
+    # "Every peer beside the current version": docs/notes/2026-12-04-h200-peers-fa4-fused.log).
+    Row("llama-1b", _mb(4, grad_accum=4, attention="fa4"), 65_290, 0.596, 43.1,
+        f"{BENCH} --models 1b --micro-batch 4 --grad-accum 4 --ac none --attention fa4 "
+        "--peers titan,liger --steps 4 --warmup 2", "2026-12-04"),
+    Row("llama-3b", _mb(4, grad_accum=4, attention="fa4"), 26_450, 0.629, 96.7,
+        f"{BENCH} --models 3b --micro-batch 4 --grad-accum 4 --ac none --attention fa4 "
+        "--peers titan,liger --steps 4 --warmup 2", "2026-12-04"),
+    # attention: fa4 (planner.FA4_ATTENTION_RATE), the same trainer, and sdpa at 32k again beside
+    # it: one H100, five calls on one machine, 2026-12-07 04:27-04:40 UTC
+    # (docs/notes/2026-12-07-h100-fa4-long-context.log).
+    Row("llama-8b", _mb(1, seq_len=32768, activation_checkpointing=_AC, activation_offload=True,
+                        lora_rank=16, quantize_base="nf4"), 6_353, 0.5255, 9.847,
+        f"{LONG} --seq-len 32768 --steps 2 --warmup 1 --peers ''", "2026-12-07", gpu=H100),
+    Row("llama-8b", _mb(1, seq_len=32768, activation_checkpointing=_AC, activation_offload=True,
+                        lora_rank=16, quantize_base="nf4", attention="fa4"), 6_685, 0.553, 9.831,
+        f"{LONG} --seq-len 32768 --steps 2 --warmup 1 --peers '' --attention fa4", "2026-12-07",
+        gpu=H100),
+    Row("llama-8b", _mb(1, seq_len=131072, activation_checkpointing=_AC, activation_offload=True,
+                        lora_rank=16, quantize_base="nf4", attention="fa4"), 3_073, 0.7346, 20.78,
+        f"{LONG} --seq-len 131072 --steps 1 --warmup 1 --peers '' --attention fa4",
+        "2026-12-07", gpu=H100),
+    Row("llama-8b", _mb(2, activation_checkpointing=_AC, activation_offload=True, lora_rank=16,
+                        quantize_base="nf4", attention="fa4"), 10_030, 0.3723, 7.775,
+        f"{LONG} --seq-len 4096 --micro-batch 2 --steps 5 --warmup 2 --peers '' --attention fa4",
+        "2026-12-07", gpu=H100),
+    Row("llama-8b", _mb(2, activation_checkpointing=_AC, activation_offload=True, lora_rank=16,
+                        attention="fa4"), 10_290, 0.382, 17.13,
+        f"{LONG.replace(' --quantize-base nf4', '')} --seq-len 4096 --micro-batch 2 --steps 5 "
+        "--warmup 2 --peers '' --attention fa4", "2026-12-07", gpu=H100),
     # 400k: an older version (peft's add, which keeps more than the add in place: 24.47 GiB at
     # 128k, against 21.18 now), one step, 2026-12-06 05:53-06:00 UTC, bench/long_context.sh
     # longest (docs/notes/2026-12-06-h100-400k.log). Not re-run: kept as a bound the planner's

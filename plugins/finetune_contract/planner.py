@@ -131,6 +131,13 @@ MASKED_ATTENTION_RATE = 0.71
 # no mask: the causal rate, over documents the planner takes as long as the row (shorter ones
 # only speed it up: 65,290 tokens/s with 128-2,048-token documents against 57,040 estimated).
 PACKED_MASK_ATTENTION_RATE = 0.38
+# `attention: fa4`: FlashAttention 4's causal kernels against cuDNN's rate above (the planner's
+# sdpa rate), fitted to the training steps, head dim 128: 8B QLoRA offloaded at 32k and 128k
+# tokens (6,685 and 3,073 tokens/s against sdpa's 6,353 and 2,717, one H100, 2026-12-07:
+# docs/notes/2026-12-07-h100-fa4-long-context.log), within 2% there and on the 1B and 3B rows at
+# 4k (one H200, 2026-12-04). The kernels alone, 3B's heads at 4k: 1.19x forward, 1.04x backward
+# (one H200, 2026-12-02).
+FA4_ATTENTION_RATE = 1.2
 # cuDNN attention is faster on longer sequences: the 3B 32k-sequence rows need this exponent of
 # seq_len / 4096 on its rate (capped), the 4096 rows none.
 ATTENTION_SEQ_EXPONENT, ATTENTION_SEQ_CAP = 0.15, 1.4
@@ -460,8 +467,11 @@ def _step_time(cfg: TrainConfig, config: Any, hardware: Hardware, layout: Parall
     rate = MASKED_ATTENTION_RATE
     if packed_under_mask(cfg):  # every layer's attention takes the documents' mask
         masked, rate = 1.0, PACKED_MASK_ATTENTION_RATE
+    # fa4's kernels run the causal layers faster; a layer with a window shorter than the
+    # sequence goes to sdpa's masked kernel as before (trainer/attention.py)
+    causal = FA4_ATTENTION_RATE if cfg.attention == "fa4" else 1.0
     attention_flops = (attention_work(config, cfg.seq_len, windows=False) * tokens
-                       * (1 - masked + masked / rate))
+                       * ((1 - masked) / causal + masked / rate))
     recomputed = {"full": 1.0, "none": 0.0}.get(cfg.activation_checkpointing)
     if recomputed is None:  # selective: per op recomputes only elementwise work; every k-th
         every = selective_every(cfg.selective_ac)

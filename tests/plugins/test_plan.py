@@ -13,6 +13,7 @@ from finetune.run_plan import hardware_of, model_config_of, plan_text, scaling_r
 from finetune.validate import validate_params
 from finetune_contract.instance_types import INSTANCE_TYPES
 from finetune_contract.planner import (
+    FA4_ATTENTION_RATE,
     MEMORY_ERROR,
     OFFLOAD_MEASURED_TOKENS,
     OFFLOAD_MEMORY_ERROR,
@@ -242,3 +243,30 @@ def test_offloaded_inputs_beyond_the_nodes_cpu_memory_are_refused_naming_the_fig
     assert "2048 GiB of CPU memory per node (8 x 256" in message and "lower seq_len" in message
     fits = {**conf, "procs_per_node": 4, "seq_len": 786_432}
     assert validate_params(fits, run_id="r").seq_len == 786_432
+
+
+@pytest.mark.parametrize("seq_len", [4096, 131_072])
+def test_fa4_plans_the_causal_layers_attention_faster_by_its_rate_and_the_same_memory(seq_len):
+    """The step with fa4 is shorter by attention's time over FA4_ATTENTION_RATE, the memory
+    the same; a model whose layers all have windows shorter than the sequence (sdpa's masked
+    kernel under either setting) plans the same step with both."""
+    base = dict(model="llama-8b", seq_len=seq_len, micro_batch=1, lora_rank=16,
+                mixed_precision="bf16", activation_checkpointing="full", activation_offload=True)
+    sdpa, fa4 = (estimate(TrainConfig(**base, attention=a), world_size=1, local_world_size=1,
+                          hardware=H200) for a in ("sdpa", "fa4"))
+    assert fa4.peak_gib == sdpa.peak_gib
+    gain = fa4.tokens_per_s_per_gpu / sdpa.tokens_per_s_per_gpu
+    assert 1.0 < gain < FA4_ATTENTION_RATE
+    if seq_len > 4096:  # attention weighs more at long context
+        short = [estimate(TrainConfig(**{**base, "seq_len": 4096}, attention=a), world_size=1,
+                          local_world_size=1, hardware=H200).tokens_per_s_per_gpu
+                 for a in ("sdpa", "fa4")]
+        assert gain > short[1] / short[0]
+    windowed = {"model_type": "mistral", "hidden_size": 4096, "num_hidden_layers": 32,
+                "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+                "vocab_size": 32768, "tie_word_embeddings": False, "sliding_window": 1024,
+                "max_position_embeddings": 32768}
+    steps = [estimate(TrainConfig(**{**base, "model": "mistral-7b"}, attention=a),
+                      world_size=1, local_world_size=1, hardware=H200,
+                      config=windowed).tokens_per_s_per_gpu for a in ("sdpa", "fa4")]
+    assert steps[0] == steps[1]
