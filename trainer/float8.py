@@ -16,8 +16,10 @@ from typing import Any
 
 import torch
 
+from finetune_contract.fields import FLOAT8_MIN_CAPABILITY
+
 # torch._scaled_mm's float8 kernels need sm_89 (Ada) or sm_90 (Hopper) and later.
-MIN_CAPABILITY = (8, 9)
+MIN_CAPABILITY = FLOAT8_MIN_CAPABILITY
 # Tests only: run torchao's emulation (float8 casts, matmuls in high precision) on any device.
 EMULATE_ENV = "TRAINER_FLOAT8_EMULATE"
 

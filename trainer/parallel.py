@@ -29,6 +29,7 @@ from finetune_contract.rules import (
     MLP_TILE_TOKENS,
     config_problems,
     device_problems,
+    fa4_importable,
     min_mlp_tile_tokens,
     offloads_blocks,
 )
@@ -147,7 +148,9 @@ def check_start(
     problems += device_problems(quantize_base=config.quantize_base,
                                 gpu=env.device.type == "cuda" or quantize_emulated(),
                                 attention=config.attention,
-                                capability=_capability(env.device))
+                                capability=_capability(env.device),
+                                fa4_installed=fa4_importable(),
+                                where="the trainer's Python environment")
     if model_config is not None:
         problems += host_memory_problems(config, env, model_config)
     if problems:

@@ -66,6 +66,19 @@ def image_tag(root: Path = REPO_ROOT, base: str | None = None) -> str:
     return hashlib.sha256(f"{content_hash(root)}\0base\0{base}".encode()).hexdigest()[:16]
 
 
+TRAINER_REQUIREMENTS = "trainer/requirements.txt"  # what the built image installs (Dockerfile)
+
+
+def image_installs(requirement: str, root: Path = REPO_ROOT) -> bool:
+    """Whether the trainer image this project builds installs `requirement` (a distribution,
+    with or without its pin): a line of TRAINER_REQUIREMENTS names its distribution."""
+    def name(line: str) -> str:
+        return line.split("#")[0].split("==")[0].strip().lower().replace("_", "-")
+
+    names = {name(line) for line in (root / TRAINER_REQUIREMENTS).read_text().splitlines()}
+    return name(requirement) in names - {""}
+
+
 ENVIRONMENT_PACKAGES = ("torch", "transformers", "datasets", "tokenizers", "safetensors",
                         "apache-airflow", "python-etcd")
 

@@ -26,6 +26,10 @@ ATTENTION = ("sdpa", "fa4")
 # fa4's kernels: the CUDA capabilities they are built for (Hopper, Blackwell) and head dims.
 FA4_CAPABILITIES = ((9, 0), (10, 0))
 FA4_HEAD_DIMS = (64, 96, 128)
+# The package that has them (its import name, and the pin that ran on the GPU: docs/trainer.md).
+FA4_PACKAGE, FA4_MODULE = "flash-attn-4==4.0.0b36", "flash_attn"
+# float8 tensor cores (torch._scaled_mm): sm_89 (Ada, L4) and sm_90 (Hopper) on.
+FLOAT8_MIN_CAPABILITY = (8, 9)
 # sft: next-token loss on the responses; dpo: preference tuning on (prompt, chosen, rejected) rows.
 METHODS = ("sft", "dpo")
 # DPO's loss on the policy-minus-reference log-ratio margin: sigmoid (DPO, cDPO with

@@ -29,6 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from finetune_contract.fields import FLOAT8_MIN_CAPABILITY
+
 GPU_RESOURCE = "nvidia.com/gpu"
 EFA_RESOURCE = "vpc.amazonaws.com/efa"
 
@@ -67,8 +69,13 @@ class InstanceProfile:
     busbw_intra_gbps: float  # expected NCCL all-reduce bus bandwidth in a node, GB/s
     busbw_inter_gbps: float  # across nodes (EFA), GB/s
     busbw_source: str  # where the two figures come from (see the module docstring)
-    float8: bool = False  # float8 tensor cores: compute capability >= 8.9 (L4, H100, H200)
+    capability: tuple[int, int]  # the GPUs' CUDA compute capability (NVIDIA's CUDA GPU list)
     extra_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def float8(self) -> bool:
+        """float8 tensor cores (L4, H100, H200), as the trainer checks its device."""
+        return self.capability >= FLOAT8_MIN_CAPABILITY
 
     @property
     def kube_reserved_cpu_m(self) -> int:
@@ -141,12 +148,12 @@ class InstanceProfile:
 
 
 def _pcie(name: str, gpus: int, model: str, vcpus: int, memory_gib: int,
-          network_gbps: int, float8: bool = False) -> InstanceProfile:
+          network_gbps: int, capability: tuple[int, int]) -> InstanceProfile:
     """g5/g6: GPUs on PCIe Gen4 (no NVLink), one EFA device, no RDMA read a source we could
     check claims (g5 is Nitro v3; g6 left unset too, so libfabric decides). [EC2] [EKSCTL]"""
     return InstanceProfile(
         name, gpus=gpus, gpu_model=model, gpu_memory_gib=24, vcpus=vcpus, memory_gib=memory_gib,
-        efa=1, efa_rdma_read=False, nvswitch=False, nvls=False, float8=float8,
+        efa=1, efa_rdma_read=False, nvswitch=False, nvls=False, capability=capability,
         busbw_intra_gbps=0.8 * 25 * 0.6,  # [LINE] a ring through the host's PCIe switches
         busbw_inter_gbps=0.8 * network_gbps / 8, busbw_source="LINE")
 
@@ -158,18 +165,20 @@ def _sxm(name: str, model: str, gpu_memory_gib: int, vcpus: int, memory_gib: int
     return InstanceProfile(
         name, gpus=8, gpu_model=model, gpu_memory_gib=gpu_memory_gib, vcpus=vcpus,
         memory_gib=memory_gib, efa=efa, efa_rdma_read=True, nvswitch=True, nvls=nvlink4,
-        float8=nvlink4, busbw_intra_gbps=480.0 if nvlink4 else 230.0,
+        capability=(9, 0) if nvlink4 else (8, 0), busbw_intra_gbps=480.0 if nvlink4 else 230.0,
         busbw_inter_gbps=0.8 * network_gbps / 8, busbw_source="NCCL (intra), LINE (inter)")
 
 
 INSTANCE_TYPES: dict[str, InstanceProfile] = {p.name: p for p in (
-    _pcie("g5.12xlarge", 4, "NVIDIA A10G", 48, 192, network_gbps=40),
+    _pcie("g5.12xlarge", 4, "NVIDIA A10G", 48, 192, network_gbps=40, capability=(8, 6)),
     # The same 4 GPUs with twice the CPU and memory: a spot node group's second type.
-    _pcie("g5.24xlarge", 4, "NVIDIA A10G", 96, 384, network_gbps=50),
-    _pcie("g5.48xlarge", 8, "NVIDIA A10G", 192, 768, network_gbps=100),
-    _pcie("g6.12xlarge", 4, "NVIDIA L4", 48, 192, network_gbps=40, float8=True),
-    _pcie("g6.24xlarge", 4, "NVIDIA L4", 96, 384, network_gbps=50, float8=True),
-    _pcie("g6.48xlarge", 8, "NVIDIA L4", 192, 768, network_gbps=100, float8=True),
+    _pcie("g5.24xlarge", 4, "NVIDIA A10G", 96, 384, network_gbps=50, capability=(8, 6)),
+    _pcie("g5.48xlarge", 8, "NVIDIA A10G", 192, 768, network_gbps=100,
+          capability=(8, 6)),
+    _pcie("g6.12xlarge", 4, "NVIDIA L4", 48, 192, network_gbps=40, capability=(8, 9)),
+    _pcie("g6.24xlarge", 4, "NVIDIA L4", 96, 384, network_gbps=50, capability=(8, 9)),
+    _pcie("g6.48xlarge", 8, "NVIDIA L4", 192, 768, network_gbps=100,
+          capability=(8, 9)),
     _sxm("p4d.24xlarge", "NVIDIA A100-SXM4-40GB", 40, 96, 1152, efa=4, network_gbps=400,
          nvlink4=False),
     _sxm("p4de.24xlarge", "NVIDIA A100-SXM4-80GB", 80, 96, 1152, efa=4, network_gbps=400,

@@ -395,7 +395,8 @@ PARAMETERS: tuple[Parameter, ...] = (
       "(flash-attn-4's kernels, faster on H100/H200 and B200: compute capability 9.0 or 10.0), "
       'with mixed precision bf16 or fp16 and tp_degree 1; packed rows run its varlen kernel '
       '(each document attends only to itself, no mask), except on models with sliding windows '
-      'or soft-capped scores.',
+      'or soft-capped scores. Needs the flash-attn-4 package where the trainer runs: the image '
+      'this project builds does not install it (validate says so; give a prebuilt image).',
       choices=ATTENTION),
     P('float8', False, 'Memory and speed', 'float8 matmuls',
       "The decoder blocks' Linear layers compute in float8 (torchao; weights all-gathered in "

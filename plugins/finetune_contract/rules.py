@@ -11,7 +11,14 @@ import ipaddress
 import re
 
 from finetune_contract.families import FAMILIES, lora_target_problem
-from finetune_contract.fields import FA4_CAPABILITIES, FA4_HEAD_DIMS, PRINTABLE, quoted
+from finetune_contract.fields import (
+    FA4_CAPABILITIES,
+    FA4_HEAD_DIMS,
+    FA4_MODULE,
+    FA4_PACKAGE,
+    PRINTABLE,
+    quoted,
+)
 from finetune_contract.mixture import parse_mixture, source_config
 from finetune_contract.models import STRETCHED_ROPE, ModelShape
 from finetune_contract.parallel_dims import ParallelDims, elastic_problems
@@ -216,10 +223,14 @@ def _mixture(cfg: TrainConfig) -> Problems:
 
 
 def device_problems(*, quantize_base: str, gpu: bool, attention: str = "sdpa",
-                    capability: tuple[int, int] | None = None) -> Problems:
+                    capability: tuple[int, int] | None = None, fa4_installed: bool = True,
+                    where: str = "this run") -> Problems:
     """Options that need a GPU, for a world whose processes have none (`gpu` false): the
-    local target's check (this machine) and the trainer's start (its device) ask the same.
-    `capability`: the GPUs' CUDA compute capability where known (the trainer knows it)."""
+    local target's check (this machine), the eks target's (the instance type's GPUs and the
+    image) and the trainer's start (its device) ask the same.
+    `capability`: the GPUs' CUDA compute capability where known (the trainer and the instance
+    type know it); `fa4_installed`: whether the trainer's environment has fa4's package, `where`
+    naming that environment."""
     problems: Problems = []
     if quantize_base != "none" and not gpu:
         problems.append(("quantize_base", f"{quantize_base} needs CUDA GPUs (the 4-bit weights "
@@ -231,7 +242,18 @@ def device_problems(*, quantize_base: str, gpu: bool, attention: str = "sdpa",
         problems.append(("attention", f"fa4 runs FlashAttention 4's kernels, built for CUDA "
                          f"compute capability {_capabilities()} (H100/H200, B200); this run has "
                          f"{has}: set attention to sdpa"))
+    elif attention == "fa4" and not fa4_installed:
+        problems.append(("attention", f"fa4 runs FlashAttention 4's kernels, from the package "
+                         f"{FA4_PACKAGE}, which {where} does not have: install it there (pip "
+                         f"install {FA4_PACKAGE}) or set attention to sdpa"))
     return problems
+
+
+def fa4_importable() -> bool:
+    """Whether this Python environment has fa4's package (FA4_MODULE), without importing it."""
+    import importlib.util
+
+    return importlib.util.find_spec(FA4_MODULE) is not None
 
 
 def _capabilities() -> str:

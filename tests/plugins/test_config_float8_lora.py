@@ -5,8 +5,13 @@ from __future__ import annotations
 import pytest
 
 from finetune.config import ConfigError
+from finetune.image import image_installs
 from finetune.trainer_config import trainer_config
 from finetune.validate import validate_params
+from finetune_contract.fields import FA4_CAPABILITIES, FA4_PACKAGE
+from finetune_contract.fields import FLOAT8_MIN_CAPABILITY as MIN_CAPABILITY
+from finetune_contract.instance_types import INSTANCE_TYPES
+from finetune_contract.rules import device_problems, fa4_importable
 
 EKS = {"target": "eks", "cluster_name": "c", "nodegroup": "g", "image": "r/trainer:1",
        "image_builder": "prebuilt", "procs_per_node": 8, "instance_type": "p5.48xlarge",
@@ -89,3 +94,60 @@ def test_the_default_lora_target_modules_are_the_trainers():
     from trainer.config import TrainConfig
 
     assert BY_NAME["lora_target_modules"].default == TrainConfig().lora_target_modules
+
+
+@pytest.mark.parametrize("itype", sorted(INSTANCE_TYPES))
+def test_eks_validate_refuses_fa4_and_float8_exactly_where_the_instance_types_gpus_lack_them(
+        itype):
+    """The instance type's compute capability decides both at validate, by the rules the
+    trainer checks its own GPU with at start (the same constants), before any node is asked."""
+    profile = INSTANCE_TYPES[itype]
+    base = {**EKS, "instance_type": itype, "procs_per_node": profile.gpus,
+            "mixed_precision": "bf16", "model": "llama-1b"}  # head dim 64: fa4 takes it
+    for field, params, runs in (
+            ("attention", {"attention": "fa4"}, profile.capability in FA4_CAPABILITIES),
+            ("float8", {"float8": True}, profile.capability >= MIN_CAPABILITY)):
+        if runs:
+            validate_params({**base, **params}, run_id="r")
+        else:
+            message = refusal({**base, **params})[field]
+            assert itype in message or "compute capability" in message, message
+        at_start = device_problems(quantize_base="none", gpu=True, capability=profile.capability,
+                                   attention=params.get("attention", "sdpa"))
+        if field == "attention":
+            assert bool(at_start) == (not runs)
+
+
+def test_fa4_with_the_image_this_project_builds_is_refused_naming_the_package_it_lacks():
+    """The built image installs trainer/requirements.txt, which has no flash-attn-4: refused at
+    validate, where the run would otherwise fail at the trainer's start after scale_up; a
+    prebuilt image is the user's, and the trainer's start checks it."""
+    assert not image_installs(FA4_PACKAGE)
+    built = {**EKS, "image": "", "image_builder": "codebuild", "build_bucket": "build-bucket",
+             "codebuild_role": "arn:aws:iam::123456789012:role/build", "attention": "fa4",
+             "mixed_precision": "bf16", "model": "llama-1b"}
+    message = refusal(built)["attention"]
+    assert FA4_PACKAGE in message and "trainer/requirements.txt" in message
+    validate_params({**EKS, "attention": "fa4", "mixed_precision": "bf16", "model": "llama-1b"},
+                    run_id="r")
+
+
+def test_image_installs_reads_the_distribution_names_of_the_trainer_requirements(tmp_path):
+    (tmp_path / "trainer").mkdir()
+    (tmp_path / "trainer" / "requirements.txt").write_text(
+        "# a comment naming flash-attn-4\ntorch==2.13.0\nFlash_Attn-4==4.0.0b36  # pinned\n")
+    assert image_installs(FA4_PACKAGE, root=tmp_path)
+    assert image_installs("torch", root=tmp_path)
+    assert not image_installs("flash-attn", root=tmp_path)
+
+
+def test_fa4_where_its_package_is_missing_is_refused_naming_it_and_the_environment():
+    problems = device_problems(quantize_base="none", gpu=True, attention="fa4",
+                               capability=(9, 0), fa4_installed=False, where="this machine")
+    ((field, message),) = problems
+    assert field == "attention"
+    assert FA4_PACKAGE in message and "this machine" in message and "sdpa" in message
+    assert not device_problems(quantize_base="none", gpu=True, attention="fa4",
+                               capability=(9, 0), fa4_installed=True)
+    import importlib.util
+    assert fa4_importable() == (importlib.util.find_spec("flash_attn") is not None)

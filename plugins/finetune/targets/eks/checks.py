@@ -1,6 +1,8 @@
 """What validate refuses for the eks target, before any cloud call, as (field, message) pairs:
 the cluster and node group missing, more nodes than max_nodes, a fallback node group that is the
-run's own, more processes than the instance type's GPUs, float8 on GPUs without it, names
+run's own, more processes than the instance type's GPUs, float8 on GPUs without it, what
+needs a GPU the instance type lacks or a package the built image lacks
+(`rules.device_problems`, as the local target and the trainer's start ask it), names
 Kubernetes would refuse, an output the pods cannot reach, a path only the Airflow worker has,
 the image fields (`image_build.image_param_errors`), the launcher's limits
 (`launchers.launcher_problems`) and prepare_on pod's needs.
@@ -12,14 +14,15 @@ import os
 from typing import Any
 
 from finetune.config import resolve_path
-from finetune.image import IN_POD_PATHS
+from finetune.image import IN_POD_PATHS, TRAINER_REQUIREMENTS, image_installs
 from finetune.names import DNS_LABEL, DNS_SUBDOMAIN
-from finetune.targets.eks.image_build import image_param_errors
+from finetune.targets.eks.image_build import effective_builder, image_param_errors
 from finetune.targets.eks.launchers import launcher_problems
 from finetune.targets.eks.manifests import C10D_PORT, parse_node_selector, parse_volumes
-from finetune_contract.fields import quoted
+from finetune_contract.fields import FA4_PACKAGE, quoted
 from finetune_contract.instance_types import INSTANCE_TYPES
 from finetune_contract.models import BUILTIN_MODELS
+from finetune_contract.rules import device_problems
 
 
 def problems(values: dict[str, Any]) -> list[tuple[str, str]]:
@@ -34,6 +37,13 @@ def problems(values: dict[str, Any]) -> list[tuple[str, str]]:
     if values["procs_per_node"] > itype.gpus:
         errors.append(("procs_per_node", f"{values['procs_per_node']} processes per node, "
                        f"but {itype.name} has {itype.gpus} GPUs; allowed: 1..{itype.gpus}"))
+    prebuilt = effective_builder(values["image"], values["image_builder"]) == "prebuilt"
+    errors += device_problems(
+        quantize_base=values["quantize_base"], gpu=True, attention=values["attention"],
+        capability=itype.capability,
+        where=f"the trainer image this run builds (from {TRAINER_REQUIREMENTS})",
+        # a prebuilt image is the user's: what it holds is known at the trainer's start
+        fa4_installed=prebuilt or image_installs(FA4_PACKAGE))
     if values["float8"] and not itype.float8:
         errors.append(("float8", f"{itype.name}'s GPUs have no float8 tensor cores (compute "
                        "capability < 8.9); choose a p5, p5e, p5en or g6 instance_type or set "

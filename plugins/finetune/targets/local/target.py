@@ -77,7 +77,7 @@ from finetune.targets.local.training import (
 from finetune.trainer_config import trainer_config
 from finetune_contract.errors import failure_summary
 from finetune_contract.fields import EVALUATION_FILE
-from finetune_contract.rules import device_problems
+from finetune_contract.rules import device_problems, fa4_importable
 from finetune_contract.run_history import preemptions
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,9 @@ class LocalTarget(Target):
             errors.append(("float8", "needs GPUs with compute capability >= 8.9; this machine "
                            "has none (the trainer would run on the CPU)"))
         errors += device_problems(quantize_base=values["quantize_base"],
-                                  gpu=res["device"] == "cuda", attention=values["attention"])
+                                  gpu=res["device"] == "cuda", attention=values["attention"],
+                                  fa4_installed=fa4_importable(),
+                                  where="this machine's Python environment (the trainer's)")
         if values["output_dir"].startswith("s3://"):
             errors.append(("output_dir", "s3:// output needs target eks; give a local "
                            "directory"))
