@@ -33,6 +33,8 @@ import urllib.request
 import zipfile
 from pathlib import Path
 
+from finetune_contract.fields import FA4_PACKAGE
+
 # pip takes each platform tag as given: the glibc versions the device runs wheels of.
 DEVICE_PYTHON = ["--python-version", "3.12", "--only-binary=:all:",
                  *(arg for tag in ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
@@ -52,7 +54,7 @@ SITES = {
         "unsloth-site": {"unsloth", "unsloth-zoo", "bitsandbytes", "trl", "cut-cross-entropy",
                          "msgspec", "datasets", "dill", "multiprocess"},
     }),
-    "fa4-site.tar.xz": (["flash-attn-4==4.0.0b36", "nvidia-cutlass-dsl[cu13]==4.8.1"], {
+    "fa4-site.tar.xz": ([FA4_PACKAGE, "nvidia-cutlass-dsl[cu13]==4.8.1"], {
         "fa4-site": {"flash-attn-4", "nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base",
                      "nvidia-cutlass-dsl-libs-core", "nvidia-cutlass-dsl-libs-cu13",
                      "quack-kernels", "apache-tvm-ffi", "torch-c-dlpack-ext", "einops"},
