@@ -19,7 +19,7 @@ from finetune.names import DNS_LABEL, DNS_SUBDOMAIN
 from finetune.targets.eks.image_build import effective_builder, image_param_errors
 from finetune.targets.eks.launchers import launcher_problems
 from finetune.targets.eks.manifests import C10D_PORT, parse_node_selector, parse_volumes
-from finetune_contract.fields import FA4_PACKAGE, quoted
+from finetune_contract.fields import FA4_PACKAGE, FLOAT8_MIN_CAPABILITY, quoted
 from finetune_contract.instance_types import INSTANCE_TYPES
 from finetune_contract.models import BUILTIN_MODELS
 from finetune_contract.rules import device_problems
@@ -45,9 +45,12 @@ def problems(values: dict[str, Any]) -> list[tuple[str, str]]:
         # a prebuilt image is the user's: what it holds is known at the trainer's start
         fa4_installed=prebuilt or image_installs(FA4_PACKAGE))
     if values["float8"] and not itype.float8:
+        having = sorted({name.split(".")[0] for name, p in INSTANCE_TYPES.items() if p.float8})
         errors.append(("float8", f"{itype.name}'s GPUs have no float8 tensor cores (compute "
-                       "capability < 8.9); choose a p5, p5e, p5en or g6 instance_type or set "
-                       "float8 to false"))
+                       f"capability {_version(itype.capability)}, below "
+                       f"{_version(FLOAT8_MIN_CAPABILITY)}); choose a {', '.join(having[:-1])} or "
+                       f"{having[-1]} "
+                       "instance_type or set float8 to false"))
     for field in ("namespace", "etcd_service"):
         if not DNS_LABEL.match(values[field]):
             errors.append((field, f"{quoted(values[field])} is not a DNS label (lowercase "
@@ -65,6 +68,10 @@ def problems(values: dict[str, Any]) -> list[tuple[str, str]]:
                        "0, where rank 0 serves its metrics; choose another port"))
     return errors + _pod_problems(values) + launcher_problems(values) + \
         _prepare_problems(values)
+
+
+def _version(capability: tuple[int, int]) -> str:
+    return ".".join(map(str, capability))
 
 
 def _required(values: dict[str, Any], field: str, what: str) -> list[tuple[str, str]]:
