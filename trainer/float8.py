@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from finetune_contract.fields import FLOAT8_MIN_CAPABILITY
+from finetune_contract.fields import FLOAT8_MIN_CAPABILITY, capability_text
 
 # torch._scaled_mm's float8 kernels need sm_89 (Ada) or sm_90 (Hopper) and later.
 MIN_CAPABILITY = FLOAT8_MIN_CAPABILITY
@@ -34,20 +34,16 @@ def check_float8_device(device: torch.device) -> None:
         return
     if device.type != "cuda":
         raise ValueError(
-            f"float8 needs a CUDA GPU with compute capability >= {_version(MIN_CAPABILITY)} "
+            f"float8 needs a CUDA GPU with compute capability >= {capability_text(MIN_CAPABILITY)} "
             f"(H100, H200, L40S, ...); this process runs on {device.type}: set float8 to false"
         )
     capability = torch.cuda.get_device_capability(device)
     if capability < MIN_CAPABILITY:
         raise ValueError(
-            f"float8 needs compute capability >= {_version(MIN_CAPABILITY)}; "
-            f"{torch.cuda.get_device_name(device)} has {_version(capability)} (no float8 tensor "
-            "cores): set float8 to false"
+            f"float8 needs compute capability >= {capability_text(MIN_CAPABILITY)}; "
+            f"{torch.cuda.get_device_name(device)} has {capability_text(capability)} (no float8 "
+            "tensor cores): set float8 to false"
         )
-
-
-def _version(capability: tuple[int, int]) -> str:
-    return ".".join(map(str, capability))
 
 
 def _fits_float8(module: torch.nn.Module, _fqn: str) -> bool:

@@ -30,6 +30,11 @@ FA4_HEAD_DIMS = (64, 96, 128)
 FA4_PACKAGE, FA4_MODULE = "flash-attn-4==4.0.0b36", "flash_attn"
 # float8 tensor cores (torch._scaled_mm): sm_89 (Ada, L4) and sm_90 (Hopper) on.
 FLOAT8_MIN_CAPABILITY = (8, 9)
+
+
+def capability_text(capability: tuple[int, int]) -> str:
+    """A CUDA compute capability as NVIDIA writes it: (8, 9) -> '8.9'."""
+    return ".".join(map(str, capability))
 # sft: next-token loss on the responses; dpo: preference tuning on (prompt, chosen, rejected) rows.
 METHODS = ("sft", "dpo")
 # DPO's loss on the policy-minus-reference log-ratio margin: sigmoid (DPO, cDPO with

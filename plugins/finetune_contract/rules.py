@@ -17,6 +17,7 @@ from finetune_contract.fields import (
     FA4_MODULE,
     FA4_PACKAGE,
     PRINTABLE,
+    capability_text,
     quoted,
 )
 from finetune_contract.mixture import parse_mixture, source_config
@@ -237,7 +238,7 @@ def device_problems(*, quantize_base: str, gpu: bool, attention: str = "sdpa",
                          "are dequantized by GPU kernels, as QLoRA runs); this run has none: "
                          "set quantize_base to none or run on GPUs"))
     if attention == "fa4" and (not gpu or (capability and capability not in FA4_CAPABILITIES)):
-        has = f"compute capability {capability[0]}.{capability[1]}" if gpu and capability \
+        has = f"compute capability {capability_text(capability)}" if gpu and capability \
             else "no CUDA GPU"
         problems.append(("attention", f"fa4 runs FlashAttention 4's kernels, built for CUDA "
                          f"compute capability {_capabilities()} (H100/H200, B200); this run has "
@@ -257,7 +258,7 @@ def fa4_importable() -> bool:
 
 
 def _capabilities() -> str:
-    return " or ".join(f"{major}.{minor}" for major, minor in FA4_CAPABILITIES)
+    return " or ".join(map(capability_text, FA4_CAPABILITIES))
 
 
 def _conflicts(cfg: TrainConfig, field: str, what: str, undo: str,

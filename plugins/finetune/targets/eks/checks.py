@@ -19,7 +19,12 @@ from finetune.names import DNS_LABEL, DNS_SUBDOMAIN
 from finetune.targets.eks.image_build import effective_builder, image_param_errors
 from finetune.targets.eks.launchers import launcher_problems
 from finetune.targets.eks.manifests import C10D_PORT, parse_node_selector, parse_volumes
-from finetune_contract.fields import FA4_PACKAGE, FLOAT8_MIN_CAPABILITY, quoted
+from finetune_contract.fields import (
+    FA4_PACKAGE,
+    FLOAT8_MIN_CAPABILITY,
+    capability_text,
+    quoted,
+)
 from finetune_contract.instance_types import INSTANCE_TYPES
 from finetune_contract.models import BUILTIN_MODELS
 from finetune_contract.rules import device_problems
@@ -47,10 +52,10 @@ def problems(values: dict[str, Any]) -> list[tuple[str, str]]:
     if values["float8"] and not itype.float8:
         having = sorted({name.split(".")[0] for name, p in INSTANCE_TYPES.items() if p.float8})
         errors.append(("float8", f"{itype.name}'s GPUs have no float8 tensor cores (compute "
-                       f"capability {_version(itype.capability)}, below "
-                       f"{_version(FLOAT8_MIN_CAPABILITY)}); choose a {', '.join(having[:-1])} or "
-                       f"{having[-1]} "
-                       "instance_type or set float8 to false"))
+                       f"capability {capability_text(itype.capability)}, below "
+                       f"{capability_text(FLOAT8_MIN_CAPABILITY)}); choose a "
+                       f"{', '.join(having[:-1])} or {having[-1]} instance_type or set float8 "
+                       "to false"))
     for field in ("namespace", "etcd_service"):
         if not DNS_LABEL.match(values[field]):
             errors.append((field, f"{quoted(values[field])} is not a DNS label (lowercase "
@@ -68,10 +73,6 @@ def problems(values: dict[str, Any]) -> list[tuple[str, str]]:
                        "0, where rank 0 serves its metrics; choose another port"))
     return errors + _pod_problems(values) + launcher_problems(values) + \
         _prepare_problems(values)
-
-
-def _version(capability: tuple[int, int]) -> str:
-    return ".".join(map(str, capability))
 
 
 def _required(values: dict[str, Any], field: str, what: str) -> list[tuple[str, str]]:
