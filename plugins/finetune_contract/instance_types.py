@@ -29,8 +29,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from finetune_contract.fields import FLOAT8_MIN_CAPABILITY
-
 GPU_RESOURCE = "nvidia.com/gpu"
 EFA_RESOURCE = "vpc.amazonaws.com/efa"
 
@@ -71,11 +69,6 @@ class InstanceProfile:
     busbw_source: str  # where the two figures come from (see the module docstring)
     capability: tuple[int, int]  # the GPUs' CUDA compute capability (NVIDIA's CUDA GPU list)
     extra_env: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def float8(self) -> bool:
-        """float8 tensor cores (L4, H100, H200), as the trainer checks its device."""
-        return self.capability >= FLOAT8_MIN_CAPABILITY
 
     @property
     def kube_reserved_cpu_m(self) -> int:

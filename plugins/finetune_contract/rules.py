@@ -16,6 +16,7 @@ from finetune_contract.fields import (
     FA4_HEAD_DIMS,
     FA4_MODULE,
     FA4_PACKAGE,
+    FLOAT8_MIN_CAPABILITY,
     PRINTABLE,
     capability_text,
     quoted,
@@ -224,22 +225,27 @@ def _mixture(cfg: TrainConfig) -> Problems:
 
 
 def device_problems(*, quantize_base: str, gpu: bool, attention: str = "sdpa",
-                    capability: tuple[int, int] | None = None, fa4_installed: bool = True,
-                    where: str = "this run") -> Problems:
-    """Options that need a GPU, for a world whose processes have none (`gpu` false): the
-    local target's check (this machine), the eks target's (the instance type's GPUs and the
-    image) and the trainer's start (its device) ask the same.
-    `capability`: the GPUs' CUDA compute capability where known (the trainer and the instance
-    type know it); `fa4_installed`: whether the trainer's environment has fa4's package, `where`
-    naming that environment."""
+                    float8: bool = False, capability: tuple[int, int] | None = None,
+                    fa4_installed: bool = True, where: str = "this run") -> Problems:
+    """Options that need a GPU, or a GPU of some compute capability, for a world whose processes
+    have none (`gpu` false) or have `capability`: the local target's check (this machine), the
+    eks target's (the instance type's GPUs and the image) and the trainer's start (its device)
+    ask the same.
+    `capability`: the GPUs' CUDA compute capability where known (None: not refused for it);
+    `fa4_installed`: whether the trainer's environment has fa4's package, `where` naming that
+    environment."""
     problems: Problems = []
+    has = f"compute capability {capability_text(capability)}" if gpu and capability \
+        else "no CUDA GPU"
     if quantize_base != "none" and not gpu:
         problems.append(("quantize_base", f"{quantize_base} needs CUDA GPUs (the 4-bit weights "
                          "are dequantized by GPU kernels, as QLoRA runs); this run has none: "
                          "set quantize_base to none or run on GPUs"))
+    if float8 and (not gpu or (capability and capability < FLOAT8_MIN_CAPABILITY)):
+        problems.append(("float8", f"needs CUDA GPUs of compute capability "
+                         f"{capability_text(FLOAT8_MIN_CAPABILITY)} or later (float8 tensor "
+                         f"cores: L4, H100/H200, B200); this run has {has}: set float8 to false"))
     if attention == "fa4" and (not gpu or (capability and capability not in FA4_CAPABILITIES)):
-        has = f"compute capability {capability_text(capability)}" if gpu and capability \
-            else "no CUDA GPU"
         problems.append(("attention", f"fa4 runs FlashAttention 4's kernels, built for CUDA "
                          f"compute capability {_capabilities()} (H100/H200, B200); this run has "
                          f"{has}: set attention to sdpa"))

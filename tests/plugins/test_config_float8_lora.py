@@ -113,9 +113,9 @@ def test_eks_validate_refuses_fa4_and_float8_exactly_where_the_instance_types_gp
             message = refusal({**base, **params})[field]
             assert itype in message or "compute capability" in message, message
         at_start = device_problems(quantize_base="none", gpu=True, capability=profile.capability,
-                                   attention=params.get("attention", "sdpa"))
-        if field == "attention":
-            assert bool(at_start) == (not runs)
+                                   attention=params.get("attention", "sdpa"),
+                                   float8=params.get("float8", False))
+        assert bool(at_start) == (not runs)
 
 
 def test_fa4_with_the_image_this_project_builds_is_refused_naming_the_package_it_lacks():
@@ -151,3 +151,14 @@ def test_fa4_where_its_package_is_missing_is_refused_naming_it_and_the_environme
                                capability=(9, 0), fa4_installed=True)
     import importlib.util
     assert fa4_importable() == (importlib.util.find_spec("flash_attn") is not None)
+
+
+FLOAT8 = {"float8": True, "mixed_precision": "bf16"}
+
+
+def test_the_eks_refusal_of_float8_names_the_instance_families_that_have_it():
+    message = refusal({**EKS, **FLOAT8, "instance_type": "g5.12xlarge"})["float8"]
+    having = sorted({name.split(".")[0] for name, profile in INSTANCE_TYPES.items()
+                     if profile.capability >= MIN_CAPABILITY})
+    assert "compute capability 8.6" in message and "set float8 to false" in message
+    assert all(family in message for family in having) and "g5.12xlarge" in message

@@ -1,11 +1,10 @@
 """What validate refuses for the eks target, before any cloud call, as (field, message) pairs:
 the cluster and node group missing, more nodes than max_nodes, a fallback node group that is the
-run's own, more processes than the instance type's GPUs, float8 on GPUs without it, what
-needs a GPU the instance type lacks or a package the built image lacks
-(`rules.device_problems`, as the local target and the trainer's start ask it), names
-Kubernetes would refuse, an output the pods cannot reach, a path only the Airflow worker has,
-the image fields (`image_build.image_param_errors`), the launcher's limits
-(`launchers.launcher_problems`) and prepare_on pod's needs.
+run's own, more processes than the instance type's GPUs, what needs a GPU the instance type
+lacks (float8, fa4) or a package the built image lacks (`rules.device_problems`, as the local
+target and the trainer's start ask it), names Kubernetes would refuse, an output the pods cannot
+reach, a path only the Airflow worker has, the image fields (`image_build.image_param_errors`),
+the launcher's limits (`launchers.launcher_problems`) and prepare_on pod's needs.
 """
 
 from __future__ import annotations
@@ -19,12 +18,7 @@ from finetune.names import DNS_LABEL, DNS_SUBDOMAIN
 from finetune.targets.eks.image_build import effective_builder, image_param_errors
 from finetune.targets.eks.launchers import launcher_problems
 from finetune.targets.eks.manifests import C10D_PORT, parse_node_selector, parse_volumes
-from finetune_contract.fields import (
-    FA4_PACKAGE,
-    FLOAT8_MIN_CAPABILITY,
-    capability_text,
-    quoted,
-)
+from finetune_contract.fields import FA4_PACKAGE, quoted
 from finetune_contract.instance_types import INSTANCE_TYPES
 from finetune_contract.models import BUILTIN_MODELS
 from finetune_contract.rules import device_problems
@@ -43,19 +37,15 @@ def problems(values: dict[str, Any]) -> list[tuple[str, str]]:
         errors.append(("procs_per_node", f"{values['procs_per_node']} processes per node, "
                        f"but {itype.name} has {itype.gpus} GPUs; allowed: 1..{itype.gpus}"))
     prebuilt = effective_builder(values["image"], values["image_builder"]) == "prebuilt"
-    errors += device_problems(
-        quantize_base=values["quantize_base"], gpu=True, attention=values["attention"],
-        capability=itype.capability,
-        where=f"the trainer image this run builds (from {TRAINER_REQUIREMENTS})",
-        # a prebuilt image is the user's: what it holds is known at the trainer's start
-        fa4_installed=prebuilt or image_installs(FA4_PACKAGE))
-    if values["float8"] and not itype.float8:
-        having = sorted({name.split(".")[0] for name, p in INSTANCE_TYPES.items() if p.float8})
-        errors.append(("float8", f"{itype.name}'s GPUs have no float8 tensor cores (compute "
-                       f"capability {capability_text(itype.capability)}, below "
-                       f"{capability_text(FLOAT8_MIN_CAPABILITY)}); choose a "
-                       f"{', '.join(having[:-1])} or {having[-1]} instance_type or set float8 "
-                       "to false"))
+    for field, message in device_problems(
+            quantize_base=values["quantize_base"], gpu=True, attention=values["attention"],
+            float8=values["float8"], capability=itype.capability,
+            where=f"the trainer image this run builds (from {TRAINER_REQUIREMENTS})",
+            # a prebuilt image is the user's: what it holds is known at the trainer's start
+            fa4_installed=prebuilt or image_installs(FA4_PACKAGE)):
+        if field == "float8":  # on eks the GPUs are chosen: the other way out
+            message += f", or choose a {_float8_families()} instance_type instead of {itype.name}"
+        errors.append((field, message))
     for field in ("namespace", "etcd_service"):
         if not DNS_LABEL.match(values[field]):
             errors.append((field, f"{quoted(values[field])} is not a DNS label (lowercase "
@@ -73,6 +63,15 @@ def problems(values: dict[str, Any]) -> list[tuple[str, str]]:
                        "0, where rank 0 serves its metrics; choose another port"))
     return errors + _pod_problems(values) + launcher_problems(values) + \
         _prepare_problems(values)
+
+
+def _float8_families() -> str:
+    """The instance families whose GPUs run float8 (by the rule validate and the trainer ask),
+    as a sentence lists them: 'g6, p5 or p5e'."""
+    having = sorted({name.split(".")[0] for name, profile in INSTANCE_TYPES.items()
+                     if not device_problems(quantize_base="none", gpu=True, float8=True,
+                                            capability=profile.capability)})
+    return f"{', '.join(having[:-1])} or {having[-1]}" if len(having) > 1 else having[0]
 
 
 def _required(values: dict[str, Any], field: str, what: str) -> list[tuple[str, str]]:
