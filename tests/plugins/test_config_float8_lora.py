@@ -162,3 +162,22 @@ def test_the_eks_refusal_of_float8_names_the_instance_families_that_have_it():
                      if profile.capability >= MIN_CAPABILITY})
     assert "compute capability 8.6" in message and "set float8 to false" in message
     assert all(family in message for family in having) and "g5.12xlarge" in message
+
+
+@pytest.mark.parametrize(("output", "status", "capability"), [
+    ("9.0\n8.9\n", 0, (8, 9)),  # a mixed machine: its run may land on either
+    ("9.0\n", 0, (9, 0)),
+    ("Field \"compute_cap\" is not a valid field to query.\n", 2, None),  # an older driver
+    ("[N/A]\n", 0, None),
+])  # fmt: skip
+def test_the_local_gpus_capability_is_the_lowest_nvidia_smi_reports_or_none(
+        output, status, capability, tmp_path, monkeypatch):
+    from finetune.targets.local.machine import gpu_capability
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\nprintf '%s' '{output}'\nexit {status}\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert gpu_capability() == capability
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))
+    assert gpu_capability() is None

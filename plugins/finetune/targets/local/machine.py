@@ -59,6 +59,23 @@ def gpu_count() -> int:
     return count
 
 
+def gpu_capability() -> tuple[int, int] | None:
+    """The lowest CUDA compute capability of this machine's GPUs, from nvidia-smi (no CUDA
+    initialisation in the Airflow process); None where it cannot say (no nvidia-smi, a driver
+    older than its compute_cap query)."""
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=compute_cap", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, check=True)
+        parts = [line.strip().split(".") for line in out.stdout.splitlines() if line.strip()]
+        found = [(int(major), int(minor)) for major, minor in parts]
+    except (subprocess.SubprocessError, OSError, ValueError):  # ValueError: not "9.0"
+        return None
+    return min(found, default=None)
+
+
 def thread_limit() -> int | None:
     """OMP_NUM_THREADS where the stage runs, when set: no trainer or evaluation process it starts
     gets more threads than that (a machine shared with other work)."""

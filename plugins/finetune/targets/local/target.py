@@ -50,6 +50,7 @@ from finetune.s3_dataset import check_s3_dataset
 from finetune.sweep.early_stop import LOCAL_POLL_S, RungWatch, is_trial, stop_reason
 from finetune.targets.base import Target, TrainingFailed
 from finetune.targets.local.machine import (
+    gpu_capability,
     local_resources,
     output_dir_problems,
     python_env,
@@ -90,14 +91,12 @@ class LocalTarget(Target):
 
     def check(self, values: dict[str, Any]) -> list[tuple[str, str]]:
         res = local_resources(values["nodes"], values["procs_per_node"])
-        errors = []
-        if values["float8"] and res["device"] != "cuda":
-            errors.append(("float8", "needs GPUs with compute capability >= 8.9; this machine "
-                           "has none (the trainer would run on the CPU)"))
-        errors += device_problems(quantize_base=values["quantize_base"],
-                                  gpu=res["device"] == "cuda", attention=values["attention"],
-                                  fa4_installed=fa4_importable(),
-                                  where="this machine's Python environment (the trainer's)")
+        gpu = res["device"] == "cuda"
+        errors = device_problems(quantize_base=values["quantize_base"], gpu=gpu,
+                                 attention=values["attention"], float8=values["float8"],
+                                 capability=gpu_capability() if gpu else None,
+                                 fa4_installed=fa4_importable(),
+                                 where="this machine's Python environment (the trainer's)")
         if values["output_dir"].startswith("s3://"):
             errors.append(("output_dir", "s3:// output needs target eks; give a local "
                            "directory"))
