@@ -53,7 +53,7 @@ from finetune_contract.throughput import flops_per_token, mfu
 from trainer.attention import runs_varlen
 from trainer.batch import Batch, packed_documents
 from trainer.config import TrainConfig
-from trainer.float8 import check_float8_device, precompute_float8_scales
+from trainer.float8 import precompute_float8_scales
 from trainer.lora import apply_lora, fuse_adapter_adds
 from trainer.loss import LOSS_METHOD, add_loss_method
 from trainer.master_weights import GradIntoLinear, compute_weights
@@ -66,7 +66,13 @@ from trainer.model import (
     stretch_positions,
 )
 from trainer.optim import build_optimizer, optimizer_step
-from trainer.parallel import DistEnv, apply_parallelism, init_distributed, quantize_dtype
+from trainer.parallel import (
+    DistEnv,
+    apply_parallelism,
+    check_start,
+    init_distributed,
+    quantize_dtype,
+)
 from trainer.qlora import nf4_bytes
 
 # The peers beside ours: Hugging Face Trainer, Trainer with Liger's kernels, torchtitan
@@ -377,8 +383,7 @@ def run_trainer(
         attention=attention,
         packing=args.packing,  # the contract's rules on packed rows (apply_parallelism checks)
     )
-    if args.float8:
-        check_float8_device(env.device)
+    check_start(config, env)  # the trainer's rules (float8's GPU) before the model is built
     recording = args.memory_peak and env.device.type == "cuda"
     if recording:
         memory_peak.start()

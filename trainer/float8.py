@@ -2,9 +2,10 @@
 
 Each nn.Linear of a block becomes torchao's Float8Linear before FSDP wraps it: inputs, weights and
 output gradients are cast to float8 with a per-tensor scale and multiplied on the float8 tensor
-cores (CUDA capability >= 8.9: Ada, Hopper and later). With sharded weights FSDP all-gathers them
-in float8 (half the bytes of bf16); their scales are computed for all weights at once after each
-optimizer step. The embeddings and the head stay in bf16. float8 runs are judged by tokens/s:
+cores (Ada, Hopper and later: FLOAT8_MIN_CAPABILITY; the trainer's start refuses a device without
+them by the rule validate asks, `rules.device_problems`). With sharded weights FSDP all-gathers
+them in float8 (half the bytes of bf16); their scales are computed for all weights at once after
+each optimizer step. The embeddings and the head stay in bf16. float8 runs are judged by tokens/s:
 MFU's peak is the bf16 one.
 """
 
@@ -16,34 +17,13 @@ from typing import Any
 
 import torch
 
-from finetune_contract.fields import FLOAT8_MIN_CAPABILITY, capability_text
-
-# torch._scaled_mm's float8 kernels need sm_89 (Ada) or sm_90 (Hopper) and later.
-MIN_CAPABILITY = FLOAT8_MIN_CAPABILITY
 # Tests only: run torchao's emulation (float8 casts, matmuls in high precision) on any device.
 EMULATE_ENV = "TRAINER_FLOAT8_EMULATE"
 
 
 def emulated() -> bool:
+    """Whether float8 is emulated here: then it runs on any device (check_start asks)."""
     return os.environ.get(EMULATE_ENV, "") == "1"
-
-
-def check_float8_device(device: torch.device) -> None:
-    """Fail at start when float8 cannot run here, naming the option."""
-    if emulated():
-        return
-    if device.type != "cuda":
-        raise ValueError(
-            f"float8 needs a CUDA GPU with compute capability >= {capability_text(MIN_CAPABILITY)} "
-            f"(H100, H200, L40S, ...); this process runs on {device.type}: set float8 to false"
-        )
-    capability = torch.cuda.get_device_capability(device)
-    if capability < MIN_CAPABILITY:
-        raise ValueError(
-            f"float8 needs compute capability >= {capability_text(MIN_CAPABILITY)}; "
-            f"{torch.cuda.get_device_name(device)} has {capability_text(capability)} (no float8 "
-            "tensor cores): set float8 to false"
-        )
 
 
 def _fits_float8(module: torch.nn.Module, _fqn: str) -> bool:

@@ -36,7 +36,7 @@ from finetune_contract.rules import (
 from trainer.activations import checkpoint_activations, offload_activations
 from trainer.blocks import decoder_blocks
 from trainer.config import TrainConfig
-from trainer.float8 import convert_to_float8
+from trainer.float8 import convert_to_float8, emulated
 from trainer.master_weights import use_master_weights
 from trainer.offload import offload_blocks
 from trainer.qlora import quantized_params
@@ -127,7 +127,7 @@ def mixed_precision_policy(
 
 
 def _capability(device: torch.device) -> tuple[int, int] | None:
-    """The CUDA compute capability of `device` (None on a CPU), which attention fa4 needs."""
+    """The CUDA compute capability of `device` (None on a CPU), which fa4 and float8 need."""
     if device.type == "cuda":
         return torch.cuda.get_device_capability(device)
     return None
@@ -148,6 +148,7 @@ def check_start(
     problems += device_problems(quantize_base=config.quantize_base,
                                 gpu=env.device.type == "cuda" or quantize_emulated(),
                                 attention=config.attention,
+                                float8=config.float8 and not emulated(),
                                 capability=_capability(env.device),
                                 fa4_installed=fa4_importable(),
                                 where="the trainer's Python environment")

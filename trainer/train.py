@@ -45,7 +45,7 @@ from trainer.data import (
 from trainer.dpo import dpo_train_step, with_reference_logps
 from trainer.errors import root_cause_recorded
 from trainer.export import export_hf
-from trainer.float8 import check_float8_device, precompute_float8_scales
+from trainer.float8 import precompute_float8_scales
 from trainer.history import RunHistory, process_started
 from trainer.lora import apply_lora
 from trainer.loss import LOSS_METHOD, add_loss_method
@@ -177,8 +177,6 @@ class Trainer:
             print(chosen, flush=True)  # the resolved config below records the choice
         check_start(config, env)
         mesh = build_mesh(config, env)
-        if config.float8:
-            check_float8_device(env.device)
         # For an s3:// output_dir: a local staging dir with the same layout, uploaded from.
         output = RunOutput(config.output_dir, env.rank)
         write_resolved_config(config, env, output)

@@ -1,33 +1,57 @@
 """float8 (torchao): refused where it cannot run; trains a tiny model (emulated on CPU, real on a
-GPU with compute capability >= 8.9)."""
+GPU of compute capability FLOAT8_MIN_CAPABILITY or later)."""
 
 import pytest
 import torch
 from transformers import AutoTokenizer
 
 from finetune_contract.data import PROMPT_TEMPLATE
+from finetune_contract.fields import FLOAT8_MIN_CAPABILITY, ContractError, capability_text
 from trainer.config import load_config
 from trainer.demo import DEMO_TOKENIZER
-from trainer.float8 import EMULATE_ENV, MIN_CAPABILITY, check_float8_device
+from trainer.float8 import EMULATE_ENV
 from trainer.master_weights import compute_weights
 from trainer.model import build_model, materialize_weights
 from trainer.optim import build_optimizer, optimizer_step
-from trainer.parallel import apply_parallelism, check_start
+from trainer.parallel import DistEnv, apply_parallelism, check_start
 
-HAS_FLOAT8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= MIN_CAPABILITY
+HAS_FLOAT8_GPU = (torch.cuda.is_available()
+                  and torch.cuda.get_device_capability() >= FLOAT8_MIN_CAPABILITY)
+NEEDED = capability_text(FLOAT8_MIN_CAPABILITY)
+
+
+CPU_PROCESS = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1,
+                      device=torch.device("cpu"))
 
 
 def test_float8_on_a_cpu_fails_at_start_naming_the_option(monkeypatch):
     monkeypatch.delenv(EMULATE_ENV, raising=False)
-    with pytest.raises(ValueError, match="float8 needs a CUDA GPU .* runs on cpu: set float8 to"):
-        check_float8_device(torch.device("cpu"))
+    config = load_config(None, {"float8": True, "mixed_precision": "bf16"})
+    with pytest.raises(ContractError, match=f"float8: .*{NEEDED} or later.*no CUDA GPU: set "
+                       "float8 to false"):
+        check_start(config, CPU_PROCESS)
+
+
+def test_the_benchmark_refuses_float8_on_a_cpu_before_it_builds_the_model(monkeypatch):
+    import bench.train
+
+    monkeypatch.delenv(EMULATE_ENV, raising=False)
+    monkeypatch.setattr(bench.train, "build_bench_model", lambda *_: pytest.fail("model built"))
+    args = bench.train.parse_args(["--models", "tiny", "--float8", "--seq-len", "64"])
+    with pytest.raises(ContractError, match="float8: .*no CUDA GPU: set float8 to false"):
+        bench.train.run_trainer("tiny-llama", args, CPU_PROCESS, None)
+
+
+def test_emulated_float8_starts_on_a_cpu(monkeypatch):
+    monkeypatch.setenv(EMULATE_ENV, "1")  # the tests' stand-in for float8 tensor cores
+    check_start(load_config(None, {"float8": True, "mixed_precision": "bf16"}), CPU_PROCESS)
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 @pytest.mark.parametrize("mode", [
     "emulated",
     pytest.param("cuda", marks=pytest.mark.skipif(
-        not HAS_FLOAT8_GPU, reason="needs a GPU with compute capability >= 8.9")),
+        not HAS_FLOAT8_GPU, reason=f"needs a GPU of compute capability {NEEDED} or later")),
 ])  # fmt: skip
 def test_a_tiny_model_trains_with_float8_linear_layers_in_its_blocks(
     mode, recipe, world_of_one, monkeypatch
@@ -40,7 +64,6 @@ def test_a_tiny_model_trains_with_float8_linear_layers_in_its_blocks(
     config = load_config(None, {"float8": True, "float8_recipe": recipe,
                                 "mixed_precision": "bf16", "lr": 3e-3})
     check_start(config, world_of_one)
-    check_float8_device(world_of_one.device)
     model = build_model(config.model, tokenizer)
     apply_parallelism(model, config, world_of_one)
     materialize_weights(model, config.model, config.seed, world_of_one.device)
