@@ -33,6 +33,7 @@ from finetune_contract.fields import (
     ECR_REPOSITORY,
     EVAL_FRACTION,
     EVAL_TASKS,
+    FLOAT8_MIN_CAPABILITY,
     FLOAT8_RECIPES,
     HANG_TIMEOUT_S,
     IMAGE_REFERENCE,
@@ -51,6 +52,7 @@ from finetune_contract.fields import (
     STRATEGIES,
     Bounds,
     Text,
+    capability_text,
     quoted,
 )
 from finetune_contract.instance_types import INSTANCE_TYPES
@@ -400,8 +402,9 @@ PARAMETERS: tuple[Parameter, ...] = (
       choices=ATTENTION),
     P('float8', False, 'Memory and speed', 'float8 matmuls',
       "The decoder blocks' Linear layers compute in float8 (torchao; weights all-gathered in "
-      'float8). Needs GPUs with compute capability >= 8.9 (H100, H200, L4) and mixed precision '
-      'bf16; reported by tokens/s (MFU assumes the bf16 peak).'),
+      f'float8). Needs GPUs of compute capability {capability_text(FLOAT8_MIN_CAPABILITY)} or '
+      'later (L4, H100, H200) and mixed precision bf16; reported by tokens/s (MFU assumes the '
+      'bf16 peak).'),
     P('float8_recipe', 'tensorwise', 'Memory and speed', 'float8 scaling',
       'tensorwise: one scale per tensor, weights all-gathered in float8 under FSDP (fastest); '
       "rowwise: one scale per row of each operand (closer to bf16's loss, weights all-gathered "
