@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import pytest
 
 from finetune.config import ConfigError
 from finetune.image import image_installs
 from finetune.trainer_config import trainer_config
 from finetune.validate import validate_params
-from finetune_contract.fields import FA4_CAPABILITIES, FA4_PACKAGE
+from finetune_contract.fields import FA4_CAPABILITIES, FA4_PACKAGE, ContractError
 from finetune_contract.fields import FLOAT8_MIN_CAPABILITY as MIN_CAPABILITY
 from finetune_contract.instance_types import INSTANCE_TYPES
 from finetune_contract.rules import device_problems, fa4_importable
+from tests.support import REPO_ROOT
 
 EKS = {"target": "eks", "cluster_name": "c", "nodegroup": "g", "image": "r/trainer:1",
        "image_builder": "prebuilt", "procs_per_node": 8, "instance_type": "p5.48xlarge",
@@ -153,7 +157,71 @@ def test_fa4_where_its_package_is_missing_is_refused_naming_it_and_the_environme
     assert fa4_importable() == (importlib.util.find_spec("flash_attn") is not None)
 
 
+# Every GPU an instance type has, those around float8's line, and None: no GPU.
+GPUS = [None, *sorted({p.capability for p in INSTANCE_TYPES.values()}
+                      | {(8, 0), (8, 6), (8, 9), (9, 0), (10, 0)})]
 FLOAT8 = {"float8": True, "mixed_precision": "bf16"}
+
+
+def float8_refused(params: dict) -> bool:
+    """Whether validate refuses `params` for float8 (other fields' problems aside)."""
+    try:
+        validate_params({"procs_per_node": 1, **params}, run_id="r")
+    except ConfigError as error:
+        return "float8" in dict(error.errors)
+    return False
+
+
+def local_refuses_float8(capability: tuple[int, int] | None, monkeypatch) -> bool:
+    """validate on the local target, on a machine with one GPU of `capability` (None: none)."""
+    import finetune.targets.local.target as local
+
+    device = "cpu" if capability is None else "cuda"
+    monkeypatch.setattr(local, "local_resources", lambda nodes, procs: {
+        "device": device, "cpus": 8, "gpus": int(device == "cuda"), "processes": nodes * procs,
+        "capacity": 8, "fits": True, "threads_per_process": 1, "threads": 8})
+    monkeypatch.setattr(local, "gpu_capability", lambda: capability)
+    return float8_refused(FLOAT8)
+
+
+def eks_refuses_float8(capability: tuple[int, int], monkeypatch) -> bool:
+    """validate on the eks target, its instance type's GPUs of `capability`."""
+    profile = INSTANCE_TYPES["p5.48xlarge"]
+    monkeypatch.setitem(INSTANCE_TYPES, profile.name,
+                        dataclasses.replace(profile, capability=capability))
+    return float8_refused({**EKS, **FLOAT8, "instance_type": profile.name})
+
+
+def trainer_refuses_float8(capability: tuple[int, int] | None, monkeypatch) -> bool:
+    """The trainer's start in a process whose device has `capability` (None: a CPU)."""
+    import torch
+
+    import trainer.parallel
+    from trainer.config import load_config
+    from trainer.float8 import EMULATE_ENV
+
+    monkeypatch.delenv(EMULATE_ENV, raising=False)
+    monkeypatch.setattr(trainer.parallel, "_capability", lambda device: capability)
+    env = trainer.parallel.DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1,
+                                   device=torch.device("cpu" if capability is None else "cuda"))
+    try:
+        trainer.parallel.check_start(load_config(None, FLOAT8), env)
+    except ContractError as error:
+        return "float8" in dict(error.errors)
+    return False
+
+
+@pytest.mark.parametrize("capability", GPUS, ids=lambda c: "no-gpu" if c is None else
+                         ".".join(map(str, c)))
+def test_the_local_target_eks_and_the_trainers_start_refuse_float8_on_the_same_gpus(
+        capability, monkeypatch):
+    """One rule (rules.device_problems) asked by all three: float8 is refused exactly where
+    there is no GPU or its compute capability is below FLOAT8_MIN_CAPABILITY."""
+    refused = capability is None or capability < MIN_CAPABILITY
+    assert local_refuses_float8(capability, monkeypatch) == refused
+    assert trainer_refuses_float8(capability, monkeypatch) == refused
+    if capability is not None:  # every eks instance type has GPUs
+        assert eks_refuses_float8(capability, monkeypatch) == refused
 
 
 def test_the_eks_refusal_of_float8_names_the_instance_families_that_have_it():
@@ -162,6 +230,27 @@ def test_the_eks_refusal_of_float8_names_the_instance_families_that_have_it():
                      if profile.capability >= MIN_CAPABILITY})
     assert "compute capability 8.6" in message and "set float8 to false" in message
     assert all(family in message for family in having) and "g5.12xlarge" in message
+
+
+# float8's capability written out: "8.9" beside a capability or a float8, "sm_89", or (8, 9)
+# anywhere but an instance profile's own GPU (`capability=(8, 9)`, the L4's).
+FLOAT8_CAPABILITY_LITERAL = re.compile(
+    r"(capabilit\w*|float8)[^\n]{0,40}?\b8\.9\b|\b8\.9\b[^\n]{0,3}(or|and) later|>=\s*8\.9\b"
+    r"|[\"']8\.9[\"']|\bsm_?89\b|(?<!capability=)\(8,\s*9\)")
+
+
+def test_float8s_capability_is_written_only_in_the_contracts_fields():
+    """FLOAT8_MIN_CAPABILITY (finetune_contract/fields.py) is the one place: a copy of it in
+    a check, a message or a help text elsewhere is caught here."""
+    fields = REPO_ROOT / "plugins" / "finetune_contract" / "fields.py"
+    copies = [f"{path.relative_to(REPO_ROOT)}:{number}: {line.strip()}"
+              for folder in ("plugins", "trainer", "bench")
+              for path in sorted((REPO_ROOT / folder).rglob("*"))
+              if path.is_file() and path != fields and "__pycache__" not in path.parts
+              for number, line in enumerate(
+                  path.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
+              if FLOAT8_CAPABILITY_LITERAL.search(line)]
+    assert not copies, "\n".join(copies)
 
 
 @pytest.mark.parametrize(("output", "status", "capability"), [
