@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import threading
 
 import kubernetes
 import pytest
@@ -62,7 +63,8 @@ def test_the_train_wait_lives_in_the_metadata_db_and_new_processes_finish_the_sa
     worker after a scheduler or api-server restart) and a trigger built from its row (a new
     triggerer); the job is the first try's, created once."""
     cfg = eks_config()
-    training = TrainingOperator(cluster, cfg, outcome="Succeeded")
+    running = threading.Event()  # held Running until the task has woken once, on any machine
+    training = TrainingOperator(cluster, cfg, outcome="Succeeded", release=running)
     training.start()
     call, created, wakes = functools.partial(train_operator(cfg).execute, {}), None, 0
     for _ in range(200):
@@ -75,6 +77,7 @@ def test_the_train_wait_lives_in_the_metadata_db_and_new_processes_finish_the_sa
             assert kwargs["state"]["job"] == created  # the same job in every resume
             event = asyncio.run(first_event(trigger))
             wakes += 1
+            running.set()
             call = functools.partial(getattr(train_operator(cfg), method), {}, event=event,
                                      **kwargs)
     else:

@@ -77,18 +77,21 @@ class TrainingOperator(threading.Thread):
     `preemptions`: rounds in which every worker saved its step after a notice and exited 138,
     the job Restarting for `hold_s`, then its pods made again and Running (restartPolicy
     ExitCode); `on_preempted(n)` is called first in round n (the trainer's history record).
-    `lost_workers`: the last workers' nodes are gone, their pods Pending, unschedulable."""
+    `lost_workers`: the last workers' nodes are gone, their pods Pending, unschedulable.
+    `release`: the job stays Running, its log written, until the test sets it (a test that
+    needs the task to find it running, whatever the machine's speed)."""
 
     def __init__(self, cluster: Cluster, cfg: RunConfig, outcome: str = "Succeeded",
                  oom_worker: int | None = None, unschedulable: str | None = None,
                  preemptions: int = 0, on_preempted: Callable[[int], None] | None = None,
-                 lost_workers: int = 0, hold_s: float = 0.5):
+                 lost_workers: int = 0, hold_s: float = 0.5,
+                 release: threading.Event | None = None):
         super().__init__(daemon=True)
         self.cluster, self.cfg, self.outcome, self.oom_worker = cluster, cfg, outcome, oom_worker
         # The scheduler's message for pods it cannot place (they stay Pending, the job Created).
         self.unschedulable = unschedulable
         self.preemptions, self.on_preempted = preemptions, on_preempted
-        self.lost_workers, self.hold_s = lost_workers, hold_s
+        self.lost_workers, self.hold_s, self.release = lost_workers, hold_s, release
         self.created: list[str] = []
 
     def run(self) -> None:
@@ -143,6 +146,8 @@ class TrainingOperator(threading.Thread):
                     "imageID": "", "state": {"terminated": {"exitCode": 137,
                                                             "reason": "OOMKilled"}}}]}})
         time.sleep(0.15)
+        if self.release is not None:
+            self.release.wait(60)
         self._set(custom, name, self.outcome)
 
     def _make_pods(self, core: Any, name: str, workers: int) -> None:
