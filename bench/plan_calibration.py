@@ -238,6 +238,23 @@ ROWS: tuple[Row, ...] = (
                         attention="fa4"), 10_290, 0.382, 17.13,
         f"{LONG.replace(' --quantize-base nf4', '')} --seq-len 4096 --micro-batch 2 --steps 5 "
         "--warmup 2 --peers '' --attention fa4", "2026-12-07", gpu=H100),
+    # float8 with fa4 beside torchtitan's float8 (its sdpa), one H100, 2026-12-07 06:30-06:38 UTC,
+    # `ATTENTION=sdpa,fa4 bench/float8.sh OUT titan RECIPE` per recipe
+    # (docs/notes/2026-12-07-h100-fa4-float8-one-call.log; ours' sdpa rows there agree with the
+    # 2026-12-06 rows above within 1.5%).
+    Row("llama-3b", _mb(2, grad_accum=2, float8=True, attention="fa4"), 27_930, None, 70.95,
+        f"{BENCH} --models 3b --micro-batch 2 --grad-accum 2 --float8 --float8-recipe tensorwise "
+        "--attention sdpa,fa4 --peers titan --steps 8 --warmup 3", "2026-12-07", gpu=H100),
+    Row("llama-3b", _mb(2, grad_accum=2, float8=True, float8_recipe="rowwise", attention="fa4"),
+        23_310, None, 70.95, f"{BENCH} --models 3b --micro-batch 2 --grad-accum 2 --float8 "
+        "--float8-recipe rowwise --attention sdpa,fa4 --peers titan --steps 8 --warmup 3",
+        "2026-12-07", gpu=H100),
+    Row("llama-1b", _mb(4, float8=True, attention="fa4"), 67_110, None, 32.51,
+        f"{BENCH} --models 1b --micro-batch 4 --float8 --float8-recipe tensorwise --attention "
+        "sdpa,fa4 --peers titan --steps 10 --warmup 3", "2026-12-07", gpu=H100),
+    Row("llama-1b", _mb(4, float8=True, float8_recipe="rowwise", attention="fa4"), 57_950, None,
+        32.51, f"{BENCH} --models 1b --micro-batch 4 --float8 --float8-recipe rowwise --attention "
+        "sdpa,fa4 --peers titan --steps 10 --warmup 3", "2026-12-07", gpu=H100),
     # 400k: an older version (peft's add, which keeps more than the add in place: 24.47 GiB at
     # 128k, against 21.18 now), one step, 2026-12-06 05:53-06:00 UTC, bench/long_context.sh
     # longest (docs/notes/2026-12-06-h100-400k.log). Not re-run: kept as a bound the planner's
