@@ -46,14 +46,10 @@ def gpu_count() -> int:
         visible = os.environ["CUDA_VISIBLE_DEVICES"].strip()
         if not visible or visible == "-1":
             return 0
-    smi = shutil.which("nvidia-smi")
-    if not smi:
+    lines = _nvidia_smi("-L")
+    if lines is None:
         return 0
-    try:
-        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30, check=True)
-    except (subprocess.SubprocessError, OSError):
-        return 0
-    count = sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+    count = sum(1 for line in lines if line.startswith("GPU "))
     if "CUDA_VISIBLE_DEVICES" in os.environ:
         count = min(count, len(os.environ["CUDA_VISIBLE_DEVICES"].split(",")))
     return count
@@ -63,17 +59,26 @@ def gpu_capability() -> tuple[int, int] | None:
     """The lowest CUDA compute capability of this machine's GPUs, from nvidia-smi (no CUDA
     initialisation in the Airflow process); None where it cannot say (no nvidia-smi, a driver
     older than its compute_cap query)."""
+    lines = _nvidia_smi("--query-gpu=compute_cap", "--format=csv,noheader")
+    try:
+        found = [(int(major), int(minor)) for major, minor in
+                 (line.strip().split(".") for line in lines or () if line.strip())]
+    except ValueError:  # not "9.0"
+        return None
+    return min(found, default=None)
+
+
+def _nvidia_smi(*args: str) -> list[str] | None:
+    """nvidia-smi's output lines for `args`; None without nvidia-smi or where it fails."""
     smi = shutil.which("nvidia-smi")
     if not smi:
         return None
     try:
-        out = subprocess.run([smi, "--query-gpu=compute_cap", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30, check=True)
-        parts = [line.strip().split(".") for line in out.stdout.splitlines() if line.strip()]
-        found = [(int(major), int(minor)) for major, minor in parts]
-    except (subprocess.SubprocessError, OSError, ValueError):  # ValueError: not "9.0"
+        out = subprocess.run([smi, *args], capture_output=True, text=True, timeout=30,
+                             check=True)
+    except (subprocess.SubprocessError, OSError):
         return None
-    return min(found, default=None)
+    return out.stdout.splitlines()
 
 
 def thread_limit() -> int | None:
