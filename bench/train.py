@@ -135,7 +135,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--peer-worker", default="", choices=["", *PEERS],
                         help=argparse.SUPPRESS)
     parser.add_argument("--profile", action="store_true",
-                        help="print a profile of each run's steps (a peer's: one more, untimed)")
+                        help="print a profile of each run's steps, untimed: two more of ours and "
+                        "torchtitan's, one more of a Trainer peer's")
     parser.add_argument("--memory-peak", action="store_true",
                         help="CUDA: print what was allocated at our run's peak, by where "
                              "(bench/memory_peak.py)")
@@ -617,6 +618,8 @@ def run_titan(
         losses.append(step(micro_batches))
         synchronize(device)
         step_times.append(time.perf_counter() - start)
+    if args.profile:  # two more steps, untimed, as ours
+        print_profile(lambda: step(batches[-1]), device, "torchtitan")
     return result("titan", name, options, args, model_config, step_times, losses, device, peak)
 
 
@@ -668,9 +671,10 @@ def hf_model(
     return model, adapters, base_dir
 
 
-def print_profile(step: Callable[[], float], device: torch.device) -> None:
+def print_profile(step: Callable[[], float], device: torch.device,
+                  who: str = "trainer") -> None:
     """The ops that take the most device time over two steps, as a table."""
-    with profiling(device, "trainer, two steps"):
+    with profiling(device, f"{who}, two steps"):
         for _ in range(2):
             step()
 
