@@ -255,10 +255,16 @@ ROWS: tuple[Row, ...] = (
     Row("llama-1b", _mb(4, float8=True, float8_recipe="rowwise", attention="fa4"), 57_950, None,
         32.51, f"{BENCH} --models 1b --micro-batch 4 --float8 --float8-recipe rowwise --attention "
         "sdpa,fa4 --peers titan --steps 10 --warmup 3", "2026-12-07", gpu=H100),
-    # 400k: an older version (peft's add, which keeps more than the add in place: 24.47 GiB at
-    # 128k, against 21.18 now), one step, 2026-12-06 05:53-06:00 UTC, bench/long_context.sh
-    # longest (docs/notes/2026-12-06-h100-400k.log). Not re-run: kept as a bound the planner's
-    # margin past the measured rows must cover (planner.OFFLOAD_MEASURED_TOKENS).
+    # LoRA (bf16 base) at 400k, the trainer as it runs now, one step, one H100, 2026-12-07
+    # 08:42-08:49 UTC, `bench/long_context.sh OUT longest-lora`
+    # (docs/notes/2026-12-07-h100-lora-400k.log): the longest row (planner.OFFLOAD_MEASURED_TOKENS).
+    Row("llama-8b", _mb(1, seq_len=400_000, activation_checkpointing=_AC, activation_offload=True,
+                        lora_rank=16), 987.8, 0.6586, 61.51,
+        f"{LONG.replace(' --quantize-base nf4', '').replace(' --peers unsloth', '')} --seq-len "
+        "400000 --steps 1 --warmup 0 --peers ''", "2026-12-07", gpu=H100),
+    # QLoRA at 400k: an older version (peft's add, which keeps more than the add in place: 24.47
+    # GiB at 128k, against 21.18 now), one step, 2026-12-06 05:53-06:00 UTC,
+    # bench/long_context.sh longest (docs/notes/2026-12-06-h100-400k.log). Not re-run.
     Row("llama-8b", _mb(1, seq_len=400_000, activation_checkpointing=_AC, activation_offload=True,
                         lora_rank=16, quantize_base="nf4"), 969.2, 0.646, 51.92,
         f"{LONG.replace(' --peers unsloth', '')} --seq-len 400000 --steps 1 --warmup 0 --peers ''",

@@ -55,11 +55,11 @@ AUTO = "auto"
 # the allocator's peak (CUDA context, NCCL's buffers): a run fits when its estimate, this much
 # larger, and that, fit.
 MEMORY_ERROR = 0.03  # 1B float8 at micro-batch 1 on the H100: 2.6% over (the 70B QLoRA row 2.0%)
-# Offloaded blocks (trainer/offload.py): four rows of the trainer as it runs now, from 4k to 128k
-# tokens, 5.5% the largest (OFFLOAD_HIDDEN): a run in that mode is planned with this margin; past
-# the longest such row it grows in proportion to the tokens (an extrapolation: 18.3% at 400k,
-# which covers the 51.92 GiB an older version, which kept more, measured there; 48% at 1,048,576).
-OFFLOAD_MEMORY_ERROR, OFFLOAD_MEASURED_TOKENS = 0.06, 131_072
+# Offloaded blocks (trainer/offload.py): rows of the trainer as it runs now from 4k to 400k tokens,
+# 4.4% the largest (OFFLOAD_HIDDEN): a run in that mode is planned with this margin; past the
+# longest such row (8B LoRA at 400,000 tokens) it grows in proportion to the tokens (an
+# extrapolation: 13.1% at 1,048,576).
+OFFLOAD_MEMORY_ERROR, OFFLOAD_MEASURED_TOKENS = 0.05, 400_000
 RESERVED_GIB = 1.5
 # QLoRA's NF4 (trainer/qlora.py): values per absmax scale, and scales per quantized scale (double
 # quantization): 4 bits a value, an 8-bit scale per block, an fp32 scale per block of scales.
@@ -89,15 +89,17 @@ GATHERED_BLOCKS = 2
 OFFLOAD_IN_FLIGHT = 2
 # One offloaded block's recompute and backward, bf16 elements per token: hidden-wide tensors
 # (the attention's inputs, outputs and their gradients) and, over one MLP slice, MLP-wide ones
-# (gate, up, their product and gradients); fitted to the four H100 rows of the trainer as it runs
-# now (the adapters added in place, 4-bit weights dequantized again in backward: 8B QLoRA at 4k,
-# 32k and 128k tokens, 7.78, 9.85 and 21.18 GiB, 2026-12-07; LoRA at 4k, 17.13, 2026-12-06;
-# bench/plan_calibration.py), the largest error the least: 5.5%, within OFFLOAD_MEMORY_ERROR.
-# An empirical pair: the allocator's record of the 4k QLoRA peak (bench.train --memory-peak)
-# holds eight MLP-wide tensors of the slice, but the 32k and 128k peaks are not a block's
-# backward alone; the constants fit the totals, not that split. (Fitted to the five rows of
-# peft's add, 4k to 400k, they were 11.6 and 3.2: 11-15% over the rows above.)
-OFFLOAD_HIDDEN, OFFLOAD_MLP = 10.0, 0.95
+# (gate, up, their product and gradients); with OFFLOAD_OVERHEAD_GIB fitted to the H100 rows of
+# the trainer as it runs now (the adapters added in place, 4-bit weights dequantized again in
+# backward: 8B QLoRA at 4k, 32k and 128k tokens, 7.78, 9.85 and 21.18 GiB, 2026-12-07; LoRA at
+# 4k, 17.13, 2026-12-06, and at 400k, 61.51, 2026-12-07; bench/plan_calibration.py), the largest
+# error the least: 4.4%, within OFFLOAD_MEMORY_ERROR. An empirical triple: the peaks grow by
+# about 15 hidden-wide elements a token from 32k to 400k (0.115 GiB a thousand tokens, QLoRA and
+# LoRA alike) from a base below the sum of the parts with OVERHEAD_GIB; the allocator's record of
+# the 4k QLoRA peak (bench.train --memory-peak) holds eight MLP-wide tensors of the slice. (10.0,
+# 0.95 and OVERHEAD_GIB, fitted to the rows up to 128k, were 12.5% under at LoRA's 400k; fitted to
+# the five rows of peft's add, 11.6 and 3.2 were 11-15% over the short rows.)
+OFFLOAD_HIDDEN, OFFLOAD_MLP, OFFLOAD_OVERHEAD_GIB = 12.0, 1.7, 0.0
 # Share of the offloaded block inputs' copies (out in forward, in during backward, on side
 # streams a block ahead) the compute does not hide: fitted to the same five rows' tokens/s,
 # none once the H100's memory-bound work is timed at its own bandwidth (it was 0.25 with the
@@ -419,14 +421,15 @@ def estimate(cfg: TrainConfig, *, world_size: int, local_world_size: int, hardwa
         # gone: the larger of the two is live, beside the inputs in flight.
         forward_end -= min(loss, recompute * tokens / tp)
     backward_end = state_backward + nf4 + copies + recompute * tokens / tp
+    overhead = OFFLOAD_OVERHEAD_GIB if offloads_blocks(cfg) else OVERHEAD_GIB
     parts = {"parameters": (masters / sharded + nf4) / GIB, "optimizer": optimizer / sharded / GIB,
              "gradients": grads / sharded / GIB, "compute_copies": copies / GIB,
              "activations": activations / GIB, "loss_chunk": loss / GIB,
-             "overhead": OVERHEAD_GIB}
+             "overhead": overhead}
     host = host_offload_bytes(cfg, config)
     if host:  # CPU memory, not in the GPU's peak
         parts["host_offload"] = host / GIB
-    peak = max(forward_end, backward_end) / GIB + OVERHEAD_GIB
+    peak = max(forward_end, backward_end) / GIB + overhead
     step, comm, exposed = _step_time(cfg, config, hardware, layout, no_fsdp, params, trained,
                                      lora, quantized)
     tokens_per_s = tokens * cfg.grad_accum / tp / step if step else None

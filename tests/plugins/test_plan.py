@@ -208,7 +208,7 @@ def test_an_offloaded_run_is_planned_with_its_modes_stated_error_growing_past_th
     with pytest.raises(ConfigError) as err:
         validate_params(conf, run_id="r")
     (message,) = [m for _, m in err.value.errors if "estimated peak" in m]
-    stated = OFFLOAD_MEMORY_ERROR * 786_432 / longest  # 6 times the longest measured row's
+    stated = OFFLOAD_MEMORY_ERROR * 786_432 / longest  # past the longest measured row
     assert f"with its stated error ({stated:.1%}) and 1.5 GiB reserved, exceeds" in message
 
 
