@@ -41,7 +41,7 @@ import transformers
 from torch.distributed.fsdp import FSDPModule
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from bench import memory_peak
+from bench import gaps, memory_peak
 from bench.family_shapes import FAMILY_SHAPES
 from bench.titan import titan_problem, titan_step_runner
 from bench.unsloth import unsloth_problem
@@ -693,6 +693,12 @@ def profiling(device: torch.device, title: str) -> Iterator[None]:
     print(f"# profile: {title}\n"
           + prof.key_averages().table(sort_by=sort_by, row_limit=40, max_name_column_width=70),
           file=sys.stderr, flush=True)
+    if device.type == "cuda":  # the device's idle gaps and what the host did then
+        with tempfile.TemporaryDirectory() as scratch:
+            trace = Path(scratch) / "trace.json"
+            prof.export_chrome_trace(str(trace))
+            print(f"# idle: {title}\n{gaps.summary(gaps.idle(gaps.load_trace(trace)))}",
+                  file=sys.stderr, flush=True)
 
 
 def guarded(run: Callable[[], dict[str, Any]], run_name: str, model: str) -> dict[str, Any]:
