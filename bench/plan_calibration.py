@@ -40,6 +40,9 @@ class Row:
     gpus: int = 1
     gpu: str = H200
     note: str = ""
+    # what the trainer changed since, which the planner now plans and this row did not run: kept
+    # as measured, left out of the planner's errors
+    superseded: str = ""
     config: dict[str, Any] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -57,6 +60,10 @@ _FS = "FULL_SHARD"
 FSDP_ONE = "FSDP at one rank, as FULL_SHARD ran on one GPU then"
 _AC = "full"
 OLD = "older version, about 2% slower"
+# Before 2026-12-07, float8 Linears cast bf16 copies of their masters at one process; without
+# accumulated micro-batches they now cast the fp32 masters (finetune_contract.rules.
+# float8_reads_masters): 1.8 GiB less at 1B, about 5.6 at 3B by the planner.
+F8_COPIES = "float8 from bf16 copies (before float8_reads_masters)"
 # docs/trainer.md's scaling and long-sequence tables give no date (measured before
 # 2026-12-01's profile).
 UNDATED = "undated"
@@ -83,9 +90,10 @@ ROWS: tuple[Row, ...] = (
     Row("llama-1b", _mb(8, grad_accum=2), 64_830, 0.592, 62.0,
         f"{BENCH} --steps 6 --warmup 3 --models 1b --micro-batch 8 --grad-accum 2", "2026-12-01"),
     Row("llama-3b", _mb(4, float8=True), 29_700, None, 72.5,
-        f"{BENCH} --models 3b --micro-batch 4 --float8", "2026-12-01"),
+        f"{BENCH} --models 3b --micro-batch 4 --float8", "2026-12-01", superseded=F8_COPIES),
     Row("llama-3b", _mb(4, float8=True, float8_recipe="rowwise"), 25_890, None, 72.5,
-        f"{BENCH} --models 3b --micro-batch 4 --float8 --float8-recipe rowwise", "2026-12-01"),
+        f"{BENCH} --models 3b --micro-batch 4 --float8 --float8-recipe rowwise", "2026-12-01",
+        superseded=F8_COPIES),
     Row("llama-8b", _mb(2, strategy=_FS, activation_checkpointing=_AC, float8=True), 10_820,
         None, 123.6, f"{BENCH} --models 8b --micro-batch 2 --ac full --strategy FULL_SHARD "
         "--float8", "2026-12-01", note=FSDP_ONE),
@@ -160,10 +168,10 @@ ROWS: tuple[Row, ...] = (
         "rowwise --peers titan --steps 8 --warmup 3", "2026-12-06", gpu=H100),
     Row("llama-1b", _mb(4, float8=True), 66_190, None, 32.51,
         f"{BENCH} --models 1b --micro-batch 4 --float8 --float8-recipe tensorwise --peers titan "
-        "--steps 10 --warmup 3", "2026-12-06", gpu=H100),
+        "--steps 10 --warmup 3", "2026-12-06", gpu=H100, superseded=F8_COPIES),
     Row("llama-1b", _mb(4, float8=True, float8_recipe="rowwise"), 57_270, None, 32.51,
         f"{BENCH} --models 1b --micro-batch 4 --float8 --float8-recipe rowwise --peers titan "
-        "--steps 10 --warmup 3", "2026-12-06", gpu=H100),
+        "--steps 10 --warmup 3", "2026-12-06", gpu=H100, superseded=F8_COPIES),
     # One process, 3B at micro-batch 2: SHARD_GRAD_OP keeps every block's bf16 copies for the
     # step, FULL_SHARD (no FSDP since 2026-12-06) makes and frees them per block; one H100,
     # 2026-12-06 15:49 UTC (docs/notes/2026-12-06-h100-full-shard-one-process.log).
@@ -183,10 +191,10 @@ ROWS: tuple[Row, ...] = (
         "2026-12-06", gpu=H100),
     Row("llama-1b", _mb(1, float8=True), 42_960, None, 21.84,
         f"{BENCH} --models 1b --micro-batch 1 --tokens demo --steps 200 --warmup 2 --float8 "
-        "--float8-recipe tensorwise", "2026-12-06", gpu=H100),
+        "--float8-recipe tensorwise", "2026-12-06", gpu=H100, superseded=F8_COPIES),
     Row("llama-1b", _mb(1, float8=True, float8_recipe="rowwise"), 37_490, None, 21.84,
         f"{BENCH} --models 1b --micro-batch 1 --tokens demo --steps 200 --warmup 2 --float8 "
-        "--float8-recipe rowwise", "2026-12-06", gpu=H100),
+        "--float8-recipe rowwise", "2026-12-06", gpu=H100, superseded=F8_COPIES),
     # Offloaded blocks (trainer/offload.py), 8B r16, one H100 (the planner's peak FLOPs are the
     # H200's, the same dense bf16 figure), as the trainer runs now: each adapter added in place
     # (trainer/lora.py), a 4-bit weight dequantized again in backward. QLoRA: 2026-12-07, one
@@ -251,10 +259,22 @@ ROWS: tuple[Row, ...] = (
         "2026-12-07", gpu=H100),
     Row("llama-1b", _mb(4, float8=True, attention="fa4"), 67_110, None, 32.51,
         f"{BENCH} --models 1b --micro-batch 4 --float8 --float8-recipe tensorwise --attention "
-        "sdpa,fa4 --peers titan --steps 10 --warmup 3", "2026-12-07", gpu=H100),
+        "sdpa,fa4 --peers titan --steps 10 --warmup 3", "2026-12-07", gpu=H100,
+        superseded=F8_COPIES),
     Row("llama-1b", _mb(4, float8=True, float8_recipe="rowwise", attention="fa4"), 57_950, None,
         32.51, f"{BENCH} --models 1b --micro-batch 4 --float8 --float8-recipe rowwise --attention "
-        "sdpa,fa4 --peers titan --steps 10 --warmup 3", "2026-12-07", gpu=H100),
+        "sdpa,fa4 --peers titan --steps 10 --warmup 3", "2026-12-07", gpu=H100,
+        superseded=F8_COPIES),
+    # float8 Linears casting their fp32 masters (finetune_contract.rules.float8_reads_masters),
+    # 1B at micro-batch 4, sdpa, one H100, 2026-12-07 09:11-09:14 UTC, each beside the same run
+    # with TRAINER_FLOAT8_MASTERS=0 (65,730 and 56,650 tokens/s, 32.51 GiB:
+    # docs/notes/2026-12-07-h100-float8-masters.log).
+    Row("llama-1b", _mb(4, float8=True), 66_360, None, 30.7,
+        f"{BENCH} --models 1b --micro-batch 4 --float8 --float8-recipe tensorwise --peers '' "
+        "--steps 10 --warmup 3 --attention sdpa", "2026-12-07", gpu=H100),
+    Row("llama-1b", _mb(4, float8=True, float8_recipe="rowwise"), 56_960, None, 30.7,
+        f"{BENCH} --models 1b --micro-batch 4 --float8 --float8-recipe rowwise --peers '' "
+        "--steps 10 --warmup 3 --attention sdpa", "2026-12-07", gpu=H100),
     # LoRA (bf16 base) at 400k, the trainer as it runs now, one step, one H100, 2026-12-07
     # 08:42-08:49 UTC, `bench/long_context.sh OUT longest-lora`
     # (docs/notes/2026-12-07-h100-lora-400k.log): the longest row (planner.OFFLOAD_MEASURED_TOKENS).

@@ -56,6 +56,7 @@ from trainer.config import TrainConfig
 from trainer.float8 import precompute_float8_scales
 from trainer.lora import apply_lora, fuse_adapter_adds
 from trainer.loss import LOSS_METHOD, add_loss_method
+from trainer.master_weights import ATTRIBUTE as MASTER_WEIGHTS
 from trainer.master_weights import GradIntoLinear, compute_weights
 from trainer.metrics import peak_flops
 from trainer.model import (
@@ -469,6 +470,8 @@ def run_trainer(
         "loss": "chunked",
         # grad_accum > 1 at one rank: the block Linears' weight-gradient GEMMs accumulate in fp32
         "grad_into_gemm": any(isinstance(m, GradIntoLinear) for m in model.modules()),
+        # float8 Linears cast their fp32 masters (trainer/master_weights.py), or bf16 copies
+        "float8_from_masters": bool(getattr(getattr(model, MASTER_WEIGHTS, None), "kept", None)),
         "optimizer": "AdamW fused" if env.device.type == "cuda" else "AdamW",
         "attention": attention,
         "packing": args.packing,

@@ -16,6 +16,9 @@ the gradients into a reduce buffer, again into the output, then casts them to fp
   checkpoint load);
 - each gradient is cast to fp32 as soon as backward has it, freeing the low-precision one, and
   added to the master's gradient: gradient accumulation is in fp32, as FSDP's;
+- a trained float8 Linear (torchao's Float8Linear) casts its weight to float8 at every use; where
+  `finetune_contract.rules.float8_reads_masters` says so (no micro batches to accumulate) it
+  reads its fp32 master, with no bf16 copy, and its gradient arrives in fp32;
 - when micro batches accumulate (`grad_accum` > 1), a block Linear's weight gradient skips that
   cast and add: its GEMM adds dy^T @ x into the fp32 gradient itself (cuBLAS with beta 1 and an
   fp32 output, Megatron's gradient-accumulation fusion; `GradIntoLinear`). The gradients are
@@ -52,6 +55,9 @@ from trainer.qlora import is_quantized
 ATTRIBUTE = "_trainer_master_weights"
 # "0" keeps the cast-and-add for every weight: the benchmark's A/B of the fusion.
 GRAD_INTO_GEMM_ENV = "TRAINER_GRAD_INTO_GEMM"
+# "0" gives float8 Linears bf16 copies too where they would read their masters
+# (finetune_contract.rules.float8_reads_masters): the benchmark's A/B.
+FLOAT8_MASTERS_ENV = "TRAINER_FLOAT8_MASTERS"
 
 
 @torch.library.custom_op("trainer::weight_grad_into", mutates_args=("grad",))
@@ -108,7 +114,7 @@ class GradIntoLinear(torch.nn.Linear):
 
 class MasterWeights:
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, grad_into_gemm: bool = False,
-                 reshard: bool = False):
+                 reshard: bool = False, float8_masters: bool = False):
         self.model = model
         self.dtype = dtype
         self.params: list[torch.nn.Parameter] = []
@@ -134,6 +140,8 @@ class MasterWeights:
                     module.__class__ = GradIntoLinear
                     self.linears.append(module)
         self.fused: list[tuple[int, GradIntoLinear]] = []
+        self.kept: set[int] = set()  # parameters the compute reads as they are: their masters
+        self.float8_masters = float8_masters  # float8 Linears read theirs (_bind)
 
     def _bind(self) -> None:
         """The parameters as they are once materialized (tying may replace Parameter objects)."""
@@ -153,9 +161,17 @@ class MasterWeights:
                 param.register_post_accumulate_grad_hook(functools.partial(_to_master, this, i))
         index = {id(p): i for i, p in enumerate(params)}
         self.fused = [(index[id(m.weight)], m) for m in self.linears]
+        # A trained float8 Linear's weight (torchao's Float8Linear) is cast to float8 at each
+        # use, from whatever it holds: with float8_masters (rules.float8_reads_masters) it reads
+        # its fp32 master, as torchtitan's float8 does, so no bf16 copy is made for it and its
+        # gradient is fp32 when backward hands it over.
+        float8 = ({id(m.weight) for m in self.model.modules()
+                   if type(m).__name__ == "Float8Linear"} if self.float8_masters else set())
+        self.kept = {i for i, p in enumerate(params) if id(p) in float8 and p.requires_grad}
         # Only a trained weight has a copy of its own to free; a frozen one is its copy.
         self.block_params = [[index[id(p)] for p in block.parameters()
-                              if id(p) in index and p.requires_grad] for block in self.blocks]
+                              if id(p) in index and p.requires_grad
+                              and index[id(p)] not in self.kept] for block in self.blocks]
         self.made = [False] * len(self.blocks)
 
     def stepped(self, optimizer: torch.optim.Optimizer, *_: object) -> None:
@@ -187,7 +203,8 @@ class MasterWeights:
         self._bind()
         masters = self.masters = [p.data for p in self.params]
         resharded = {i for indices in self.block_params for i in indices}
-        stale = [i for i, p in enumerate(self.params) if p._version != self.versions[i]]
+        stale = [i for i, p in enumerate(self.params)
+                 if p._version != self.versions[i] and i not in self.kept]
         for i in stale:
             if (self.copies[i] is None and masters[i].dtype == self.dtype
                     and not self.params[i].requires_grad):
@@ -210,7 +227,8 @@ class MasterWeights:
         for i, param in enumerate(self.params):
             self.grads[i] = param.grad  # fp32 from an earlier micro batch: accumulated onto
             param.grad = None
-            param.data = self.copies[i]
+            if i not in self.kept:
+                param.data = self.copies[i]
         try:  # from here on, whatever fails puts the masters and their gradients back
             if torch.is_grad_enabled():  # a backward may follow: the fused GEMMs' fp32 gradients
                 for i, module in self.fused:
@@ -318,13 +336,14 @@ def _to_master(master_weights: weakref.ref[MasterWeights], i: int, param: torch.
 
 
 def use_master_weights(model: torch.nn.Module, dtype: torch.dtype, grad_accum: int = 1,
-                       reshard: bool = False) -> None:
+                       reshard: bool = False, float8_masters: bool = False) -> None:
     """Make `model` compute in `dtype` inside `compute_weights(model)`; its masters stay fp32.
     With micro batches to accumulate, the block Linears' GEMMs accumulate their gradients.
     reshard: a block's copies only while it runs (after any wrapping and compiling of the
     blocks: the hooks go on the modules the model calls)."""
     grad_into_gemm = grad_accum > 1 and os.environ.get(GRAD_INTO_GEMM_ENV, "1") != "0"
-    setattr(model, ATTRIBUTE, MasterWeights(model, dtype, grad_into_gemm, reshard))
+    float8_masters = float8_masters and os.environ.get(FLOAT8_MASTERS_ENV, "1") != "0"
+    setattr(model, ATTRIBUTE, MasterWeights(model, dtype, grad_into_gemm, reshard, float8_masters))
 
 
 def follow_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

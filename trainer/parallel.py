@@ -30,6 +30,7 @@ from finetune_contract.rules import (
     config_problems,
     device_problems,
     fa4_importable,
+    float8_reads_masters,
     min_mlp_tile_tokens,
     offloads_blocks,
 )
@@ -247,7 +248,8 @@ def apply_parallelism(
         # Nothing to shard, gather or reduce: FSDP would only copy (trainer/master_weights.py).
         if config.mixed_precision != "fp32":
             use_master_weights(model, COMPUTE_DTYPES[config.mixed_precision], config.grad_accum,
-                               reshard=dims.reshard_after_forward)
+                               reshard=dims.reshard_after_forward,
+                               float8_masters=float8_reads_masters(config))
         return mesh
     policies = {
         # QLoRA: the 4-bit base stays whole on every rank (trainer/qlora.py).

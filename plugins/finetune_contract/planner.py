@@ -35,6 +35,7 @@ from finetune_contract.families import head_dim as family_head_dim
 from finetune_contract.models import BUILTIN_MODELS
 from finetune_contract.parallel_dims import ParallelDims
 from finetune_contract.rules import (
+    float8_reads_masters,
     loss_chunk_tokens,
     mlp_tile_fraction,
     offloads_blocks,
@@ -379,8 +380,8 @@ def estimate(cfg: TrainConfig, *, world_size: int, local_world_size: int, hardwa
     lora = _adapter_params(cfg, config) if cfg.lora_rank else 0
     trained = lora or params
     # QLoRA: the blocks' Linear weights in NF4, whole on every GPU (outside FSDP's sharding)
-    quantized = (counts["blocks"] - layers * 2 * config.hidden_size - config.hidden_size
-                 if cfg.quantize_base == "nf4" and lora else 0)
+    linears = counts["blocks"] - layers * 2 * config.hidden_size - config.hidden_size
+    quantized = linears if cfg.quantize_base == "nf4" and lora else 0
     nf4 = NF4_BYTES_PER_PARAM * quantized
     # fp32 masters (a LoRA run's frozen base too, but below), AdamW's two moments, fp32 grads.
     masters = 4 * (params - quantized)
@@ -396,10 +397,13 @@ def estimate(cfg: TrainConfig, *, world_size: int, local_world_size: int, hardwa
         masters = 4 * trained
     if no_fsdp:
         sharded = 1
-        copies = compute_bytes * (params - quantized) if cfg.mixed_precision != "fp32" else 0
+        # trained float8 Linears cast their fp32 masters: no copies (rules.float8_reads_masters)
+        read = linears if not lora and float8_reads_masters(cfg) else 0
+        copies = (compute_bytes * (params - quantized - read)
+                  if cfg.mixed_precision != "fp32" else 0)
         if copies and layout.reshard_after_forward and not lora:
             # a block's copies only while it runs, as FSDP's gathered weights
-            copies = compute_bytes * (GATHERED_BLOCKS * block_params + embedding)
+            copies = compute_bytes * (GATHERED_BLOCKS * (block_params - read / layers) + embedding)
     else:
         sharded = shard
         blocks_held = layers if cfg.strategy == "SHARD_GRAD_OP" else GATHERED_BLOCKS

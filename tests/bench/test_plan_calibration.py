@@ -25,6 +25,9 @@ H200 = hardware_of(INSTANCE_TYPES["p5e.48xlarge"])
 HARDWARE = {profile.gpu_model: hardware_of(profile) for profile in INSTANCE_TYPES.values()}
 
 
+CURRENT_ROWS = [row for row in ROWS if not row.superseded]  # the trainer as it runs now
+
+
 def _estimate_of(row):
     return estimate(TrainConfig(**row.config), world_size=row.gpus, local_world_size=row.gpus,
                     hardware=HARDWARE[row.gpu])
@@ -33,7 +36,7 @@ def _estimate_of(row):
 def _errors(measured: str, estimated: str, relative_to_stated: bool = False
             ) -> list[tuple[str, float]]:
     out = []
-    for row in ROWS:
+    for row in CURRENT_ROWS:
         estimate_ = _estimate_of(row)
         error = abs(getattr(estimate_, estimated) - getattr(row, measured)) / getattr(row, measured)
         out.append((f"{row.model} {row.gpus} GPU {row.settings}",

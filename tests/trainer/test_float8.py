@@ -7,10 +7,11 @@ from transformers import AutoTokenizer
 
 from finetune_contract.data import PROMPT_TEMPLATE
 from finetune_contract.fields import FLOAT8_MIN_CAPABILITY, ContractError, capability_text
+from finetune_contract.rules import float8_reads_masters
 from trainer.config import load_config
 from trainer.demo import DEMO_TOKENIZER
 from trainer.float8 import EMULATE_ENV
-from trainer.master_weights import compute_weights
+from trainer.master_weights import FLOAT8_MASTERS_ENV, compute_weights
 from trainer.model import build_model, materialize_weights
 from trainer.optim import build_optimizer, optimizer_step
 from trainer.parallel import DistEnv, apply_parallelism, check_start
@@ -86,3 +87,60 @@ def test_a_tiny_model_trains_with_float8_linear_layers_in_its_blocks(
         losses.append(loss.item())
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < losses[0] - 0.5, losses
+
+
+def _float8_losses(world_of_one, monkeypatch, from_masters: bool, grad_accum: int
+                   ) -> tuple[list[float], dict[str, torch.dtype], set[torch.dtype]]:
+    """Three steps of emulated float8 (tensorwise) on the tiny model; the losses, the dtypes the
+    block weights hold inside compute_weights, and those of the gradients the masters got."""
+    monkeypatch.setenv(EMULATE_ENV, "1")
+    monkeypatch.setenv(FLOAT8_MASTERS_ENV, "1" if from_masters else "0")
+    config = load_config(None, {"float8": True, "mixed_precision": "bf16", "lr": 1e-3,
+                                "grad_accum": grad_accum})
+    model = build_model(config.model)
+    apply_parallelism(model, config, world_of_one)
+    materialize_weights(model, config.model, config.seed, world_of_one.device, random_init=True)
+    optimizer = build_optimizer(model, config, world_of_one.device)
+    generator = torch.Generator().manual_seed(7)
+    losses, held, grads = [], {}, set()
+    for _ in range(3):
+        for _ in range(grad_accum):
+            ids = torch.randint(0, model.config.vocab_size, (2, 32), generator=generator)
+            with compute_weights(model):
+                held = {n.rsplit(".", 2)[-2]: p.dtype for n, p in model.named_parameters()
+                        if ".layers.0." in n}
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+            losses.append(loss.item())
+        grads |= {p.grad.dtype for p in model.parameters() if p.grad is not None}
+        optimizer_step(model, optimizer, config.max_grad_norm)
+        optimizer.zero_grad(set_to_none=True)
+    return losses, held, grads
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_float8_linears_cast_their_fp32_masters_where_the_rule_says_with_the_same_losses(
+    grad_accum, world_of_one, monkeypatch
+):
+    """One process with master weights: where rules.float8_reads_masters says so (no
+    micro-batches accumulated), a float8 Linear's weight is cast to float8 from its fp32 master
+    (no bf16 copy, as torchtitan's float8 reads its fp32 weights), the block's other weights
+    from their bf16 copies; otherwise from bf16 copies. The gradients reach the masters in fp32
+    either way, and the losses are those of the bf16 copies (TRAINER_FLOAT8_MASTERS=0) but for
+    float8's rounding."""
+    if world_of_one.device.type == "cuda":
+        pytest.skip("emulation is the CPU stand-in")
+    reads = float8_reads_masters(load_config(None, {"float8": True, "grad_accum": grad_accum}))
+    assert reads == (grad_accum == 1)
+    losses, held, grads = _float8_losses(world_of_one, monkeypatch, True, grad_accum)
+    copies, held_copies, _ = _float8_losses(world_of_one, monkeypatch, False, grad_accum)
+    weight = torch.float32 if reads else torch.bfloat16
+    assert held["q_proj"] == held["down_proj"] == weight
+    assert held["input_layernorm"] == torch.bfloat16  # not float8: its bf16 copy
+    assert held_copies["q_proj"] == torch.bfloat16
+    assert grads == {torch.float32}
+    if reads:
+        assert losses == pytest.approx(copies, rel=2e-3)
+        assert losses != copies  # the casts differ in rounding: the two settings really ran
+    else:
+        assert losses == copies
