@@ -62,7 +62,7 @@ _AC = "full"
 OLD = "older version, about 2% slower"
 # Before 2026-12-07, float8 Linears cast bf16 copies of their masters at one process; without
 # accumulated micro-batches they now cast the fp32 masters (finetune_contract.rules.
-# float8_reads_masters): 1.8 GiB less at 1B, about 5.6 at 3B by the planner.
+# float8_reads_masters): 1.81 GiB less at 1B and 5.25 at 3B, measured (docs/trainer.md).
 F8_COPIES = "float8 from bf16 copies (before float8_reads_masters)"
 # docs/trainer.md's scaling and long-sequence tables give no date (measured before
 # 2026-12-01's profile).
@@ -96,11 +96,11 @@ ROWS: tuple[Row, ...] = (
         superseded=F8_COPIES),
     Row("llama-8b", _mb(2, strategy=_FS, activation_checkpointing=_AC, float8=True), 10_820,
         None, 123.6, f"{BENCH} --models 8b --micro-batch 2 --ac full --strategy FULL_SHARD "
-        "--float8", "2026-12-01", note=FSDP_ONE),
+        "--float8", "2026-12-01", note=FSDP_ONE, superseded=F8_COPIES),
     Row("llama-8b", _mb(2, strategy=_FS, activation_checkpointing=_AC, float8=True,
                         float8_recipe="rowwise"), 9_586, None, 123.6,
         f"{BENCH} --models 8b --micro-batch 2 --ac full --strategy FULL_SHARD --float8 "
-        "--float8-recipe rowwise", "2026-12-01", note=FSDP_ONE),
+        "--float8-recipe rowwise", "2026-12-01", note=FSDP_ONE, superseded=F8_COPIES),
     Row("llama-3b", _mb(1, seq_len=32768, strategy=_FS, activation_checkpointing=_AC,
                         tp_degree=2), 10_010, 0.537, 26.6,
         TORCHRUN.format(gpus=2) + " --models 3b --seq-len 32768 --micro-batch 1 --ac full "

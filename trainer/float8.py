@@ -44,10 +44,15 @@ def float8_config(recipe: str, sharded: bool) -> Any:
     return dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulated())
 
 
+def is_float8_linear(module: torch.nn.Module) -> bool:
+    """Whether `module` is torchao's Float8Linear (by name: torchao is imported only for float8)."""
+    return type(module).__name__ == "Float8Linear"
+
+
 def uses_float8_all_gather(model: torch.nn.Module) -> bool:
     """Whether the scales of float8 all-gathered weights must be precomputed after each step."""
     return any(getattr(getattr(m, "config", None), "enable_fsdp_float8_all_gather", False)
-               for m in model.modules() if type(m).__name__ == "Float8Linear")
+               for m in model.modules() if is_float8_linear(m))
 
 
 def convert_to_float8(blocks: torch.nn.ModuleList, sharded: bool,
@@ -58,7 +63,7 @@ def convert_to_float8(blocks: torch.nn.ModuleList, sharded: bool,
     config = float8_config(recipe, sharded)
     for block in blocks:
         convert_to_float8_training(block, module_filter_fn=_fits_float8, config=config)
-    converted = sum(type(m).__name__ == "Float8Linear" for m in blocks.modules())
+    converted = sum(map(is_float8_linear, blocks.modules()))
     if not converted:
         raise ValueError("float8: no Linear layer of the decoder blocks has dims divisible by 16")
     return converted

@@ -50,13 +50,15 @@ from collections.abc import Iterator
 import torch
 
 from trainer.blocks import decoder_blocks
+from trainer.float8 import is_float8_linear
 from trainer.qlora import is_quantized
 
 ATTRIBUTE = "_trainer_master_weights"
 # "0" keeps the cast-and-add for every weight: the benchmark's A/B of the fusion.
 GRAD_INTO_GEMM_ENV = "TRAINER_GRAD_INTO_GEMM"
 # "0" gives float8 Linears bf16 copies too where they would read their masters
-# (finetune_contract.rules.float8_reads_masters): the benchmark's A/B.
+# (finetune_contract.rules.float8_reads_masters): the benchmark's A/B only. The planner plans
+# without those copies, so a run with it uses more memory than validate planned (2 bytes a weight).
 FLOAT8_MASTERS_ENV = "TRAINER_FLOAT8_MASTERS"
 
 
@@ -165,8 +167,8 @@ class MasterWeights:
         # use, from whatever it holds: with float8_masters (rules.float8_reads_masters) it reads
         # its fp32 master, as torchtitan's float8 does, so no bf16 copy is made for it and its
         # gradient is fp32 when backward hands it over.
-        float8 = ({id(m.weight) for m in self.model.modules()
-                   if type(m).__name__ == "Float8Linear"} if self.float8_masters else set())
+        float8 = ({id(m.weight) for m in self.model.modules() if is_float8_linear(m)}
+                  if self.float8_masters else set())
         self.kept = {i for i, p in enumerate(params) if id(p) in float8 and p.requires_grad}
         # Only a trained weight has a copy of its own to free; a frozen one is its copy.
         self.block_params = [[index[id(p)] for p in block.parameters()

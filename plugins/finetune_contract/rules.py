@@ -82,9 +82,9 @@ def offloads_blocks(cfg: TrainConfig) -> bool:
 def float8_reads_masters(cfg: TrainConfig) -> bool:
     """Whether a one-process run with master weights (no FSDP: trainer/master_weights.py) casts
     its trained float8 Linears' weights from their fp32 masters, with no bf16 copies: when no
-    micro-batches accumulate. Measured in one call on one H100 (2026-12-07): 1B float8 +1.0%
-    tokens/s (tensorwise) and +0.6% (rowwise), 1.8 GiB less; with two micro-batches (3B) -1.3%,
-    each casting from fp32 again and its gradients added in fp32, so not then."""
+    micro-batches accumulate: faster there, slower with two, where each micro-batch casts from
+    fp32 again and adds its gradient in fp32 (docs/trainer.md, "float8 Linears cast their fp32
+    masters"). The planner counts no compute copies for those weights."""
     return cfg.float8 and cfg.grad_accum == 1
 
 

@@ -7,7 +7,14 @@ from __future__ import annotations
 import pytest
 
 from bench.family_shapes import FAMILY_SHAPES
-from bench.plan_calibration import BASE, FAMILY_ROWS, FAMILY_TOKENS_PER_S, RELEASED_ROWS, ROWS
+from bench.plan_calibration import (
+    BASE,
+    F8_COPIES,
+    FAMILY_ROWS,
+    FAMILY_TOKENS_PER_S,
+    RELEASED_ROWS,
+    ROWS,
+)
 from finetune.run_plan import hardware_of
 from finetune_contract.families import FAMILIES, attention_kernel
 from finetune_contract.instance_types import INSTANCE_TYPES
@@ -18,6 +25,7 @@ from finetune_contract.planner import (
     THROUGHPUT_ERROR,
     estimate,
 )
+from finetune_contract.rules import float8_reads_masters
 from finetune_contract.train_config import TrainConfig
 
 H200 = hardware_of(INSTANCE_TYPES["p5e.48xlarge"])
@@ -51,6 +59,16 @@ def test_estimated_peak_memory_is_within_the_stated_error_on_every_measured_row(
     worst = max(errors, key=lambda e: e[1])
     assert worst[1] <= 1.0, worst
     assert max(OFFLOAD_MEMORY_ERROR, MEMORY_ERROR) <= 0.10  # the issue's bound for any mode
+
+
+def test_a_row_is_superseded_only_by_a_change_the_planner_plans_for_its_settings():
+    """A superseded row is left out of the errors above: only where the rule it names applies
+    to its settings (float8 Linears reading their masters at one process), so no other row can
+    hide an error behind the mark."""
+    superseded = [row for row in ROWS if row.superseded]
+    assert superseded and {row.superseded for row in superseded} == {F8_COPIES}
+    for row in superseded:
+        assert row.gpus == 1 and float8_reads_masters(TrainConfig(**row.config)), row
 
 
 def test_estimated_tokens_per_s_is_within_the_stated_error_on_every_measured_row():
