@@ -275,6 +275,18 @@ ROWS: tuple[Row, ...] = (
     Row("llama-1b", _mb(4, float8=True, float8_recipe="rowwise"), 56_960, None, 30.7,
         f"{BENCH} --models 1b --micro-batch 4 --float8 --float8-recipe rowwise --peers '' "
         "--steps 10 --warmup 3 --attention sdpa", "2026-12-07", gpu=H100),
+    # 3B float8 casting its fp32 masters (micro-batch 2, no accumulation), then 2 x 2 rowwise with
+    # its bf16 copies, each beside torchtitan's float8, sdpa, one H100, one call, 2026-12-07
+    # 10:36-10:41 UTC (docs/notes/2026-12-07-h100-float8-3b-ga1.log).
+    Row("llama-3b", _mb(2, float8=True, float8_recipe="rowwise"), 22_160, None, 53.74,
+        f"{BENCH} --models 3b --micro-batch 2 --float8 --float8-recipe rowwise --peers titan "
+        "--steps 8 --warmup 3 --attention sdpa", "2026-12-07", gpu=H100),
+    Row("llama-3b", _mb(2, float8=True), 25_660, None, 53.74,
+        f"{BENCH} --models 3b --micro-batch 2 --float8 --float8-recipe tensorwise --peers titan "
+        "--steps 8 --warmup 3 --attention sdpa", "2026-12-07", gpu=H100),
+    Row("llama-3b", _mb(2, grad_accum=2, float8=True, float8_recipe="rowwise"), 23_090, None,
+        70.95, f"{BENCH} --models 3b --micro-batch 2 --grad-accum 2 --float8 --float8-recipe "
+        "rowwise --peers titan --steps 8 --warmup 3 --attention sdpa", "2026-12-07", gpu=H100),
     # LoRA (bf16 base) at 400k, the trainer as it runs now, one step, one H100, 2026-12-07
     # 08:42-08:49 UTC, `bench/long_context.sh OUT longest-lora`
     # (docs/notes/2026-12-07-h100-lora-400k.log): the longest row (planner.OFFLOAD_MEASURED_TOKENS).
