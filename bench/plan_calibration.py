@@ -61,8 +61,9 @@ FSDP_ONE = "FSDP at one rank, as FULL_SHARD ran on one GPU then"
 _AC = "full"
 OLD = "older version, about 2% slower"
 # Before 2026-12-07, float8 Linears cast bf16 copies of their masters at one process; without
-# accumulated micro-batches they now cast the fp32 masters (finetune_contract.rules.
-# float8_reads_masters): 1.81 GiB less at 1B and 5.25 at 3B, measured (docs/trainer.md).
+# accumulated micro-batches (and rowwise with them, since 11:05 UTC that day) they now cast the
+# fp32 masters (finetune_contract.rules.float8_reads_masters): 1.81 GiB less at 1B and 5.25 at
+# 3B, measured (docs/trainer.md).
 F8_COPIES = "float8 from bf16 copies (before float8_reads_masters)"
 # docs/trainer.md's scaling and long-sequence tables give no date (measured before
 # 2026-12-01's profile).
@@ -165,7 +166,8 @@ ROWS: tuple[Row, ...] = (
         "--peers titan --steps 8 --warmup 3", "2026-12-06", gpu=H100),
     Row("llama-3b", _mb(2, grad_accum=2, float8=True, float8_recipe="rowwise"), 23_390, None,
         70.95, f"{BENCH} --models 3b --micro-batch 2 --grad-accum 2 --float8 --float8-recipe "
-        "rowwise --peers titan --steps 8 --warmup 3", "2026-12-06", gpu=H100),
+        "rowwise --peers titan --steps 8 --warmup 3", "2026-12-06", gpu=H100,
+        superseded=F8_COPIES),
     Row("llama-1b", _mb(4, float8=True), 66_190, None, 32.51,
         f"{BENCH} --models 1b --micro-batch 4 --float8 --float8-recipe tensorwise --peers titan "
         "--steps 10 --warmup 3", "2026-12-06", gpu=H100, superseded=F8_COPIES),
@@ -256,7 +258,7 @@ ROWS: tuple[Row, ...] = (
     Row("llama-3b", _mb(2, grad_accum=2, float8=True, float8_recipe="rowwise", attention="fa4"),
         23_310, None, 70.95, f"{BENCH} --models 3b --micro-batch 2 --grad-accum 2 --float8 "
         "--float8-recipe rowwise --attention sdpa,fa4 --peers titan --steps 8 --warmup 3",
-        "2026-12-07", gpu=H100),
+        "2026-12-07", gpu=H100, superseded=F8_COPIES),
     Row("llama-1b", _mb(4, float8=True, attention="fa4"), 67_110, None, 32.51,
         f"{BENCH} --models 1b --micro-batch 4 --float8 --float8-recipe tensorwise --attention "
         "sdpa,fa4 --peers titan --steps 10 --warmup 3", "2026-12-07", gpu=H100,
@@ -286,7 +288,26 @@ ROWS: tuple[Row, ...] = (
         "--steps 8 --warmup 3 --attention sdpa", "2026-12-07", gpu=H100),
     Row("llama-3b", _mb(2, grad_accum=2, float8=True, float8_recipe="rowwise"), 23_090, None,
         70.95, f"{BENCH} --models 3b --micro-batch 2 --grad-accum 2 --float8 --float8-recipe "
-        "rowwise --peers titan --steps 8 --warmup 3 --attention sdpa", "2026-12-07", gpu=H100),
+        "rowwise --peers titan --steps 8 --warmup 3 --attention sdpa", "2026-12-07", gpu=H100,
+        superseded=F8_COPIES),
+    # With fa4 (the same micro-batch 2 rows: 22,700 and 26,540 tokens/s, 53.74 GiB), and rowwise
+    # at 2 x 2 casting its masters too (rules.float8_reads_masters since that call), beside
+    # torchtitan: one H100, 2026-12-07 10:59-11:05 UTC
+    # (docs/notes/2026-12-07-h100-float8-rowwise-masters.log, calls 3 and 4).
+    Row("llama-3b", _mb(2, float8=True, float8_recipe="rowwise", attention="fa4"), 22_700, None,
+        53.74, f"{BENCH} --models 3b --micro-batch 2 --float8 --float8-recipe rowwise "
+        "--attention fa4,sdpa --peers titan --steps 8 --warmup 3", "2026-12-07", gpu=H100),
+    Row("llama-3b", _mb(2, float8=True, attention="fa4"), 26_540, None, 53.74,
+        f"{BENCH} --models 3b --micro-batch 2 --float8 --float8-recipe tensorwise --attention "
+        "fa4,sdpa --peers titan --steps 8 --warmup 3", "2026-12-07", gpu=H100),
+    Row("llama-3b", _mb(2, grad_accum=2, float8=True, float8_recipe="rowwise", attention="fa4"),
+        23_810, None, 65.7, f"{BENCH} --models 3b --micro-batch 2 --grad-accum 2 --float8 "
+        "--float8-recipe rowwise --attention fa4,sdpa --peers titan --steps 8 --warmup 3",
+        "2026-12-07", gpu=H100),
+    Row("llama-3b", _mb(2, grad_accum=2, float8=True, float8_recipe="rowwise"), 23_410, None,
+        65.7, f"{BENCH} --models 3b --micro-batch 2 --grad-accum 2 --float8 --float8-recipe "
+        "rowwise --attention fa4,sdpa --peers titan --steps 8 --warmup 3", "2026-12-07",
+        gpu=H100),
     # LoRA (bf16 base) at 400k, the trainer as it runs now, one step, one H100, 2026-12-07
     # 08:42-08:49 UTC, `bench/long_context.sh OUT longest-lora`
     # (docs/notes/2026-12-07-h100-lora-400k.log): the longest row (planner.OFFLOAD_MEASURED_TOKENS).

@@ -17,8 +17,8 @@ the gradients into a reduce buffer, again into the output, then casts them to fp
 - each gradient is cast to fp32 as soon as backward has it, freeing the low-precision one, and
   added to the master's gradient: gradient accumulation is in fp32, as FSDP's;
 - a trained float8 Linear (torchao's Float8Linear) casts its weight to float8 at every use; where
-  `finetune_contract.rules.float8_reads_masters` says so (no micro batches to accumulate) it
-  reads its fp32 master, with no bf16 copy, and its gradient arrives in fp32;
+  `finetune_contract.rules.float8_reads_masters` says so (no micro batches to accumulate, or the
+  rowwise recipe) it reads its fp32 master, with no bf16 copy, and its gradient arrives in fp32;
 - when micro batches accumulate (`grad_accum` > 1), a block Linear's weight gradient skips that
   cast and add: its GEMM adds dy^T @ x into the fp32 gradient itself (cuBLAS with beta 1 and an
   fp32 output, Megatron's gradient-accumulation fusion; `GradIntoLinear`). The gradients are

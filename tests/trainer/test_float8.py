@@ -90,13 +90,14 @@ def test_a_tiny_model_trains_with_float8_linear_layers_in_its_blocks(
 
 
 def _float8_losses(world_of_one, monkeypatch, from_masters: bool, grad_accum: int,
-                   strategy: str = "SHARD_GRAD_OP"
+                   strategy: str = "SHARD_GRAD_OP", recipe: str = "tensorwise"
                    ) -> tuple[list[float], dict[str, torch.dtype], set[torch.dtype]]:
-    """Three steps of emulated float8 (tensorwise) on the tiny model; the losses, the dtypes the
-    block weights hold inside compute_weights, and those of the gradients the masters got."""
+    """Three steps of emulated float8 on the tiny model; the losses, the dtypes the block
+    weights hold inside compute_weights, and those of the gradients the masters got."""
     monkeypatch.setenv(EMULATE_ENV, "1")
     monkeypatch.setenv(FLOAT8_MASTERS_ENV, "1" if from_masters else "0")
-    config = load_config(None, {"float8": True, "mixed_precision": "bf16", "lr": 1e-3,
+    config = load_config(None, {"float8": True, "float8_recipe": recipe,
+                                "mixed_precision": "bf16", "lr": 1e-3,
                                 "grad_accum": grad_accum, "strategy": strategy})
     model = build_model(config.model)
     apply_parallelism(model, config, world_of_one)
@@ -119,26 +120,28 @@ def _float8_losses(world_of_one, monkeypatch, from_masters: bool, grad_accum: in
     return losses, held, grads
 
 
-@pytest.mark.parametrize("grad_accum,strategy", [
-    (1, "SHARD_GRAD_OP"), (2, "SHARD_GRAD_OP"),
-    (1, "FULL_SHARD"),  # one process: each block's copies made and freed as it runs
+@pytest.mark.parametrize("grad_accum,recipe,strategy,reads", [
+    (1, "tensorwise", "SHARD_GRAD_OP", True), (2, "tensorwise", "SHARD_GRAD_OP", False),
+    (2, "rowwise", "SHARD_GRAD_OP", True),  # accumulated: rowwise alone reads its masters
+    (1, "tensorwise", "FULL_SHARD", True),  # one process: each block's copies made and freed
 ])  # fmt: skip
 def test_float8_linears_cast_their_fp32_masters_where_the_rule_says_with_the_same_losses(
-    grad_accum, strategy, world_of_one, monkeypatch
+    grad_accum, recipe, strategy, reads, world_of_one, monkeypatch
 ):
     """One process with master weights: where rules.float8_reads_masters says so (no
-    micro-batches accumulated), a float8 Linear's weight is cast to float8 from its fp32 master
-    (no bf16 copy, as torchtitan's float8 reads its fp32 weights), the block's other weights
-    from their bf16 copies; otherwise from bf16 copies. The gradients reach the masters in fp32
-    either way, and the losses are those of the bf16 copies (TRAINER_FLOAT8_MASTERS=0) but for
-    float8's rounding."""
+    micro-batches accumulated, or rowwise), a float8 Linear's weight is cast to float8 from its
+    fp32 master (no bf16 copy, as torchtitan's float8 reads its fp32 weights), the block's other
+    weights from their bf16 copies; otherwise from bf16 copies. The gradients reach the masters
+    in fp32 either way, and the losses are those of the bf16 copies (TRAINER_FLOAT8_MASTERS=0)
+    but for float8's rounding."""
     if world_of_one.device.type == "cuda":
         pytest.skip("emulation is the CPU stand-in")
-    reads = float8_reads_masters(load_config(None, {"float8": True, "grad_accum": grad_accum}))
-    assert reads == (grad_accum == 1)
-    losses, held, grads = _float8_losses(world_of_one, monkeypatch, True, grad_accum, strategy)
+    assert float8_reads_masters(load_config(None, {
+        "float8": True, "float8_recipe": recipe, "grad_accum": grad_accum})) == reads
+    losses, held, grads = _float8_losses(world_of_one, monkeypatch, True, grad_accum, strategy,
+                                         recipe)
     copies, held_copies, _ = _float8_losses(world_of_one, monkeypatch, False, grad_accum,
-                                            strategy)
+                                            strategy, recipe)
     weight = torch.float32 if reads else torch.bfloat16
     assert held["q_proj"] == held["down_proj"] == weight
     assert held["input_layernorm"] == torch.bfloat16  # not float8: its bf16 copy
