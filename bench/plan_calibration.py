@@ -64,7 +64,7 @@ OLD = "older version, about 2% slower"
 # accumulated micro-batches (and rowwise with them, since 11:05 UTC that day) they now cast the
 # fp32 masters (finetune_contract.rules.float8_reads_masters): 1.81 GiB less at 1B and 5.25 at
 # 3B, measured (docs/trainer.md).
-F8_COPIES = "float8 from bf16 copies (before float8_reads_masters)"
+F8_COPIES = "float8 from bf16 copies, where float8_reads_masters now reads the masters"
 # docs/trainer.md's scaling and long-sequence tables give no date (measured before
 # 2026-12-01's profile).
 UNDATED = "undated"

@@ -83,9 +83,10 @@ def float8_reads_masters(cfg: TrainConfig) -> bool:
     """Whether a one-process run with master weights (no FSDP: trainer/master_weights.py) casts
     its trained float8 Linears' weights from their fp32 masters, with no bf16 copies: where that
     was measured faster (docs/trainer.md, "float8 Linears cast their fp32 masters"). Without
-    accumulated micro-batches, either recipe; with them, rowwise only (its weight gradient's
-    row scaling and the cast to fp32 then run as one pass), as tensorwise was slower there
-    (each micro-batch casts from fp32 again, 4 bytes a weight read, not 2). The planner counts
+    accumulated micro-batches, either recipe; with them, rowwise only (measured +0.9% at 3B;
+    likely, not profiled: its weight gradient's row scaling and the cast to fp32 then run as one
+    pass), as tensorwise was slower there (each micro-batch casts from fp32 again, 4 bytes a
+    weight read, not 2). The planner counts
     no compute copies for those weights."""
     return cfg.float8 and (cfg.grad_accum == 1 or cfg.float8_recipe == "rowwise")
 
