@@ -86,8 +86,7 @@ def float8_reads_masters(cfg: TrainConfig) -> bool:
     accumulated micro-batches, either recipe; with them, rowwise only (measured +0.9% at 3B;
     likely, not profiled: its weight gradient's row scaling and the cast to fp32 then run as one
     pass), as tensorwise was slower there (each micro-batch casts from fp32 again, 4 bytes a
-    weight read, not 2). The planner counts
-    no compute copies for those weights."""
+    weight read, not 2). The planner counts no compute copies for those weights."""
     return cfg.float8 and (cfg.grad_accum == 1 or cfg.float8_recipe == "rowwise")
 
 
