@@ -1,7 +1,7 @@
 #!/bin/bash
 # float8 on one GPU (docs/trainer.md "float8"): its loss against bf16 on the demo data, and its
 # tokens/s beside torchtitan's own float8 (same recipe).
-# Usage: [ATTENTION=fa4] bench/float8.sh OUT_DIR PART [RECIPE]   (PART: loss | titan)
+# Usage: [ATTENTION=fa4] bench/float8.sh OUT_DIR PART [RECIPE]   (PART: loss | titan | 3b)
 # ATTENTION: ours' attention, one run of ours each (sdpa,fa4: both beside one torchtitan run).
 # loss: 1B, seq 4096, 200 steps on the demo instructions (bench.train --tokens demo): bf16, float8
 #   tensorwise and rowwise from the same seed, and bf16 from another seed (the run-to-run noise).
@@ -9,6 +9,10 @@
 #   with 2 accumulated (torchtitan's 3B at micro-batch 4 without checkpointing needs more than an
 #   80 GB GPU: 103 GiB in bf16 on the H200), then 1B at micro-batch 4 (RECIPE: that one alone,
 #   for a device call's 10 minutes with ATTENTION=sdpa,fa4).
+# 3b: the 3B goal beside torchtitan, each recipe at micro-batch 2 without accumulation, then
+#   2 x 2 (float8 Linears cast their fp32 masters: rules.float8_reads_masters); with
+#   ATTENTION=fa4,sdpa about 8 minutes on one H100 (docs/trainer.md "float8 Linears cast their
+#   fp32 masters").
 source "$(dirname "$0")/lib.sh"
 out=$1
 part=$2
@@ -31,6 +35,12 @@ titan)
     done
     for recipe in "${recipes[@]}"; do
         run --models 1b --micro-batch 4 --float8 --float8-recipe "$recipe" --peers titan --no-hf --steps 10 --warmup 3
+    done
+    ;;
+3b)
+    for recipe in "${recipes[@]}"; do
+        run --models 3b --micro-batch 2 --float8 --float8-recipe "$recipe" --peers titan --no-hf --steps 8 --warmup 3
+        run --models 3b --micro-batch 2 --grad-accum 2 --float8 --float8-recipe "$recipe" --peers titan --no-hf --steps 8 --warmup 3
     done
     ;;
 *)

@@ -117,7 +117,8 @@ def test_attention_in_the_environment_reaches_ours_and_a_peer_only_run_keeps_non
     assert any(args.attention for args in parsed)
 
 
-@pytest.mark.parametrize(("script", "part"), [("full_8b.sh", "float8"), ("float8.sh", "titan")])
+@pytest.mark.parametrize(("script", "part"), [("full_8b.sh", "float8"), ("float8.sh", "titan"),
+                                             ("float8.sh", "3b")])
 def test_a_float8_part_with_a_recipe_runs_that_recipe_alone(tmp_path, script, part):
     stub(tmp_path, "no such argument")
     recipes = {}
