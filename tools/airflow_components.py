@@ -131,6 +131,12 @@ class Airflow:
             "AIRFLOW__API__SECRET_KEY": secrets.token_hex(16),
             "AIRFLOW__API_AUTH__JWT_SECRET": secrets.token_hex(32),
             "AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": "2",
+            # A task's supervisor gives up on the execution API after its retries (default 5,
+            # 5 s each, about 32 s in all) and kills the task: on a 2-core host shared with
+            # trainings the api-server once went 61 s without answering (CI, 2026-12-07), and
+            # validate was killed so. Patience for a minute or two of that, not a lost task.
+            "AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT": "30",
+            "AIRFLOW__WORKERS__EXECUTION_API_RETRIES": "8",
             # A training's OpenMP threads spin a while, then sleep, waiting for each other:
             # libgomp's default spin made two trainings sharing 2 cores each 40x slower (this
             # one: 7x; one training alone: as fast).
