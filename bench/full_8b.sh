@@ -8,8 +8,9 @@
 #   2026-12-03), then ours without checkpointing (the planner's pick).
 # pick (one device call's worth): ours without checkpointing, then torchtitan alone (--attention=)
 #   with per-op selective checkpointing.
-# float8: ours and torchtitan's own float8, per-op selective checkpointing, tensorwise then rowwise
-#   (RECIPE: that one alone, for a device call's 10 minutes).
+# float8: ours without checkpointing (the planner's pick: float8 keeps its Linears' inputs in
+#   float8), then torchtitan alone with its own float8 and per-op selective checkpointing;
+#   tensorwise then rowwise (RECIPE: that one alone, for a device call's 10 minutes).
 source "$(dirname "$0")/lib.sh"
 out=$1
 part=$2
@@ -30,7 +31,9 @@ pick)
     ;;
 float8)
     for recipe in "${recipes[@]}"; do
-        run --ac selective --float8 --float8-recipe "$recipe" --peers titan --steps 5 --warmup 2
+        run --ac none --float8 --float8-recipe "$recipe" --peers "" --steps 5 --warmup 2
+        run --ac selective --float8 --float8-recipe "$recipe" --attention= --peers titan \
+            --steps 5 --warmup 2
     done
     ;;
 *)
