@@ -2,9 +2,11 @@
 # float8 on one GPU (docs/trainer.md "float8"): its loss against bf16 on the demo data, and its
 # tokens/s beside torchtitan's own float8 (same recipe).
 # Usage: [ATTENTION=fa4] bench/float8.sh OUT_DIR PART [RECIPE]   (PART: loss | titan | 3b)
+#        [ATTENTION=fa4] bench/float8.sh OUT_DIR loss [MODEL]
 # ATTENTION: ours' attention, one run of ours each (sdpa,fa4: both beside one torchtitan run).
-# loss: 1B, seq 4096, 200 steps on the demo instructions (bench.train --tokens demo): bf16, float8
-#   tensorwise and rowwise from the same seed, and bf16 from another seed (the run-to-run noise).
+# loss: MODEL (1b unless given), seq 4096, micro-batch 1, 200 steps on the demo instructions
+#   (bench.train --tokens demo): bf16, float8 tensorwise and rowwise from the same seed, and bf16
+#   from another seed (the run-to-run noise). 3b: about 8 minutes on one H100.
 # titan: ours and torchtitan 0.2.2 with float8, tensorwise then rowwise: 3B at micro-batch 2
 #   with 2 accumulated (torchtitan's 3B at micro-batch 4 without checkpointing needs more than an
 #   80 GB GPU: 103 GiB in bf16 on the H200), then 1B at micro-batch 4 (RECIPE: that one alone,
@@ -23,7 +25,7 @@ run() {  # one bench run (bench/lib.sh)
 }
 case $part in
 loss)
-    common=(--models 1b --micro-batch 1 --seq-len 4096 --tokens demo --steps 200 --warmup 2 --no-hf)
+    common=(--models "${3:-1b}" --micro-batch 1 --seq-len 4096 --tokens demo --steps 200 --warmup 2 --no-hf)
     run "${common[@]}"
     run "${common[@]}" --float8 --float8-recipe tensorwise
     run "${common[@]}" --float8 --float8-recipe rowwise

@@ -133,3 +133,19 @@ def test_a_float8_part_with_a_recipe_runs_that_recipe_alone(tmp_path, script, pa
         runs = [json.loads(line) for line in (tmp_path / "argv.jsonl").read_text().splitlines()]
         recipes[tuple(given)] = sorted({run[run.index("--float8-recipe") + 1] for run in runs})
     assert recipes == {(): ["rowwise", "tensorwise"], ("rowwise",): ["rowwise"]}
+
+
+def test_the_float8_loss_part_runs_the_model_given_and_1b_without_one(tmp_path):
+    stub(tmp_path, "no such argument")
+    models = {}
+    for given in ([], ["3b"]):
+        out = tmp_path / f"out{len(given)}"
+        out.mkdir()
+        (tmp_path / "argv.jsonl").unlink(missing_ok=True)
+        done = subprocess.run(["bash", str(REPO_ROOT / "bench" / "float8.sh"), str(out), "loss",
+                               *given], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        runs = [json.loads(line) for line in (tmp_path / "argv.jsonl").read_text().splitlines()]
+        assert len(runs) == 4  # bf16, tensorwise, rowwise, bf16 from another seed
+        models[tuple(given)] = {run[run.index("--models") + 1] for run in runs}
+    assert models == {(): {"1b"}, ("3b",): {"3b"}}
