@@ -6,7 +6,7 @@
 # ATTENTION: ours' attention, one run of ours each (sdpa,fa4: both beside one torchtitan run).
 # loss: MODEL (1b unless given), seq 4096, micro-batch 1, 200 steps on the demo instructions
 #   (bench.train --tokens demo): bf16, float8 tensorwise and rowwise from the same seed, and bf16
-#   from another seed (the run-to-run noise). 3b: about 8 minutes on one H100.
+#   from another seed (the run-to-run noise). 3b: about 6 minutes on one H100.
 # titan: ours and torchtitan 0.2.2 with float8, tensorwise then rowwise: 3B at micro-batch 2
 #   with 2 accumulated (torchtitan's 3B at micro-batch 4 without checkpointing needs more than an
 #   80 GB GPU: 103 GiB in bf16 on the H200), then 1B at micro-batch 4 (RECIPE: that one alone,

@@ -308,6 +308,27 @@ ROWS: tuple[Row, ...] = (
         65.7, f"{BENCH} --models 3b --micro-batch 2 --grad-accum 2 --float8 --float8-recipe "
         "rowwise --attention fa4,sdpa --peers titan --steps 8 --warmup 3", "2026-12-07",
         gpu=H100),
+    # float8's loss check at 3B, then at 1B (micro-batch 1, 202 steps of the demo tokens; float8
+    # Linears casting their fp32 masters), one H100, one machine, 2026-12-07 14:19-14:30 UTC,
+    # `bench/float8.sh OUT loss 3b`, then `loss` (docs/notes/2026-12-07-h100-float8-loss.log).
+    Row("llama-3b", _mb(1), 18_350, 0.436, 54.66,
+        f"{BENCH} --models 3b --micro-batch 1 --tokens demo --steps 200 --warmup 2 "
+        "--attention sdpa", "2026-12-07", gpu=H100),
+    Row("llama-3b", _mb(1, float8=True), 19_230, None, 49.41,
+        f"{BENCH} --models 3b --micro-batch 1 --tokens demo --steps 200 --warmup 2 --float8 "
+        "--float8-recipe tensorwise --attention sdpa", "2026-12-07", gpu=H100),
+    Row("llama-3b", _mb(1, float8=True, float8_recipe="rowwise"), 16_700, None, 49.41,
+        f"{BENCH} --models 3b --micro-batch 1 --tokens demo --steps 200 --warmup 2 --float8 "
+        "--float8-recipe rowwise --attention sdpa", "2026-12-07", gpu=H100),
+    Row("llama-1b", _mb(1), 43_950, 0.4011, 23.34,
+        f"{BENCH} --models 1b --micro-batch 1 --tokens demo --steps 200 --warmup 2 "
+        "--attention sdpa", "2026-12-07", gpu=H100),
+    Row("llama-1b", _mb(1, float8=True), 37_250, None, 20.03,
+        f"{BENCH} --models 1b --micro-batch 1 --tokens demo --steps 200 --warmup 2 --float8 "
+        "--float8-recipe tensorwise --attention sdpa", "2026-12-07", gpu=H100),
+    Row("llama-1b", _mb(1, float8=True, float8_recipe="rowwise"), 34_860, None, 20.03,
+        f"{BENCH} --models 1b --micro-batch 1 --tokens demo --steps 200 --warmup 2 --float8 "
+        "--float8-recipe rowwise --attention sdpa", "2026-12-07", gpu=H100),
     # LoRA (bf16 base) at 400k, the trainer as it runs now, one step, one H100, 2026-12-07
     # 08:42-08:49 UTC, `bench/long_context.sh OUT longest-lora`
     # (docs/notes/2026-12-07-h100-lora-400k.log): the longest row (planner.OFFLOAD_MEASURED_TOKENS).
