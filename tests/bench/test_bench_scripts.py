@@ -117,20 +117,24 @@ def test_attention_in_the_environment_reaches_ours_and_a_peer_only_run_keeps_non
     assert any(args.attention for args in parsed)
 
 
+def runs_of(tmp_path: Path, script: str, *args: str) -> list[list[str]]:
+    """bench/SCRIPT OUT ARGS... with the stub bench.train (stub()): each run's arguments."""
+    out = tmp_path / f"out-{'-'.join(args)}"
+    out.mkdir()
+    (tmp_path / "argv.jsonl").unlink(missing_ok=True)
+    done = subprocess.run(["bash", str(REPO_ROOT / "bench" / script), str(out), *args],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return [json.loads(line) for line in (tmp_path / "argv.jsonl").read_text().splitlines()]
+
+
 @pytest.mark.parametrize(("script", "part"), [("full_8b.sh", "float8"), ("float8.sh", "titan"),
                                              ("float8.sh", "3b")])
 def test_a_float8_part_with_a_recipe_runs_that_recipe_alone(tmp_path, script, part):
     stub(tmp_path, "no such argument")
     recipes = {}
     for given in ([], ["rowwise"]):
-        out = tmp_path / f"out{len(given)}"
-        out.mkdir()
-        (tmp_path / "argv.jsonl").unlink(missing_ok=True)
-        done = subprocess.run(["bash", str(REPO_ROOT / "bench" / script), str(out),
-                               part, *given],
-                              cwd=tmp_path, capture_output=True, text=True, timeout=60)
-        assert done.returncode == 0, done.stderr
-        runs = [json.loads(line) for line in (tmp_path / "argv.jsonl").read_text().splitlines()]
+        runs = runs_of(tmp_path, script, part, *given)
         recipes[tuple(given)] = sorted({run[run.index("--float8-recipe") + 1] for run in runs})
     assert recipes == {(): ["rowwise", "tensorwise"], ("rowwise",): ["rowwise"]}
 
@@ -139,13 +143,7 @@ def test_the_float8_loss_part_runs_the_model_given_and_1b_without_one(tmp_path):
     stub(tmp_path, "no such argument")
     models = {}
     for given in ([], ["3b"]):
-        out = tmp_path / f"out{len(given)}"
-        out.mkdir()
-        (tmp_path / "argv.jsonl").unlink(missing_ok=True)
-        done = subprocess.run(["bash", str(REPO_ROOT / "bench" / "float8.sh"), str(out), "loss",
-                               *given], cwd=tmp_path, capture_output=True, text=True, timeout=60)
-        assert done.returncode == 0, done.stderr
-        runs = [json.loads(line) for line in (tmp_path / "argv.jsonl").read_text().splitlines()]
+        runs = runs_of(tmp_path, "float8.sh", "loss", *given)
         assert len(runs) == 4  # bf16, tensorwise, rowwise, bf16 from another seed
         models[tuple(given)] = {run[run.index("--models") + 1] for run in runs}
     assert models == {(): {"1b"}, ("3b",): {"3b"}}
