@@ -23,6 +23,13 @@ def test_every_aws_session_reads_botocore_data_through_one_loader_and_keeps_its_
         ("eu-west-1", "us-west-2")
 
 
+def test_a_data_path_of_its_own_gets_a_loader_that_searches_it(monkeypatch, tmp_path):
+    default = aws_session("")._session.get_component("data_loader")
+    monkeypatch.setenv("AWS_DATA_PATH", str(tmp_path))
+    loader = aws_session("")._session.get_component("data_loader")
+    assert loader is not default and str(tmp_path) in loader.search_paths
+
+
 def test_no_plugin_module_makes_an_aws_session_but_aws_session():
     """A session made elsewhere would read botocore's data again; boto3.client() (its default
     session) keeps one loader of its own."""
