@@ -36,9 +36,10 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt trainer/requirements.t
 # System programs from Debian: etcd (torchrun's rendezvous; without it the local target uses
 # torch's c10d store), and for the tests Prometheus (metrics queries), Chromium (UI pages) and
 # the trainer image's build and run (buildah, debootstrap, docker-registry; image_builder
-# buildah needs buildah where Airflow runs).
+# buildah needs buildah where Airflow runs), and zip (MWAA's plugins.zip, as docs/deploy.md
+# makes it).
 SYSTEM_PACKAGES := etcd-server:etcd prometheus:prometheus chromium:chromium buildah:buildah \
-  debootstrap:debootstrap docker-registry:docker-registry
+  debootstrap:debootstrap docker-registry:docker-registry zip:zip
 
 system-deps:
 	@missing=""; for entry in $(SYSTEM_PACKAGES); do \

@@ -1,17 +1,21 @@
 """The packages' shape: no import circle among the modules of plugins/, trainer/, bench/ and
 tools/ (lazy imports included), nothing of the product (plugins/, trainer/, dags/) imports the
 benchmarks or the tooling (bench/ and tools/, the layers above), every module opens with a
-docstring saying what it owns, and the plugin works from MWAA's plugins.zip, its page templates
-included."""
+docstring saying what it owns, and the plugin works from MWAA's plugins.zip (made by the command
+docs/deploy.md gives), every module and page template included."""
 
 from __future__ import annotations
 
 import ast
 import json
+import shlex
+import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
+
+from tests.support.system import system_binary_or_skip
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PLUGINS = REPO_ROOT / "plugins"
@@ -19,6 +23,7 @@ TRAINER = REPO_ROOT / "trainer"
 DAGS = REPO_ROOT / "dags"
 BENCH = REPO_ROOT / "bench"
 TOOLS = REPO_ROOT / "tools"
+DOCS = REPO_ROOT / "docs"
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -165,22 +170,34 @@ def test_every_module_opens_with_a_docstring():
     assert missing == []
 
 
-def plugins_zip(out: Path) -> Path:
-    """plugins.zip as docs/deploy.md makes it: finetune, finetune_contract and the plugin file at
-    the zip's root, every file but the bytecode."""
-    with zipfile.ZipFile(out, "w") as zf:
-        for path in sorted([*(PLUGINS / "finetune").rglob("*"),
-                            *(PLUGINS / "finetune_contract").rglob("*"),
-                            PLUGINS / "finetune_runs_plugin.py"]):
-            if path.is_file() and "__pycache__" not in path.parts:
-                zf.write(path, path.relative_to(PLUGINS).as_posix())
-    return out
+def plugins_zip(tmp_path: Path) -> Path:
+    """plugins.zip made by the command docs/deploy.md gives (`cd plugins && zip ...`), run as
+    it is written (no shell) in a copy of plugins/ with its bytecode, so the zip of the docs is
+    the zip these tests import from."""
+    line = next(cell for cell in (DOCS / "deploy.md").read_text().split("`")
+                if cell.startswith("cd plugins && zip "))
+    argv = shlex.split(line.removeprefix("cd plugins && "))
+    copy = shutil.copytree(PLUGINS, tmp_path / "plugins")
+    (copy / "finetune" / "__pycache__").mkdir(exist_ok=True)
+    (copy / "finetune" / "__pycache__" / "stale.cpython-311.pyc").write_bytes(b"")
+    subprocess.run([system_binary_or_skip("zip", "zip"), *argv[1:]], cwd=copy, check=True,
+                   timeout=120)
+    return tmp_path / "plugins.zip"
+
+
+def test_the_plugins_zip_of_the_docs_holds_every_module_of_plugins_and_no_bytecode(tmp_path):
+    names = set(zipfile.ZipFile(plugins_zip(tmp_path)).namelist())
+    modules = {p.relative_to(PLUGINS).as_posix() for p in PLUGINS.rglob("*.py")
+               if "__pycache__" not in p.parts}
+    assert modules - names == set()
+    assert {"finetune_data/prepared_set.py", "finetune_runs_plugin.py"} <= names
+    assert [n for n in names if "__pycache__" in n or n.endswith(".pyc")] == []
 
 
 def test_report_html_renders_from_the_plugins_zip_with_its_templates(tmp_path):
     """A page template left out of the package (or read by a file path a zip has not) fails
     here: Airflow on MWAA imports the plugin from the zip, not from a folder."""
-    archive = plugins_zip(tmp_path / "plugins.zip")
+    archive = plugins_zip(tmp_path)
     assert "finetune/templates/report.html.j2" in zipfile.ZipFile(archive).namelist()
     run_dir = tmp_path / "run"
     code = (

@@ -24,7 +24,7 @@ def missing_dependency(what: str, how: str) -> NoReturn:
 
 def system_binary_or_skip(name: str, package: str) -> str:
     """A program from Debian the tests need (etcd, prometheus, promtool, chromium, buildah,
-    debootstrap, docker-registry); /usr/sbin too (debootstrap) where PATH lacks it."""
+    debootstrap, docker-registry, zip); /usr/sbin too (debootstrap) where PATH lacks it."""
     binary = shutil.which(name) or next(
         (path for path in (f"/usr/bin/{name}", f"/usr/sbin/{name}") if os.access(path, os.X_OK)),
         None)
