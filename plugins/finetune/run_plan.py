@@ -14,6 +14,7 @@ from finetune.hub import hub_config
 from finetune.trainer_config import local_dir, trainer_config
 from finetune_contract.checkpoint_time import (
     CheckpointTime,
+    agent_shutdown_s,
     checkpoint_time,
     grace_period_s,
     notice_problems,
@@ -177,7 +178,9 @@ def plan_text(cfg: RunConfig, plan: RunPlan) -> str:
                      f"({ckpt.bytes_per_node / 1e9:,.1f} GB a node, {ckpt.storage}): save "
                      f"{ckpt.save_s:,.0f} s, load "
                      f"{ckpt.load_s:,.0f} s; a notice gives the pods {plan.grace_s} s "
-                     "(terminationGracePeriodSeconds)")
+                     "(terminationGracePeriodSeconds), torchrun's workers "
+                     f"{agent_shutdown_s(plan.grace_s)} s of them "
+                     "(TORCH_ELASTIC_SHUTDOWN_TIMEOUT)")
         spot = notice_problems("spot", est.step_time_s, ckpt)
         lines.append("  a spot notice: " + ("the step in progress and its save fit it" if not spot
                                             else "DOES NOT FIT (" + spot[0][1] + ")"))

@@ -270,3 +270,17 @@ def test_fa4_plans_the_causal_layers_attention_faster_by_its_rate_and_the_same_m
                       world_size=1, local_world_size=1, hardware=H200,
                       config=windowed).tokens_per_s_per_gpu for a in ("sdpa", "fa4")]
     assert steps[0] == steps[1]
+
+
+def test_the_plan_says_the_pods_grace_and_torchruns_share_of_it():
+    """The pods' terminationGracePeriodSeconds and, in it, torchrun's shutdown timeout (the one
+    function the manifests take it from), as docs/eks.md says `plan_cli` prints both."""
+    from finetune.run_plan import plan_run
+    from finetune_contract.checkpoint_time import agent_shutdown_s
+
+    cfg = validate_params({**LONG_8B_QLORA, "quantize_base": "none"}, run_id="grace")
+    plan = plan_run(cfg)
+    assert plan.checkpoint is not None and plan.grace_s > agent_shutdown_s(plan.grace_s) > 0
+    text = plan_text(cfg, plan)
+    assert f"a notice gives the pods {plan.grace_s} s (terminationGracePeriodSeconds)" in text
+    assert f"torchrun's workers {agent_shutdown_s(plan.grace_s)} s of them" in text
