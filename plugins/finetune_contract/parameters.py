@@ -544,7 +544,8 @@ PARAMETERS: tuple[Parameter, ...] = (
       text=LABEL_TEXT, targets=EKS, trainer=False),
     P('image', '', 'EKS', 'Trainer image',
       'A prebuilt trainer image (registry/repository:tag), used as is (verified when in ECR). '
-      'Empty: the pipeline builds the image from trainer/ and containers/ with image_builder.',
+      'Empty: the pipeline builds the image from trainer/, the contract and data packages of '
+      'plugins/ and containers/ with image_builder.',
       text=Text(255 + 129 + 72, IMAGE_REFERENCE, "an image reference ([registry[:port]/]"
                 "repository[:tag][@sha256:digest]; path parts lowercase letters and digits "
                 "joined by '.', '_' or '-', no '..')"), targets=EKS, trainer=False),
@@ -552,7 +553,8 @@ PARAMETERS: tuple[Parameter, ...] = (
       'How the image is built when `image` is empty: buildkit (a rootless BuildKit Job in the '
       'cluster), codebuild (AWS CodeBuild) or buildah (built and pushed by the task where '
       'Airflow runs; buildah installed there); prebuilt requires `image`. The tag is the '
-      'content hash of trainer/ and containers/: a tag already in ECR is not built again.',
+      'content hash of what the image holds (trainer/, containers/, the contract and data '
+      'packages): a tag already in ECR is not built again.',
       choices=IMAGE_BUILDERS, targets=EKS, trainer=False),
     P('image_repository', 'finetune-trainer', 'EKS', 'ECR repository',
       'ECR repository the built image is pushed to; created when missing (scan on push, '
