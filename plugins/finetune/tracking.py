@@ -34,7 +34,7 @@ from finetune import REPO_ROOT
 from finetune.config import RunConfig
 from finetune.report import REPORT_HTML, REPORT_JSON
 from finetune_contract.fields import EVALUATION_FILE, LOWER_IS_BETTER
-from finetune_contract.parameters import SECRET_NAMES
+from finetune_contract.parameters import without_secrets
 
 log = logging.getLogger(__name__)
 
@@ -317,7 +317,7 @@ def _run_params(cfg: RunConfig, report: dict) -> list[Any]:
     from mlflow.entities import Param
 
     params = [Param(key, str(value)[:MAX_PARAM_CHARS])
-              for key, value in sorted(cfg.to_dict().items()) if key not in SECRET_NAMES]
+              for key, value in sorted(without_secrets(cfg.to_dict()).items())]
     return params + [Param(key, value[:MAX_PARAM_CHARS])
                      for key, value in source_params(report.get("data")).items()]
 

@@ -746,6 +746,12 @@ SWEEP_PARAMETERS = tuple(p for p in PARAMETERS if p.sweep)
 SECRET_NAMES = frozenset(p.name for p in PARAMETERS if p.secret)
 
 
+def without_secrets(conf: dict[str, Any]) -> dict[str, Any]:
+    """A run's conf as what it stores for people to read (the report, MLflow's params) may hold
+    it: the secret fields left out."""
+    return {key: value for key, value in conf.items() if key not in SECRET_NAMES}
+
+
 def defaults() -> dict[str, Any]:
     """Every form parameter's default (what a run's conf starts from)."""
     return {p.name: p.default for p in FORM_PARAMETERS}

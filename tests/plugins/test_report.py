@@ -190,6 +190,21 @@ def test_html_escapes_config_values(tmp_path: Path) -> None:
     assert "dataset.max_rows" in page  # nested config flattened into the table
 
 
+def test_no_secret_field_of_the_config_reaches_the_report(tmp_path: Path) -> None:
+    """Every field the parameter table marks secret (each may hold a credential), whatever the
+    target passed: the report is stored beside the model and served by the runs page."""
+    from finetune_contract.parameters import SECRET_NAMES
+
+    assert SECRET_NAMES  # the rdzv endpoint, the token's Secret, the Prometheus URL
+    run_dir = make_run(tmp_path / "run", NORMAL_RECORDS, summary=SUMMARY)
+    secrets = {name: f"sekrit-{name}" for name in SECRET_NAMES}
+    report = write_report(run_dir, run_id="r", status="success", config={**CONFIG, **secrets})
+
+    assert report["config"] == json.loads(json.dumps(CONFIG))
+    for page in ("report.json", "report.html"):
+        assert "sekrit-" not in (run_dir / page).read_text(encoding="utf-8"), page
+
+
 def test_html_is_self_contained(tmp_path: Path) -> None:
     run_dir = make_run(tmp_path / "run", NORMAL_RECORDS, summary=SUMMARY)
     write_report(run_dir, run_id="r", status="success", config=CONFIG)

@@ -35,6 +35,7 @@ from finetune_contract.fields import (
     PREPARE_DATA_FILE,
     STRAGGLER_THRESHOLD,
 )
+from finetune_contract.parameters import without_secrets
 from finetune_contract.preflight_result import PREFLIGHT_FILE
 from finetune_contract.run_history import HISTORY_FILE
 from finetune_contract.stragglers import RANK_STEP_TIMES, rank_medians, stragglers
@@ -132,7 +133,7 @@ def write_report(
         "run_id": run_id,
         "status": status,
         "generated_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        "config": config,
+        "config": without_secrets(config),
         "stages": stages or {},
         "metrics": metrics,
         "cost": cost,
