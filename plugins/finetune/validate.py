@@ -316,6 +316,11 @@ def _prometheus_problems(url: str) -> Problems:
         return [("prometheus_url", "holds credentials (user:password@): they would be stored "
                  "with the run and shown in its report. Put them in an Airflow HTTP connection "
                  "and name it in prometheus_conn_id")]
+    if re.search(r"[?#]", match[2] + (match[3] or "")):
+        return [("prometheus_url", "has a query or fragment (?... or #...), which the queries "
+                 "would not send and the run would store (a token, say): give the base URL "
+                 "alone, and credentials in an Airflow HTTP connection named in "
+                 "prometheus_conn_id")]
     netloc = match[2]
     if re.fullmatch(r"\[[^\]]*\]|[^:]*", netloc):
         netloc += ":80"  # no port: the scheme's (any port passes what follows)

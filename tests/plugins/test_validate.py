@@ -171,6 +171,16 @@ def test_rendezvous_userinfo_and_prometheus_credentials_are_never_echoed():
     assert "s3cret" not in str(errors) and "hunter2" not in str(errors)
 
 
+@pytest.mark.parametrize("url", ["http://prom:9090/api?access_token=hunter2",
+                                 "https://prom/#token=hunter2", "http://prom:9090?hunter2"])
+def test_a_prometheus_url_with_a_query_or_fragment_is_refused_unechoed(url):
+    """A token in the query would be stored with the run, and the queries never send it."""
+    errors = refused({**EKS, "prometheus_url": url})
+    assert named(errors, "prometheus_url", "query or fragment"), errors
+    assert named(errors, "prometheus_url", "prometheus_conn_id"), errors
+    assert "hunter2" not in str(errors)
+
+
 # -- how errors are reported ------------------------------------------------------------------
 
 def test_an_unknown_key_does_not_hide_the_other_errors():
