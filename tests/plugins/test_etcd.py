@@ -4,6 +4,7 @@ torchrun, as the targets start it, restarts a failed worker in place."""
 from __future__ import annotations
 
 import base64
+import json
 import os
 import signal
 import subprocess
@@ -135,3 +136,27 @@ def test_reset_deletes_only_this_runs_keys(etcd_server):
 
 def test_reset_of_an_unknown_id_deletes_nothing(etcd_server):
     assert delete_rendezvous_keys(etcd_server.endpoint, "never-used") == []
+
+
+def test_a_rendezvous_run_again_stops_the_etcd_it_started_before(tmp_path):
+    """Clearing the rendezvous task of a run starts a new etcd; the one before is recorded no
+    more, so nothing else would ever stop it or remove its data dir."""
+    from finetune.targets.local.target import LocalTarget
+    from finetune.validate import validate_params
+
+    etcd_or_skip()
+    cfg = validate_params({"output_dir": str(tmp_path), "procs_per_node": 1}, run_id="again")
+    target = LocalTarget()
+    first = target.rendezvous(cfg)
+    first_server = LocalEtcd(**json.loads((Path(cfg.run_dir) / "state" / "etcd.json")
+                                          .read_text()))
+    second = target.rendezvous(cfg)
+    second_server = LocalEtcd(**json.loads((Path(cfg.run_dir) / "state" / "etcd.json")
+                                           .read_text()))
+    try:
+        assert first["started_etcd"] and second["started_etcd"]
+        assert not first_server.is_running() and not Path(first_server.data_dir).exists()
+        assert second_server.is_running() and is_healthy(second["endpoint"])
+    finally:
+        target.release(cfg)
+    assert not second_server.is_running() and not Path(second_server.data_dir).exists()

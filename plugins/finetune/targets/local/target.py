@@ -148,6 +148,11 @@ class LocalTarget(Target):
                             port)
                 return {"backend": "c10d", "endpoint": f"127.0.0.1:{port}",
                         "rdzv_id": cfg.rdzv_id, "started_etcd": False}
+            earlier = read_state(cfg, "etcd")
+            if earlier:  # this stage run again (cleared): the etcd it started before goes first
+                LocalEtcd(**earlier).stop()
+                log.info("stopped the etcd (pid %d) an earlier rendezvous of this run started",
+                         earlier["pid"])
             server = LocalEtcd.start(binary, Path(cfg.run_dir) / "logs")
             write_state(cfg, "etcd", server.to_dict())
             endpoint, started = server.endpoint, True
