@@ -636,13 +636,20 @@ def _what(config: TrainConfig) -> str:
                                      for source, read_as in sources_of(config))
 
 
-class SourceError(ValueError):
-    """A mixture's source that cannot be read, encoded or split; `field` names it as validate
-    would (mixture[1].dataset)."""
+class FieldError(ValueError):
+    """Data that cannot make the run, and the field of the run's conf that names it (the
+    prepare stage reports it under that field, as validate would)."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(message)
+
+
+class SourceError(FieldError):
+    """A mixture's source that cannot be read, encoded or split (field: mixture[1].dataset)."""
 
     def __init__(self, source: Source, message: str):
-        self.field = f"{source.where}.dataset"
-        super().__init__(f"{source.where} ({source.name}): {message}")
+        super().__init__(f"{source.where}.dataset", f"{source.where} ({source.name}): {message}")
 
 
 @dataclass
@@ -746,8 +753,11 @@ def _prepare_into(out: Path, config: TrainConfig, local_paths: list[Path | None]
     evaluated = eval_dataset_config(config)
     eval_stats = None
     if evaluated is not None:
-        eval_stats = _encode_eval_dataset(out / EVAL_DATASET_SPLIT, evaluated, eval_path,
-                                          tokenizer, num_proc)
+        try:  # its bad rows and unreadable files are eval_dataset's, not dataset's
+            eval_stats = _encode_eval_dataset(out / EVAL_DATASET_SPLIT, evaluated, eval_path,
+                                              tokenizer, num_proc)
+        except ValueError as exc:
+            raise FieldError("eval_dataset", str(exc)) from exc
     lengths = [length for part in parts for length in part.encoded[_TOKENS]]
     skipped: dict[str, int] = {}
     for part in parts:

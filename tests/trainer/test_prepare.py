@@ -178,9 +178,15 @@ def test_an_eval_dataset_without_usable_rows_fails_the_prepare_and_leaves_no_set
     data = write_jsonl(tmp_path / "rows.jsonl", demo_rows(100))
     held = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": "no response"}] * 3)
     root = tmp_path / "prep"
-    with pytest.raises(ValueError, match="eval_dataset .*eval.jsonl has no usable rows"):
+    with pytest.raises(ValueError, match="eval_dataset .*eval.jsonl has no usable rows") as err:
         prep.prepare(config_for(data, tmp_path / "out", eval_dataset=str(held)), root)
+    assert err.value.field == "eval_dataset"  # what the form shows it under
     assert sets_in(root) == []
+    # A bad row the run fails on (bad_rows: error) is the eval_dataset's too, not the dataset's.
+    with pytest.raises(ValueError, match="eval.jsonl") as err:
+        prep.prepare(config_for(data, tmp_path / "out", eval_dataset=str(held),
+                                bad_rows="error"), root)
+    assert err.value.field == "eval_dataset" and sets_in(root) == []
 
 
 def test_evaluate_measures_on_the_prepared_eval_sets_and_never_encodes(tmp_path, monkeypatch):
