@@ -8,6 +8,7 @@ from typing import Any
 
 from finetune.config import RunConfig, resolve_path
 from finetune_contract.data import dataset_source
+from finetune_contract.fields import DEMO_TOKENIZER
 from finetune_contract.mixture import with_source_datasets
 from finetune_contract.models import BUILTIN_MODELS
 from finetune_contract.parameters import TRAINER_PARAMETERS
@@ -78,7 +79,7 @@ def run_tokenizer_dir(cfg: RunConfig, in_pod: bool) -> Path | None:
     elif cfg.model in BUILTIN_MODELS:
         from finetune import REPO_ROOT
 
-        found = REPO_ROOT / "trainer" / "demo" / "tokenizer"
+        found = REPO_ROOT / DEMO_TOKENIZER
     else:
         found = local_dir(cfg.model, in_pod)
     return found if found is not None and found.is_dir() else None

@@ -53,6 +53,8 @@ LORA_TARGETS_DEFAULT = "auto"
 # The demo data set, relative to the repository root (the trainer's working dir).
 DEMO_DATASET = "trainer/demo/instructions.jsonl"
 DEMO_PREFERENCES = "trainer/demo/preferences.jsonl"  # the demo data of method dpo
+# The built-in models' tokenizer, which prepare_data encodes the demo data with.
+DEMO_TOKENIZER = "trainer/demo/tokenizer"
 # The run's TrainConfig as the trainer resolved it, in its output_dir (the runs page reads it).
 RESOLVED_CONFIG_FILE = "trainer_config.resolved.json"
 # Share of the data set held out for the eval loss.

@@ -401,3 +401,16 @@ def test_a_packed_run_resumed_mid_epoch_reproduces_the_uninterrupted_losses(worl
     resumed, uninterrupted = losses("resumed"), losses("full")
     assert resumed.keys() == {3, 4}
     assert resumed == pytest.approx({s: uninterrupted[s] for s in (3, 4)}, rel=1e-5)
+
+
+def test_the_demo_assets_the_contract_names_are_the_trainers_and_exist():
+    """The Airflow side (prepare_data's tokenizer, the form's defaults) and the trainer find the
+    demo assets by the contract's paths, relative to the repository's root."""
+    from finetune_contract import fields
+    from trainer import demo
+
+    root = Path(__file__).resolve().parents[2]
+    for name in ("DEMO_DATASET", "DEMO_PREFERENCES", "DEMO_TOKENIZER"):
+        assert getattr(demo, name) == root / getattr(fields, name), name
+        assert (root / getattr(fields, name)).exists(), name
+    assert (root / fields.DEMO_TOKENIZER / "tokenizer.json").is_file()
