@@ -24,16 +24,18 @@ DEFERRAL_GRACE_S = 300
 
 
 @contextlib.contextmanager
-def _no_retry_when_the_training_failed() -> Iterator[None]:
-    """Retries are for lost tries (a worker, the scheduler, Airflow restarted), not for a
-    training that failed by itself."""
+def _no_retry_on_a_verdict() -> Iterator[None]:
+    """Retries are for lost tries (a worker, the scheduler, Airflow restarted) and errors that
+    may pass, not for a stage's definite verdict (`targets.base.VERDICTS`: a training that
+    failed, capacity that did not come, an image not in ECR...): that fails the task at once,
+    so teardown gives the nodes back now."""
     from airflow.sdk.exceptions import AirflowFailException
 
-    from finetune.targets.base import TrainingFailed
+    from finetune.targets.base import VERDICTS
 
     try:
         yield
-    except TrainingFailed as exc:
+    except VERDICTS as exc:
         raise AirflowFailException(str(exc)) from exc
 
 
@@ -61,13 +63,13 @@ class StageOperator(BaseOperator):
 
     def execute(self, context: Any) -> dict:
         target, cfg = self._target()
-        with _no_retry_when_the_training_failed():
+        with _no_retry_on_a_verdict():
             return self._result_or_defer(target.run_stage(self.stage, cfg, **self.inputs))
 
     def resume(self, context: Any, event: dict, resume: str, state: dict) -> dict:
         """Back from a trigger: the target's `resume` method takes its event."""
         target, cfg = self._target()
-        with _no_retry_when_the_training_failed():
+        with _no_retry_on_a_verdict():
             return self._result_or_defer(target.resumer(resume)(cfg, event, state))
 
     def _result_or_defer(self, outcome: Any) -> dict:
@@ -98,9 +100,10 @@ class TrialOperator(StageOperator):
 
     - completed, with its final eval loss;
     - stopped by the rule: at which step and why (the step saved, its nodes free);
-    - failed: its first cause (the trainer's own record, else the error). A training that
-      failed by itself fails the trial at once; another error (a lost try) is retried as
-      StageOperator's are, and fails the trial on the last try.
+    - failed: its first cause (the trainer's own record, else the error). A verdict (a
+      training that failed by itself, pods that cannot be scheduled, its deadline:
+      `targets.base.VERDICTS`) fails the trial at once; another error (a lost try) is retried
+      as StageOperator's are, and fails the trial on the last try.
 
     The outcome is recorded in the sweep's directory (finetune.sweep.records) before it is
     returned: a retry of the task or of the whole sweep adopts a completed or stopped trial
@@ -174,13 +177,12 @@ class TrialOperator(StageOperator):
     def _failed(self, context: Any, target: Any, cfg: Any, exc: Exception) -> dict:
         """A failure of the trial as its outcome; an error a retry may get past is raised
         instead while tries are left."""
-        from finetune.config import ConfigError
         from finetune.outputs import trainer_root_cause
-        from finetune.targets.base import TrainingFailed
+        from finetune.targets.base import VERDICTS
 
         ti = context.get("ti") if isinstance(context, dict) else None
         last_try = ti is None or ti.try_number > self.retries
-        if not (isinstance(exc, TrainingFailed | ConfigError) or last_try):
+        if not (isinstance(exc, VERDICTS) or last_try):
             raise exc
         try:
             cause = trainer_root_cause(cfg.run_dir, lambda: target.s3_client(cfg))

@@ -49,7 +49,8 @@ teardown (whenever the setup ran)
 # training or takes a finished one's result), collect_metrics (rewrites the report) and
 # teardown (every step is idempotent). validate and snapshot are retried by no one: they fail
 # the same way again. rendezvous neither: it clears the store a running training uses.
-# A training that itself failed is not retried (`targets.base.TrainingFailed`).
+# A stage's definite verdict (a training that failed by itself, capacity that did not come,
+# an image not in ECR: `targets.base.StageFailed`) is not retried: the nodes go back at once.
 # Five retries, 30 s doubling to at most 10 minutes: about 15 minutes of Airflow coming back,
 # during which a try whose start meets no api-server is killed by its supervisor.
 # FINETUNE_RETRY_DELAY_S: another first delay (the restart tests' shorter one).

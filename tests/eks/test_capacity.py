@@ -11,6 +11,7 @@ from typing import Any
 import boto3
 import kubernetes
 import pytest
+from airflow.sdk.exceptions import AirflowFailException
 
 from finetune.targets.eks.launchers import launcher_for
 from finetune.targets.eks.manifests import pytorchjob_manifest, run_selector
@@ -79,7 +80,7 @@ def test_a_spot_run_takes_any_type_of_its_gpu_class_from_a_spot_node_group(spot_
 ])
 def test_scale_up_refuses_a_node_group_that_is_not_the_runs_capacity_naming_the_mismatch(
         spot_group, cluster, changes, words):
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(AirflowFailException) as err:  # a verdict: no retry
         run_stage("scale_up", spot_config(**changes))
     assert words in str(err.value)
     assert scaling_of("gpu-spot") == SCALING  # refused before any node was asked for
@@ -88,7 +89,7 @@ def test_scale_up_refuses_a_node_group_that_is_not_the_runs_capacity_naming_the_
 def test_a_node_group_of_two_gpu_classes_is_refused_naming_the_type_that_does_not_fit(
         nodegroup, cluster):
     add_nodegroup("gpu-mixed", "SPOT", ["g5.12xlarge", "g6.12xlarge"])
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(AirflowFailException) as err:  # a verdict: no retry
         run_stage("scale_up", spot_config(nodegroup="gpu-mixed"))
     assert "g6.12xlarge cannot hold a pod made for g5.12xlarge (another GPU" in str(err.value)
 
@@ -98,7 +99,7 @@ def test_capacity_that_does_not_come_fails_scale_up_saying_so_and_teardown_gives
     cfg, t = spot_config(), target()
     snap = t.snapshot(cfg)
     add_nodes(cluster, 1, gpus=4, efa=1, nodegroup=spot_group, instance_type="g5.12xlarge")
-    with pytest.raises(TimeoutError) as err:
+    with pytest.raises(AirflowFailException) as err:  # a verdict: no retry
         run_stage("scale_up", cfg)
     message = str(err.value)
     assert "the capacity did not come: only 1 of 2 node(s) of node group gpu-spot (spot)" in message
@@ -146,7 +147,7 @@ def test_a_fallback_that_does_not_come_either_fails_naming_it_and_teardown_resto
     add_nodegroup("gpu-od", "ON_DEMAND", ["g5.12xlarge"])
     cfg, t = fallback_config(), target()
     snap = t.snapshot(cfg)
-    with pytest.raises(TimeoutError) as err:
+    with pytest.raises(AirflowFailException) as err:  # a verdict: no retry
         run_stage("scale_up", cfg)
     assert "only 0 of 2 node(s) of node group gpu-od (on-demand)" in str(err.value)
     assert scaling_of("gpu-spot") == SCALING and scaling_of("gpu-od")["desiredSize"] == 2
@@ -157,7 +158,7 @@ def test_a_fallback_that_does_not_come_either_fails_naming_it_and_teardown_resto
 def test_a_fallback_node_group_that_is_not_on_demand_is_refused_before_any_node(
         spot_group, cluster):
     add_nodegroup("gpu-od", "SPOT", ["g5.12xlarge"])
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(AirflowFailException) as err:  # a verdict: no retry
         run_stage("scale_up", fallback_config())
     assert "fallback_nodegroup: capacity_fallback on-demand needs on-demand nodes, but node " \
         "group gpu-od of cluster train has capacityType SPOT" in str(err.value)

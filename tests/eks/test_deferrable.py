@@ -15,6 +15,7 @@ from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from finetune.operators import StageOperator
+from finetune.targets.base import StageFailed
 from finetune.targets.eks.clients import kube_credentials
 from finetune.targets.eks.job import pytorchjob_state
 from finetune.targets.eks.manifests import (
@@ -156,7 +157,7 @@ def test_scale_up_defers_until_the_nodegroup_is_active_and_the_nodes_ready(nodeg
 def test_scale_up_times_out_naming_each_nodes_condition(nodegroup, cluster):
     cfg = eks_config(nodes=2)
     add_nodes(cluster, 2, ready=False)
-    with pytest.raises(TimeoutError) as err:
+    with pytest.raises(AirflowFailException) as err:  # a verdict: no retry
         run_deferred(scale_up_operator(cfg))
     assert "only 0 of 2 node(s)" in str(err.value)
     assert "Ready=False (KubeletNotReady: container runtime not ready)" in str(err.value)
@@ -217,7 +218,7 @@ def test_trigger_deadlines_are_wall_clock_and_a_restarted_triggerer_does_not_ext
     ready = t.nodegroup_active(cfg, {"status": "success"}, active.state)
     event = restarted_after_the_deadline(ready)
     assert event["status"] == "timeout"
-    with pytest.raises(TimeoutError, match="only 0 of 2 node"):
+    with pytest.raises(StageFailed, match="only 0 of 2 node"):
         t.nodes_ready(cfg, event, ready.state)
     t.teardown(cfg, t.snapshot(cfg))
 

@@ -105,7 +105,7 @@ def fail_at(stage: str, cluster: Any, cfg: Any) -> None:
     t = target()
     if stage == "scale_up":
         add_nodes(cluster, cfg.nodes, ready=False)  # nodes that never become Ready
-        with pytest.raises(TimeoutError):
+        with pytest.raises(AirflowFailException, match="capacity did not come"):
             run_stage("scale_up", cfg)
         return
     add_nodes(cluster, cfg.nodes)

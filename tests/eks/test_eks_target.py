@@ -143,7 +143,7 @@ def test_pods_the_scheduler_cannot_place_fail_train_in_time_naming_its_reason(
     operator = TrainingOperator(cluster, cfg, unschedulable=reason)
     operator.start()
     started = time.monotonic()
-    with pytest.raises(RuntimeError) as err:
+    with pytest.raises(AirflowFailException) as err:  # a verdict: no retry
         run_stage("train", cfg, image=IMAGE, rendezvous=RDZV)
     operator.join(5)
     assert time.monotonic() - started < 30  # the first wake-up, not active_deadline_s
@@ -160,7 +160,7 @@ def test_ready_nodes_without_their_gpus_or_efa_fail_scale_up_naming_the_device_p
         nodegroup, cluster, gpus, efa, plugin):
     cfg = eks_config(nodes=2)
     add_nodes(cluster, 2, gpus=gpus, efa=efa, ready_for=600)
-    with pytest.raises(RuntimeError) as err:
+    with pytest.raises(AirflowFailException) as err:  # a verdict: no retry
         run_deferred(stage_operator("scale_up", cfg, {"nodes_timeout": 60.0,
                                                       "devices_grace_s": 300.0}))
     message = str(err.value)
@@ -192,7 +192,7 @@ def test_scale_up_times_out_with_node_conditions_and_teardown_still_restores(
     cfg, t = eks_config(nodes=2), target()
     snap = t.snapshot(cfg)
     add_nodes(cluster, 2, ready=False)
-    with pytest.raises(TimeoutError) as err:
+    with pytest.raises(AirflowFailException) as err:  # a verdict: no retry
         run_stage("scale_up", cfg)
     assert "only 0 of 2 node(s)" in str(err.value)
     assert "Ready=False (KubeletNotReady: container runtime not ready)" in str(err.value)
@@ -205,7 +205,7 @@ def test_scale_up_raises_max_size_up_to_the_cap_and_never_beyond(nodegroup, clus
     add_nodes(cluster, 4)
     run_stage("scale_up", eks_config(nodes=4, max_nodes=4))
     assert scaling(nodegroup) == {"minSize": 0, "maxSize": 4, "desiredSize": 4}
-    with pytest.raises(RuntimeError, match="above max_nodes = 4"):
+    with pytest.raises(AirflowFailException, match="above max_nodes = 4"):
         run_stage("scale_up", eks_config(nodes=5, max_nodes=4))
     assert scaling(nodegroup)["maxSize"] == 4
 
@@ -331,7 +331,7 @@ def test_eks_client_uses_the_cluster_endpoint_and_re_mints_the_token(nodegroup, 
 def test_scale_up_refuses_an_instance_type_that_is_not_the_nodegroups_naming_both(
         nodegroup, cluster):
     cfg = eks_config(instance_type="p5.48xlarge")  # the node group is p4de.24xlarge
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(AirflowFailException) as err:  # a verdict: no retry
         run_stage("scale_up", cfg)
     assert "instance_type is p5.48xlarge" in str(err.value)
     assert "gpu-p4de of cluster train has instanceTypes p4de.24xlarge" in str(err.value)

@@ -7,6 +7,7 @@ import re
 
 import boto3
 import pytest
+from airflow.sdk.exceptions import AirflowFailException
 from botocore.stub import Stubber
 
 from finetune.config import ConfigError
@@ -56,9 +57,10 @@ def test_an_empty_or_missing_s3_data_set_fails_scale_up_before_the_node_group_ch
     cfg = eks_config(dataset=uri)
     t = target()
     snap = t.snapshot(cfg)
-    # the task the DAG runs fails before it defers
-    with pytest.raises(ConfigError, match="- dataset: .*" + re.escape(message)):
+    # the task the DAG runs fails before it defers, without a retry
+    with pytest.raises(AirflowFailException, match="- dataset: .*" + re.escape(message)) as err:
         run_stage("scale_up", cfg)
+    assert isinstance(err.value.__cause__, ConfigError)
     assert scaling(nodegroup) == SCALING  # no node asked for
     assert t._reservations(cfg).read()[0]["reservations"] == {}  # none made
     t.teardown(cfg, snap)

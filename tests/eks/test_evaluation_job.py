@@ -9,6 +9,7 @@ import time
 import boto3
 import kubernetes
 import pytest
+from airflow.sdk.exceptions import AirflowFailException
 
 from finetune.targets.eks.launchers import LAUNCHERS, PYTORCHJOB, TRAINJOB
 from finetune.targets.eks.manifests import (
@@ -140,7 +141,7 @@ def test_a_failed_evaluation_job_fails_evaluate_naming_the_job(nodegroup, cluste
     boto3.client("s3").create_bucket(Bucket="bucket")
     player = play_the_evaluation(cluster, cfg, "Failed", None)
     kind = LAUNCHERS[launcher].kind
-    with pytest.raises(RuntimeError, match=f"evaluation failed: {kind} ml/"
-                                           f"{evaluation_job_name(cfg)} failed"):
+    with pytest.raises(AirflowFailException, match=f"evaluation failed: {kind} ml/"
+                                                   f"{evaluation_job_name(cfg)} failed"):
         run_stage("evaluate", cfg, trained={}, image=IMAGE, champion={})
     player.join(5)

@@ -21,6 +21,7 @@ import kmock
 import kubernetes
 import kubernetes_validate
 import pytest
+from airflow.sdk.exceptions import AirflowFailException
 
 from finetune.config import ConfigError, RunConfig
 from finetune.image import BASE_DOCKERFILE, TRAINER_DOCKERFILE, base_tag, context_files, image_tag
@@ -40,8 +41,16 @@ from finetune.targets.eks.image_build import (
 from finetune.targets.eks.target import EksTarget
 from finetune.validate import validate_params
 from tests.support.deferral import first_event, reloaded, run_deferred
-from tests.support.eks import EKS_PARAMS, FAST, eks_config, run_stage, stage_operator
-from tests.support.kube import Cluster
+from tests.support.eks import (
+    EKS_PARAMS,
+    FAST,
+    SCALING,
+    eks_config,
+    run_stage,
+    scaling,
+    stage_operator,
+)
+from tests.support.kube import Cluster, add_nodes
 from tests.support.schemas import K8S_VERSION
 
 NS = "ml"
@@ -247,7 +256,7 @@ def test_base_already_in_ecr_is_not_built_again(session, kube):
 def test_failed_build_fails_with_the_log_tail_and_deletes_the_secret(session, kube):
     controller = JobController(kube, session, outcome="failed", log_lines=60)
     controller.start()
-    with pytest.raises(ImageBuildError) as err:
+    with pytest.raises(AirflowFailException) as err:  # a verdict: no retry
         run_stage("build_image", build_config())
     controller.join(5)
     message = str(err.value)
@@ -260,7 +269,7 @@ def test_failed_build_fails_with_the_log_tail_and_deletes_the_secret(session, ku
 def test_build_that_succeeds_without_pushing_the_tag_fails_verification(session, kube):
     controller = JobController(kube, session, push=False)
     controller.start()
-    with pytest.raises(ImageBuildError, match="not in ECR"):
+    with pytest.raises(AirflowFailException, match="not in ECR"):
         run_stage("build_image", build_config())
     controller.join(5)
     assert secret_names(kube) == []
@@ -319,8 +328,31 @@ def test_prebuilt_ecr_image_is_verified_and_used(session):
     result = run_stage("build_image", cfg)
     assert result["image"] == image and result["image_tag"] == "v1" and result["digest"]
     missing = dataclasses.replace(cfg, image=image.replace(":v1", ":v2"))
-    with pytest.raises(ImageBuildError, match="not in ECR"):
+    with pytest.raises(AirflowFailException, match="not in ECR"):
         run_stage("build_image", missing)
+
+
+def test_scale_up_refuses_a_prebuilt_ecr_image_that_is_not_in_ecr_before_any_node(
+        session, nodegroup, cluster):
+    image = "123456789012.dkr.ecr.us-east-1.amazonaws.com/ft:gone"
+    cfg = dataclasses.replace(eks_config(), image=image, image_builder="prebuilt")
+    with pytest.raises(AirflowFailException, match=f"prebuilt image {image} is not in ECR"):
+        run_stage("scale_up", cfg)
+    assert scaling(nodegroup) == SCALING  # refused before any node was asked for
+
+
+def test_scale_up_refuses_a_build_bucket_that_does_not_exist_when_a_build_is_needed(
+        session, nodegroup, cluster):
+    cfg = build_config(build_bucket="no-such-bucket", nodes=1)
+    with pytest.raises(AirflowFailException, match="build_bucket no-such-bucket does not exist"):
+        run_stage("scale_up", cfg)
+    assert scaling(nodegroup) == SCALING  # refused before any node was asked for
+    with pytest.raises(AirflowFailException, match="build_bucket no-such-bucket does not exist"):
+        run_stage("build_image", cfg)  # and at the upload, were it deleted meanwhile
+    ensure_repository(session.client("ecr"), REPO_NAME)
+    push(session, image_tag())  # the trainer's tag in ECR: no build, no bucket needed
+    add_nodes(cluster, 1)
+    assert run_stage("scale_up", cfg)["nodes"] == ["ip-10-0-0-0"]
 
 
 def test_prebuilt_image_outside_ecr_is_accepted_as_given(session):
@@ -393,7 +425,7 @@ def test_build_image_task_defers_until_the_buildkit_job_completes_then_verifies(
 def test_build_image_task_fails_with_the_log_tail_after_a_deferred_wait(session, kube):
     controller = JobController(kube, session, outcome="failed", log_lines=60)
     controller.start()
-    with pytest.raises(ImageBuildError, match="#59 build step 59"):
+    with pytest.raises(AirflowFailException, match="#59 build step 59"):
         run_deferred(build_operator(build_config()))
     controller.join(5)
     assert secret_names(kube) == []

@@ -111,7 +111,7 @@ def test_an_elastic_run_goes_on_with_min_nodes_while_a_lost_nodes_pod_waits(
 def test_an_elastic_run_below_min_nodes_fails_naming_the_schedulers_reason(nodegroup, cluster):
     cfg = eks_config(nodes=3, min_nodes=2, max_restarts=1, schedule_timeout_s=600)
     add_nodes(cluster, 1)
-    with pytest.raises(RuntimeError) as err:
+    with pytest.raises(AirflowFailException) as err:  # a verdict: no retry
         train_beside(cluster, cfg, lost_workers=2, outcome="Running")
     assert "2 pod(s)" in str(err.value) and "Insufficient nvidia.com/gpu" in str(err.value)
 

@@ -20,6 +20,7 @@ import kmock
 import kubernetes
 import kubernetes_validate
 import pytest
+from airflow.sdk.exceptions import AirflowFailException
 
 from finetune.config import ConfigError, RunConfig
 from finetune.targets.eks.image_build import JOB_NAME_LABEL
@@ -206,7 +207,7 @@ def test_a_bad_row_in_the_pod_fails_the_stage_naming_file_and_line_and_leaves_no
     data = tmp_path / "rows.jsonl"
     data.write_text("\n".join(json.dumps({"prompt": f"q{i}", "response": f"a{i}"})
                               for i in range(50)) + '\n{"prompt": "q", "resp\n')
-    with pytest.raises(RuntimeError) as err:
+    with pytest.raises(AirflowFailException) as err:  # a verdict: no retry
         run_prepare(pod_config(dataset=str(data), bad_rows="error"))
     kubelet.join(5)
     first = str(err.value).splitlines()[0]
@@ -220,7 +221,7 @@ def test_an_oom_killed_pod_fails_the_stage_with_that_first_and_leaves_nothing(se
                                                                              tmp_path):
     kubelet = Kubelet(kube, tmp_path, oom=True)
     kubelet.start()
-    with pytest.raises(RuntimeError) as err:
+    with pytest.raises(AirflowFailException) as err:  # a verdict: no retry
         run_prepare(pod_config())
     kubelet.join(5)
     first = str(err.value).splitlines()[0]

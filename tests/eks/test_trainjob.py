@@ -299,10 +299,47 @@ def test_a_trainjob_past_active_deadline_s_is_deleted_and_train_fails_naming_it(
     kwargs = deferred.value.trigger.serialize()[1]
     assert 0 < kwargs["deadline"] <= time.time() + 1  # wall-clock, in the trigger's kwargs
     started = time.monotonic()
-    with pytest.raises(TimeoutError, match="active_deadline_s = 1 s"):
+    with pytest.raises(AirflowFailException, match="active_deadline_s = 1 s"):  # no retry
         run_deferred(train(cfg))
     assert time.monotonic() - started < 10
     assert trainjobs_of_run(cluster, cfg) == []
+
+
+def test_a_try_after_a_trainjob_was_deleted_at_its_deadline_waits_it_out_and_starts_anew(
+        cluster, monkeypatch):
+    """The deadline's delete does not wait: the TrainJob lingers while its finalizers run. A
+    later try (a person's clear) must not meet it (409) and adopt it, its deadline then counted
+    again from now: it waits it out, and fails (to be retried) while it is still there."""
+    import threading
+
+    import kubernetes
+
+    from finetune.targets.eks.manifests import TRAINER_GROUP, TRAINER_VERSION, TRAINJOB_PLURAL
+
+    custom = kubernetes.client.CustomObjectsApi(cluster.api())
+    cfg = trainjob_config(active_deadline_s=3600)
+    old = trainjob_manifest(cfg, IMAGE["image"])
+    old["metadata"]["finalizers"] = ["trainer.kubeflow.org/x"]
+    custom.create_namespaced_custom_object(TRAINER_GROUP, TRAINER_VERSION, NS, TRAINJOB_PLURAL,
+                                           old)
+    name = old["metadata"]["name"]
+    job.delete_job(cluster.api(), NS, name, launcher=TRAINJOB)  # as at its deadline
+    monkeypatch.setattr(job, "DELETE_TIMEOUT_S", 0.5)
+    with pytest.raises(RuntimeError, match="still being deleted"):
+        train(cfg).execute({})
+
+    def finalized() -> None:  # the controller ends its finalizer: the TrainJob goes
+        custom.patch_namespaced_custom_object(TRAINER_GROUP, TRAINER_VERSION, NS,
+                                              TRAINJOB_PLURAL, name, {"metadata": {
+                                                  "finalizers": []}})
+
+    monkeypatch.setattr(job, "DELETE_TIMEOUT_S", 30.0)
+    threading.Timer(0.5, finalized).start()
+    with pytest.raises(TaskDeferred) as deferred:
+        train(cfg).execute({})
+    assert deferred.value.kwargs["state"]["job"]["adopted"] is False  # a new one
+    assert [j["metadata"].get("deletionTimestamp") for j in trainjobs_of_run(cluster, cfg)] == [
+        None]
 
 
 def test_trainjob_pods_the_scheduler_cannot_place_fail_train_naming_its_reason(cluster):
@@ -310,7 +347,7 @@ def test_trainjob_pods_the_scheduler_cannot_place_fail_train_naming_its_reason(c
     reason = "0/2 nodes are available: 2 Insufficient nvidia.com/gpu."
     controller = TrainerController(cluster, cfg, unschedulable=reason)
     controller.start()
-    with pytest.raises(RuntimeError) as err:
+    with pytest.raises(AirflowFailException) as err:  # a verdict: no retry
         run_deferred(train(cfg))
     controller.join(5)
     message = str(err.value)

@@ -16,7 +16,7 @@ from finetune.config import ConfigError
 from finetune.operators import TrialOperator
 from finetune.pipeline import RESUMABLE
 from finetune.sweep.records import SweepRecords
-from finetune.targets.base import TrainingFailed
+from finetune.targets.base import StageFailed, TrainingFailed
 from finetune.targets.local.target import LocalTarget
 from finetune.validate import validate_params
 from finetune_contract.errors import ERRORS_DIR
@@ -112,6 +112,15 @@ def test_a_lost_try_is_retried_and_fails_the_trial_only_on_its_last_try(trial, s
     assert outcome["outcome"] == "failed" and "the API server went away" in outcome["reason"]
     # the rendezvous was made once: a retry may reattach to a training that uses it
     assert stages.calls.count("rendezvous") == 1
+
+
+def test_a_verdict_on_the_trial_fails_it_at_once_not_only_on_its_last_try(trial, stages):
+    def unschedulable() -> dict:
+        raise StageFailed("2 pod(s) of PyTorchJob x could not be scheduled for 600 s or more")
+
+    stages.train = unschedulable
+    outcome = run(trial, try_number=1)
+    assert outcome["outcome"] == "failed" and "could not be scheduled" in outcome["reason"]
 
 
 def test_a_refused_trial_fails_at_once(trial, stages):

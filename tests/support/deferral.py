@@ -70,3 +70,30 @@ def through_the_metadata_db(deferred: TaskDeferred) -> tuple[Any, str, dict]:
               for k, v in Trigger._decrypt_kwargs(encrypted).items()}
     trigger = import_string(stored_classpath)(**kwargs)
     return trigger, deferred.method_name, deserialize(json.loads(next_kwargs))
+
+
+def task_outcome(task: Any, tries_left: bool) -> str:
+    """The state Airflow's task runner gives `task` (in a DAG) after a try that ends as its
+    execute ends, the API server saying whether a retry is left (`tries_left`): "success",
+    "failed", "up_for_retry", "deferred"... Airflow's own decision, in this process: the
+    supervisor's channel stood in for, nothing sent anywhere."""
+    import datetime
+    from types import SimpleNamespace
+    from unittest import mock
+
+    import structlog
+    from airflow.sdk.api.datamodels._generated import TIRunContext
+    from airflow.sdk.execution_time import task_runner
+
+    server = TIRunContext.model_construct(
+        should_retry=tries_left, xcom_keys_to_clear=[], next_method=None, next_kwargs=None,
+        dag_run=SimpleNamespace(team_name=None))
+    ti = task_runner.RuntimeTaskInstance.model_construct(
+        id="0190ddd1-0000-7000-8000-000000000000", task=task, dag_id=task.dag_id,
+        task_id=task.task_id, run_id="manual__test", try_number=1, map_index=-1,
+        max_tries=task.retries, start_date=datetime.datetime.now(datetime.UTC))
+    ti._ti_context_from_server = server
+    with mock.patch.object(task_runner, "SUPERVISOR_COMMS", mock.MagicMock(), create=True):
+        state, _, _ = task_runner._run_task_and_map_outcome(
+            ti, {"ti": ti, "task": task}, structlog.get_logger())
+    return str(state.value)

@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from finetune.config import RunConfig
+from finetune.config import ConfigError, RunConfig
 
 if TYPE_CHECKING:
     from airflow.triggers.base import BaseTrigger
@@ -70,10 +70,22 @@ class Wait:
 Outcome = dict | Wait
 
 
-class TrainingFailed(RuntimeError):
-    """The training itself failed (a worker's error, its deadline, a Failed job): the stage
-    fails without a retry, which would only spend the nodes' time again; a lost try is
-    retried instead."""
+class StageFailed(RuntimeError):
+    """A stage's definite verdict on the run: what is wrong does not fix itself in the minutes
+    Airflow's retries take (capacity that did not come, a device plugin missing, pods that
+    cannot be scheduled, a node group or image that is not what the run needs, a training that
+    failed). The task fails at once, without a retry, which would only keep the nodes up to
+    find the same again; teardown gives them back now. The message names what is wrong.
+    Retries are for a try lost with its worker or scheduler, and for errors that may pass (a
+    throttled or unreachable API): those are raised as anything else."""
+
+
+class TrainingFailed(StageFailed):
+    """The training itself failed (a worker's error, its deadline, a Failed job)."""
+
+
+# What fails a stage without a retry: its verdicts, and run parameters refused (ConfigError).
+VERDICTS: tuple[type[Exception], ...] = (StageFailed, ConfigError)
 
 
 class Target(ABC):

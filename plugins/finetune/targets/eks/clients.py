@@ -23,6 +23,7 @@ from typing import Any
 
 import tenacity
 
+from finetune.config import ConfigError
 from finetune.polling import until_true
 
 log = logging.getLogger(__name__)
@@ -159,9 +160,13 @@ def kube_api_client(*, kubernetes_conn_id: str = "", aws_conn_id: str = "",
     if os.environ.get(KUBECONFIG_ENV):
         return kubernetes.config.new_client_from_config(config_file=os.environ[KUBECONFIG_ENV])
     if not cluster_name:
-        raise ValueError(f"no Kubernetes credentials: set kubernetes_conn_id, {KUBECONFIG_ENV} "
-                         "or cluster_name")
+        raise _no_credentials()
     return eks_api_client(aws_session(aws_conn_id), cluster_name)
+
+
+def _no_credentials() -> ConfigError:
+    return ConfigError([("kubernetes_conn_id", f"no Kubernetes credentials: set "
+                         f"kubernetes_conn_id, {KUBECONFIG_ENV} or cluster_name")])
 
 
 @contextlib.asynccontextmanager
@@ -195,8 +200,7 @@ async def async_kube_api_client(*, kubernetes_conn_id: str = "", aws_conn_id: st
         conf.api_key_prefix = {"BearerToken": "Bearer"}
         api = client.ApiClient(conf)
     else:
-        raise ValueError(f"no Kubernetes credentials: set kubernetes_conn_id, {KUBECONFIG_ENV} "
-                         "or cluster_name")
+        raise _no_credentials()
     try:
         yield api
     finally:

@@ -14,6 +14,7 @@ from typing import Any
 
 from finetune.config import RunConfig
 from finetune.outputs import evaluation_result, read_output
+from finetune.targets.base import StageFailed
 from finetune.targets.eks import job
 from finetune.targets.eks.launchers import launcher_for
 from finetune_contract.fields import EVALUATION_FILE
@@ -47,11 +48,11 @@ def evaluation_outcome(api: Any, cfg: RunConfig, name: str, event: dict, started
     figures; a failed job, or one that wrote no evaluation.json, fails with why."""
     launcher = launcher_for(cfg)
     if event["status"] == "failed":
-        raise RuntimeError("evaluation failed: " + job.failure_report(
+        raise StageFailed("evaluation failed: " + job.failure_report(
             api, cfg.namespace, name, event["message"], launcher))
     text = read_output(cfg.run_dir, EVALUATION_FILE, s3_client)
     if text is None:
-        raise RuntimeError(f"{launcher.kind} {name} succeeded but {cfg.run_dir} has no "
+        raise StageFailed(f"{launcher.kind} {name} succeeded but {cfg.run_dir} has no "
                            f"{EVALUATION_FILE}")
     return evaluation_result(json.loads(text), f"{cfg.run_dir.rstrip('/')}/"
                              f"{EVALUATION_FILE}", time.time() - started)

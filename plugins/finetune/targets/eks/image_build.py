@@ -189,7 +189,7 @@ def buildkit_job_manifest(name: str, namespace: str, image_ref: str, context_url
         "kind": "Job",
         "metadata": {"name": name, "namespace": namespace, "labels": labels},
         "spec": {
-            # A failed build does not fix itself: the task's retry decides.
+            # A failed build does not fix itself: the stage fails (ImageBuildError, no retry).
             "backoffLimit": 0,
             "activeDeadlineSeconds": deadline_s,
             "ttlSecondsAfterFinished": JOB_TTL_AFTER_FINISHED_S,
@@ -265,8 +265,44 @@ def image_digest(ecr: Any, repository: str, tag: str, registry_id: str | None = 
 
 
 def upload_context(s3: Any, bucket: str, key: str, data: bytes) -> None:
-    s3.put_object(Bucket=bucket, Key=key, Body=data)
+    try:
+        s3.put_object(Bucket=bucket, Key=key, Body=data)
+    except s3.exceptions.NoSuchBucket:
+        raise ImageBuildError(_no_bucket(bucket)) from None
     log.info("build context (%d bytes) uploaded to s3://%s/%s", len(data), bucket, key)
+
+
+def _no_bucket(bucket: str) -> str:
+    return (f"build_bucket {bucket} does not exist: the build context goes there; create it, "
+            "or name another bucket (or a prebuilt image)")
+
+
+def check_build_bucket(s3: Any, bucket: str) -> None:
+    """Refuse a build_bucket that does not exist; one this role may not list (403) passes: a
+    put may still be allowed."""
+    import botocore.exceptions
+
+    try:
+        s3.head_bucket(Bucket=bucket)
+    except botocore.exceptions.ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchBucket"):
+            raise ImageBuildError(_no_bucket(bucket)) from None
+        if exc.response.get("Error", {}).get("Code") not in ("403", "AccessDenied"):
+            raise
+        log.info("build_bucket %s: cannot tell whether it exists (403); the upload will", bucket)
+
+
+def check_image_source(cfg: RunConfig, session: Any, root: Path = REPO_ROOT) -> None:
+    """What build_image will need, checked before any node is asked for: a prebuilt ECR image
+    is in ECR; a build's bucket exists (unless the trainer's tag is in ECR: no build)."""
+    builder = effective_builder(cfg.image, cfg.image_builder)
+    if builder == "prebuilt":
+        use_prebuilt(session, cfg.image)
+        return
+    if builder not in ("buildkit", "codebuild"):  # buildah builds where Airflow runs
+        return
+    if image_digest(session.client("ecr"), cfg.image_repository, image_tag(root)) is None:
+        check_build_bucket(session.client("s3"), cfg.build_bucket)
 
 
 # -- the builders ----------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from typing import Any
 
 from finetune.config import RunConfig
 from finetune.outputs import run_history, trainer_failures, write_run_file
+from finetune.targets.base import StageFailed
 from finetune.targets.eks.clients import (
     adopt_or_create,
     create_or_replace,
@@ -200,8 +201,18 @@ def start_job(api: Any, cfg: RunConfig, image: str) -> dict[str, Any]:
                       trainer_configmap_manifest(cfg))
     manifest = launcher.manifest(cfg, image)
     name = manifest["metadata"]["name"]
-    live = [j for j in _list_jobs(custom, launcher, cfg)
-            if not j["metadata"].get("deletionTimestamp")]
+    jobs = _list_jobs(custom, launcher, cfg)
+    if _being_deleted(jobs):
+        # Past its deadline, or by teardown: a job created now under its name would meet it
+        # (409) and adopt it, its deadline counted again from now. Waited out first.
+        for going in _being_deleted(jobs):
+            delete_job(api, cfg.namespace, going, wait=True, launcher=launcher)
+        jobs = _list_jobs(custom, launcher, cfg)
+        if _being_deleted(jobs):
+            raise RuntimeError(f"{launcher.kind} {', '.join(_being_deleted(jobs))} of the run "
+                               f"is still being deleted after {DELETE_TIMEOUT_S:.0f} s (its "
+                               "finalizers): a new one is started once it is gone")
+    live = [j for j in jobs if not j["metadata"].get("deletionTimestamp")]
     found = live[0] if live else None
     # A retry of a failed job runs it again (from its last checkpoint).
     failed = found is not None and launcher.state(found)[0] == "Failed"
@@ -218,6 +229,10 @@ def start_job(api: Any, cfg: RunConfig, image: str) -> dict[str, Any]:
         log.info("created %s %s/%s: %d node(s) x %d GPU(s), image %s", launcher.kind,
                  cfg.namespace, name, cfg.nodes, cfg.procs_per_node, image)
     return {"job": name, "adopted": adopted, "started": started, "created": created}
+
+
+def _being_deleted(jobs: list[dict[str, Any]]) -> list[str]:
+    return [j["metadata"]["name"] for j in jobs if j["metadata"].get("deletionTimestamp")]
 
 
 def _epoch(timestamp: str | None) -> float | None:
@@ -322,7 +337,7 @@ def fail_unschedulable(api: Any, cfg: RunConfig, name: str, launcher: Launcher) 
                         launcher.kind, name, pending[0][2], placed, cfg.nodes, cfg.min_nodes)
             return
     if stuck:
-        raise RuntimeError(
+        raise StageFailed(
             f"{len(stuck)} pod(s) of {launcher.kind} {name} could not be scheduled for "
             f"{cfg.schedule_timeout_s} s or more (schedule_timeout_s); the scheduler "
             "says:\n" + "\n".join(f"{pod} ({seconds} s): {why}"

@@ -25,6 +25,7 @@ from finetune.preflight_verdict import (
     result_line,
     summary_line,
 )
+from finetune.targets.base import StageFailed
 from finetune.targets.eks import job
 from finetune.targets.eks.clients import aws_session
 from finetune.targets.eks.launchers import Launcher, launcher_for
@@ -102,7 +103,7 @@ def replace_nodes(eks: Any, api: Any, cfg: RunConfig, names: list[str]) -> list[
 
     groups = describe_nodegroup(eks, cfg).get("resources", {}).get("autoScalingGroups") or []
     if not groups:
-        raise RuntimeError(f"node group {cfg.nodegroup} has no Auto Scaling group to replace "
+        raise StageFailed(f"node group {cfg.nodegroup} has no Auto Scaling group to replace "
                            f"nodes {', '.join(names)} with")
     core = kubernetes.client.CoreV1Api(api)
     autoscaling = aws_session(cfg.aws_conn_id).client("autoscaling")
@@ -111,7 +112,7 @@ def replace_nodes(eks: Any, api: Any, cfg: RunConfig, names: list[str]) -> list[
         node = api.sanitize_for_serialization(core.read_node(name))
         iid = instance_id(node)
         if iid is None:
-            raise RuntimeError(f"node {name} has no EC2 instance in its providerID: cannot "
+            raise StageFailed(f"node {name} has no EC2 instance in its providerID: cannot "
                                "replace it")
         autoscaling.terminate_instance_in_auto_scaling_group(
             InstanceId=iid, ShouldDecrementDesiredCapacity=False)

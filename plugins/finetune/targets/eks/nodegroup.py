@@ -20,6 +20,7 @@ from typing import Any
 import tenacity
 
 from finetune.config import RunConfig
+from finetune.targets.base import StageFailed
 from finetune.targets.eks.clients import aws_session, create_or_replace, retry_transient
 from finetune.targets.eks.manifests import (
     APP,
@@ -80,10 +81,10 @@ def check_capacity(eks: Any, cfg: RunConfig, capacity_type: str | None = None) -
     if have != EKS_CAPACITY_TYPES[wanted]:
         theirs = {v: k for k, v in EKS_CAPACITY_TYPES.items()}.get(have, have)
         if capacity_type is None:
-            raise ValueError(f"capacity_type is {wanted}, but {where} has capacityType {have}: "
+            raise StageFailed(f"capacity_type is {wanted}, but {where} has capacityType {have}: "
                              f"set capacity_type to {theirs}, or name a node group of {wanted} "
                              "nodes")
-        raise ValueError(f"fallback_nodegroup: capacity_fallback {capacity_type} needs "
+        raise StageFailed(f"fallback_nodegroup: capacity_fallback {capacity_type} needs "
                          f"{capacity_type} nodes, but {where} has capacityType {have}: name "
                          f"a node group of {capacity_type} nodes")
     types = group.get("instanceTypes") or []
@@ -103,7 +104,7 @@ def check_capacity(eks: Any, cfg: RunConfig, capacity_type: str | None = None) -
                     and all(t2 not in INSTANCE_TYPES or holds(t2, t) for t2 in types)]
         advice = f"set instance_type to {smallest[0]}, whose pods every node holds" if smallest \
             else "give the run a node group whose types have the same GPUs"
-        raise ValueError(f"instance_type is {cfg.instance_type}, but {where} has instanceTypes "
+        raise StageFailed(f"instance_type is {cfg.instance_type}, but {where} has instanceTypes "
                          f"{', '.join(types)}: {why}; {advice}" +
                          (f" (of these, {', '.join(fits)} hold its pods)" if fits and misfits
                           else ""))

@@ -13,6 +13,7 @@ from typing import Any
 
 from finetune.config import RunConfig
 from finetune.outputs import read_output
+from finetune.targets.base import StageFailed
 from finetune.targets.eks.clients import create_or_replace
 from finetune.targets.eks.image_build import (
     JOB_NAME_LABEL,
@@ -129,11 +130,11 @@ def prepared_record(api: Any, cfg: RunConfig, name: str, event: dict,
         if event["state"] != "Complete":
             message = event["message"] if event["state"] == "Failed" else (
                 f"no result after PREPARE_DEADLINE_S = {PREPARE_DEADLINE_S} s: deleted it")
-            raise RuntimeError(prepare_failure(api, cfg, name, message))
+            raise StageFailed(prepare_failure(api, cfg, name, message))
         text = read_output(cfg.run_dir, PREPARE_DATA_FILE, s3_client)
         record = json.loads(text) if text else None
         if not record or record.get("run_id") != cfg.run_id:
-            raise RuntimeError(f"prepare_data Job {cfg.namespace}/{name} succeeded but "
+            raise StageFailed(f"prepare_data Job {cfg.namespace}/{name} succeeded but "
                                f"{cfg.run_dir} has no {PREPARE_DATA_FILE} of this run")
     finally:
         delete_prepare_job(api, cfg)

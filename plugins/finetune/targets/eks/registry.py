@@ -16,12 +16,14 @@ from typing import Any
 
 from finetune import REPO_ROOT
 from finetune.image import context_files
+from finetune.targets.base import StageFailed
 
 LOG_TAIL_LINES = 40
 
 
-class ImageBuildError(RuntimeError):
-    """The image could not be provided; the message says why (with the build log's tail)."""
+class ImageBuildError(StageFailed):
+    """The image could not be provided; the message says why (with the build log's tail). A
+    verdict, not retried: a build that failed fails again, and the run's nodes wait meanwhile."""
 
 
 def pack_context(root: Path = REPO_ROOT, fmt: str = "tar.gz") -> bytes:

@@ -20,6 +20,7 @@ from typing import Any
 import tenacity
 
 from finetune.names import dns_label
+from finetune.targets.base import StageFailed
 from finetune.targets.eks.manifests import APP, LABEL_APP
 
 log = logging.getLogger(__name__)
@@ -57,8 +58,8 @@ def reserve(state: State, run: str, nodes: int, now: float, cap: int,
     """Add or renew `run`'s reservation; refuse one that would take the group above `cap`."""
     others = sum(r["nodes"] for k, r in live_reservations(state, now).items() if k != run)
     total = state["baseline"]["desiredSize"] + others + nodes
-    if total > cap:
-        raise RuntimeError(
+    if total > cap:  # a verdict: retries minutes apart are no queue for runs of hours
+        raise StageFailed(
             f"the node group would need {total} nodes (baseline "
             f"{state['baseline']['desiredSize']} + {others} reserved by other live runs + "
             f"{nodes} for this run), above max_nodes = {cap}")

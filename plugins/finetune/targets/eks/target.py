@@ -50,7 +50,7 @@ from finetune.preflight_verdict import (
 from finetune.run_plan import RunPlan, plan_run
 from finetune.s3_dataset import check_s3_dataset
 from finetune.sweep.early_stop import RungWatch, is_trial, stop_reason
-from finetune.targets.base import Outcome, Target, TrainingFailed, Wait, resumes
+from finetune.targets.base import Outcome, StageFailed, Target, TrainingFailed, Wait, resumes
 from finetune.targets.eks import (
     checks,
     evaluation_job,
@@ -65,7 +65,12 @@ from finetune.targets.eks.clients import (
     kube_api_client,
     kube_credentials,
 )
-from finetune.targets.eks.image_build import BUILD_TIMEOUT_S, finish_image, start_image
+from finetune.targets.eks.image_build import (
+    BUILD_TIMEOUT_S,
+    check_image_source,
+    finish_image,
+    start_image,
+)
 from finetune.targets.eks.launchers import LAUNCHERS, launcher_for, launcher_plan_problems
 from finetune.targets.eks.manifests import PREFLIGHT_DEADLINE_S, PREPARE_DEADLINE_S
 from finetune.targets.eks.rendezvous import delete_run_keys, reset_rendezvous
@@ -276,11 +281,13 @@ class EksTarget(Target):
         the nodes to be Ready, up to capacity_wait_s.
 
         Refused before any node is asked for: an s3:// data set that is missing or empty, a
-        node group whose capacityType is not the run's capacity_type or whose instance types
+        prebuilt ECR image that is not in ECR or a build's build_bucket that does not exist,
+        a node group whose capacityType is not the run's capacity_type or whose instance types
         are not all of the run's GPUs with room for its pods (a fallback node group too).
         """
         if cfg.dataset.startswith("s3://"):
             check_s3_dataset(cfg.dataset, cfg.dataset_format, self._s3(cfg))
+        check_image_source(cfg, aws_session(cfg.aws_conn_id))
         eks = self._eks(cfg)
         types = nodegroup.check_capacity(eks, cfg)
         if cfg.capacity_fallback == "on-demand":
@@ -305,8 +312,8 @@ class EksTarget(Target):
 
     @resumes
     def nodegroup_active(self, cfg: RunConfig, event: dict, state: dict) -> Wait:
-        if event["status"] != "success":
-            raise RuntimeError(event["message"])
+        if event["status"] != "success":  # failed, degraded, or not ACTIVE by the deadline
+            raise StageFailed(event["message"])
         return self._wait_for_nodes(cfg, state, resume=self.nodes_ready)
 
     @resumes
@@ -324,13 +331,14 @@ class EksTarget(Target):
                 **({"instead_of": cfg.nodegroup} if placed != cfg.nodegroup else {})}
 
     def _nodes_came(self, cfg: RunConfig, event: dict, state: dict) -> None:
-        """Fail, saying why, unless the wait for the run's nodes ended with them Ready."""
+        """Fail, saying why, unless the wait for the run's nodes ended with them Ready: a
+        verdict (capacity_wait_s spent, or a device plugin missing), not retried."""
         group = state.get("nodegroup", cfg.nodegroup)
         if event["status"] == "devices":
-            raise RuntimeError(f"node group {group}'s nodes are Ready but cannot take "
-                               f"a worker: {event['message']}")
+            raise StageFailed(f"node group {group}'s nodes are Ready but cannot take "
+                              f"a worker: {event['message']}")
         if event["status"] != "success":
-            raise TimeoutError(self._missing_nodes(cfg, event, state))
+            raise StageFailed(self._missing_nodes(cfg, event, state))
 
     def _missing_nodes(self, cfg: RunConfig, event: dict, state: dict) -> str:
         waited = state.get("wait_s") or cfg.capacity_wait_s
@@ -466,7 +474,7 @@ class EksTarget(Target):
         log.info("%s %s: %s %s", launcher.kind, name, event["state"], event["message"])
         if event["status"] == "deadline":
             job.delete_job(api, cfg.namespace, name, launcher=launcher)
-            raise TimeoutError(
+            raise TrainingFailed(
                 f"{launcher.kind} {cfg.namespace}/{name} ran past active_deadline_s = "
                 f"{cfg.active_deadline_s} s (from its creation): deleted it; teardown gives the "
                 "nodes back")
