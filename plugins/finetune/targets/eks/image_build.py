@@ -53,6 +53,9 @@ CODEBUILD_IMAGE = "aws/codebuild/amazonlinux-x86_64-standard:5.0"
 CODEBUILD_COMPUTE = "BUILD_GENERAL1_LARGE"
 
 CONTEXT_PREFIX = "finetune-build-context"
+# The build context's archive for each builder that fetches it from S3 (CodeBuild's S3 source
+# must be a zip).
+CONTEXT_FORMATS = {"buildkit": "tar.gz", "codebuild": "zip"}
 # The Job may wait for a node before its init container fetches the context.
 CONTEXT_URL_TTL_S = 2 * 3600
 BUILD_TIMEOUT_S = 3 * 3600
@@ -277,19 +280,20 @@ def _no_bucket(bucket: str) -> str:
             "or name another bucket (or a prebuilt image)")
 
 
-def check_build_bucket(s3: Any, bucket: str) -> None:
-    """Refuse a build_bucket that does not exist; one this role may not list (403) passes: a
-    put may still be allowed."""
+def check_build_bucket(s3: Any, bucket: str, key: str) -> None:
+    """Refuse a build_bucket that does not exist, by a one-byte read of the context's key
+    (s3:GetObject, which the build needs anyway): a missing key answers NoSuchKey, or 403
+    without s3:ListBucket; a missing bucket NoSuchBucket."""
     import botocore.exceptions
 
     try:
-        s3.head_bucket(Bucket=bucket)
+        s3.get_object(Bucket=bucket, Key=key, Range="bytes=0-0")
+    except s3.exceptions.NoSuchBucket:
+        raise ImageBuildError(_no_bucket(bucket)) from None
     except botocore.exceptions.ClientError as exc:
-        if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchBucket"):
-            raise ImageBuildError(_no_bucket(bucket)) from None
-        if exc.response.get("Error", {}).get("Code") not in ("403", "AccessDenied"):
+        if exc.response.get("Error", {}).get("Code") not in (
+                "NoSuchKey", "AccessDenied", "403", "InvalidRange"):
             raise
-        log.info("build_bucket %s: cannot tell whether it exists (403); the upload will", bucket)
 
 
 def check_image_source(cfg: RunConfig, session: Any, root: Path = REPO_ROOT) -> None:
@@ -301,8 +305,10 @@ def check_image_source(cfg: RunConfig, session: Any, root: Path = REPO_ROOT) -> 
         return
     if builder not in ("buildkit", "codebuild"):  # buildah builds where Airflow runs
         return
-    if image_digest(session.client("ecr"), cfg.image_repository, image_tag(root)) is None:
-        check_build_bucket(session.client("s3"), cfg.build_bucket)
+    tag = image_tag(root)
+    if image_digest(session.client("ecr"), cfg.image_repository, tag) is None:
+        check_build_bucket(session.client("s3"), cfg.build_bucket,
+                           context_key(tag, CONTEXT_FORMATS[builder]))
 
 
 # -- the builders ----------------------------------------------------------------------------
@@ -337,7 +343,7 @@ def start_image(cfg: RunConfig, session: Any, kube_api: Callable[[], Any], *,
             raise ImageBuildError(f"buildah pushed {ref}, but it is not in ECR")
         log.info("built and pushed %s (%s)", ref, digest)
         return {**result, "built": True, "digest": digest, "pending": None}
-    fmt = "tar.gz" if builder == "buildkit" else "zip"  # CodeBuild's S3 source must be a zip
+    fmt = CONTEXT_FORMATS[builder]
     key = context_key(tag, fmt)
     s3 = session.client("s3")
     upload_context(s3, cfg.build_bucket, key, pack_context(root, fmt))
