@@ -343,6 +343,30 @@ ROWS: tuple[Row, ...] = (
                         lora_rank=16, quantize_base="nf4"), 969.2, 0.646, 51.92,
         f"{LONG.replace(' --peers unsloth', '')} --seq-len 400000 --steps 1 --warmup 0 --peers ''",
         "2026-12-06", gpu=H100, note="peft's add, an older version"),
+    # The 8B full fine-tune on one H200 beside torchtitan, bf16 then float8 (FULL_SHARD on one
+    # GPU: no FSDP, per-block compute copies), 2026-12-07 20:00-20:07 UTC, one machine,
+    # `bench/full_8b.sh OUT pick`, then `float8 tensorwise` and `float8 rowwise`
+    # (docs/notes/2026-12-07-h200-full-8b-float8.log); then float8's loss check at 8B
+    # (`bench/float8.sh OUT loss 8b`, 20:07-20:15 UTC, the same machine;
+    # docs/notes/2026-12-07-h200-float8-loss-8b.log).
+    Row("llama-8b", _mb(2, strategy=_FS), 10_440, 0.5436, 130.0,
+        f"{BENCH} --models 8b --micro-batch 2 --strategy FULL_SHARD --attention sdpa --ac none "
+        "--steps 5 --warmup 2", "2026-12-07"),
+    Row("llama-8b", _mb(2, strategy=_FS, float8=True), 13_660, None, 122.7,
+        f"{BENCH} --models 8b --micro-batch 2 --strategy FULL_SHARD --attention sdpa --ac none "
+        "--float8 --float8-recipe tensorwise --steps 5 --warmup 2", "2026-12-07"),
+    Row("llama-8b", _mb(2, strategy=_FS, float8=True, float8_recipe="rowwise"), 11_970, None,
+        122.7, f"{BENCH} --models 8b --micro-batch 2 --strategy FULL_SHARD --attention sdpa "
+        "--ac none --float8 --float8-recipe rowwise --steps 5 --warmup 2", "2026-12-07"),
+    Row("llama-8b", _mb(1), 9_066, 0.4719, 135.7,
+        f"{BENCH} --models 8b --micro-batch 1 --tokens demo --steps 200 --warmup 2 "
+        "--attention sdpa", "2026-12-07"),
+    Row("llama-8b", _mb(1, float8=True), 11_070, None, 122.7,
+        f"{BENCH} --models 8b --micro-batch 1 --tokens demo --steps 200 --warmup 2 --float8 "
+        "--float8-recipe tensorwise --attention sdpa", "2026-12-07"),
+    Row("llama-8b", _mb(1, float8=True, float8_recipe="rowwise"), 9_132, None, 122.7,
+        f"{BENCH} --models 8b --micro-batch 1 --tokens demo --steps 200 --warmup 2 --float8 "
+        "--float8-recipe rowwise --attention sdpa", "2026-12-07"),
 )
 
 # Each family's saved activations (families.Family.activation_extra), one device call on one

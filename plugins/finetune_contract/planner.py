@@ -189,9 +189,16 @@ FSDP_S_PER_LAYER = 0.5e-3
 # 5.6%, the H200's within 5.4%. A cast per GEMM FLOP and per parameter, as before, left 3B
 # 5-7.5% under and 1B at micro-batch 1 20% over. 1B at micro-batch 1 varies most from one H100
 # to another: 42,960 tokens/s tensorwise on 2026-12-06's machine, 37,250 on 2026-12-07's.
+# Rowwise also pays per block weight and micro-batch (its casts of each weight along rows for
+# forward and along columns for the input's gradient, from the fp32 masters): one H200
+# (2026-12-07, 20:00-20:15 UTC) put 8B rowwise 78 ms a step behind tensorwise at micro-batch 1
+# and 85 at 2, where per-element casts alone would double it, and the model without this term
+# 9.8% over at 8B micro-batch 1. Refitted then with it (and rowwise's per-element cast 2.6e-12
+# -> 1.0e-12): every current rowwise row within 3.6%.
 FLOAT8_GEMM_TIME = {"tensorwise": 0.56, "rowwise": 0.64}
-FLOAT8_CAST_S_PER_ELEMENT = {"tensorwise": 0.2e-12, "rowwise": 2.6e-12}
+FLOAT8_CAST_S_PER_ELEMENT = {"tensorwise": 0.2e-12, "rowwise": 1.0e-12}
 FLOAT8_S_PER_STEP = {"tensorwise": 0.024, "rowwise": 0.020}
+FLOAT8_S_PER_WEIGHT = {"tensorwise": 0.0, "rowwise": 6e-12}
 # Host-device copies (activation offload, cpu_offload) over PCIe, bytes per second a direction:
 # Gen4 x16's 25 GB/s at the 80% instance_types assumes of a link ([LINE]).
 PCIE_BYTES_PER_S = 0.8 * 25e9
@@ -506,6 +513,8 @@ def _step_time(cfg: TrainConfig, config: Any, hardware: Hardware, layout: Parall
         widths = sum(fan_in + fan_out for fan_in, fan_out, _ in linear_shapes(config).values())
         elementwise += (FLOAT8_CAST_S_PER_ELEMENT[cfg.float8_recipe] * tokens * widths * layers
                         * (1 + recomputed / 3) * hardware.peak_flops)
+        elementwise += (FLOAT8_S_PER_WEIGHT[cfg.float8_recipe] * counts["blocks"]
+                        * hardware.peak_flops)
     attention = ATTENTION_EFFICIENCY.get(head_dim, ATTENTION_EFFICIENCY[128]) * min(
         ATTENTION_SEQ_CAP, (cfg.seq_len / 4096) ** ATTENTION_SEQ_EXPONENT)
     capped_from = 4096 * ATTENTION_SEQ_CAP ** (1 / ATTENTION_SEQ_EXPONENT)
