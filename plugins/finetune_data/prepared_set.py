@@ -294,8 +294,8 @@ def load_rows(config: TrainConfig, local_path: Path | None) -> RawRows:
         # Only the columns the rows need are kept: which they are, the first rows say.
         seen = read_rows(files, config.dataset_format, COLUMNS_SEEN_ROWS)
         read_as = row_format(config, seen.columns if seen else [])
-        optional = (TOOLS_COLUMN,) if read_as.messages_field and seen and \
-            TOOLS_COLUMN in seen.columns else ()
+        # a conversation's tools, wherever a row has them: not only where the first rows did
+        optional = (TOOLS_COLUMN,) if read_as.messages_field else ()
         return RawRows(read_jsonl(files, row_columns(read_as), optional), files, [],
                        seen_columns=seen.columns if seen else None)
     builder = builder_name(files[0], config.dataset_format)

@@ -157,6 +157,23 @@ def test_conversations_are_found_by_themselves_in_jsonl_and_parquet(tmp_path, to
         assert sorted((r["input_ids"], r["labels"]) for r in (*train, *held_out)) == expected
 
 
+def test_a_rows_tools_are_kept_when_the_rows_that_show_the_columns_have_none(
+        tmp_path, tokenizers, monkeypatch):
+    """The first rows say which columns to read (COLUMNS_SEEN_ROWS); a tool-calling row after
+    them keeps its tool schemas in its prompt, as encode_row renders it alone."""
+    monkeypatch.setattr(prep, "COLUMNS_SEEN_ROWS", 2)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizers["qwen"])
+    rows = [{"messages": MULTI_TURN}] * 20 + [{"messages": TOOL_CALL, "tools": TOOLS}] * 4
+    config = load_config(None, {"dataset": str(write_jsonl(tmp_path / "chats.jsonl", rows)),
+                                "tokenizer": tokenizers["qwen"], "seq_len": 1024,
+                                "micro_batch": 1, "output_dir": str(tmp_path / "out")})
+    stats = prep.prepare(config, tmp_path / "prepared", num_proc=1)
+    train, held_out, _ = prep.load_prepared(stats["path"])
+    with_tools = encode_row(tokenizer, conversation_config(tokenizers["qwen"]), rows[-1])[1:]
+    assert with_tools in [(r["input_ids"], r["labels"]) for r in (*train, *held_out)]
+    assert "a + b" in tokenizer.decode(with_tools[0])  # the schema's description
+
+
 def test_the_demo_conversations_are_what_the_generator_makes_and_fit_the_demo(tokenizers):
     from trainer.demo.make_data import make_conversation_rows
 
