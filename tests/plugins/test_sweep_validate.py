@@ -111,3 +111,21 @@ def test_the_validate_log_has_each_trials_planned_memory_and_the_sum(sweep):
     totals = plan_totals(priced, at_once=2)
     assert (totals["cost_usd"], totals["wall_time_s"], totals["sweep_wall_time_s"]) == \
         (6.0, 10800.0, 5400.0)
+
+
+def test_a_trials_value_equal_to_the_built_in_default_stands_over_the_preset():
+    """The trigger form sends every field; one still at its built-in default is not set on
+    purpose, so a preset's value stands for it. A trial's value is set on purpose even when it
+    equals the built-in default: tiny-local's warmup_steps 4 and seq_len 96 must not replace
+    the trials' 10 and 128 (the defaults)."""
+    from finetune_contract.parameters import FORM_PARAMETERS, SWEEP_PARAMETERS
+
+    every = {p.name: p.default for p in (*SWEEP_PARAMETERS, *FORM_PARAMETERS)}
+    form = {**every, "preset": "tiny-local", "procs_per_node": 1,
+            "sweep_space": json.dumps({"grid": {"warmup_steps": [10, 5],
+                                                "seq_len": [128, 64]}})}
+    assert (form["warmup_steps"], form["seq_len"]) == (10, 128)  # the built-in defaults
+    sweep = validate_sweep(form, run_id="manual__s", dag_id="llm_finetune_sweep", given=form)
+    assert sorted((t.warmup_steps, t.seq_len) for t in sweep.trials) == \
+        [(5, 64), (5, 128), (10, 64), (10, 128)]
+    assert {t.max_steps for t in sweep.trials} == {40}  # the preset's, for a field left alone

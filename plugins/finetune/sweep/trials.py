@@ -24,7 +24,8 @@ from finetune.sweep.early_stop import first_rung, trial_rungs
 from finetune.sweep.space import expand_space
 from finetune.targets import get_target
 from finetune.validate import validate_params
-from finetune_contract.parameters import BY_NAME, FORM_PARAMETERS, SWEEP_PARAMETERS
+from finetune_contract.parameters import BY_NAME, FORM_PARAMETERS, SWEEP_PARAMETERS, defaults
+from finetune_contract.presets import explicit_fields
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,11 @@ def validate_sweep(params: Mapping[str, Any], *, run_id: str, dag_id: str,
     values = expand_space(settings["sweep_space"], settings["sweep_max_trials"],
                           settings["sweep_seed"])
     base = {k: v for k, v in params.items() if k not in settings}
-    given_base = {k: v for k, v in (given or {}).items() if k not in settings}
+    # What the conf set on purpose (the form sends every field: those at their built-in
+    # default are not), and each trial's values on purpose whatever they are, so a preset
+    # never stands in for a trial's value that equals the built-in default.
+    given_base = explicit_fields({k: v for k, v in (given or {}).items() if k not in settings},
+                                 defaults())
     checked: list[RunConfig | None] = []
     for i, trial_values in enumerate(values):
         try:
