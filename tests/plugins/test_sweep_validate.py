@@ -129,3 +129,16 @@ def test_a_trials_value_equal_to_the_built_in_default_stands_over_the_preset():
     assert sorted((t.warmup_steps, t.seq_len) for t in sweep.trials) == \
         [(5, 64), (5, 128), (10, 64), (10, 128)]
     assert {t.max_steps for t in sweep.trials} == {40}  # the preset's, for a field left alone
+
+
+def test_trials_whose_eval_interval_differ_need_a_first_rung_they_share():
+    """sweep_first_rung 0 starts each trial's rungs at its own eval_interval: 4 and 8 would
+    give rungs 4, 8, ... and 8, 16, ... and the rule would judge each trial alone."""
+    errors = refused(conf([{"eval_interval": 4}, {"eval_interval": 8}], sweep_first_rung=0,
+                          sweep_reduction_factor=2))
+    assert [field for field, _ in errors] == ["sweep_first_rung"], errors
+    assert "(4, 8)" in errors[0][1] and "e.g. 8" in errors[0][1]
+    validate_sweep(conf([{"eval_interval": 4}, {"eval_interval": 8}], sweep_first_rung=8,
+                        sweep_reduction_factor=2), run_id="manual__s", dag_id="llm_finetune_sweep")
+    validate_sweep(conf([{"eval_interval": 4}, {"eval_interval": 8}], sweep_first_rung=0,
+                        sweep_reduction_factor=1), run_id="manual__s", dag_id="llm_finetune_sweep")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -106,6 +107,7 @@ def validate_sweep(params: Mapping[str, Any], *, run_id: str, dag_id: str,
         errors += [(f"trial {i}: {field}", message)
                    for field, message in _trial_problems(cfg, settings, i)]
         checked.append(cfg)
+    errors += _shared_rungs_problems([cfg for cfg in checked if cfg is not None], settings)
     if errors:
         raise ConfigError(errors)
     trials: list[RunConfig] = [cfg for cfg in checked if cfg is not None]
@@ -150,6 +152,22 @@ def _trial_problems(cfg: RunConfig, settings: Mapping[str, Any], trial: int) -> 
         log.warning("trial %d: its first rung (step %d) is not below its last step: the rule "
                     "never judges it", trial, first)
     return []
+
+
+def _shared_rungs_problems(trials: list[RunConfig], settings: Mapping[str, Any]) -> Problems:
+    """The rule ranks the trials that reached a rung: with sweep_first_rung 0 each trial's
+    first rung is its own eval_interval, and trials whose eval_interval differ share no rung,
+    so none would ever be stopped."""
+    if settings["sweep_reduction_factor"] <= 1 or settings["sweep_first_rung"]:
+        return []
+    firsts = sorted({first_rung(dataclasses.replace(cfg, **settings)) for cfg in trials
+                     if cfg.eval_interval})
+    if len(firsts) <= 1:
+        return []
+    return [("sweep_first_rung", f"0 starts each trial's rungs at its own eval_interval, and "
+             f"the trials' differ ({', '.join(map(str, firsts))}): no two would share a rung, "
+             "so the rule would stop none. Set sweep_first_rung to a step every eval_interval "
+             f"divides (e.g. {math.lcm(*firsts)})")]
 
 
 def _nodes_problems(cfg: RunConfig, nodes: int, at_once: int) -> Problems:
