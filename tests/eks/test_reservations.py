@@ -4,6 +4,7 @@ optimistic concurrency (moto server for EKS; the emulator answers a stale resour
 
 from __future__ import annotations
 
+import ast
 import threading
 import time
 from collections.abc import Callable
@@ -17,17 +18,23 @@ from finetune.targets.eks.nodegroup import busy_node_names, instance_id
 from finetune.targets.eks.reservations import (
     ReservationStore,
     empty_state,
+    live_reservations,
     record_baseline,
     release,
+    renewed_while,
     reserve,
     wanted_scaling,
 )
+from finetune.targets.eks.triggers import PollingTrigger
+from tests.support import REPO_ROOT
+from tests.support.deferral import reloaded, run_deferred
 from tests.support.eks import (
     NS,
     SCALING,
     eks_config,
     run_stage,
     scaling,
+    stage_operator,
     target,
     the_nodegroups_asg,
 )
@@ -201,3 +208,121 @@ def test_busy_nodes_are_those_of_other_live_runs_pending_or_running_pods():
     assert busy_node_names(pods, "me", live_runs={"me", "other"}) == {"n2", "n3"}
     assert instance_id({"spec": {"providerID": "aws:///us-east-1a/i-0abc"}}) == "i-0abc"
     assert instance_id({"spec": {"providerID": "kind://docker/x"}}) is None
+
+
+# -- a run's reservation is renewed while it waits --------------------------------------------
+
+
+def holds_nodes(cluster: Any, run: str) -> bool:
+    return run in live_reservations(store(cluster).read()[0], time.time())
+
+
+def test_a_wait_longer_than_the_reservation_ttl_keeps_it_live(nodegroup, cluster):
+    """scale_up's wait for nodes that come after twice the ttl: other runs' sizing must count
+    this run's nodes all the while (as a wait of capacity_wait_s, a build or a node replaced
+    must, each far longer than RESERVATION_TTL_S)."""
+    cfg = eks_config(nodes=1)
+    ttl = 1.0
+    seen: list[bool] = []  # from the reservation on, every 0.1 s
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.1):
+            if seen or holds_nodes(cluster, cfg.rdzv_id):
+                seen.append(holds_nodes(cluster, cfg.rdzv_id))
+
+    threading.Timer(2.5 * ttl, lambda: add_nodes(cluster, 1)).start()
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        result, _ = run_deferred(stage_operator(
+            "scale_up", cfg, {"reservation_ttl": ttl, "nodes_timeout": 30.0}))
+    finally:
+        done.set()
+        watcher.join()
+    assert result["nodes"] == ["ip-10-0-0-0"]
+    assert len(seen) > 15 and all(seen), seen  # live before and after the first ttl ended
+    assert holds_nodes(cluster, cfg.rdzv_id)
+
+
+def test_a_wait_in_the_task_itself_keeps_the_reservation_live(cluster):
+    """A buildah build runs in the task, no trigger: a thread renews meanwhile."""
+    cfg = eks_config()
+    ttl = 0.4
+    store(cluster).update(lambda state: reserve(record_baseline(state, BASELINE), cfg.rdzv_id,
+                                                1, time.time(), 8, ttl))
+    renewal = target()._renewal(cfg)
+    with renewed_while({**renewal, "ttl": ttl}):
+        time.sleep(3 * ttl)
+        assert holds_nodes(cluster, cfg.rdzv_id)
+    time.sleep(1.5 * ttl)
+    assert not holds_nodes(cluster, cfg.rdzv_id)  # no renewal once the wait is over
+
+
+def trigger_classes() -> list[type]:
+    """The waits: every PollingTrigger subclass that can be made (its own __init__)."""
+    def below(cls: type) -> list[type]:
+        return [c for sub in cls.__subclasses__() for c in (sub, *below(sub))]
+
+    return [c for c in below(PollingTrigger) if "__init__" in vars(c)]
+
+
+# What each wait needs besides its reservation.
+TRIGGER_KWARGS = {
+    "NodegroupActiveTrigger": {"cluster_name": "train", "nodegroup": "gpu-p4de", "deadline": 1.0},
+    "NodesReadyTrigger": {"credentials": {}, "nodegroup": "gpu-p4de", "nodes": 1, "gpus": 8,
+                          "deadline": 1.0},
+    "JobTrigger": {"credentials": {}, "namespace": NS, "name": "job", "wake_at": 1.0},
+    "ImageBuildTrigger": {"pending": {"builder": "codebuild", "build_id": "b"}, "deadline": 1.0},
+    "BatchJobTrigger": {"credentials": {}, "namespace": NS, "name": "job", "deadline": 1.0},
+}
+
+
+def test_every_wait_carries_the_runs_reservation_through_a_triggerer_restart():
+    """Each trigger renews what it is given, in the loop they share; it must reach a trigger
+    built again from its kwargs."""
+    renewal = {"credentials": {}, "namespace": NS, "cluster": "train", "nodegroup": "gpu-p4de",
+               "holder": "run-1", "ttl": 60.0}
+    classes = {c.__name__: c for c in trigger_classes()}
+    assert set(classes) == set(TRIGGER_KWARGS), "a new wait: say what it needs in TRIGGER_KWARGS"
+    for name, cls in classes.items():
+        trigger = cls(**TRIGGER_KWARGS[name], reservation=renewal)
+        assert reloaded(trigger).reservation == renewal, name
+
+
+# Where the eks target defers before the run holds any node: nothing to renew.
+BEFORE_THE_NODES = {("_start_prepare", "BatchJobTrigger")}
+
+
+def test_every_trigger_the_eks_target_defers_on_after_scale_up_is_given_the_reservation():
+    """A scan of the eks target: each trigger it makes names `reservation=`, but for the waits
+    before any node is reserved; a new wait that forgets it fails here."""
+    path = REPO_ROOT / "plugins/finetune/targets/eks/target.py"
+    triggers = {c.__name__ for c in trigger_classes()}
+    made = []
+    for function in ast.walk(ast.parse(path.read_text())):
+        if isinstance(function, ast.FunctionDef):
+            made += [(function.name, node.func.id, {k.arg for k in node.keywords})
+                     for node in ast.walk(function) if isinstance(node, ast.Call)
+                     and isinstance(node.func, ast.Name) and node.func.id in triggers]
+    assert len(made) >= 5
+    missing = [(f, t) for f, t, keywords in made
+               if "reservation" not in keywords and (f, t) not in BEFORE_THE_NODES]
+    assert missing == []
+
+
+def test_the_eks_targets_waits_renew_the_holders_reservation_where_its_nodes_are(
+        nodegroup, cluster):
+    """scale_up's, train's and a sweep trial's waits: the run's (or the sweep's) reservation,
+    on the node group the run's nodes are in."""
+    cfg, t = eks_config(), target()
+    wait = t.scale_up(cfg)
+    assert wait.trigger.reservation == t._renewal(cfg, "gpu-p4de")
+    assert wait.trigger.reservation["holder"] == cfg.rdzv_id
+    assert t.nodegroup_active(cfg, {"status": "success"}, wait.state).trigger.reservation == \
+        wait.trigger.reservation
+    trial = eks_config(node_reservation="sweep-1")
+    trained = t.train(trial, {"image": "img"}, {"backend": "c10d", "rdzv_id": "x"})
+    assert trained.trigger.reservation["holder"] == "sweep-1"
+    assert trained.trigger.reservation["nodegroup"] == "gpu-p4de"
+    t.teardown(cfg, t.snapshot(cfg))

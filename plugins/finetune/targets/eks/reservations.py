@@ -12,9 +12,12 @@ The state lives in one JSON key: a replace is the whole truth, never a merge.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import tenacity
@@ -27,7 +30,8 @@ log = logging.getLogger(__name__)
 
 STATE_KEY = "reservations.json"
 SCALING_KEYS = ("minSize", "maxSize", "desiredSize")
-# A live run renews its reservation at every stage and every train wake-up (about a minute).
+# A run that holds nodes renews its reservation while it waits (`Renewal`): every trigger's
+# loop, and a wait in the task itself (a buildah build), renew it every quarter of this.
 RESERVATION_TTL_S = 3600
 CONFLICT_RETRIES = 20
 
@@ -148,3 +152,54 @@ def _conflict(exc: BaseException) -> bool:
     import kubernetes
 
     return isinstance(exc, kubernetes.client.ApiException) and exc.status == 409
+
+
+# -- the renewal while a run waits -----------------------------------------------------------
+
+# What renews a run's reservation (JSON-able: a trigger carries it in its kwargs): the
+# cluster's credentials (clients.kube_credentials), the reservation's ConfigMap (namespace,
+# cluster, node group), the run that holds it and its ttl.
+Renewal = dict[str, Any]
+
+
+def renewal_interval(renewal: Renewal) -> float:
+    """How often a wait renews: a quarter of the ttl, so a few missed renewals do not end it."""
+    return float(renewal["ttl"]) / 4
+
+
+def renew_reservation(renewal: Renewal) -> None:
+    """Renew the run's reservation for another ttl (nothing when it holds none); best effort:
+    a failure is logged, and the reservation outlives a few missed renewals."""
+    import kubernetes
+
+    from finetune.targets.eks.clients import kube_api_client
+
+    try:
+        store = ReservationStore(
+            kubernetes.client.CoreV1Api(kube_api_client(**renewal["credentials"])),
+            renewal["namespace"], renewal["cluster"], renewal["nodegroup"])
+        store.update(lambda state: renew(state, renewal["holder"], time.time(), renewal["ttl"]))
+    except Exception as exc:
+        log.warning("could not renew the node reservation of %s: %s", renewal["holder"], exc)
+
+
+@contextlib.contextmanager
+def renewed_while(renewal: Renewal | None) -> Iterator[None]:
+    """Keep the reservation live while the block runs in the task (a wait without a trigger:
+    a buildah build of hours), renewing it from a thread every renewal_interval."""
+    if renewal is None:
+        yield
+        return
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(renewal_interval(renewal)):
+            renew_reservation(renewal)
+
+    thread = threading.Thread(target=beat, name="reservation-renewal", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()

@@ -22,9 +22,10 @@ deferred task stores.
 - preflight checks the run's nodes in a job of their own; bad ones are cordoned and replaced
   (`node_health`);
 - train creates (or, on a retry, adopts) the run's job and waits for it (`job`), waking up to
-  stream the leader's log, move off nodes with XID errors (`node_health`) and renew the
-  reservation (a sweep's trial: the sweep's, on whose nodes it runs; and the sweep's rule,
-  which may stop it: its job deleted, its pods saving their step); a TrainJob past
+  stream the leader's log, move off nodes with XID errors (`node_health`) and apply the
+  sweep's rule to a trial, which may stop it (its job deleted, its pods saving their step);
+  every wait of a run that holds nodes renews its reservation (a sweep's trial: the sweep's,
+  on whose nodes it runs; `reservations.Renewal`, in the triggers' loop); a TrainJob past
   active_deadline_s is deleted by the task (Trainer v2.0 has no activeDeadlineSeconds);
 - evaluate runs trainer.evaluate in a job of its own (`evaluation_job`); collect_metrics
   writes the report with the job's GPU metrics from Prometheus.
@@ -76,9 +77,10 @@ from finetune.targets.eks.manifests import PREFLIGHT_DEADLINE_S, PREPARE_DEADLIN
 from finetune.targets.eks.rendezvous import delete_run_keys, reset_rendezvous
 from finetune.targets.eks.reservations import (
     RESERVATION_TTL_S,
+    Renewal,
     ReservationStore,
     record_baseline,
-    renew,
+    renewed_while,
 )
 from finetune.targets.eks.triggers import (
     BatchJobTrigger,
@@ -145,15 +147,23 @@ class EksTarget(Target):
     def s3_client(self, cfg: RunConfig) -> Any:
         return self._s3(cfg)
 
-    def _wait_for_build(self, cfg: RunConfig, started: dict,
-                        resume: Callable[..., Outcome]) -> Wait:
+    def _renewal(self, cfg: RunConfig, nodegroup: str | None = None) -> Renewal:
+        """What keeps the run's node reservation live while it waits (the triggers renew it):
+        its holder's (a sweep's, for its trials), on the node group its nodes are in."""
+        return {"credentials": kube_credentials(cfg), "namespace": cfg.namespace,
+                "cluster": cfg.cluster_name,
+                "nodegroup": nodegroup or self._on_run_nodes(cfg).nodegroup,
+                "holder": self._node_holder(cfg).rdzv_id, "ttl": self.reservation_ttl}
+
+    def _wait_for_build(self, cfg: RunConfig, started: dict, resume: Callable[..., Outcome],
+                        reservation: Renewal | None = None) -> Wait:
         pending = started["pending"]
         deadline = time.time() + self.build_timeout
         return Wait(ImageBuildTrigger(
             pending=pending, deadline=deadline,
             credentials=kube_credentials(cfg) if pending["builder"] == "buildkit" else None,
             aws_conn_id=cfg.aws_conn_id, poll_interval=self.poll_interval,
-            refresh_interval=self.refresh_interval),
+            refresh_interval=self.refresh_interval, reservation=reservation),
             resume=resume, deadline=deadline, state={"started": started})
 
     def _capacity_deadline(self, cfg: RunConfig) -> float:
@@ -167,13 +177,14 @@ class EksTarget(Target):
         """Until the run's nodes of state's node group and instance types are Ready with GPUs
         (and state["efa"]), by state's deadline."""
         deadline = state.get("deadline") or self._capacity_deadline(cfg)
+        group = state.get("nodegroup", cfg.nodegroup)
         return Wait(NodesReadyTrigger(
-            credentials=kube_credentials(cfg), nodegroup=state.get("nodegroup", cfg.nodegroup),
+            credentials=kube_credentials(cfg), nodegroup=group,
             nodes=cfg.nodes, gpus=cfg.procs_per_node, deadline=deadline, efa=state["efa"],
             instance_types=state.get("instance_types") or [state.get("instance_type",
                                                                      cfg.instance_type)],
             devices_grace_s=self.devices_grace_s, poll_interval=self.poll_interval,
-            refresh_interval=self.refresh_interval),
+            refresh_interval=self.refresh_interval, reservation=self._renewal(cfg, group)),
             resume=resume, deadline=deadline, state={**state, "deadline": deadline})
 
     def _on_run_nodes(self, cfg: RunConfig) -> RunConfig:
@@ -201,7 +212,8 @@ class EksTarget(Target):
         return JobTrigger(
             credentials=kube_credentials(cfg), namespace=cfg.namespace, name=name,
             wake_at=time.time() + self.wake_after, poll_interval=self.poll_interval,
-            refresh_interval=self.refresh_interval, launcher=cfg.launcher, deadline=deadline)
+            refresh_interval=self.refresh_interval, launcher=cfg.launcher, deadline=deadline,
+            reservation=self._renewal(cfg))
 
     # -- prepare_data -----------------------------------------------------------------------
 
@@ -304,7 +316,8 @@ class EksTarget(Target):
         deadline = self._capacity_deadline(cfg)
         return Wait(NodegroupActiveTrigger(
             cluster_name=cfg.cluster_name, nodegroup=cfg.nodegroup, deadline=deadline,
-            aws_conn_id=cfg.aws_conn_id, poll_interval=self.poll_interval),
+            aws_conn_id=cfg.aws_conn_id, poll_interval=self.poll_interval,
+            reservation=self._renewal(cfg, cfg.nodegroup)),
             resume=self.nodegroup_active, deadline=deadline,
             state={"scaling_config": scaling, "before": before, "nodegroup": cfg.nodegroup,
                    "instance_types": types, "efa": INSTANCE_TYPES[cfg.instance_type].efa or 0,
@@ -371,14 +384,17 @@ class EksTarget(Target):
     def build_image(self, cfg: RunConfig) -> dict | Wait:
         """Prebuilt, already in ECR (skipped), or built now (BuildKit Job or CodeBuild)."""
         session = aws_session(cfg.aws_conn_id)
-        # The cluster client only when a BuildKit build needs it.
-        started = start_image(cfg, session, lambda: self._kube(cfg),
-                              timeout=self.build_timeout)
+        reservation = self._renewal(cfg)
+        # The cluster client only when a BuildKit build needs it; a buildah build runs here.
+        with renewed_while(reservation):
+            started = start_image(cfg, session, lambda: self._kube(cfg),
+                                  timeout=self.build_timeout)
         if started["pending"] is None:
             return finish_image(cfg, session, lambda: self._kube(cfg), started, "Complete", "")
         log.info("waiting deferred for the %s build of %s", started["pending"]["builder"],
                  started["image"])
-        return self._wait_for_build(cfg, started, resume=self.build_done)
+        return self._wait_for_build(cfg, started, resume=self.build_done,
+                                    reservation=reservation)
 
     @resumes
     def build_done(self, cfg: RunConfig, event: dict, state: dict) -> dict:
@@ -466,7 +482,7 @@ class EksTarget(Target):
     @resumes
     def job_wake(self, cfg: RunConfig, event: dict, state: dict) -> dict | Wait:
         """Each wake-up: the leader's new log lines into the task log; then wait again (the
-        reservation renewed), fail with the pods' reasons, or return the result."""
+        trigger renews the reservation), fail with the pods' reasons, or return the result."""
         cfg = self._on_run_nodes(cfg)
         name, api, launcher = state["job"]["job"], self._kube(cfg), launcher_for(cfg)
         state = {**state, "after": job.stream_leader_log(api, cfg.namespace, name,
@@ -491,10 +507,6 @@ class EksTarget(Target):
             state = self._follow_preemptions(cfg, api, name, state)
             state = node_health.move_off_xid_nodes(lambda: self._eks(cfg), api, cfg, name,
                                                    launcher, state)
-            try:
-                self._renew_reservation(cfg)
-            except Exception as exc:  # the reservation outlives a few missed renewals
-                log.warning("could not renew the node reservation: %s", exc)
             return self._wait_for_job(cfg, state)
         if event["status"] == "failed":
             report = job.failure_report(api, cfg.namespace, name, event["message"], launcher)
@@ -531,12 +543,6 @@ class EksTarget(Target):
                         "%s); the same job goes on from the step each notice saved",
                         launcher.kind, name, count, cfg.max_preemptions, source)
         return {**state, "preemptions": count, "restarts_seen": seen}
-
-    def _renew_reservation(self, cfg: RunConfig) -> None:
-        """Heartbeat: a live run's reservation must not expire while it trains."""
-        holder = self._node_holder(cfg).rdzv_id
-        self._reservations(cfg).update(
-            lambda state: renew(state, holder, time.time(), self.reservation_ttl))
 
     # -- evaluate ---------------------------------------------------------------------------
 

@@ -16,6 +16,11 @@ done:
 - `BatchJobTrigger`: a batch/v1 Job of the run (the prepare_data pod's) completed or failed,
   or its deadline passed.
 
+A wait of a run that holds nodes carries its `reservation` (reservations.Renewal) and renews
+it at its first look and every quarter of its ttl after (the loop every wait shares): a wait of
+hours (capacity_wait_s, a build, a node replaced) never lets it expire, while a run whose task
+is gone stops renewing it.
+
 Every deadline (and the job's wake-up time) is wall-clock epoch seconds in the kwargs, computed
 once when the task defers: a triggerer restart rebuilds the trigger from them and does not
 extend it. A trigger serialises every argument of its `__init__`, read back from the attribute
@@ -45,6 +50,7 @@ from finetune.targets.eks.image_build import build_job_state, codebuild_state
 from finetune.targets.eks.launchers import LAUNCHERS, TERMINAL
 from finetune.targets.eks.manifests import NODEGROUP_LABEL
 from finetune.targets.eks.nodegroup import missing_devices, usable_nodes
+from finetune.targets.eks.reservations import Renewal, renew_reservation, renewal_interval
 
 # Node group states from which it does not become ACTIVE by itself.
 NODEGROUP_FAILED = ("CREATE_FAILED", "DELETE_FAILED", "DEGRADED", "DELETING")
@@ -56,13 +62,15 @@ class PollingTrigger(BaseTrigger):
     A subclass sets `deadline` (epoch seconds; 0: none) and `poll_interval`, and says what it
     looks at (`poll`), the event that look calls for or None to look again (`done`), and the
     event once the deadline has passed (`timed_out`). A wait that reads the cluster sets
-    `credentials` and `refresh_interval` and reads through `kube()`.
+    `credentials` and `refresh_interval` and reads through `kube()`. Every subclass takes
+    `reservation`: the run's node reservation to keep live while it waits (None: none held).
     """
 
     deadline: float = 0.0
     poll_interval: float = 15.0
     credentials: dict[str, str] | None = None
     refresh_interval: float = TOKEN_REFRESH_S
+    reservation: Renewal | None = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -95,8 +103,13 @@ class PollingTrigger(BaseTrigger):
         return self._kube
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
+        renewed = None
         try:
             while True:
+                if self.reservation and (renewed is None or time.monotonic() - renewed >=
+                                         renewal_interval(self.reservation)):
+                    renewed = time.monotonic()  # kubernetes and boto3 block: off the loop
+                    await asyncio.to_thread(renew_reservation, self.reservation)
                 seen = await self.poll()
                 event = self.done(seen)
                 if event is None and self.passed():
@@ -120,10 +133,12 @@ class NodegroupActiveTrigger(PollingTrigger):
     attempts, not a wall-clock deadline."""
 
     def __init__(self, *, cluster_name: str, nodegroup: str, deadline: float,
-                 aws_conn_id: str = "", poll_interval: float = 15.0):
+                 aws_conn_id: str = "", poll_interval: float = 15.0,
+                 reservation: Renewal | None = None):
         super().__init__()
         self.cluster_name, self.nodegroup, self.aws_conn_id = cluster_name, nodegroup, aws_conn_id
         self.deadline, self.poll_interval = deadline, poll_interval
+        self.reservation = reservation
 
     @retry_transient
     def _describe(self) -> dict[str, Any]:
@@ -160,14 +175,14 @@ class NodesReadyTrigger(PollingTrigger):
                  deadline: float, efa: int = 0, instance_type: str = "",
                  devices_grace_s: float = 300.0, poll_interval: float = 15.0,
                  refresh_interval: float = TOKEN_REFRESH_S,
-                 instance_types: list[str] | None = None):
+                 instance_types: list[str] | None = None, reservation: Renewal | None = None):
         super().__init__()
         self.credentials, self.nodegroup, self.nodes = credentials, nodegroup, nodes
         self.gpus, self.efa, self.instance_type = gpus, efa, instance_type
         self.instance_types = list(instance_types or ([instance_type] if instance_type else []))
         self.devices_grace_s = devices_grace_s
         self.deadline, self.poll_interval = deadline, poll_interval
-        self.refresh_interval = refresh_interval
+        self.refresh_interval, self.reservation = refresh_interval, reservation
 
     @retry_transient
     async def poll(self) -> list[dict[str, Any]]:
@@ -200,11 +215,11 @@ class JobTrigger(PollingTrigger):
     def __init__(self, *, credentials: dict[str, str], namespace: str, name: str,
                  wake_at: float, poll_interval: float = 15.0,
                  refresh_interval: float = TOKEN_REFRESH_S, launcher: str = "pytorchjob",
-                 deadline: float = 0.0):
+                 deadline: float = 0.0, reservation: Renewal | None = None):
         super().__init__()
         self.credentials, self.namespace, self.name = credentials, namespace, name
         self.wake_at, self.poll_interval = wake_at, poll_interval
-        self.refresh_interval = refresh_interval
+        self.refresh_interval, self.reservation = refresh_interval, reservation
         self.launcher, self.deadline = launcher, deadline
 
     @retry_transient
@@ -284,11 +299,12 @@ class ImageBuildTrigger(CompletionTrigger):
 
     def __init__(self, *, pending: dict[str, Any], deadline: float,
                  credentials: dict[str, str] | None = None, aws_conn_id: str = "",
-                 poll_interval: float = 15.0, refresh_interval: float = TOKEN_REFRESH_S):
+                 poll_interval: float = 15.0, refresh_interval: float = TOKEN_REFRESH_S,
+                 reservation: Renewal | None = None):
         super().__init__()
         self.pending, self.credentials, self.aws_conn_id = pending, credentials, aws_conn_id
         self.deadline, self.poll_interval = deadline, poll_interval
-        self.refresh_interval = refresh_interval
+        self.refresh_interval, self.reservation = refresh_interval, reservation
         self._codebuild: Any = None
 
     async def poll(self) -> tuple[str, str]:
@@ -309,11 +325,11 @@ class BatchJobTrigger(CompletionTrigger):
 
     def __init__(self, *, credentials: dict[str, str], namespace: str, name: str,
                  deadline: float, poll_interval: float = 15.0,
-                 refresh_interval: float = TOKEN_REFRESH_S):
+                 refresh_interval: float = TOKEN_REFRESH_S, reservation: Renewal | None = None):
         super().__init__()
         self.credentials, self.namespace, self.name = credentials, namespace, name
         self.deadline, self.poll_interval = deadline, poll_interval
-        self.refresh_interval = refresh_interval
+        self.refresh_interval, self.reservation = refresh_interval, reservation
 
     async def poll(self) -> tuple[str, str]:
         return await read_batch_job(self.kube(), self.namespace, self.name)
