@@ -122,6 +122,9 @@ class TrainState:
     skipped_steps: int = 0  # steps the fp16 grad scaler skipped on inf/NaN gradients
     eval_loss: float | None = None
     last_eval_step: int | None = None
+    # the step's eval was due and not taken before its save (a notice saves first): resume takes
+    # it, so a sweep's rung and the eval curve keep that step
+    eval_due: bool = False
     # A mixture's eval loss per source (name -> loss), at the first eval and the last.
     initial_eval_loss_by_source: dict[str, float] | None = None
     eval_loss_by_source: dict[str, float] | None = None
@@ -307,6 +310,9 @@ class Trainer:
             self.eval_and_log(state)
             state.initial_eval_loss = state.eval_loss
             state.initial_eval_loss_by_source = state.eval_loss_by_source
+        elif state.eval_due:  # the saved step's eval, which its notice came before
+            self.eval_and_log(state)
+            self.output.sync(METRICS_FILE)
         self.model.train()
         return state
 
@@ -472,6 +478,9 @@ class Trainer:
             "initial_eval_loss": state.initial_eval_loss,
             "initial_eval_loss_by_source": state.initial_eval_loss_by_source,
             "skipped_steps": state.skipped_steps,
+            "eval_due": bool(self.config.eval_interval
+                             and state.step % self.config.eval_interval == 0
+                             and state.last_eval_step != state.step),
             **({"grad_scaler": self.scaler.state_dict()} if self.scaler else {}),
         }
         saving = time.perf_counter()
@@ -493,6 +502,7 @@ class Trainer:
             initial_eval_loss_by_source=saved.get("initial_eval_loss_by_source"),
             resumed_from_step=saved["step"],
             skipped_steps=saved.get("skipped_steps", 0),
+            eval_due=saved.get("eval_due", False),
         )
 
     def summary(self, state: TrainState, peak_memory: int) -> dict[str, Any]:

@@ -1,0 +1,49 @@
+"""A notice during a step the eval is due at: the step is saved before its eval (the notice's
+save comes first, within the pods' grace), and the resumed round takes that eval before it trains
+on, so the eval curve and a sweep's rung at that step are not lost."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from finetune_contract.run_history import PREEMPTED_EXIT_CODE
+from tests.support import REPO_ROOT
+from tests.support.training import read_metrics
+
+pytestmark = pytest.mark.slow  # a trainer run noticed, then resumed
+
+STEPS, EVAL_EVERY, NOTICED = 6, 2, 4
+
+
+def trainer_args(output_dir) -> list[str]:
+    return [
+        "--output_dir", str(output_dir), "--max_steps", str(STEPS), "--seq_len", "64",
+        "--micro_batch", "4", "--warmup_steps", "2", "--eval_interval", str(EVAL_EVERY),
+        "--checkpoint_interval", "3", "--log_interval", "1",
+    ]  # fmt: skip
+
+
+def run(args: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, *args], cwd=REPO_ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def evals(output_dir) -> list[int]:
+    return sorted(r["step"] for r in read_metrics(output_dir) if r["type"] == "eval")
+
+
+def test_a_notice_at_an_eval_step_saves_it_and_the_resumed_round_takes_its_eval(tmp_path):
+    noticed = run(["tests/trainer/notice_worker.py", str(NOTICED), *trainer_args(tmp_path)])
+    output = noticed.stdout[-3000:] + noticed.stderr[-3000:]
+    assert noticed.returncode == PREEMPTED_EXIT_CODE, output
+    assert f"preempted at step {NOTICED}" in noticed.stdout
+    assert evals(tmp_path) == [0, 2]  # step 4's eval was due when the notice's save came
+
+    resumed = run(["-m", "trainer.train", *trainer_args(tmp_path)])
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert evals(tmp_path) == [0, 2, 4, 6]  # each once
+    trained = [r["step"] for r in read_metrics(tmp_path) if r["type"] == "train"]
+    assert trained == list(range(1, STEPS + 1))
