@@ -195,4 +195,9 @@ class TrialOperator(StageOperator):
                    "final_eval_loss": None}
         self._records(target, cfg).record_outcome(cfg.sweep_trial, outcome)
         log.error("trial %d failed (the sweep goes on): %s", cfg.sweep_trial, exc)
+        try:  # its job (pods restarting, or Pending) would hold the nodes the next trial needs
+            target.release(cfg)
+        except Exception as release_error:
+            log.warning("trial %d: not all it started was stopped (%s); the sweep's teardown "
+                        "releases it again", cfg.sweep_trial, release_error)
         return outcome

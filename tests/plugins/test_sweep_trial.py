@@ -123,6 +123,27 @@ def test_a_verdict_on_the_trial_fails_it_at_once_not_only_on_its_last_try(trial,
     assert outcome["outcome"] == "failed" and "could not be scheduled" in outcome["reason"]
 
 
+def test_a_failed_trial_gives_back_what_it_started_at_once_not_at_the_sweeps_teardown(
+        trial, stages):
+    """The next trial takes its nodes: on eks its job (pods restarting or Pending) deleted, on
+    the local target its processes and etcd stopped (LocalTarget.release, as here)."""
+    from finetune.etcd import LocalEtcd
+    from finetune.targets.local.state import write_state
+    from tests.support.system import etcd_or_skip
+
+    server = LocalEtcd.start(etcd_or_skip(), Path(trial.run_dir) / "logs")
+    write_state(trial, "etcd", server.to_dict())
+    try:
+        def unschedulable() -> dict:
+            raise StageFailed("2 pod(s) of PyTorchJob x could not be scheduled for 600 s")
+
+        stages.train = unschedulable
+        assert run(trial, try_number=1)["outcome"] == "failed"
+        assert not server.is_running() and not Path(server.data_dir).exists()
+    finally:
+        server.stop()
+
+
 def test_a_refused_trial_fails_at_once(trial, stages):
     def refused() -> dict:
         raise ConfigError([("dataset", "changed while it was prepared")])
