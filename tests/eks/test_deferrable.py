@@ -297,6 +297,16 @@ def test_triggers_retry_transient_api_errors(cluster):
     assert faults == []
 
 
+def test_the_stages_sync_reads_retry_transient_api_errors_too(cluster):
+    """The sync client raises a subclass of ApiException for a 5xx (ServiceException)."""
+    from finetune.targets.eks.job import list_pods
+
+    cluster.emulator.faults += [(f"^/api/v1/namespaces/{NS}/pods$", 503),
+                                (f"^/api/v1/namespaces/{NS}/pods$", 500)]
+    assert list_pods(cluster.api(), NS, "app=none") == []
+    assert cluster.emulator.faults == []  # both errors were met, and retried
+
+
 def test_an_error_that_is_not_transient_is_not_retried(cluster):
     cfg = eks_config()
     cluster.emulator.faults.append(("/pytorchjobs/", 403))

@@ -326,3 +326,60 @@ def test_the_eks_targets_waits_renew_the_holders_reservation_where_its_nodes_are
     assert trained.trigger.reservation["holder"] == "sweep-1"
     assert trained.trigger.reservation["nodegroup"] == "gpu-p4de"
     t.teardown(cfg, t.snapshot(cfg))
+
+
+# -- teardown reads the reservations before it gives nodes back ------------------------------
+
+
+def two_runs_up(cluster: Any) -> tuple[Any, Any]:
+    """Another run and this one, a node each: this run's snapshot (SCALING) predates the other's
+    reservation, so restoring it would take the other run's node."""
+    other, cfg = eks_config(run_id="manual__other", nodes=1), eks_config(nodes=1)
+    add_nodes(cluster, 2)
+    run_stage("scale_up", other)
+    run_stage("scale_up", cfg)
+    return other, cfg
+
+
+RESERVATIONS_PATH = r"/configmaps/finetune-nodes-"
+
+
+def test_teardown_retries_a_transient_error_reading_the_reservations(nodegroup, cluster):
+    other, cfg = two_runs_up(cluster)
+    assert scaling(nodegroup)["desiredSize"] == 2
+    cluster.emulator.faults += [(RESERVATIONS_PATH, 503)] * 2  # then the API server answers
+    target().teardown(cfg, {"scaling_config": SCALING})
+    assert scaling(nodegroup)["desiredSize"] == 1  # the other run's node kept
+    assert set(live_reservations(store(cluster).read()[0], time.time())) == {other.rdzv_id}
+
+
+def test_teardown_fails_rather_than_guess_when_the_reservations_cannot_be_read(nodegroup,
+                                                                               cluster):
+    """A read refused (403) is no evidence that there is no cluster: the stale snapshot is not
+    restored; teardown fails, and its retry gives back what is this run's."""
+    other, cfg = two_runs_up(cluster)
+    cluster.emulator.faults.append((RESERVATIONS_PATH, 403))
+    with pytest.raises(RuntimeError, match="restoring node group gpu-p4de failed"):
+        target().teardown(cfg, {"scaling_config": SCALING})
+    assert scaling(nodegroup)["desiredSize"] == 2  # nothing given back on a guess
+    target().teardown(cfg, {"scaling_config": SCALING})  # the task's retry
+    assert scaling(nodegroup)["desiredSize"] == 1
+
+
+def test_without_a_cluster_to_ask_teardown_restores_the_runs_snapshot(nodegroup):
+    import botocore.exceptions
+
+    from finetune.targets.eks.nodegroup import give_back_nodes
+
+    cfg = eks_config()
+    nodegroup.update_nodegroup_config(clusterName="train", nodegroupName="gpu-p4de",
+                                      scalingConfig={**SCALING, "desiredSize": 2})
+
+    def no_cluster() -> ReservationStore:
+        raise botocore.exceptions.ClientError(
+            {"Error": {"Code": "ResourceNotFoundException", "Message": "No cluster found for "
+                       "name: train."}}, "DescribeCluster")
+
+    give_back_nodes(nodegroup, lambda: None, cfg, {"scaling_config": SCALING}, no_cluster, 3,
+                    0.05)
+    assert scaling(nodegroup) == SCALING

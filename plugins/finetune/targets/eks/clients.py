@@ -53,9 +53,21 @@ def transient(exc: BaseException) -> bool:
                         urllib3.exceptions.HTTPError, aiohttp.ClientConnectionError,
                         asyncio.TimeoutError)):
         return True
-    # kubernetes' and kubernetes_asyncio's ApiException both carry the HTTP status.
-    return type(exc).__name__ == "ApiException" and getattr(exc, "status", None) in \
-        TRANSIENT_STATUS
+    # kubernetes' and kubernetes_asyncio's ApiException both carry the HTTP status; the sync
+    # client raises a subclass of it for some (ServiceException for a 5xx).
+    return any(c.__name__ == "ApiException" for c in type(exc).__mro__) and \
+        getattr(exc, "status", None) in TRANSIENT_STATUS
+
+
+def no_such_cluster(exc: BaseException) -> bool:
+    """The cluster is not there to ask (EKS says there is no such cluster), or the run names
+    none (no credentials): a definite answer, not an error that may pass."""
+    import botocore.exceptions
+
+    if isinstance(exc, ConfigError):
+        return True
+    return isinstance(exc, botocore.exceptions.ClientError) and \
+        exc.response.get("Error", {}).get("Code") == "ResourceNotFoundException"
 
 
 def _log_retry(state: tenacity.RetryCallState) -> None:

@@ -21,7 +21,12 @@ import tenacity
 
 from finetune.config import RunConfig
 from finetune.targets.base import StageFailed
-from finetune.targets.eks.clients import aws_session, create_or_replace, retry_transient
+from finetune.targets.eks.clients import (
+    aws_session,
+    create_or_replace,
+    no_such_cluster,
+    retry_transient,
+)
 from finetune.targets.eks.manifests import (
     APP,
     INSTANCE_TYPE_LABEL,
@@ -166,12 +171,16 @@ def give_back_nodes(eks: Any, kube: Callable[[], Any], cfg: RunConfig, snapshot:
                     store: Callable[[], ReservationStore], attempts: int,
                     wait_s: float) -> dict[str, int]:
     """Remove the run's reservation; give back only what no other live run needs. Without
-    reservations (none recorded, or the cluster unreachable) the run's snapshot is restored."""
+    reservations (no ConfigMap, no baseline in it, or no such cluster) the run's snapshot is
+    restored. An error reading them that may pass is retried, and then fails (teardown is
+    retried): the snapshot may be stale, and restoring it would take other runs' nodes."""
     try:
-        reservations = store()
-        state, _ = reservations.read()
-    except Exception as exc:  # no cluster: no other run can be using the nodes either
-        log.warning("reservations unreadable (%s): restoring the run's snapshot", exc)
+        reservations, state = _read_reservations(store)
+    except Exception as exc:
+        if not no_such_cluster(exc):
+            raise
+        log.warning("no cluster to read the reservations from (%s): restoring the run's "
+                    "snapshot", exc)
         state = None
     if state is None or not state["baseline"]:
         apply_scaling(eks, cfg, dict(snapshot["scaling_config"]), attempts, wait_s)
@@ -189,6 +198,13 @@ def give_back_nodes(eks: Any, kube: Callable[[], Any], cfg: RunConfig, snapshot:
 
     reservations.update(release_own)
     return reconcile_scaling(eks, cfg, reservations, attempts, wait_s)
+
+
+@retry_transient
+def _read_reservations(store: Callable[[], ReservationStore]) -> tuple[ReservationStore, dict]:
+    """The store and its state (an empty one when its ConfigMap is absent)."""
+    reservations = store()
+    return reservations, reservations.read()[0]
 
 
 def record_run_nodegroup(api: Any, cfg: RunConfig, nodegroup: str) -> None:
