@@ -45,10 +45,11 @@ teardown (whenever the setup ran)
 # The stages a new try resumes instead of repeating, retried when a try is lost with its
 # worker, scheduler or the whole of Airflow (Airflow's default is no retry): scale_up (the
 # reservation and the node group's size are set, not added), build_image (content-addressed:
-# a tag in ECR is skipped, a running build Job adopted), train (reattaches to the running
-# training or takes a finished one's result), collect_metrics (rewrites the report) and
-# teardown (every step is idempotent). validate and snapshot are retried by no one: they fail
-# the same way again. rendezvous neither: it clears the store a running training uses.
+# a tag in ECR is skipped, a running build Job adopted), preflight (checks the nodes again),
+# train (reattaches to the running training or takes a finished one's result),
+# collect_metrics (rewrites the report) and teardown (every step is idempotent). validate and
+# snapshot are retried by no one: they fail the same way again. rendezvous neither: it clears
+# the store a running training uses.
 # A stage's definite verdict (a training that failed by itself, capacity that did not come,
 # an image not in ECR: `targets.base.StageFailed`) is not retried: the nodes go back at once.
 # Five retries, 30 s doubling to at most 10 minutes: about 15 minutes of Airflow coming back,
