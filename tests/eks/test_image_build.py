@@ -31,8 +31,10 @@ from finetune.targets.eks.image_build import (
     BUILDKIT_IMAGE,
     FETCH_CONTAINER,
     JOB_NAME_LABEL,
+    LABEL_IMAGE_TAG,
     ImageBuildError,
     build_job_name,
+    build_record_name,
     buildkit_job_manifest,
     codebuild_project_name,
     ensure_repository,
@@ -286,7 +288,7 @@ def test_context_archive_is_reproducible_and_holds_exactly_the_context_files(rep
     assert pack_context(repo_copy, "tar.gz") != tgz
 
 
-def test_codebuild_project_builds_the_s3_context_and_the_tag_is_verified(session):
+def test_codebuild_project_builds_the_s3_context_and_the_tag_is_verified(session, kube):
     """moto implements create_project, start_build and batch_get_builds (which reports every
     build SUCCEEDED); it ignores start_build's overrides, does not implement update_project,
     and runs nothing: the test plays the push, as the build starts (a real build reports
@@ -461,7 +463,7 @@ def test_a_build_past_its_deadline_is_stopped_and_its_secret_deleted(session, ku
 
 
 @pytest.mark.slow
-def test_codebuild_failure_is_reported_from_its_phases(session, monkeypatch):
+def test_codebuild_failure_is_reported_from_its_phases(session, kube, monkeypatch):
     """moto reports every build SUCCEEDED: the failed status is the test's, the report ours."""
     from finetune.targets.eks import image_build
 
@@ -481,3 +483,85 @@ def test_codebuild_failure_is_reported_from_its_phases(session, monkeypatch):
                         lambda s, build: real(s, failed_build))
     with pytest.raises(ImageBuildError, match="phase BUILD: FAILED COMMAND_EXECUTION_ERROR"):
         target.build_done(cfg, {"state": "Failed", "message": "FAILED"}, wait.state)
+
+
+# -- a build_image task killed while deferred (a mark-failed, its trigger failing) -----------
+
+
+def build_objects_left(cluster: Cluster) -> list[str]:
+    """Whatever of a build is in the cluster: each object a build makes carries the tag's label
+    (the Job, its pods, the registry Secret, a run's record of the wait)."""
+    api = cluster.api()
+    core, batch = kubernetes.client.CoreV1Api(api), kubernetes.client.BatchV1Api(api)
+    found = []
+    for kind, listed in (("job", batch.list_namespaced_job(NS)),
+                         ("pod", core.list_namespaced_pod(NS)),
+                         ("secret", core.list_namespaced_secret(NS)),
+                         ("configmap", core.list_namespaced_config_map(NS))):
+        found += [f"{kind}/{o.metadata.name}" for o in listed.items
+                  if LABEL_IMAGE_TAG in (o.metadata.labels or {})]
+    return found
+
+
+def build_pod(cluster: Cluster, job: str) -> None:
+    """The Job controller's pod of the build Job, building."""
+    kubernetes.client.CoreV1Api(cluster.api()).create_namespaced_pod(NS, {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": f"{job}-x7k2p", "namespace": NS, "labels": {
+            JOB_NAME_LABEL: job, LABEL_IMAGE_TAG: image_tag()}},
+        "spec": {"containers": [{"name": BUILD_CONTAINER, "image": BUILDKIT_IMAGE}]}})
+
+
+def test_teardown_after_build_image_was_killed_while_deferred_stops_the_build(
+        session, kube, nodegroup):
+    """No trigger's on_kill runs for it, and the last try's trigger may fail: teardown deletes
+    the BuildKit Job (up to 3 h at 4 CPUs, 16 GiB), its pod and the Secret with a 12-hour ECR
+    token."""
+    t, cfg = EksTarget(**FAST), build_config()
+    snap = t.snapshot(cfg)
+    wait = t.build_image(cfg)  # the task defers; then it is killed and never resumes
+    name = wait.state["started"]["pending"]["job"]
+    build_pod(kube, name)
+    assert sorted(build_objects_left(kube)) == sorted([
+        f"job/{name}", f"pod/{name}-x7k2p", f"secret/{name}-registry",
+        f"configmap/{build_record_name(cfg)}"])
+    done = t.teardown(cfg, snap)
+    assert build_objects_left(kube) == []
+    assert {f"job/{name}", f"secret/{name}-registry"} <= set(done["deleted"])
+
+
+def test_a_build_job_another_run_waits_on_is_left_to_it_and_the_last_run_deletes_it(
+        session, kube, nodegroup):
+    """Runs of the same tree build one tag: a second run adopts the first one's Job, whose
+    build is then its own too. Neither the first run's teardown nor its timeout stops it."""
+    t = EksTarget(**FAST)
+    first, second = build_config(), build_config(run_id="manual__2026-11-29T11:00:00+00:00")
+    snaps = t.snapshot(first), t.snapshot(second)
+    waits = t.build_image(first), t.build_image(second)  # the second adopts the Job
+    name = waits[0].state["started"]["pending"]["job"]
+    assert waits[1].state["started"]["pending"]["job"] == name
+    with pytest.raises(ImageBuildError, match="left to the other runs that wait on it"):
+        t.build_done(first, {"state": "Running", "message": ""}, waits[0].state)  # its timeout
+    t.teardown(first, snaps[0])
+    assert sorted(build_objects_left(kube)) == sorted([
+        f"job/{name}", f"secret/{name}-registry", f"configmap/{build_record_name(second)}"])
+    t.teardown(second, snaps[1])
+    assert build_objects_left(kube) == []
+
+
+def test_teardown_stops_the_codebuild_build_of_a_build_image_killed_while_deferred(
+        session, kube, nodegroup, monkeypatch):
+    from finetune.targets.eks import image_build
+
+    t, cfg = EksTarget(**FAST), build_config(image_builder="codebuild", codebuild_role=ROLE)
+    snap = t.snapshot(cfg)
+    build_id = t.build_image(cfg).state["started"]["pending"]["build_id"]
+    # moto reports every build SUCCEEDED at once: this one still runs
+    monkeypatch.setattr(image_build, "codebuild_state", lambda codebuild, ident: (
+        "Running", "IN_PROGRESS"))
+    stopped: list[str] = []
+    session.events.register("before-parameter-build.codebuild.StopBuild",
+                            lambda params, **_: stopped.append(params["id"]))
+    done = t.teardown(cfg, snap)
+    assert stopped == [build_id] and f"codebuild/{build_id}" in done["deleted"]
+    assert build_objects_left(kube) == []

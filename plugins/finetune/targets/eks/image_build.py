@@ -17,6 +17,12 @@
 Service calls and pure builders only: `start_image` starts a build, `finish_image` cleans up
 and verifies; the wait between them is a trigger's (`ImageBuildTrigger`), which reads the build
 with `build_job_state` or `codebuild_state`.
+
+A run records the build it waits on (a ConfigMap of the run: `record_build`) until it is done
+with it, so that its teardown stops a build left running when the task was killed while
+deferred (`release_run_builds`): its CodeBuild build, or the BuildKit Job and its registry
+Secret, unless another run waits on that Job (it adopted it: the build of the same tag is its
+build too, and the Job's deadline still bounds it).
 """
 
 from __future__ import annotations
@@ -33,7 +39,15 @@ from finetune import REPO_ROOT
 from finetune.config import RunConfig
 from finetune.image import BASE_DOCKERFILE, TRAINER_DOCKERFILE, base_tag, image_tag
 from finetune.targets.eks.clients import adopt_or_create, create_or_replace, delete_object
-from finetune.targets.eks.manifests import APP, LABEL_APP
+from finetune.targets.eks.manifests import (
+    APP,
+    LABEL_APP,
+    LABEL_PROGRAM,
+    LABEL_RUN,
+    job_name,
+    run_labels,
+    run_selector,
+)
 from finetune.targets.eks.registry import (
     LOG_TAIL_LINES,
     ImageBuildError,
@@ -68,6 +82,8 @@ BUILDKIT_UID = 1000
 BUILDKIT_HOME = "/home/user"
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 LABEL_IMAGE_TAG = "finetune.airflow.apache.org/image-tag"
+# The program label of a run's record of the build it waits on (record_build).
+BUILD_RECORD = "image-build"
 JOB_TTL_AFTER_FINISHED_S = 3600
 BUILD_RESOURCES = {"requests": {"cpu": "4", "memory": "16Gi", "ephemeral-storage": "60Gi"},
                    "limits": {"memory": "32Gi", "ephemeral-storage": "100Gi"}}
@@ -356,21 +372,33 @@ def start_image(cfg: RunConfig, session: Any, kube_api: Callable[[], Any], *,
     else:
         pending = start_codebuild(session, cfg, ref, key, base_ref=base_ref,
                                   build_base=build_base, timeout=timeout)
+    record_build(kube_api(), cfg, tag, pending)
     return {**result, "pending": pending}
 
 
 def finish_image(cfg: RunConfig, session: Any, kube_api: Callable[[], Any],
                  started: dict[str, Any], state: str, message: str) -> dict[str, Any]:
     """The second half, once the wait ended in `state` ("Complete", "Failed", or "Running" when
-    it timed out): clean up, report a failure with the build log's tail, verify the tag in ECR."""
+    it timed out): clean up, report a failure with the build log's tail, verify the tag in ECR;
+    the run's record of the build is deleted (it waits on it no more)."""
+    pending = started["pending"]
+    if pending is None:
+        return {k: v for k, v in started.items() if k != "pending"}
+    try:
+        return _finish_build(cfg, session, kube_api, started, state, message)
+    finally:
+        forget_build(kube_api(), cfg)
+
+
+def _finish_build(cfg: RunConfig, session: Any, kube_api: Callable[[], Any],
+                  started: dict[str, Any], state: str, message: str) -> dict[str, Any]:
     pending = started["pending"]
     result = {k: v for k, v in started.items() if k != "pending"}
-    if pending is None:
-        return result
     ecr, ref = session.client("ecr"), started["image"]
     try:
         if pending["builder"] == "buildkit":
-            finish_buildkit(kube_api(), pending, state, message)
+            finish_buildkit(kube_api(), pending, state, message,
+                            shared=others_waiting(kube_api(), cfg, started["image_tag"]))
         else:
             finish_codebuild(session, pending, state)
     except ImageBuildError:
@@ -437,34 +465,43 @@ def start_buildkit(api: Any, ecr: Any, namespace: str, ref: str, tag: str, conte
             "timeout": timeout}
 
 
-def finish_buildkit(api: Any, pending: dict[str, Any], state: str, message: str) -> None:
+def finish_buildkit(api: Any, pending: dict[str, Any], state: str, message: str,
+                    shared: bool = False) -> None:
     """Fail with the pods' reasons and log tail unless the Job completed; the registry Secret is
-    deleted whatever the outcome, and a Job still running at the timeout is deleted too."""
+    deleted, and a Job still running at the timeout is deleted too, unless another run waits on
+    it (`shared`: it adopted it, and its deadline is later)."""
     import kubernetes
 
     core, batch = kubernetes.client.CoreV1Api(api), kubernetes.client.BatchV1Api(api)
     namespace, name = pending["namespace"], pending["job"]
+    ended = state in ("Complete", "Failed")
     try:
         if state == "Failed":
             raise ImageBuildError(job_failure_report(core, namespace, name, message))
-        if state != "Complete":
-            delete_batch_job(batch, namespace, name)
+        if not ended:
+            if not shared:
+                delete_batch_job(batch, namespace, name)
             raise ImageBuildError(job_failure_report(
-                core, namespace, name,
-                f"no result after {pending['timeout']:.0f}s: the Job was deleted"))
+                core, namespace, name, f"no result after {pending['timeout']:.0f}s: " + (
+                    "left to the other runs that wait on it" if shared
+                    else "the Job was deleted")))
     finally:
-        delete_registry_secret(core, namespace, pending["secret"])
+        if ended or not shared:
+            delete_registry_secret(core, namespace, pending["secret"])
 
 
-def delete_registry_secret(core: Any, namespace: str, name: str) -> None:
+def delete_registry_secret(core: Any, namespace: str, name: str) -> bool:
+    """False when it was not there."""
     import kubernetes
 
     try:
         core.delete_namespaced_secret(name, namespace)
         log.info("deleted registry Secret %s/%s", namespace, name)
+        return True
     except kubernetes.client.ApiException as exc:
         if exc.status != 404:
             raise
+        return False
 
 
 def build_job_state(job: dict[str, Any]) -> tuple[str, str]:
@@ -518,6 +555,88 @@ def _failed_container(pod: dict[str, Any]) -> tuple[str, str]:
                 return cs.get("name", default), (f"{cs.get('name')} exited with code "
                                                  f"{term['exitCode']} ({term.get('reason', '')})")
     return BUILD_CONTAINER, f"phase {status.get('phase', 'Unknown')}"
+
+
+# -- the run's record of the build it waits on -----------------------------------------------
+
+
+def build_record_name(cfg: RunConfig) -> str:
+    return f"{job_name(cfg)}-build"
+
+
+def build_record_manifest(cfg: RunConfig, tag: str, pending: dict[str, Any]) -> dict[str, Any]:
+    """A ConfigMap of the run naming the build it waits on (the BuildKit Job and Secret, or the
+    CodeBuild build): labelled with the run, and with the tag, so that runs waiting on the same
+    BuildKit Job see each other."""
+    return {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": build_record_name(cfg), "namespace": cfg.namespace,
+                     "labels": {**run_labels(cfg), LABEL_PROGRAM: BUILD_RECORD,
+                                LABEL_IMAGE_TAG: tag}},
+        "data": {k: str(pending[k]) for k in ("builder", "job", "secret", "build_id")
+                 if k in pending},
+    }
+
+
+def record_build(api: Any, cfg: RunConfig, tag: str, pending: dict[str, Any]) -> None:
+    import kubernetes
+
+    core = kubernetes.client.CoreV1Api(api)
+    create_or_replace(core.create_namespaced_config_map, core.replace_namespaced_config_map,
+                      build_record_manifest(cfg, tag, pending))
+
+
+def forget_build(api: Any, cfg: RunConfig) -> None:
+    import kubernetes
+
+    delete_object(lambda: kubernetes.client.CoreV1Api(api).delete_namespaced_config_map(
+        build_record_name(cfg), cfg.namespace), lambda: None)
+
+
+def others_waiting(api: Any, cfg: RunConfig, tag: str) -> bool:
+    """Whether another run records a wait on the build of `tag` (it adopted the same Job)."""
+    import kubernetes
+
+    records = kubernetes.client.CoreV1Api(api).list_namespaced_config_map(
+        cfg.namespace, label_selector=f"{LABEL_APP}={APP},{LABEL_PROGRAM}={BUILD_RECORD},"
+                                      f"{LABEL_IMAGE_TAG}={tag}").items
+    return any((r.metadata.labels or {}).get(LABEL_RUN) != cfg.rdzv_id for r in records)
+
+
+def release_run_builds(api: Any, cfg: RunConfig, codebuild: Callable[[], Any]) -> list[str]:
+    """Teardown: the build the run still waited on (its task killed while deferred) stopped:
+    its CodeBuild build, or its BuildKit Job with its pods and its registry Secret (an ECR
+    token of 12 hours), unless another run waits on that Job; its record deleted. What was
+    stopped or deleted."""
+    import kubernetes
+
+    core, batch = kubernetes.client.CoreV1Api(api), kubernetes.client.BatchV1Api(api)
+    done = []
+    for record in core.list_namespaced_config_map(
+            cfg.namespace, label_selector=f"{run_selector(cfg)},{LABEL_PROGRAM}={BUILD_RECORD}"
+    ).items:
+        data, tag = record.data or {}, (record.metadata.labels or {}).get(LABEL_IMAGE_TAG, "")
+        if data.get("builder") == "buildkit" and others_waiting(api, cfg, tag):
+            log.info("build Job %s is left to the other runs that wait on it", data.get("job"))
+        elif data.get("builder") == "buildkit":
+            if delete_batch_job(batch, cfg.namespace, data["job"]):
+                done.append(f"job/{data['job']}")
+            # Background propagation leaves the pods to the garbage collector: delete them too.
+            for pod in core.list_namespaced_pod(
+                    cfg.namespace, label_selector=f"{JOB_NAME_LABEL}={data['job']}").items:
+                if delete_object(lambda pod=pod: core.delete_namespaced_pod(
+                        pod.metadata.name, cfg.namespace), lambda: None):
+                    done.append(f"pod/{pod.metadata.name}")
+            if delete_registry_secret(core, cfg.namespace, data["secret"]):
+                done.append(f"secret/{data['secret']}")
+        elif data.get("build_id"):
+            client = codebuild()
+            if codebuild_state(client, data["build_id"])[0] == "Running":
+                client.stop_build(id=data["build_id"])
+                log.info("stopped CodeBuild build %s", data["build_id"])
+                done.append(f"codebuild/{data['build_id']}")
+        forget_build(api, cfg)
+    return done
 
 
 def create_or_adopt_batch_job(batch: Any, manifest: dict[str, Any], what: str) -> None:

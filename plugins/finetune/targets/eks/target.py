@@ -70,6 +70,7 @@ from finetune.targets.eks.image_build import (
     BUILD_TIMEOUT_S,
     check_image_source,
     finish_image,
+    release_run_builds,
     start_image,
 )
 from finetune.targets.eks.launchers import LAUNCHERS, launcher_for, launcher_plan_problems
@@ -134,6 +135,9 @@ class EksTarget(Target):
 
     def _s3(self, cfg: RunConfig) -> Any:
         return aws_session(cfg.aws_conn_id).client("s3")
+
+    def _codebuild(self, cfg: RunConfig) -> Any:
+        return aws_session(cfg.aws_conn_id).client("codebuild")
 
     def _kube(self, cfg: RunConfig) -> Any:
         return kube_api_client(**kube_credentials(cfg))
@@ -598,8 +602,8 @@ class EksTarget(Target):
     # -- teardown ---------------------------------------------------------------------------
 
     def teardown(self, cfg: RunConfig, snapshot: dict) -> dict:
-        """Delete the run's jobs, prepare_data pod and ConfigMaps, restore the node group;
-        every step is tried."""
+        """Stop the build the run waited on, delete the run's jobs, prepare_data pod and
+        ConfigMaps, restore the node group; every step is tried."""
         done, problems = self._delete_run_objects(cfg)
         # Both node groups, when scale_up may have fallen back: each gives back only what no
         # other live run reserved (nothing, where this run held none).
@@ -641,13 +645,15 @@ class EksTarget(Target):
         return done
 
     def _delete_run_objects(self, cfg: RunConfig) -> tuple[dict[str, Any], list[str]]:
-        """The run's jobs, prepare_data pod and ConfigMaps deleted, its rendezvous keys too:
-        (what was done, what failed)."""
+        """The build it still waited on stopped (image_build.release_run_builds), the run's
+        jobs, prepare_data pod and ConfigMaps deleted, its rendezvous keys too: (what was done,
+        what failed)."""
         done: dict[str, Any] = {}
         problems: list[str] = []
         try:
             api = self._kube(cfg)
-            done["deleted"] = (job.delete_run_jobs(api, cfg) +
+            done["deleted"] = (release_run_builds(api, cfg, lambda: self._codebuild(cfg)) +
+                               job.delete_run_jobs(api, cfg) +
                                prepare_pod.delete_prepare_job(api, cfg) +
                                job.delete_run_configmaps(api, cfg))
         except Exception as exc:  # the node group must be restored even so
