@@ -18,7 +18,13 @@ import pytest
 from airflow.sdk.exceptions import AirflowFailException
 
 from finetune.targets import get_target
-from finetune.targets.eks.clients import delete_object, eks_api_client, eks_token
+from finetune.targets.eks.clients import (
+    async_kube_api_client,
+    ca_bundle_file,
+    delete_object,
+    eks_api_client,
+    eks_token,
+)
 from finetune.targets.eks.manifests import (
     PYTORCHJOB_GROUP,
     PYTORCHJOB_PLURAL,
@@ -312,6 +318,45 @@ def test_eks_token_is_a_presigned_get_caller_identity_naming_the_cluster(aws):
     assert query["Action"] == ["GetCallerIdentity"]
     assert "x-k8s-aws-id" in query["X-Amz-SignedHeaders"][0].split(";")
     assert int(query["X-Amz-Expires"][0]) <= 900
+
+
+def test_eks_clients_made_all_day_write_the_clusters_ca_to_one_file(monkeypatch, tmp_path):
+    """The stages and triggers make a client several times a minute while a run trains; each
+    wrote the CA to a new temporary file before."""
+    import asyncio
+    import tempfile
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import certifi
+
+    import finetune.targets.eks.clients as kube
+
+    # A real certificate (the clients load it) as the cluster's CA: certifi's first.
+    bundle = Path(certifi.where()).read_text()
+    begin = bundle.index("-----BEGIN CERTIFICATE-----")
+    end = bundle.index("-----END CERTIFICATE-----") + len("-----END CERTIFICATE-----")
+    ca = (bundle[begin:end] + "\n").encode()
+    cluster = {"endpoint": "https://eks.example", "certificateAuthority": {
+        "data": base64.b64encode(ca).decode()}}
+    session = SimpleNamespace(client=lambda service: SimpleNamespace(
+        describe_cluster=lambda name: {"cluster": cluster}))
+    monkeypatch.setattr(kube, "aws_session", lambda conn_id: session)
+    monkeypatch.setattr(kube, "eks_token", lambda session, name: "k8s-aws-v1.token")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.delenv("FINETUNE_KUBECONFIG", raising=False)
+
+    async def triggers_client() -> str:
+        async with async_kube_api_client(cluster_name="train") as api:
+            return api.configuration.ssl_ca_cert
+
+    used = {eks_api_client(session, "train").configuration.ssl_ca_cert for _ in range(30)} | {
+        asyncio.run(triggers_client()) for _ in range(5)}
+    files = [path for path in tmp_path.rglob("*") if path.is_file()]
+    assert len(files) == 1 and used == {str(files[0])}
+    assert files[0].read_bytes() == ca
+    assert oct(files[0].parent.stat().st_mode & 0o777) == "0o700"  # this user's alone
+    assert ca_bundle_file(b"another cluster's CA") != str(files[0])  # one per distinct CA
 
 
 def test_eks_client_uses_the_cluster_endpoint_and_re_mints_the_token(nodegroup, monkeypatch):

@@ -14,11 +14,14 @@ import asyncio
 import base64
 import contextlib
 import functools
+import hashlib
 import logging
 import os
+import stat
 import tempfile
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import tenacity
@@ -125,9 +128,43 @@ def eks_cluster_access(session: Any, cluster_name: str) -> tuple[str, str | None
     ca_data = (cluster.get("certificateAuthority") or {}).get("data")
     if not ca_data:
         return cluster["endpoint"], None
-    with tempfile.NamedTemporaryFile("wb", prefix="eks-ca-", suffix=".crt", delete=False) as ca:
-        ca.write(base64.b64decode(ca_data))
-    return cluster["endpoint"], ca.name
+    return cluster["endpoint"], ca_bundle_file(base64.b64decode(ca_data))
+
+
+def ca_bundle_file(ca: bytes) -> str:
+    """The file of a CA bundle for the clients' TLS (they take a path): one per distinct CA,
+    named by its hash, in a directory of this user's alone, written atomically (a rename) and
+    read back before it is used. The clients are made several times a minute for hours: a new
+    file each time would fill the temporary directory."""
+    name = f"eks-ca-{hashlib.sha256(ca).hexdigest()[:32]}.crt"
+    path = _ca_directory(tempfile.gettempdir()) / name
+    with contextlib.suppress(FileNotFoundError):
+        if path.read_bytes() == ca:
+            return str(path)
+    fd, partial = tempfile.mkstemp(dir=path.parent, prefix=".eks-ca-", suffix=".partial")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(ca)
+        os.replace(partial, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(partial)
+        raise
+    return str(path)
+
+
+@functools.cache
+def _ca_directory(tmp: str) -> Path:
+    """`<tmp>/finetune-eks-ca-<uid>`, mode 0700 and this user's; where another user holds that
+    name, a new private directory (mkdtemp) for this process instead."""
+    directory = Path(tmp) / f"finetune-eks-ca-{os.getuid()}"
+    with contextlib.suppress(FileExistsError):
+        directory.mkdir(mode=0o700)
+    info = directory.lstat()
+    if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o077:
+        return directory
+    log.warning("%s is not a private directory of this user: the CA goes to a new one", directory)
+    return Path(tempfile.mkdtemp(prefix="finetune-eks-ca-", dir=tmp))
 
 
 def eks_api_client(session: Any, cluster_name: str) -> Any:
