@@ -154,6 +154,7 @@ def test_scale_up_defers_until_the_nodegroup_is_active_and_the_nodes_ready(nodeg
     assert scaling(nodegroup) == SCALING
 
 
+@pytest.mark.slow  # a real wall-clock timeout
 def test_scale_up_times_out_naming_each_nodes_condition(nodegroup, cluster):
     cfg = eks_config(nodes=2)
     add_nodes(cluster, 2, ready=False)
@@ -278,6 +279,7 @@ def test_the_task_defers_with_a_framework_timeout_beyond_the_triggers_deadline(
     target().teardown(cfg, {"scaling_config": SCALING})
 
 
+@pytest.mark.slow  # the retries' real back-off
 def test_triggers_retry_transient_api_errors(cluster):
     cfg = eks_config(nodes=1)
     add_nodes(cluster, 1)
@@ -297,6 +299,7 @@ def test_triggers_retry_transient_api_errors(cluster):
     assert faults == []
 
 
+@pytest.mark.slow  # the retries' real back-off
 def test_the_stages_sync_reads_retry_transient_api_errors_too(cluster):
     """The sync client raises a subclass of ApiException for a 5xx (ServiceException)."""
     from finetune.targets.eks.job import list_pods

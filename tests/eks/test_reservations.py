@@ -217,6 +217,7 @@ def holds_nodes(cluster: Any, run: str) -> bool:
     return run in live_reservations(store(cluster).read()[0], time.time())
 
 
+@pytest.mark.slow  # seconds of real waiting past a ttl
 def test_a_wait_longer_than_the_reservation_ttl_keeps_it_live(nodegroup, cluster):
     """scale_up's wait for nodes that come after twice the ttl: other runs' sizing must count
     this run's nodes all the while (as a wait of capacity_wait_s, a build or a node replaced
@@ -245,6 +246,7 @@ def test_a_wait_longer_than_the_reservation_ttl_keeps_it_live(nodegroup, cluster
     assert holds_nodes(cluster, cfg.rdzv_id)
 
 
+@pytest.mark.slow  # seconds of real waiting past a ttl
 def test_a_wait_in_the_task_itself_keeps_the_reservation_live(cluster):
     """A buildah build runs in the task, no trigger: a thread renews meanwhile."""
     cfg = eks_config()
@@ -344,6 +346,7 @@ def two_runs_up(cluster: Any) -> tuple[Any, Any]:
 RESERVATIONS_PATH = r"/configmaps/finetune-nodes-"
 
 
+@pytest.mark.slow  # the retries' real back-off
 def test_teardown_retries_a_transient_error_reading_the_reservations(nodegroup, cluster):
     other, cfg = two_runs_up(cluster)
     assert scaling(nodegroup)["desiredSize"] == 2
