@@ -16,7 +16,7 @@ import dataclasses
 import json
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -208,10 +208,14 @@ def chat_turns(tokenizer: Any, messages: list[dict[str, Any]],
                tools: list[dict[str, Any]] | None = None) -> list[tuple[str, bool]]:
     """The chat template's rendering of a conversation cut into spans, in order, each with
     whether it is an assistant's turn (labelled): what the template adds for an assistant's
-    message after its generation prompt (the content, a tool call, its end-of-turn marker), cut
-    from renderings of the conversation up to each turn. TurnsNotCut when a rendering does not
-    start with the one before (the template rewrites earlier turns). The first message is not
-    the assistant's (nothing would prompt it)."""
+    message after its generation prompt (the content, a tool call, its end-of-turn marker).
+
+    Cut from renderings of the conversation up to each turn, where each starts with the one
+    before. A template that renders a turn differently once more follows it (Qwen3's drops an
+    earlier turn's reasoning block: `<think>...</think>`, empty or not) is cut from its rendering
+    of the whole conversation instead (`_turns_in_whole`). TurnsNotCut when neither can tell
+    where a turn starts and ends. The first message is not the assistant's (nothing would
+    prompt it)."""
     def render(count: int, cue: bool) -> str:
         return tokenizer.apply_chat_template(messages[:count], tools=tools, tokenize=False,
                                              add_generation_prompt=cue)
@@ -222,19 +226,58 @@ def chat_turns(tokenizer: Any, messages: list[dict[str, Any]],
         if message["role"] != "assistant":
             continue
         cue, turn = render(index, True), render(index + 1, False)
-        if not cue.startswith(done) or not turn.startswith(cue):
+        if not turn.startswith(cue):
             raise TurnsNotCut(
                 f"the chat template renders the conversation up to message {index + 1} "
-                "differently from its start within the whole (rendered with and without "
-                "add_generation_prompt), so the assistant's turn cannot be cut from it")
+                "differently with and without add_generation_prompt (the second does not start "
+                "with the first), so the assistant's turn cannot be cut from it")
+        if not cue.startswith(done):  # a turn rendered otherwise once more follows it
+            return _turns_in_whole(render, messages)
         spans += [(cue[len(done):], False), (turn[len(cue):], True)]
         done = turn
     if messages[-1]["role"] != "assistant":
         whole = render(len(messages), False)
         if not whole.startswith(done):
-            raise TurnsNotCut("the chat template renders the conversation's last assistant "
-                              "turn differently within the whole")
+            return _turns_in_whole(render, messages)
         spans.append((whole[len(done):], False))
+    return spans
+
+
+def _turns_in_whole(render: Callable[[int, bool], str], messages: list[dict[str, Any]]
+                    ) -> list[tuple[str, bool]]:
+    """chat_turns for a template that renders a turn otherwise once another follows it: the
+    spans of its rendering of the whole conversation, which is what the model reads of those
+    turns when the conversation goes on. An assistant turn starts where the rendering up to it
+    with the generation prompt ends (which the whole must start with) and runs as far as the
+    whole goes on as that turn's rendering as the last message ends: Qwen3's drops the
+    reasoning block before an earlier turn's content, and the rest (the content, a tool call,
+    the end-of-turn marker) is the same."""
+    whole = render(len(messages), False)
+    spans: list[tuple[str, bool]] = []
+    done = 0
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        cue = render(index, True)
+        alone = render(index + 1, False)[len(cue):]
+        if not whole.startswith(cue) or len(cue) < done:
+            raise TurnsNotCut(
+                f"the chat template renders the conversation up to message {index + 1} (with "
+                "add_generation_prompt) differently from its start within the whole, so the "
+                "assistant's turn cannot be cut from it")
+        start = len(cue)
+        # The longest stretch of the whole from the turn's start that ends as the turn alone.
+        length = next((k for k in range(min(len(alone), len(whole) - start), 0, -1)
+                       if alone.endswith(whole[start:start + k])), 0)
+        if not length:
+            raise TurnsNotCut(
+                f"the chat template renders message {index + 1}, an assistant turn, within the "
+                "whole conversation as no ending of how it renders it as the last message, so "
+                "where the turn ends cannot be told")
+        spans += [(whole[done:start], False), (whole[start:start + length], True)]
+        done = start + length
+    if done < len(whole):
+        spans.append((whole[done:], False))
     return spans
 
 
@@ -410,8 +453,10 @@ def _cut_turns(tokenizer: Any, messages: list[dict[str, Any]],
         calls = [str((call.get("function") or call).get("name", "")) for call in
                  reply.get("tool_calls", ()) if isinstance(call, dict)]
         # A tool call is rendered as the template likes: its names and the text must be there.
+        # A template may put text of its own before the content (Qwen3's reasoning block, empty
+        # or the message's reasoning_content): what the assistant generates too.
         said_it = content in said and all(name in said for name in calls) if calls else \
-            said == content
+            said.endswith(content)
         if not said_it:
             return [], [], (TEMPLATE, (
                 f"span {number} of the rendered conversation, an assistant turn, decodes to "

@@ -1,5 +1,6 @@
 """Conversations encoded with real tokenizers' chat templates (the demo tokenizer's, a Qwen-style
-one with {% generation %} marks and a Llama 3-style one without, tests/support/chat_tokenizers):
+one with {% generation %} marks, a Llama 3-style one without and a Qwen3-style one that renders a
+turn otherwise once another follows, tests/support/chat_tokenizers):
 the loss on every assistant turn and nowhere else, checked by decoding; tool calls and results as
 the template renders them; ShareGPT's shape; conversations found by themselves in jsonl and
 parquet; a row the template cannot render, or longer than seq_len, a bad row named by its line."""
@@ -12,6 +13,8 @@ import re
 import pandas as pd
 import pytest
 from finetune_data import prepared_set as prep
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from finetune_contract.data import IGNORE_INDEX, encode_row, has_generation_marks
@@ -20,7 +23,9 @@ from tests.support.training import write_jsonl
 from trainer.config import load_config
 from trainer.demo import DEMO_CONVERSATIONS, DEMO_TOKENIZER
 
-FAMILIES = ("demo", "qwen", "llama3")
+FAMILIES = ("demo", "qwen", "llama3", "qwen3")
+# What the Qwen3-style template puts before the last turn's content: its (empty) reasoning.
+EMPTY_THINKING = "<think>\n\n</think>\n\n"
 
 MULTI_TURN = [
     {"role": "system", "content": "Answer in one word."},
@@ -72,10 +77,14 @@ def said(tokenizer, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True).strip()
 
 
-def test_the_three_templates_are_one_with_generation_marks_and_two_without(tokenizers):
+def test_the_four_templates_are_one_with_generation_marks_and_three_without(tokenizers):
     marked = {family: has_generation_marks(AutoTokenizer.from_pretrained(path))
               for family, path in tokenizers.items()}
-    assert marked == {"demo": False, "qwen": True, "llama3": False}
+    assert marked == {"demo": False, "qwen": True, "llama3": False, "qwen3": False}
+
+
+def flat(text: str) -> str:
+    return re.sub(r"\s", "", text)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -86,9 +95,12 @@ def test_every_assistant_turn_and_only_it_carries_the_loss(tokenizers, family):
     assert problem is None and len(input_ids) == len(labels)
     assert all(label in (IGNORE_INDEX, token) for token, label in zip(input_ids, labels))
     replies = [m["content"] for m in MULTI_TURN if m["role"] == "assistant"]
+    if family == "qwen3":  # the last turn as generated: its reasoning block, then the reply
+        replies[-1] = EMPTY_THINKING + replies[-1]
     # One run of labels per assistant turn, each decoding to that turn's words alone (its
     # end-of-turn marker is a special token or a line break).
-    assert [said(tokenizer, run) for run in labelled_runs(labels)] == replies
+    assert [flat(said(tokenizer, run)) for run in labelled_runs(labels)] == \
+        [flat(reply) for reply in replies]
     # Everything else (the system prompt, the users' turns, the template's role markers) has
     # no label: the unlabelled text holds them and no reply.
     unlabelled = said(tokenizer, [t for t, label in zip(input_ids, labels)
@@ -111,7 +123,7 @@ def test_tool_calls_and_results_are_kept_as_the_template_renders_them(tokenizers
     # The assistant's call (its name and arguments, as an object) carries the loss, as the
     # template writes it; the tool's result and the tools' schemas carry none.
     assert "add" in call and re.search(r'"a":\s*7', call) and re.search(r'"b":\s*8', call)
-    assert answer == "It is 15."
+    assert flat(answer) == flat((EMPTY_THINKING if family == "qwen3" else "") + "It is 15.")
     unlabelled = said(tokenizer, [t for t, label in zip(input_ids, labels)
                                   if label == IGNORE_INDEX])
     assert "15" in unlabelled.replace("It is 15.", "") and "What is 7 plus 8?" in unlabelled
@@ -256,3 +268,64 @@ def test_rows_that_are_no_conversation_are_bad_rows_by_reason(messages, reason, 
     problem, _, _ = encode_row(tokenizer, conversation_config(str(DEMO_TOKENIZER)),
                                {"messages": messages})
     assert problem[0] == reason and words in problem[1], problem
+
+
+def test_an_earlier_turns_reasoning_is_left_out_as_the_template_does_and_the_last_learnt(
+        tokenizers):
+    """Qwen3's template keeps the reasoning of the turns after the last user query alone: the
+    ids are its rendering of the whole conversation (what the model reads as the conversation
+    goes on), and the last turn's reasoning is learnt with its reply."""
+    tokenizer = AutoTokenizer.from_pretrained(tokenizers["qwen3"])
+    messages = [
+        {"role": "user", "content": "Which day comes after Monday?"},
+        {"role": "assistant", "content": "Tuesday", "reasoning_content": "Monday plus one."},
+        {"role": "user", "content": "And after Friday?"},
+        {"role": "assistant", "content": "Saturday", "reasoning_content": "Friday plus one."},
+    ]
+    problem, input_ids, labels = encode_row(
+        tokenizer, conversation_config(tokenizers["qwen3"]), {"messages": messages})
+    assert problem is None
+    assert [flat(said(tokenizer, run)) for run in labelled_runs(labels)] == \
+        ["Tuesday", flat("<think>Friday plus one.</think>Saturday")]
+    assert "Monday plus one." not in tokenizer.decode(input_ids)
+    assert flat(tokenizer.decode(input_ids)) == \
+        flat(tokenizer.apply_chat_template(messages, tokenize=False))
+
+
+TURNS = st.lists(st.tuples(st.sampled_from(["answer", "tool call", "reasoning"]),
+                           st.integers(0, 99)), min_size=1, max_size=4)
+
+
+@settings(max_examples=25, deadline=None)
+@given(turns=TURNS, system=st.booleans(), family=st.sampled_from(FAMILIES[1:]))
+def test_any_conversation_is_the_templates_whole_rendering_with_each_reply_labelled(
+        tokenizers, turns, system, family):
+    """Whatever the template does to earlier turns (none, generation marks, or rendering them
+    otherwise once another follows): the ids are its rendering of the whole conversation, and
+    there is one labelled run per assistant turn, ending with that turn's reply."""
+    tokenizer = AutoTokenizer.from_pretrained(tokenizers[family])
+    messages = [{"role": "system", "content": "Be brief."}] if system else []
+    replies = []
+    for number, (kind, value) in enumerate(turns):
+        messages.append({"role": "user", "content": f"Question {number}: {value} plus 1?"})
+        if kind == "tool call":
+            messages += [{"role": "assistant", "content": "", "tool_calls": [{
+                "type": "function", "function": {"name": "add", "arguments": {"a": value,
+                                                                               "b": 1}}}]},
+                         {"role": "tool", "content": str(value + 1)}]
+            replies.append(None)
+        reply = {"role": "assistant", "content": f"It is {value + 1}."}
+        if kind == "reasoning":
+            reply["reasoning_content"] = f"{value} and one more."
+        messages.append(reply)
+        replies.append(reply["content"])
+    problem, input_ids, labels = encode_row(
+        tokenizer, conversation_config(tokenizers[family]), {"messages": messages,
+                                                             "tools": TOOLS})
+    assert problem is None, problem
+    runs = [said(tokenizer, run) for run in labelled_runs(labels)]
+    assert len(runs) == len(replies)
+    for run, reply in zip(runs, replies, strict=True):
+        assert flat(run).endswith(flat(reply)) if reply else "add" in run, (run, reply)
+    rendered = tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False)
+    assert flat(tokenizer.decode(input_ids)) == flat(rendered)
