@@ -113,8 +113,7 @@ def train(config: TrainConfig, env: DistEnv, started: float,
 
 @dataclass
 class TrainState:
-    """Where the run is: what a step changes, and (all but the eval bookkeeping) what a
-    checkpoint keeps of it."""
+    """Where the run is: what a step changes, and what a checkpoint keeps of it."""
 
     step: int = 0
     initial_eval_loss: float | None = None
@@ -395,6 +394,13 @@ class Trainer:
             self.output.sync(METRICS_FILE)
         self.progressed(state)
 
+    def stop_if_noticed(self, state: TrainState) -> None:
+        """Outside a step (which gathers them itself): whether any rank has noted a notice since
+        the last step's end; if one has, stop_for_notice."""
+        notices = [at for (at,) in gather_floats([self.notice.at], self.env) if at]
+        if notices:
+            self.stop_for_notice(state, min(notices))
+
     def stop_for_notice(self, state: TrainState, notice_at: float) -> None:
         """A rank got a notice during this step: save it, record the preemption, stop."""
         saving = time.perf_counter()
@@ -416,9 +422,14 @@ class Trainer:
         """Complete the last checkpoint, evaluate, export the model; rank 0 writes the summary
         and returns it."""
         env, output = self.env, self.output
-        self.checkpointer.close()  # an async save still in flight completes (and is pruned) first
+        # A notice after the last step's gather, or during the final eval, saves the last step
+        # and stops as one during a step does: the next round evaluates and exports. (One during
+        # the export lets it finish, in the grace torchrun's agent gives it.)
+        self.stop_if_noticed(state)
         if state.last_eval_step != state.step:
             self.eval_and_log(state)
+            self.stop_if_noticed(state)
+        self.checkpointer.close()  # an async save still in flight completes (and is pruned) first
         self.history.append("end", step=state.step)
         output.sync(METRICS_FILE)
         export_hf(
@@ -481,6 +492,11 @@ class Trainer:
             "eval_due": bool(self.config.eval_interval
                              and state.step % self.config.eval_interval == 0
                              and state.last_eval_step != state.step),
+            # the last eval taken, so a round resumed at the last step (a notice after the final
+            # eval) does not take it again
+            "last_eval_step": state.last_eval_step,
+            "eval_loss": state.eval_loss,
+            "eval_loss_by_source": state.eval_loss_by_source,
             **({"grad_scaler": self.scaler.state_dict()} if self.scaler else {}),
         }
         saving = time.perf_counter()
@@ -503,6 +519,9 @@ class Trainer:
             resumed_from_step=saved["step"],
             skipped_steps=saved.get("skipped_steps", 0),
             eval_due=saved.get("eval_due", False),
+            last_eval_step=saved.get("last_eval_step"),
+            eval_loss=saved.get("eval_loss"),
+            eval_loss_by_source=saved.get("eval_loss_by_source"),
         )
 
     def summary(self, state: TrainState, peak_memory: int) -> dict[str, Any]:

@@ -17,10 +17,10 @@ pytestmark = pytest.mark.slow  # a trainer run noticed, then resumed
 STEPS, EVAL_EVERY, NOTICED = 6, 2, 4
 
 
-def trainer_args(output_dir) -> list[str]:
+def trainer_args(output_dir, eval_every: int = EVAL_EVERY) -> list[str]:
     return [
         "--output_dir", str(output_dir), "--max_steps", str(STEPS), "--seq_len", "64",
-        "--micro_batch", "4", "--warmup_steps", "2", "--eval_interval", str(EVAL_EVERY),
+        "--micro_batch", "4", "--warmup_steps", "2", "--eval_interval", str(eval_every),
         "--checkpoint_interval", "3", "--log_interval", "1",
     ]  # fmt: skip
 
@@ -47,3 +47,26 @@ def test_a_notice_at_an_eval_step_saves_it_and_the_resumed_round_takes_its_eval(
     assert evals(tmp_path) == [0, 2, 4, 6]  # each once
     trained = [r["step"] for r in read_metrics(tmp_path) if r["type"] == "train"]
     assert trained == list(range(1, STEPS + 1))
+
+
+def test_a_notice_during_the_final_eval_saves_the_last_step_and_the_next_round_exports(
+        tmp_path):
+    """After the last step's gather no step tells the ranks of a notice: the end of the run
+    asks them itself, so a notice during the final eval saves the last step and exits as one
+    during a step does (before, the run went on, and torchrun's agent, stopping on the signal,
+    ended its node as failed). The next round trains nothing and evaluates and exports."""
+    # Evals at 0 and 4, then the final one; step 6 is checkpointed (every 3) before the notice.
+    args = trainer_args(tmp_path, eval_every=4)
+    noticed = run(["tests/trainer/notice_worker.py", "final-eval", *args])
+    output = noticed.stdout[-3000:] + noticed.stderr[-3000:]
+    assert noticed.returncode == PREEMPTED_EXIT_CODE, output
+    assert f"preempted at step {STEPS}" in noticed.stdout
+    assert not (tmp_path / "model").exists() and not (tmp_path / "summary.json").exists()
+
+    assert evals(tmp_path) == [0, 4, STEPS]  # the final eval finished before the notice was asked
+    resumed = run(["-m", "trainer.train", *args])
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert evals(tmp_path) == [0, 4, STEPS]
+    trained = [r["step"] for r in read_metrics(tmp_path) if r["type"] == "train"]
+    assert trained == list(range(1, STEPS + 1))
+    assert (tmp_path / "model").is_dir() and (tmp_path / "summary.json").is_file()

@@ -31,7 +31,8 @@ def test_a_step_advances_the_state_and_logs_it_and_a_restart_resumes_that_state(
     restarted = Trainer.setup(config, world_of_one, started=0)
     resumed = restarted.resume()
     assert resumed == TrainState(
-        step=1, initial_eval_loss=state.initial_eval_loss, resumed_from_step=1, skipped_steps=0
+        step=1, initial_eval_loss=state.initial_eval_loss, resumed_from_step=1, skipped_steps=0,
+        last_eval_step=0, eval_loss=state.initial_eval_loss,  # the last eval taken: step 0's
     )
     assert restarted.sampler.state_dict() == trainer.sampler.state_dict()
     assert restarted.scheduler.get_last_lr() == trainer.scheduler.get_last_lr()
