@@ -13,6 +13,7 @@ import kubernetes
 import pytest
 from airflow.sdk.exceptions import AirflowFailException
 
+from finetune.targets.eks import nodegroup
 from finetune.targets.eks.launchers import launcher_for
 from finetune.targets.eks.manifests import pytorchjob_manifest, run_selector
 from finetune_contract.instance_types import INSTANCE_TYPES
@@ -115,7 +116,7 @@ def fallback_config() -> Any:
 
 @pytest.mark.slow  # several stages on the emulators: with the slow tests
 def test_capacity_that_does_not_come_falls_back_to_the_on_demand_node_group(
-        spot_group, cluster, task_log):
+        spot_group, cluster, task_log, monkeypatch):
     add_nodegroup("gpu-od", "ON_DEMAND", ["g5.12xlarge"])
     cfg, t = fallback_config(), target()
     snap = t.snapshot(cfg)
@@ -127,8 +128,13 @@ def test_capacity_that_does_not_come_falls_back_to_the_on_demand_node_group(
     assert scaling_of("gpu-od")["desiredSize"] == 2
     assert any("capacity_fallback on-demand: scaling node group gpu-od" in line
                for line in task_log)
-    # the stages after scale_up place the run's pods on the fallback's nodes
-    t.train(cfg, IMAGE, RDZV)
+    # the stages after scale_up place the run's pods on the fallback's nodes, and the train
+    # stage's wait renews the reservation there; it reads the record of where they are once
+    reads = []
+    real = nodegroup.run_nodegroup
+    monkeypatch.setattr(nodegroup, "run_nodegroup", lambda *a: reads.append(a) or real(*a))
+    wait = t.train(cfg, IMAGE, RDZV)
+    assert wait.trigger.reservation["nodegroup"] == "gpu-od" and len(reads) == 1
     (job,) = jobs_of_run(cluster, cfg)
     pod = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
     assert pod["nodeSelector"]["eks.amazonaws.com/nodegroup"] == "gpu-od"

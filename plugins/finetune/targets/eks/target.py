@@ -212,12 +212,14 @@ class EksTarget(Target):
         return dataclasses.replace(cfg, nodegroup=cfg.fallback_nodegroup)
 
     def _job_trigger(self, cfg: RunConfig, name: str, deadline: float = 0.0) -> JobTrigger:
-        """A wait on one of the run's jobs that comes back after wake_after at the latest."""
+        """A wait on one of the run's jobs that comes back after wake_after at the latest. `cfg`
+        is on the run's nodes (_on_run_nodes, which each caller has read once): its node group
+        is the reservation's."""
         return JobTrigger(
             credentials=kube_credentials(cfg), namespace=cfg.namespace, name=name,
             wake_at=time.time() + self.wake_after, poll_interval=self.poll_interval,
             refresh_interval=self.refresh_interval, launcher=cfg.launcher, deadline=deadline,
-            reservation=self._renewal(cfg))
+            reservation=self._renewal(cfg, cfg.nodegroup))
 
     # -- prepare_data -----------------------------------------------------------------------
 
@@ -469,7 +471,8 @@ class EksTarget(Target):
     def train(self, cfg: RunConfig, image: dict, rendezvous: dict) -> Wait:
         """Create (or adopt) the run's job, on the node group its nodes are in, and wait for
         it."""
-        started = job.start_job(self._kube(cfg), self._on_run_nodes(cfg), image["image"])
+        cfg = self._on_run_nodes(cfg)
+        started = job.start_job(self._kube(cfg), cfg, image["image"])
         deadline = 0.0
         if not launcher_for(cfg).own_deadline and cfg.active_deadline_s:
             # From the job's creation (a retry keeps it); computed once, wall-clock.
@@ -554,8 +557,8 @@ class EksTarget(Target):
         """trainer.evaluate as a one-GPU job of the run's launcher (PyTorchJob or TrainJob) on
         the run's nodes (created, or adopted by a retry), then wait for it as for the training;
         teardown deletes it with the run's other jobs."""
-        name = evaluation_job.start_evaluation_job(self._kube(cfg), self._on_run_nodes(cfg),
-                                                   image["image"],
+        cfg = self._on_run_nodes(cfg)
+        name = evaluation_job.start_evaluation_job(self._kube(cfg), cfg, image["image"],
                                                    champion.get("model_uri") or "")
         return self._wait_for_evaluation(cfg, {"job": name, "after": "",
                                                "started": time.time()})
@@ -565,6 +568,7 @@ class EksTarget(Target):
 
     @resumes
     def evaluation_wake(self, cfg: RunConfig, event: dict, state: dict) -> dict | Wait:
+        cfg = self._on_run_nodes(cfg)
         name, api = state["job"], self._kube(cfg)
         state = {**state, "after": job.stream_leader_log(api, cfg.namespace, name,
                                                          state["after"], launcher_for(cfg))}
