@@ -12,7 +12,10 @@ A SIGTERM to this process is a notice (trainer/preemption.py): it marks it for i
 before torchrun's agent passes the signal on (torchrun sends its workers SIGTERM for its own
 restarts too, which are not notices). After a notice whose step the workers saved, it exits with
 PREEMPTED_EXIT_CODE (138), whichever way torchrun ended (its agent stopped by the signal, or its
-workers' exits): the code the job's restart policy retries without counting a failure.
+workers' exits): the code the job's restart policy retries without counting a failure. A notice
+that came before the round's first step is recorded here first, in the trainer's output location
+(a path or s3://; finetune_contract.run_history's start-up notices): rank 0, which writes the
+history, had not begun the round and may be on another node.
 """
 
 from __future__ import annotations
@@ -23,11 +26,18 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
 from finetune_contract.errors import ERROR_DIR_ENV, NODE_NAME_ENV, death_record, error_file
-from finetune_contract.run_history import PREEMPTED_EXIT_CODE
-from trainer.preemption import NOTICE_MARKER_ENV, SAVED_MARKER_ENV
+from finetune_contract.run_history import (
+    PREEMPTED_EXIT_CODE,
+    startup_notice,
+    startup_notice_file,
+)
+from trainer.preemption import NOTICE_MARKER_ENV, SAVED_MARKER_ENV, read_mark
+from trainer.storage import S3Prefix, is_s3
 
 # The agent polls its workers this often (torchrun's --monitor-interval default, 0.1 s) and its
 # failure times are whole seconds: a death is at most this long before the agent's time.
@@ -46,6 +56,56 @@ def record_deaths(run_dir: Path, failures: dict, node: str) -> list[int]:
         path.write_text(json.dumps(record) + "\n")
         recorded.append(rank)
     return recorded
+
+
+def write_startup_notice(run_dir: str, mark: dict[str, Any], node: str) -> str:
+    """This node's record of a notice that came before its round's first step (what its
+    workers marked), written in the run directory (a path or an s3:// prefix); where."""
+    record = startup_notice(node, mark.get("notice") or time.time(), mark.get("started"),
+                            time.time())
+    name, text = startup_notice_file(record), json.dumps(record) + "\n"
+    if is_s3(run_dir):
+        S3Prefix(run_dir).put_text(name, text)
+        return f"{run_dir.rstrip('/')}/{name}"
+    path = Path(run_dir) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return str(path)
+
+
+def trainer_output_dir(argv: list[str]) -> str | None:
+    """The trainer's output location, as the trainer reads it from the arguments torchrun
+    passes it (its config and overrides; on eks nothing else names it); else the run
+    directory the environment names."""
+    from torch.distributed.run import parse_args as torchrun_args
+
+    from trainer.config import parse_args
+
+    try:
+        return parse_args(torchrun_args(argv).training_script_args).output_dir
+    except (Exception, SystemExit):  # argparse exits on what it cannot parse
+        return os.environ.get(ERROR_DIR_ENV)
+
+
+def node_name() -> str:
+    return os.environ.get(NODE_NAME_ENV) or socket.gethostname()
+
+
+def record_startup_notice(argv: list[str], mark: dict[str, Any]) -> None:
+    """The notice the workers marked as before their first step, recorded in the trainer's
+    output location; one that cannot be recorded is told, and the exit stays a preemption's."""
+    run_dir = trainer_output_dir(argv)
+    try:
+        if not run_dir:
+            raise ValueError(f"neither the trainer's arguments nor {ERROR_DIR_ENV} name it")
+        where = write_startup_notice(run_dir, mark, node_name())
+        print(f"a notice came before the first step (nothing trained to save), recorded in "
+              f"{where}: exit {PREEMPTED_EXIT_CODE} (retried as a preemption, not counted as a "
+              "failure)", file=sys.stderr, flush=True)
+    except Exception as exc:  # the exit code matters more
+        print(f"a notice came before the first step; it could not be recorded in the run "
+              f"directory {run_dir}: {exc!r}; exit {PREEMPTED_EXIT_CODE}", file=sys.stderr,
+              flush=True)
 
 
 def mark_notices(path: Path) -> None:
@@ -81,18 +141,22 @@ def main(argv: list[str]) -> None:
     except (SignalException, ChildFailedError) as ended:
         notice.unlink(missing_ok=True)
         if marker.exists():
+            mark = read_mark(marker)
             marker.unlink()
-            print(f"the workers saved their step after a notice: exit {PREEMPTED_EXIT_CODE} "
-                  "(retried without counting a failure)", file=sys.stderr, flush=True)
+            if mark.get("step_saved", True):
+                print(f"the workers saved their step after a notice: exit "
+                      f"{PREEMPTED_EXIT_CODE} (retried without counting a failure)",
+                      file=sys.stderr, flush=True)
+            else:
+                record_startup_notice(argv, mark)
             sys.exit(PREEMPTED_EXIT_CODE)
         if isinstance(ended, SignalException):
             raise
         failed = ended
         run_dir = os.environ.get(ERROR_DIR_ENV)
         if run_dir and not run_dir.startswith("s3://"):
-            node = os.environ.get(NODE_NAME_ENV) or socket.gethostname()
             try:
-                record_deaths(Path(run_dir), failed.failures, node)
+                record_deaths(Path(run_dir), failed.failures, node_name())
             except OSError as exc:  # the failure itself matters more
                 print(f"could not record the failed ranks in {run_dir}: {exc}", file=sys.stderr)
         raise

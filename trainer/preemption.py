@@ -13,15 +13,24 @@ no failure and leaves the rendezvous open for the next round) and exits with
 PREEMPTED_EXIT_CODE, which the job's restart policy (or the local target) retries without
 spending max_restarts.
 
-A notice before the first step ends the process at once: nothing was trained to save.
+A notice before the round's first step (while the model loads) ends the process at once:
+nothing was trained to save, and the round's history has no start to add it to. The marker says
+so, and trainer.launch, once its workers have exited, records the notice for the run's history
+itself (finetune_contract.run_history: the nodes' start-up notices), so that it counts as a
+preemption, not as a restart without one.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
+from pathlib import Path
 from types import FrameType
+from typing import Any
+
+import psutil
 
 from finetune_contract.run_history import PREEMPTED_EXIT_CODE
 
@@ -59,7 +68,7 @@ class Notice:
             return
         self.at = time.time()
         if not self.training:
-            mark_saved()  # nothing trained yet: nothing to save
+            mark_saved(before_first_step=self.at)  # nothing trained yet: nothing to save
             stop_agent()
             raise Preempted(0)
 
@@ -71,13 +80,34 @@ def is_a_notice() -> bool:
     return marker is None or os.path.exists(marker)
 
 
-def mark_saved() -> None:
-    """Tell this node's launcher (trainer.launch) that the step was saved: it exits with
-    PREEMPTED_EXIT_CODE, not as a failure."""
+def mark_saved(before_first_step: float | None = None) -> None:
+    """Tell this node's launcher (trainer.launch) that its workers are done with a notice: the
+    step was saved, or (`before_first_step`: when the notice came) there was none to save. It
+    exits with PREEMPTED_EXIT_CODE, not as a failure, and records a notice before the first
+    step in the run directory."""
     marker = os.environ.get(SAVED_MARKER_ENV)
-    if marker:
-        with open(marker, "w") as f:
-            f.write(str(time.time()))
+    if not marker:
+        return
+    try:
+        started = psutil.Process().create_time()
+    except psutil.Error:
+        started = None
+    mark = {"step_saved": before_first_step is None, "notice": before_first_step,
+            "started": started}
+    partial = f"{marker}.{os.getpid()}"  # the node's other workers write the same marker
+    with open(partial, "w") as f:
+        json.dump(mark, f)
+    os.replace(partial, marker)
+
+
+def read_mark(marker: Path) -> dict[str, Any]:
+    """What mark_saved wrote: `step_saved`, and for a notice before the first step when it came
+    (`notice`) and when the worker started (`started`); one unreadable is a step saved."""
+    try:
+        mark = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        mark = None
+    return mark if isinstance(mark, dict) else {"step_saved": True}
 
 
 def stop_agent() -> None:

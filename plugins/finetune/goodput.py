@@ -18,12 +18,21 @@ in the run's world; an elastic round counts the nodes it trained on, the others 
   ones, after the training ended until they were given back).
 
 Each interruption (a round that ended before the training did) says what it cost in steps
-and node-seconds. With node_hourly_price, every figure has its cost.
+and node-seconds: from its end until the next round trained again. A notice before a round's
+first step (a node's record, merged into the history: finetune_contract.run_history) ended a
+round that has no start in the history: it is an interruption of its own, kind "preempted" with
+`before_first_step`, at the step the run stood at (its checkpoint), costing from its nodes'
+exit until the next attempt; its time is among the restarts, where the gap between two rounds
+goes. `preemptions` counts every notice (run_history.preemptions, the rule the train task
+bounds with max_preemptions), a last round's too. With node_hourly_price, every figure has its
+cost.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from finetune_contract.run_history import preemptions
 
 CATEGORIES = ("productive", "start_up", "capacity_wait", "saves_and_loads", "evaluation",
               "steps_trained_twice", "restarts", "idle_nodes")
@@ -42,6 +51,12 @@ def goodput(history: list[dict[str, Any]], kept_steps: list[dict[str, Any]], *,
     spent["capacity_wait"] = capacity_wait_node_s
     spent["start_up"] += nodes * max(0.0, rounds[0]["start"]["started"] - held_from)
     interruptions = []
+    startup_notices = [e for e in history if e.get("before_first_step")]
+    if startup_notices:  # before the first round (its start-up noticed before any training)
+        first = rounds[0]["start"]
+        interruptions += _startup_interruptions(
+            [e for e in startup_notices if e["time"] <= first["started"]], first,
+            first.get("nodes") or nodes)
     steps_of = _steps_by_round(rounds, kept_steps)
     for i, current in enumerate(rounds):
         start = current["start"]
@@ -72,13 +87,18 @@ def goodput(history: list[dict[str, Any]], kept_steps: list[dict[str, Any]], *,
             spent["restarts"] += n * gap
             kind = ("preempted" if preempted else
                     "node lost" if (nxt.get("nodes") or n) < n else "failed")
+            # the next attempts that a notice ended before their first step, then nxt
+            noticed = [e for e in startup_notices
+                       if start["started"] < e["time"] <= nxt["started"]]
+            until = (n * max(0.0, noticed[0]["time"] - ended) if noticed
+                     else _until_trained(ended, nxt, n))
             interruptions.append({
                 "kind": kind, "at": ended,
                 "step": preempted["step"] if preempted else current["last_step"],
                 "steps_lost": nxt.get("lost_steps", 0),
-                "node_seconds": round(n * (twice + gap) + (nxt.get("nodes") or n) * (
-                    max(0.0, nxt["time"] - nxt["started"]) + (nxt.get("load_s") or 0.0)), 1),
+                "node_seconds": round(n * twice + until, 1),
             })
+            interruptions += _startup_interruptions(noticed, nxt, n)
     spent["idle_nodes"] = max(0.0, paid - sum(spent.values()))
     price = node_hourly_price / 3600 if node_hourly_price else 0.0
     return {
@@ -88,7 +108,7 @@ def goodput(history: list[dict[str, Any]], kept_steps: list[dict[str, Any]], *,
         "cost_usd": ({k: round(v * price, 2) for k, v in spent.items()}
                      | {"paid": round(paid * price, 2)}) if price else None,
         "interruptions": interruptions,
-        "preemptions": sum(1 for x in interruptions if x["kind"] == "preempted"),
+        "preemptions": len(preemptions(history)),
         "rounds": len(rounds),
     }
 
@@ -99,17 +119,36 @@ def _rounds(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rounds = [{"start": e, "events": [], "last_step": e.get("resumed_from_step") or 0}
               for e in history if e["event"] == "start"]
     for event in history:
-        if event["event"] == "start":
-            continue
+        if event["event"] == "start" or event.get("before_first_step"):
+            continue  # a notice before a round's first step: between two rounds
         owners = [r for r in rounds if r["start"]["started"] < event["time"]]
         if owners:
             owners[-1]["events"].append(event)
-            if "step" in event:
+            if event.get("step") is not None:
                 owners[-1]["last_step"] = max(owners[-1]["last_step"], event["step"])
     for current in rounds:
         current["ended"] = max([current["start"]["time"],
                                 *(e["time"] for e in current["events"])])
     return rounds
+
+
+def _until_trained(at: float, nxt: dict[str, Any], n: int) -> float:
+    """Node-seconds from `at` until the round `nxt` starts (n nodes) and trains (its own)."""
+    return n * max(0.0, nxt["started"] - at) + (nxt.get("nodes") or n) * (
+        max(0.0, nxt["time"] - nxt["started"]) + (nxt.get("load_s") or 0.0))
+
+
+def _startup_interruptions(noticed: list[dict[str, Any]], nxt: dict[str, Any],
+                           n: int) -> list[dict[str, Any]]:
+    """The notices before a round's first step that came before the round `nxt`: each costs
+    until the next attempt (the next of them, or `nxt` trained), at the step `nxt` resumes."""
+    step = nxt.get("resumed_from_step") or 0
+    ends = [e["time"] for e in noticed]
+    costs = [n * max(0.0, later - at) for at, later in zip(ends, ends[1:], strict=False)]
+    costs += [_until_trained(ends[-1], nxt, n)] if ends else []
+    return [{"kind": "preempted", "at": at, "step": step, "steps_lost": 0,
+             "node_seconds": round(cost, 1), "before_first_step": True}
+            for at, cost in zip(ends, costs, strict=True)]
 
 
 def _steps_by_round(rounds: list[dict[str, Any]],

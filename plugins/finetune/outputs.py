@@ -23,10 +23,16 @@ from finetune.report import (
     add_sections,
     write_report,
 )
+from finetune.report.run_files import load_history
 from finetune_contract.errors import ERRORS_DIR, failure_records
 from finetune_contract.fields import EVALUATION_FILE
 from finetune_contract.preflight_result import PREFLIGHT_FILE
-from finetune_contract.run_history import HISTORY_FILE, parse_history
+from finetune_contract.run_history import (
+    HISTORY_FILE,
+    NOTICES_DIR,
+    parse_history,
+    with_startup_notices,
+)
 
 
 class ReportUnavailable(RuntimeError):
@@ -126,14 +132,16 @@ def build_report(run_dir: str, s3_client: Callable[[], Any], **report_args: Any)
             except Exception as error:
                 if not _not_found(error):
                     raise  # no access, no bucket: not something the report may hide
-        # The trainer's error records (root causes, hangs a restart survived) for the report.
-        errors = s3.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/{ERRORS_DIR}/")
-        for obj in errors.get("Contents", []):
-            name = obj["Key"].rsplit("/", 1)[-1]
-            if name.startswith("rank_") and name.endswith(".json"):
-                (work / ERRORS_DIR).mkdir(exist_ok=True)
-                (work / ERRORS_DIR / name).write_bytes(
-                    s3.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read())
+        # The trainer's error records (root causes, hangs a restart survived) and the nodes'
+        # notices before a round's first step (the history's preemptions) for the report.
+        for folder, starts in ((ERRORS_DIR, "rank_"), (NOTICES_DIR, "")):
+            listed = s3.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/{folder}/")
+            for obj in listed.get("Contents", []):
+                name = obj["Key"].rsplit("/", 1)[-1]
+                if name.startswith(starts) and name.endswith(".json"):
+                    (work / folder).mkdir(exist_ok=True)
+                    (work / folder / name).write_bytes(
+                        s3.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read())
         listed = s3.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/{MODEL_DIR}/", MaxKeys=1)
         model = listed.get("KeyCount", 0) > 0
         if model:
@@ -180,11 +188,20 @@ def read_output(run_dir: str, name: str, s3_client: Callable[[], Any]) -> str | 
 
 
 def run_history(run_dir: str, s3_client: Callable[[], Any]) -> list[dict] | None:
-    """The trainer's history of the run (finetune_contract.run_history), as far as written;
-    None where the run directory is a path this machine does not mount."""
-    if not run_dir.startswith("s3://") and not Path(run_dir).is_dir():
-        return None
-    return parse_history(read_output(run_dir, HISTORY_FILE, s3_client) or "")
+    """The trainer's history of the run (finetune_contract.run_history: history.jsonl with the
+    nodes' notices before a round's first step), as far as written; None where the run
+    directory is a path this machine does not mount."""
+    if not run_dir.startswith("s3://"):
+        return load_history(Path(run_dir)) if Path(run_dir).is_dir() else None
+    events = parse_history(read_output(run_dir, HISTORY_FILE, s3_client) or "")
+    bucket, prefix = split_s3(run_dir)
+    s3 = s3_client()
+    pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket,
+                                                         Prefix=f"{prefix}/{NOTICES_DIR}/")
+    keys = [obj["Key"] for page in pages for obj in page.get("Contents", [])
+            if obj["Key"].endswith(".json")]
+    return with_startup_notices(events, (s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+                                         .decode("utf-8", errors="replace") for key in keys))
 
 
 def add_report_sections(run_dir: str, s3_client: Callable[[], Any], **sections: Any) -> dict:

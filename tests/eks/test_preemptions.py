@@ -87,6 +87,28 @@ def test_restarts_no_notice_explains_count_against_max_restarts(nodegroup, clust
     assert "more than max_restarts 1" in str(err.value)
 
 
+def test_a_notice_before_the_first_step_is_a_preemption_not_a_restart_without_one(
+        nodegroup, cluster, s3, task_log):
+    """A notice while the model loads: the node's pod exits 138 with nothing to save and rank 0
+    writes no history, but the node records the notice beside it (trainer/launch.py)."""
+    cfg = s3_run(s3, nodes=2)  # max_restarts 0: a restart no notice explains fails the run
+    client, bucket = s3
+    prefix = cfg.run_dir.removeprefix(f"s3://{bucket}/")
+
+    def noticed_at_start_up(round_: int) -> None:
+        client.put_object(Bucket=bucket, Key=f"{prefix}/notices/worker-1-2000.json",
+                          Body=json.dumps({"event": "preempted", "step": None, "notice": 2.0,
+                                           "time": 3.0, "save_s": 0.0,
+                                           "before_first_step": True, "node": "worker-1",
+                                           "started": 1.0}) + "\n")
+
+    add_nodes(cluster, 2)
+    trained, _ = train_beside(cluster, cfg, preemptions=1, on_preempted=noticed_at_start_up,
+                              hold_s=1.0)
+    assert trained["preemptions"] == 1
+    assert any("was preempted: 1 of at most 10" in line for line in task_log)
+
+
 def test_without_a_readable_history_the_jobs_restarts_are_counted(nodegroup, cluster):
     # an output on a volume the pods mount and this worker does not
     cfg = eks_config(nodes=2, max_preemptions=1, output_dir="/fsx/runs",

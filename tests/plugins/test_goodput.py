@@ -65,6 +65,40 @@ def test_a_node_lost_costs_its_steps_trained_twice_and_the_smaller_round_is_coun
     assert good["node_s"]["idle_nodes"] > 0  # the lost node's share of the second round
 
 
+# A notice at 29 reached round 2's first processes (started at 28) before their first step; they
+# exited at 30, merged into the history as run_history.with_startup_notices does.
+NOTICED_AT_START_UP = {"event": "preempted", "step": None, "notice": 29.0, "time": 30.0,
+                       "save_s": 0.0, "before_first_step": True, "started": 28.0,
+                       "nodes": ["worker-1"]}
+
+
+def test_a_notice_before_a_rounds_first_step_is_a_preemption_and_an_interruption_of_its_own():
+    history = [*HISTORY[:5], NOTICED_AT_START_UP, *HISTORY[5:]]
+    good = goodput(history, KEPT, held_from=0.0, held_until=100.0, nodes=2)
+    before = goodput(HISTORY, KEPT, held_from=0.0, held_until=100.0, nodes=2)
+    assert good["preemptions"] == 2
+    assert good["node_s"] == before["node_s"]  # the aborted start-up is among the restarts
+    saved, startup = good["interruptions"]
+    assert saved["kind"] == "preempted" and saved["step"] == 6 and saved["at"] == 26.0
+    assert saved["node_seconds"] == 2 * (30 - 26)  # until the next attempt's notice
+    assert startup == {"kind": "preempted", "at": 30.0, "step": 6, "steps_lost": 0,
+                       "node_seconds": 2 * (36 - 30) + 2 * (4 + 2), "before_first_step": True}
+    # together what the one interruption cost without the aborted attempt
+    assert saved["node_seconds"] + startup["node_seconds"] == \
+        before["interruptions"][0]["node_seconds"]
+
+
+def test_a_start_up_notice_after_the_last_round_is_counted_and_one_before_the_first_interrupts():
+    noticed_last = {**NOTICED_AT_START_UP, "notice": 60.0, "time": 61.0, "started": 50.0}
+    good = goodput([*HISTORY, noticed_last], KEPT, held_from=0.0, held_until=100.0, nodes=2)
+    assert good["preemptions"] == 2 and len(good["interruptions"]) == 1
+    first = {**NOTICED_AT_START_UP, "notice": 7.0, "time": 8.0, "started": 5.0}
+    good = goodput([first, *HISTORY], KEPT, held_from=0.0, held_until=100.0, nodes=2)
+    assert good["interruptions"][0] == {
+        "kind": "preempted", "at": 8.0, "step": 0, "steps_lost": 0,
+        "node_seconds": 2 * (10 - 8) + 2 * (15 - 10), "before_first_step": True}
+
+
 def test_no_history_no_goodput():
     assert goodput([], [], held_from=0, held_until=10, nodes=1) is None
 

@@ -141,7 +141,9 @@ def _goodput_view(goodput: dict | None) -> dict | None:
     rows = [(name.replace("_", " "), f"{fmt(seconds, ',.1f')} node-s ({seconds / paid:.1%})"
              + (f", {fmt(cost.get(name), ',.2f')} USD" if cost else ""))
             for name, seconds in goodput["node_s"].items()]
-    interruptions = [(f"{x['kind']} at step {x['step']}",
+    interruptions = [(f"{x['kind']} at step {x['step']}"
+                      + (" (a round's start-up, before its first step)"
+                         if x.get("before_first_step") else ""),
                       f"{x['steps_lost']} step(s) trained again, {fmt(x['node_seconds'], ',.1f')}"
                       " node-s until it trained again") for x in goodput["interruptions"]]
     return {"headline": f"{goodput['goodput']:.1%} of {fmt(paid, ',.0f')} paid node-seconds "

@@ -37,7 +37,6 @@ from finetune_contract.fields import (
 )
 from finetune_contract.parameters import without_secrets
 from finetune_contract.preflight_result import PREFLIGHT_FILE
-from finetune_contract.run_history import HISTORY_FILE
 from finetune_contract.stragglers import RANK_STEP_TIMES, rank_medians, stragglers
 from finetune_contract.throughput import run_throughput
 
@@ -117,7 +116,7 @@ def write_report(
     if data_problem:
         warnings.append(data_problem)
     metrics = summarize(train, evals, summary)
-    held = run_goodput(load_history(run_dir / HISTORY_FILE), train, stages, nodes,
+    held = run_goodput(load_history(run_dir), train, stages, nodes,
                        node_hourly_price)
     if held:
         metrics["goodput"] = held["goodput"]

@@ -13,7 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from finetune_contract.errors import ERRORS_DIR
-from finetune_contract.run_history import parse_history
+from finetune_contract.run_history import (
+    HISTORY_FILE,
+    NOTICES_DIR,
+    parse_history,
+    with_startup_notices,
+)
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -66,9 +71,13 @@ def parse_metrics(lines: Iterable[str]) -> tuple[list[dict], list[dict], int, di
     return [train[s] for s in sorted(train)], [evals[s] for s in sorted(evals)], bad_lines, data
 
 
-def load_history(path: Path) -> list[dict]:
-    """The trainer's history.jsonl (finetune_contract.run_history); [] when there is none."""
-    return parse_history(path.read_text()) if path.is_file() else []
+def load_history(run_dir: Path) -> list[dict]:
+    """The trainer's history of the run (finetune_contract.run_history): history.jsonl with the
+    nodes' records of notices before a round's first step; [] when there is none."""
+    path = run_dir / HISTORY_FILE
+    events = parse_history(path.read_text(errors="replace")) if path.is_file() else []
+    notices = sorted((run_dir / NOTICES_DIR).glob("*.json"))
+    return with_startup_notices(events, (p.read_text(errors="replace") for p in notices))
 
 
 def read_object(path: Path) -> tuple[dict | None, str | None]:

@@ -349,10 +349,11 @@ def count_preemptions(api: Any, cfg: RunConfig, name: str, launcher: Launcher,
     """(preemptions so far, what counted them, the restarts seen at the looks so far).
 
     The trainer records each notice it saved in history.jsonl in the run's output (S3 or a
-    volume this worker mounts): that count, where it can be read. Else each restart the job
-    shows at a look (the launcher's `restarts`: a PyTorchJob's Restarting condition, a
-    TrainJob's pods that exited 138) counts once; a restart that begins and ends between two
-    looks is missed."""
+    volume this worker mounts), and each node a notice before its round's first step beside it
+    (finetune_contract.run_history; outputs.run_history merges them): that count, where it can
+    be read. Else each restart the job shows at a look (the launcher's `restarts`: a
+    PyTorchJob's Restarting condition, a TrainJob's pods that exited 138) counts once; a
+    restart that begins and ends between two looks is missed."""
     marks = sorted(set(seen) | launcher.restarts(read_job(api, cfg.namespace, name, launcher),
                                                  job_pods(api, cfg.namespace, name, launcher)))
     try:

@@ -7,8 +7,8 @@ training outlives the task that started it (a lost Airflow worker) and a retry r
 copied into the task log and train.log once each, also across tries. A job that loses a node is
 started again whole, as the training operator restarts a job's pods; an elastic one (min_nodes)
 goes on with the nodes it has. A notice (SIGTERM to an agent) ends the round with every rank's
-step saved (exit PREEMPTED_EXIT_CODE): it is started again whole, up to max_preemptions times,
-without counting as a restart.
+step saved, or at once before its first step (exit PREEMPTED_EXIT_CODE either way): it is
+started again whole, up to max_preemptions times, without counting as a restart.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from pathlib import Path
 from finetune import REPO_ROOT
 from finetune.config import RunConfig
 from finetune.etcd import delete_rendezvous_keys
+from finetune.report.run_files import load_history
 from finetune.targets.local.machine import torchrun_env
 from finetune.targets.local.processes import (
     is_alive,
@@ -40,12 +41,7 @@ from finetune.targets.local.processes import (
 from finetune.targets.local.state import read_state, write_state
 from finetune_contract.errors import NODE_NAME_ENV
 from finetune_contract.parallel_dims import is_elastic
-from finetune_contract.run_history import (
-    HISTORY_FILE,
-    PREEMPTED_EXIT_CODE,
-    parse_history,
-    preemptions,
-)
+from finetune_contract.run_history import PREEMPTED_EXIT_CODE, preemptions
 
 log = logging.getLogger(__name__)
 
@@ -245,9 +241,9 @@ def start_again(cfg: RunConfig, agents: list[Agent], follower: LogFollower, res:
 
 
 def read_history(cfg: RunConfig) -> list[dict]:
-    """The trainer's history of the run (finetune_contract.run_history), as far as written."""
-    path = Path(cfg.run_dir) / HISTORY_FILE
-    return parse_history(path.read_text()) if path.is_file() else []
+    """The trainer's history of the run (finetune_contract.run_history), as far as written: its
+    notices before a round's first step included, which every node records itself."""
+    return load_history(Path(cfg.run_dir))
 
 
 class LogFollower:
