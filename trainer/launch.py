@@ -15,7 +15,9 @@ PREEMPTED_EXIT_CODE (138), whichever way torchrun ended (its agent stopped by th
 workers' exits): the code the job's restart policy retries without counting a failure. A notice
 that came before the round's first step is recorded here first, in the trainer's output location
 (a path or s3://; finetune_contract.run_history's start-up notices): rank 0, which writes the
-history, had not begun the round and may be on another node.
+history, had not begun the round and may be on another node. So is one its workers could not
+take (still importing, or stopped after torchrun's shutdown timeout). A notice after every
+worker of the node finished the training (each marks itself done) ends the node with exit 0.
 """
 
 from __future__ import annotations
@@ -36,7 +38,13 @@ from finetune_contract.run_history import (
     startup_notice,
     startup_notice_file,
 )
-from trainer.preemption import NOTICE_MARKER_ENV, SAVED_MARKER_ENV, read_mark
+from trainer.preemption import (
+    DONE_MARKER_ENV,
+    NOTICE_MARKER_ENV,
+    SAVED_MARKER_ENV,
+    all_done,
+    read_mark,
+)
 from trainer.storage import S3Prefix, is_s3
 
 # The agent polls its workers this often (torchrun's --monitor-interval default, 0.1 s) and its
@@ -131,15 +139,25 @@ def main(argv: list[str]) -> None:
 
     marker = Path(tempfile.gettempdir()) / f"finetune-preempted-{os.getpid()}"
     notice = Path(tempfile.gettempdir()) / f"finetune-notice-{os.getpid()}"
-    for path in (marker, notice):
+    done = Path(tempfile.gettempdir()) / f"finetune-done-{os.getpid()}"
+    for path in (marker, notice, *done.parent.glob(done.name + ".*")):
         path.unlink(missing_ok=True)
     os.environ[SAVED_MARKER_ENV] = str(marker)  # the workers inherit them
     os.environ[NOTICE_MARKER_ENV] = str(notice)
+    os.environ[DONE_MARKER_ENV] = str(done)
     mark_notices(notice)
     try:
         torchrun(argv)
     except (SignalException, ChildFailedError) as ended:
+        noticed = notice.stat().st_mtime if notice.exists() else None
         notice.unlink(missing_ok=True)
+        if isinstance(ended, SignalException) and all_done(done):
+            # After the last step no step tells the ranks of a notice: the run asks before its
+            # final eval and export (Trainer.finish); one later lets them finish, in torchrun's
+            # shutdown timeout. Finished, the node is done: nothing to start again.
+            print("a notice came after this node's workers finished the training: exit 0",
+                  file=sys.stderr, flush=True)
+            sys.exit(0)
         if marker.exists():
             mark = read_mark(marker)
             marker.unlink()
@@ -149,6 +167,13 @@ def main(argv: list[str]) -> None:
                       file=sys.stderr, flush=True)
             else:
                 record_startup_notice(argv, mark)
+            sys.exit(PREEMPTED_EXIT_CODE)
+        if isinstance(ended, SignalException) and noticed is not None:
+            # A notice the workers did not take: they were still importing (before theirs was
+            # heard), in the rendezvous, or were stopped after torchrun's shutdown timeout
+            # during the export. Nothing was saved for it; the run goes on from its checkpoint,
+            # and the notice is recorded as one before a first step.
+            record_startup_notice(argv, {"step_saved": False, "notice": noticed})
             sys.exit(PREEMPTED_EXIT_CODE)
         if isinstance(ended, SignalException):
             raise

@@ -38,6 +38,9 @@ from finetune_contract.run_history import PREEMPTED_EXIT_CODE
 # one of them the second once the notice's step is saved.
 NOTICE_MARKER_ENV = "FINETUNE_NOTICE_MARKER"
 SAVED_MARKER_ENV = "FINETUNE_PREEMPTED_MARKER"
+# Where each worker of the node marks (by its local rank) that it finished the training, the
+# export included: a notice after that ends the node as done (trainer.launch).
+DONE_MARKER_ENV = "FINETUNE_DONE_MARKER"
 
 
 class Preempted(SystemExit):
@@ -98,6 +101,24 @@ def mark_saved(before_first_step: float | None = None) -> None:
     with open(partial, "w") as f:
         json.dump(mark, f)
     os.replace(partial, marker)
+
+
+def mark_done() -> None:
+    """Tell this node's launcher that this worker finished the training (its part of the final
+    eval and the export): a notice that comes after is no reason to start it again."""
+    marker = os.environ.get(DONE_MARKER_ENV)
+    if marker:
+        local_world = os.environ.get("LOCAL_WORLD_SIZE", "1")
+        Path(f"{marker}.{os.environ.get('LOCAL_RANK', '0')}").write_text(local_world)
+
+
+def all_done(marker: Path) -> bool:
+    """Whether every worker of the node marked itself done (mark_done)."""
+    marks = list(marker.parent.glob(marker.name + ".*"))
+    try:
+        return bool(marks) and len(marks) >= int(marks[0].read_text())
+    except (OSError, ValueError):
+        return False
 
 
 def read_mark(marker: Path) -> dict[str, Any]:

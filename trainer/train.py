@@ -68,7 +68,7 @@ from trainer.parallel import (
     init_distributed,
     quantize_dtype,
 )
-from trainer.preemption import Notice, Preempted, mark_saved, stop_agent
+from trainer.preemption import Notice, Preempted, mark_done, mark_saved, stop_agent
 from trainer.storage import RunOutput
 from trainer.tensor_parallel import SequenceParallelBatches
 from trainer.watchdog import HangWatchdog, watchdog_env_defaults
@@ -89,6 +89,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             train(config, env, started, notice)
         finally:
             dist.destroy_process_group()
+        mark_done()
 
 
 def train(config: TrainConfig, env: DistEnv, started: float,

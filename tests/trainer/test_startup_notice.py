@@ -19,18 +19,24 @@ from trainer.launch import record_startup_notice, trainer_output_dir, write_star
 TRAINER_ARGS = ["--max_steps", "2", "--seq_len", "64", "--micro_batch", "4"]
 
 
+def launched(output_dir, when: str) -> subprocess.CompletedProcess:
+    """trainer.launch (torchrun) of the trainer, its node noticed `when` (launched_notice_worker);
+    as on eks, no FINETUNE_ERROR_DIR."""
+    env = {k: v for k, v in os.environ.items() if k != ERROR_DIR_ENV}
+    env.update(PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", NOTICE_WHEN=when,
+               **{NODE_NAME_ENV: "1 (test-host)"})
+    command = [sys.executable, "-m", "trainer.launch", "--standalone", "--nproc-per-node=1",
+               "tests/trainer/launched_notice_worker.py", "--output_dir", str(output_dir),
+               *TRAINER_ARGS]
+    return subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
 @pytest.mark.slow  # a trainer started under torchrun, noticed once loaded
 def test_a_notice_while_the_model_loads_is_recorded_by_its_node_and_counted_as_a_preemption(
         tmp_path):
     output_dir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k != ERROR_DIR_ENV}  # as on eks
-    env.update(PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1",
-               **{NODE_NAME_ENV: "1 (test-host)"})
-    command = [sys.executable, "-m", "trainer.launch", "--standalone", "--nproc-per-node=1",
-               "tests/trainer/startup_notice_worker.py", "--output_dir", str(output_dir),
-               *TRAINER_ARGS]
-    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                            timeout=300)
+    result = launched(output_dir, "load")
     output = result.stdout[-3000:] + result.stderr[-3000:]
     assert result.returncode == PREEMPTED_EXIT_CODE, output
     assert "a notice came before the first step" in result.stderr, output
@@ -72,3 +78,29 @@ def test_a_notice_that_cannot_be_recorded_is_told_and_raises_nothing(tmp_path, c
     argv = ["-m", "trainer.train", "--output_dir", str(tmp_path / "file" / "run")]
     record_startup_notice(argv, {"step_saved": False, "notice": 33.0, "started": 30.0})
     assert "could not be recorded in the run directory" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # a trainer started under torchrun, noticed while it imports
+def test_a_notice_before_the_trainer_can_hear_one_is_recorded_and_counted_as_a_preemption(
+        tmp_path):
+    """Before the trainer installs its handler SIGTERM ends it with no mark: its agent, which
+    marked the notice, records it as one before the first step and exits 138, not as failed."""
+    output_dir = tmp_path / "run"
+    result = launched(output_dir, "import")
+    output = result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == PREEMPTED_EXIT_CODE, output
+    assert [e["nodes"] for e in preemptions(load_history(output_dir))] == [["1 (test-host)"]]
+
+
+@pytest.mark.slow  # a trainer run to its end under torchrun, noticed during its export
+def test_a_notice_during_the_export_lets_it_finish_and_the_node_ends_done(tmp_path):
+    """A notice after the last step's and the end's own asking (Trainer.finish): the workers
+    finish the export within torchrun's shutdown timeout, and the node exits 0 (before, its
+    agent's SignalException made it exit 1: a finished run's job failed)."""
+    output_dir = tmp_path / "run"
+    result = launched(output_dir, "export")
+    output = result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 0, output
+    assert "a notice came after this node's workers finished the training" in result.stderr
+    assert (output_dir / "summary.json").is_file() and (output_dir / "model").is_dir()
+    assert preemptions(load_history(output_dir)) == []
