@@ -348,7 +348,8 @@ PARAMETERS: tuple[Parameter, ...] = (
     P('max_preemptions', 10, 'Resources', 'Max preemptions',
       'A notice to the nodes (SIGTERM: a spot reclaim, a drain, an eviction) ends the step in '
       'progress, saves it and starts the training again from it, without counting against '
-      'max_restarts; a run noticed more often than this fails, saying so.',
+      'max_restarts; one before the first step (while the model loads) counts here too. A run '
+      'noticed more often than this fails, saying so.',
       bounds=Bounds(minimum=0, maximum=100000), trainer=False),
     P('procs_per_node', 2, 'Resources', 'Processes per node',
       'Training processes per node: one per GPU, or CPU processes on the local target.',
