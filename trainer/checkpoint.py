@@ -19,6 +19,7 @@ checkpoints are pruned when it has finished: before the next save starts, or at 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -179,6 +180,23 @@ class Checkpointer:
         if pending is not None:
             pending.writes.result()  # re-raises a failed write or upload on this rank
             self._finish(pending.step, pending.trainer_state)
+
+    def restate(self, step: int, trainer_state: dict[str, Any]) -> None:
+        """Rewrite the trainer state of step's checkpoint, complete (after wait()), in place: its
+        shards stay, so a complete checkpoint is never taken away to save the same step again
+        (on S3 a save first deletes what is there). Every rank must call it."""
+        self.wait()
+        name = checkpoint_name(step)
+        state_json = json.dumps({"step": step, **trainer_state})
+        if self.rank == 0:
+            if self.remote is None:
+                path = self.root / name / TRAINER_STATE_FILE
+                partial = path.with_name(TRAINER_STATE_FILE + _TMP_SUFFIX)
+                partial.write_text(state_json)
+                os.replace(partial, path)
+            else:
+                self.remote.put_text(f"{CHECKPOINTS_DIR}/{name}/{TRAINER_STATE_FILE}", state_json)
+        dist.barrier()
 
     def close(self) -> None:
         self.wait()

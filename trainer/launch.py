@@ -38,6 +38,7 @@ from finetune_contract.run_history import (
     startup_notice,
     startup_notice_file,
 )
+from trainer.history import process_started
 from trainer.preemption import (
     DONE_MARKER_ENV,
     NOTICE_MARKER_ENV,
@@ -173,7 +174,10 @@ def main(argv: list[str]) -> None:
             # heard), in the rendezvous, or were stopped after torchrun's shutdown timeout
             # during the export. Nothing was saved for it; the run goes on from its checkpoint,
             # and the notice is recorded as one before a first step.
-            record_startup_notice(argv, {"step_saved": False, "notice": noticed})
+            # Its nodes' records are one notice when their starts came before it: this
+            # launcher's start stands for its workers'.
+            record_startup_notice(argv, {"step_saved": False, "notice": noticed,
+                                         "started": process_started()})
             sys.exit(PREEMPTED_EXIT_CODE)
         if isinstance(ended, SignalException):
             raise

@@ -170,6 +170,7 @@ class Trainer:
     notice: Notice = field(init=False, default_factory=Notice)
     history: RunHistory = field(init=False)
     load_s: float = 0.0  # this round's checkpoint load
+    saved_step: int | None = None  # the step of the checkpoint saved (or loaded) last
 
     @classmethod
     def setup(cls, config: TrainConfig, env: DistEnv, started: float) -> Trainer:
@@ -316,18 +317,24 @@ class Trainer:
         self.model.train()
         return state
 
+    def begin_round(self, state: TrainState) -> None:
+        """At this round's first step (or its end, for a round resumed at the last step): what
+        came before was start-up; from here a notice is noted and saved for, not ended at once."""
+        if self.notice.training:
+            return
+        self.notice.training = True
+        env, lost = self.env, self.log.dropped
+        self.history.append(
+            "start", started=process_started(), world_size=env.world_size,
+            nodes=env.world_size // env.local_world_size,
+            resumed_from_step=state.resumed_from_step, load_s=self.load_s,
+            lost_steps=len(lost), lost_s=sum(r["step_time_s"] for r in lost))
+
     def step(self, state: TrainState) -> None:
         """One optimizer step over grad_accum micro batches; logs it, then evaluates, uploads the
         log and checkpoints as the intervals say."""
         config, env, scaler = self.config, self.env, self.scaler
-        if not self.notice.training:  # this round's first step: what came before was start-up
-            self.notice.training = True
-            lost = self.log.dropped
-            self.history.append(
-                "start", started=process_started(), world_size=env.world_size,
-                nodes=env.world_size // env.local_world_size,
-                resumed_from_step=state.resumed_from_step, load_s=self.load_s,
-                lost_steps=len(lost), lost_s=sum(r["step_time_s"] for r in lost))
+        self.begin_round(state)
         step_start = time.perf_counter()
         micro_batches = [next(self.batches) for _ in range(config.grad_accum)]
         waits: list[float] = []
@@ -405,7 +412,10 @@ class Trainer:
     def stop_for_notice(self, state: TrainState, notice_at: float) -> None:
         """A rank got a notice during this step: save it, record the preemption, stop."""
         saving = time.perf_counter()
-        self.save_checkpoint(state)
+        if self.saved_step == state.step:  # after the last step, saved at its interval: its
+            self.checkpointer.restate(state.step, self.trainer_state(state))  # eval, if taken
+        else:
+            self.save_checkpoint(state)
         self.checkpointer.wait()  # an async save is complete (uploaded) before the exit
         save_s = time.perf_counter() - saving
         self.output.sync(METRICS_FILE)
@@ -423,6 +433,7 @@ class Trainer:
         """Complete the last checkpoint, evaluate, export the model; rank 0 writes the summary
         and returns it."""
         env, output = self.env, self.output
+        self.begin_round(state)  # a round resumed at the last step trains nothing
         # A notice after the last step's gather, or during the final eval, saves the last step
         # and stops as one during a step does: the next round evaluates and exports. (One during
         # the export lets it finish, in the grace torchrun's agent gives it.)
@@ -484,7 +495,15 @@ class Trainer:
 
     def save_checkpoint(self, state: TrainState) -> None:
         """Model, optimizer and what restore_checkpoint() needs to continue from this step."""
-        trainer_state = {
+        saving = time.perf_counter()
+        self.checkpointer.save(state.step, self.model, self.optimizer, self.trainer_state(state))
+        self.saved_step = state.step
+        # what the training waited for (an async save: the copy to CPU memory)
+        self.history.append("save", step=state.step, seconds=time.perf_counter() - saving)
+
+    def trainer_state(self, state: TrainState) -> dict[str, Any]:
+        """What a checkpoint keeps beside the model and optimizer (restore_checkpoint)."""
+        return {
             "sampler": self.sampler.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "initial_eval_loss": state.initial_eval_loss,
@@ -500,15 +519,12 @@ class Trainer:
             "eval_loss_by_source": state.eval_loss_by_source,
             **({"grad_scaler": self.scaler.state_dict()} if self.scaler else {}),
         }
-        saving = time.perf_counter()
-        self.checkpointer.save(state.step, self.model, self.optimizer, trainer_state)
-        # what the training waited for (an async save: the copy to CPU memory)
-        self.history.append("save", step=state.step, seconds=time.perf_counter() - saving)
 
     def restore_checkpoint(self, path: Path) -> TrainState:
         """Load a checkpoint save_checkpoint() wrote into model, optimizer, sampler, scheduler
         and scaler; the state to continue from."""
         saved = self.checkpointer.load(path, self.model, self.optimizer)
+        self.saved_step = saved["step"]
         self.sampler.load_state_dict(saved["sampler"])
         self.scheduler.load_state_dict(saved["scheduler"])
         if self.scaler is not None and "grad_scaler" in saved:

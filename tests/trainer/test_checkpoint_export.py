@@ -164,3 +164,29 @@ def test_async_saves_finish_one_before_the_next_and_prune_to_the_newest(
     checkpointer.close()
     assert [p.name for p in checkpointer.complete()] == ["step_00000003", "step_00000004"]
     assert not list((tmp_path / "checkpoints").glob("*.tmp"))
+
+
+@pytest.mark.parametrize("remote", [False, True], ids=["path", "s3"])
+def test_restating_a_complete_checkpoint_keeps_its_shards_and_rewrites_only_its_state(
+    world_of_one, tokenizer, tmp_path, remote, request
+):
+    """A notice after the last step, whose checkpoint is saved: its trainer state is rewritten
+    in place (Checkpointer.restate), never deleted and saved again (on S3 a save first deletes
+    what is there: a notice killing that save would leave no checkpoint with keep 1)."""
+    output = str(tmp_path)
+    if remote:
+        _, bucket = request.getfixturevalue("s3")
+        output = f"s3://{bucket}/runs/restate"
+    model, _, optimizer = sharded_model(world_of_one, tokenizer)
+    checkpointer = Checkpointer(output, keep=1, rank=world_of_one.rank)
+    checkpointer.save(2, model, optimizer, {"sampler": {"epoch": 0, "index": 2}})
+    shards = sorted(checkpointer.remote.list_files("checkpoints/step_00000002")) if remote else \
+        sorted(p.name for p in (tmp_path / "checkpoints" / "step_00000002").iterdir())
+    checkpointer.restate(2, {"sampler": {"epoch": 0, "index": 2}, "last_eval_step": 2})
+    assert checkpointer.complete_names() == ["step_00000002"]
+    after = sorted(checkpointer.remote.list_files("checkpoints/step_00000002")) if remote else \
+        sorted(p.name for p in (tmp_path / "checkpoints" / "step_00000002").iterdir())
+    assert after == shards
+    fresh, _, fresh_optimizer = sharded_model(world_of_one, tokenizer, seed=99)
+    state = checkpointer.load(checkpointer.latest(), fresh, fresh_optimizer)
+    assert state == {"step": 2, "sampler": {"epoch": 0, "index": 2}, "last_eval_step": 2}

@@ -2,6 +2,7 @@
 save comes first, within the pods' grace), and the resumed round takes that eval before it trains
 on, so the eval curve and a sweep's rung at that step are not lost."""
 
+import json
 import os
 import subprocess
 import sys
@@ -62,6 +63,13 @@ def test_a_notice_during_the_final_eval_saves_the_last_step_and_the_next_round_e
     assert noticed.returncode == PREEMPTED_EXIT_CODE, output
     assert f"preempted at step {STEPS}" in noticed.stdout
     assert not (tmp_path / "model").exists() and not (tmp_path / "summary.json").exists()
+    # Step 6, saved at its interval, is not saved again (on S3 a save first deletes what is
+    # there): its checkpoint's trainer state is rewritten with the final eval.
+    history = [json.loads(line) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in history if e["event"] == "save"] == [3, STEPS]
+    saved = json.loads((tmp_path / "checkpoints" / f"step_{STEPS:08d}" /
+                        "trainer_state.json").read_text())
+    assert saved["last_eval_step"] == STEPS and saved["eval_loss"] is not None
 
     assert evals(tmp_path) == [0, 4, STEPS]  # the final eval finished before the notice was asked
     resumed = run(["-m", "trainer.train", *args])
@@ -70,3 +78,7 @@ def test_a_notice_during_the_final_eval_saves_the_last_step_and_the_next_round_e
     trained = [r["step"] for r in read_metrics(tmp_path) if r["type"] == "train"]
     assert trained == list(range(1, STEPS + 1))
     assert (tmp_path / "model").is_dir() and (tmp_path / "summary.json").is_file()
+    # The round that only evaluated and exported is a round of the history (goodput's).
+    history = [json.loads(line) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in history if e["event"] in ("start", "preempted", "end")] == \
+        ["start", "preempted", "start", "end"]

@@ -89,6 +89,10 @@ def test_a_notice_before_the_trainer_can_hear_one_is_recorded_and_counted_as_a_p
     result = launched(output_dir, "import")
     output = result.stdout[-3000:] + result.stderr[-3000:]
     assert result.returncode == PREEMPTED_EXIT_CODE, output
+    # with when its node started: the records of the nodes one notice reached are one preemption
+    [path] = (output_dir / "notices").glob("*.json")
+    record = json.loads(path.read_text())
+    assert record["started"] < record["notice"] <= record["time"]
     assert [e["nodes"] for e in preemptions(load_history(output_dir))] == [["1 (test-host)"]]
 
 
