@@ -61,6 +61,14 @@ def has_outputs(run_dir: str, s3_client: Callable[[], Any]) -> bool:
     return found.get("KeyCount", 0) > 0
 
 
+def _json_keys(s3: Any, bucket: str, folder: str) -> list[str]:
+    """The keys of the .json files under an S3 folder prefix, every page of the listing (one
+    list_objects_v2 stops at 1,000 keys: a run of more ranks has more error records)."""
+    pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{folder}/")
+    return [obj["Key"] for page in pages for obj in page.get("Contents", [])
+            if obj["Key"].endswith(".json")]
+
+
 def trainer_failures(run_dir: str, s3_client: Callable[[], Any]) -> list[dict]:
     """The trainer's records of its failing ranks (finetune_contract/errors.py), earliest
     first, from the run directory (a path or an S3 prefix)."""
@@ -69,8 +77,7 @@ def trainer_failures(run_dir: str, s3_client: Callable[[], Any]) -> list[dict]:
         return failure_records(path.read_text(errors="replace") for path in files)
     bucket, prefix = split_s3(run_dir)
     s3 = s3_client()
-    listed = s3.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/{ERRORS_DIR}/", MaxKeys=1000)
-    keys = [obj["Key"] for obj in listed.get("Contents", []) if obj["Key"].endswith(".json")]
+    keys = _json_keys(s3, bucket, f"{prefix}/{ERRORS_DIR}")
     return failure_records(s3.get_object(Bucket=bucket, Key=key)["Body"].read().decode(
         errors="replace") for key in keys)
 
@@ -135,13 +142,12 @@ def build_report(run_dir: str, s3_client: Callable[[], Any], **report_args: Any)
         # The trainer's error records (root causes, hangs a restart survived) and the nodes'
         # notices before a round's first step (the history's preemptions) for the report.
         for folder, starts in ((ERRORS_DIR, "rank_"), (NOTICES_DIR, "")):
-            listed = s3.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/{folder}/")
-            for obj in listed.get("Contents", []):
-                name = obj["Key"].rsplit("/", 1)[-1]
-                if name.startswith(starts) and name.endswith(".json"):
+            for key in _json_keys(s3, bucket, f"{prefix}/{folder}"):
+                name = key.rsplit("/", 1)[-1]
+                if name.startswith(starts):
                     (work / folder).mkdir(exist_ok=True)
                     (work / folder / name).write_bytes(
-                        s3.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read())
+                        s3.get_object(Bucket=bucket, Key=key)["Body"].read())
         listed = s3.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/{MODEL_DIR}/", MaxKeys=1)
         model = listed.get("KeyCount", 0) > 0
         if model:
@@ -196,10 +202,7 @@ def run_history(run_dir: str, s3_client: Callable[[], Any]) -> list[dict] | None
     events = parse_history(read_output(run_dir, HISTORY_FILE, s3_client) or "")
     bucket, prefix = split_s3(run_dir)
     s3 = s3_client()
-    pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket,
-                                                         Prefix=f"{prefix}/{NOTICES_DIR}/")
-    keys = [obj["Key"] for page in pages for obj in page.get("Contents", [])
-            if obj["Key"].endswith(".json")]
+    keys = _json_keys(s3, bucket, f"{prefix}/{NOTICES_DIR}")
     return with_startup_notices(events, (s3.get_object(Bucket=bucket, Key=key)["Body"].read()
                                          .decode("utf-8", errors="replace") for key in keys))
 

@@ -199,6 +199,10 @@ def missing_columns(cfg: TrainConfig, columns: list[str], where: str) -> list[tu
             for option, column in row_columns(cfg).items() if column not in columns]
 
 
+# Where a reasoning model's thinking ends in an assistant's message (Qwen3, DeepSeek-R1, QwQ).
+REASONING_END = "</think>"
+
+
 class TurnsNotCut(ValueError):
     """A chat template renders a conversation's first turns differently inside the whole, so
     where an assistant's turn starts and ends in the rendered text cannot be told."""
@@ -450,13 +454,16 @@ def _cut_turns(tokenizer: Any, messages: list[dict[str, Any]],
         reply = next(replies)
         said = tokenizer.decode(ids, skip_special_tokens=True).strip()
         content = reply["content"].strip()
+        # Reasoning written into the content (<think>...</think> before the reply) is the
+        # template's to render: Qwen3's lays it out anew, and drops it from an earlier turn.
+        answer = content.rsplit(REASONING_END, 1)[-1].strip() or content
         calls = [str((call.get("function") or call).get("name", "")) for call in
                  reply.get("tool_calls", ()) if isinstance(call, dict)]
         # A tool call is rendered as the template likes: its names and the text must be there.
         # A template may put text of its own before the content (Qwen3's reasoning block, empty
         # or the message's reasoning_content): what the assistant generates too.
-        said_it = content in said and all(name in said for name in calls) if calls else \
-            said.endswith(content)
+        said_it = answer in said and all(name in said for name in calls) if calls else \
+            said.endswith(answer)
         if not said_it:
             return [], [], (TEMPLATE, (
                 f"span {number} of the rendered conversation, an assistant turn, decodes to "

@@ -329,3 +329,23 @@ def test_any_conversation_is_the_templates_whole_rendering_with_each_reply_label
         assert flat(run).endswith(flat(reply)) if reply else "add" in run, (run, reply)
     rendered = tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False)
     assert flat(tokenizer.decode(input_ids)) == flat(rendered)
+
+
+def test_reasoning_written_into_the_content_is_rendered_and_labelled_as_the_template_does(
+        tokenizers):
+    """Qwen3's template takes reasoning from the content too (before </think>): an earlier
+    turn's is dropped, the last turn's laid out anew, and both rows encode."""
+    tokenizer = AutoTokenizer.from_pretrained(tokenizers["qwen3"])
+    messages = [
+        {"role": "user", "content": "Which day comes after Monday?"},
+        {"role": "assistant", "content": "<think>Monday plus one.</think>Tuesday"},
+        {"role": "user", "content": "And after Friday?"},
+        {"role": "assistant", "content": "<think>Friday plus one.</think>Saturday"},
+    ]
+    problem, input_ids, labels = encode_row(
+        tokenizer, conversation_config(tokenizers["qwen3"]), {"messages": messages})
+    assert problem is None, problem
+    assert [flat(said(tokenizer, run)) for run in labelled_runs(labels)] == \
+        ["Tuesday", flat("<think>Friday plus one.</think>Saturday")]
+    assert flat(tokenizer.decode(input_ids)) == \
+        flat(tokenizer.apply_chat_template(messages, tokenize=False))
