@@ -30,9 +30,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-import psutil
-
 from finetune_contract.run_history import PREEMPTED_EXIT_CODE
+from trainer.history import process_started
 
 # Files trainer.launch names for its workers: the agent writes the first when a notice reaches it,
 # one of them the second once the notice's step is saved.
@@ -91,12 +90,8 @@ def mark_saved(before_first_step: float | None = None) -> None:
     marker = os.environ.get(SAVED_MARKER_ENV)
     if not marker:
         return
-    try:
-        started = psutil.Process().create_time()
-    except psutil.Error:
-        started = None
     mark = {"step_saved": before_first_step is None, "notice": before_first_step,
-            "started": started}
+            "started": process_started()}
     partial = f"{marker}.{os.getpid()}"  # the node's other workers write the same marker
     with open(partial, "w") as f:
         json.dump(mark, f)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -220,6 +221,7 @@ def chat_turns(tokenizer: Any, messages: list[dict[str, Any]],
     of the whole conversation instead (`_turns_in_whole`). TurnsNotCut when neither can tell
     where a turn starts and ends. The first message is not the assistant's (nothing would
     prompt it)."""
+    @functools.cache  # the whole's cut renders again what the first pass had rendered
     def render(count: int, cue: bool) -> str:
         return tokenizer.apply_chat_template(messages[:count], tools=tools, tokenize=False,
                                              add_generation_prompt=cue)
